@@ -1,0 +1,23 @@
+"""The `pdserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="serve a model")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    print(f"pdserve: '{args.command}' is not available yet", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Plain-torch references of every kernel in `kernels/`.
+
+These define the semantics. The Triton kernels take the same arguments and must
+agree with these within the tolerance of the dtype. On CPU the engine runs these.
+
+KV cache layout (one layer): kv_cache[num_blocks, 2, num_kv_heads, block_size, head_dim];
+`kv_cache[b, 0]` holds the keys of block b and `kv_cache[b, 1]` its values. The view
+may be strided in the block dimension (the engine allocates all layers of a block
+together), so nothing here assumes `kv_cache.is_contiguous()`.
+
+Token slots: slot = block_id * block_size + offset_in_block; a negative slot is padding.
+Block tables: block_tables[s, i] is the i-th block of sequence s; entries past
+ceil(context_len / block_size) are ignored and may hold any valid block id.
+Sliding window W: the query at position p sees keys at positions p - W < j <= p.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def write_kv_cache_ref(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Scatter key/value [num_tokens, num_kv_heads, head_dim] into their slots."""
+    block_size = kv_cache.shape[3]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - blocks * block_size
+    kv_cache[blocks, 0, :, offsets, :] = key.to(kv_cache.dtype)
+    kv_cache[blocks, 1, :, offsets, :] = value.to(kv_cache.dtype)
+
+
+def _gather_kv(kv_cache: Tensor, block_table: Tensor, num_tokens: int) -> tuple[Tensor, Tensor]:
+    """Keys and values of one sequence as [num_kv_heads, num_tokens, head_dim]."""
+    block_size = kv_cache.shape[3]
+    num_blocks = -(-num_tokens // block_size)
+    blocks = kv_cache[block_table[:num_blocks].long()]  # [nb, 2, kvh, bs, d]
+    kvh, d = blocks.shape[2], blocks.shape[4]
+    kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, kvh, num_blocks * block_size, d)
+    return kv[0, :, :num_tokens], kv[1, :, :num_tokens]
+
+
+def decode_attention_ref(
+    query: Tensor,
+    kv_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """One query token per sequence: query [num_seqs, num_heads, head_dim].
+
+    The query is the token at position context_lens[s] - 1 and its own key/value
+    are already in the cache.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    if out is None:
+        out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    lens = context_lens.long()
+    max_len = int(lens.max())
+    num_blocks = -(-max_len // block_size)
+    # Gather every sequence's blocks at once: [S, nb, 2, kvh, bs, d] -> [S, 2, kvh, nb*bs, d].
+    blocks = kv_cache[block_tables[:, :num_blocks].long()]
+    kv = blocks.permute(0, 2, 3, 1, 4, 5).reshape(
+        num_seqs, 2, num_kv_heads, num_blocks * block_size, head_dim
+    )
+    keys, values = kv[:, 0].float(), kv[:, 1].float()
+    q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [S, kvh, g, L]
+    positions = torch.arange(num_blocks * block_size, device=query.device)
+    visible = positions[None, :] < lens[:, None]
+    if sliding_window is not None:
+        visible &= positions[None, :] > (lens[:, None] - 1 - sliding_window)
+    scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # Slots past a sequence's end may hold anything (even NaN); 0 * NaN would leak.
+    values = values.masked_fill(~visible[:, None, :, None], 0.0)
+    result = torch.matmul(probs, values).view(num_seqs, num_heads, head_dim)
+    out.copy_(result)
+    return out
+
+
+def prefill_attention_ref(
+    query: Tensor,
+    kv_cache: Tensor,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Ragged causal attention of new tokens over the cached prefix plus themselves.
+
+    query [num_tokens, num_heads, head_dim]; sequence s owns query rows
+    query_start_loc[s]:query_start_loc[s+1], which are the last tokens of its
+    context_lens[s] tokens (all of whose keys/values are already in the cache).
+    """
+    num_heads = query.shape[1]
+    if out is None:
+        out = torch.empty_like(query)
+    num_kv_heads = kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    starts = query_start_loc.tolist()
+    lens = context_lens.tolist()
+    for s, context_len in enumerate(lens):
+        q_start, q_end = starts[s], starts[s + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        keys, values = _gather_kv(kv_cache, block_tables[s], context_len)
+        keys = keys.float().repeat_interleave(group, dim=0)  # [h, L, d]
+        values = values.float().repeat_interleave(group, dim=0)
+        q = query[q_start:q_end].float().transpose(0, 1)  # [h, q, d]
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [h, q, L]
+        q_pos = torch.arange(context_len - q_len, context_len, device=query.device)
+        k_pos = torch.arange(context_len, device=query.device)
+        visible = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            visible &= k_pos[None, :] > (q_pos[:, None] - sliding_window)
+        scores.masked_fill_(~visible[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.matmul(probs, values).transpose(0, 1).to(out.dtype)
+    return out
+
+
+def rms_norm_ref(
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
+    """RMSNorm as Hugging Face Llama computes it; with `residual`, adds it first and
+    returns (normed, x + residual)."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    normed = weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+    return normed if residual is None else (normed, residual)
+
+
+def rotary_embedding_ref(
+    positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Neox-style rotary embedding over the full head_dim.
+
+    positions [T]; query [T, num_heads, head_dim]; key [T, num_kv_heads, head_dim];
+    cos_sin_cache [max_position, head_dim] = cat(cos, sin) of the half-dimension angles.
+    Returns new (query, key) in the input dtype.
+    """
+    half = cos_sin_cache.shape[1] // 2
+    cos_sin = cos_sin_cache[positions.long()]
+    cos = cos_sin[:, None, :half]
+    sin = cos_sin[:, None, half:]
+
+    def rotate(x: Tensor) -> Tensor:
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rotate(query), rotate(key)

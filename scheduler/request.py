@@ -1,0 +1,103 @@
+"""The request lifecycle as one instance's schedulers see it.
+
+    WAITING ──schedule──▶ RUNNING ──stop──▶ FINISHED_*
+       ▲                    │
+       └──── PREEMPTED ◀────┘ (blocks ran out: freed, recomputed later)
+
+    WAITING_FOR_REMOTE_KVS: a decode instance allocated blocks for a handed-off
+    request and is pulling its KV from the prefill instance; it joins RUNNING once
+    the blocks have arrived.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from scheduler.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"  # eos, a stop token id, or a stop string
+    FINISHED_LENGTH_CAPPED = "finished_length_capped"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "finished_aborted"  # the client went away or asked to abort
+    FINISHED_ERROR = "finished_error"  # e.g. a KV transfer failed under the `fail` policy
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI `finish_reason` for a finished status."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class Request:
+    """One sequence being generated. `n > 1` is expanded into n requests upstream."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Salts the prefix-cache hashes so tenants never share blocks.
+    cache_salt: str = ""
+    # Sampling randomness is keyed on (seed, output index); an unseeded request gets
+    # a seed drawn at arrival so that prefill and decode instances agree on it.
+    seed: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV is in this instance's cache (computed or found in the prefix cache).
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache at the last admission.
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
