@@ -56,8 +56,14 @@ class KVCache:
         self.shape = shape
         self.num_blocks = num_blocks
         self.storage = torch.zeros(
-            num_blocks, shape.num_layers, 2, shape.num_kv_heads, shape.block_size,
-            shape.head_dim, dtype=shape.dtype, device=device,
+            num_blocks,
+            shape.num_layers,
+            2,
+            shape.num_kv_heads,
+            shape.block_size,
+            shape.head_dim,
+            dtype=shape.dtype,
+            device=device,
         )
         self.layers = [self.storage[:, layer] for layer in range(shape.num_layers)]
 

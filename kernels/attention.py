@@ -70,8 +70,9 @@ def prefill_attention(
     out: Tensor | None = None,
 ) -> Tensor:
     fn = dispatch.lookup("prefill_attention", query)
-    return fn(query, kv_cache, block_tables, query_start_loc, context_lens, scale,
-              sliding_window, out)
+    return fn(
+        query, kv_cache, block_tables, query_start_loc, context_lens, scale, sliding_window, out
+    )
 
 
 def paged_attention(
@@ -87,10 +88,25 @@ def paged_attention(
     out = torch.empty_like(query)
     nd = meta.num_decode_seqs
     if nd:
-        decode_attention(query[:nd], kv_cache, meta.block_tables[:nd], meta.context_lens[:nd],
-                         scale, meta.sliding_window, out[:nd])
+        decode_attention(
+            query[:nd],
+            kv_cache,
+            meta.block_tables[:nd],
+            meta.context_lens[:nd],
+            scale,
+            meta.sliding_window,
+            out[:nd],
+        )
     if nd < meta.num_seqs:
         starts = meta.query_start_loc[nd:] - nd
-        prefill_attention(query[nd:], kv_cache, meta.block_tables[nd:], starts,
-                          meta.context_lens[nd:], scale, meta.sliding_window, out[nd:])
+        prefill_attention(
+            query[nd:],
+            kv_cache,
+            meta.block_tables[nd:],
+            starts,
+            meta.context_lens[nd:],
+            scale,
+            meta.sliding_window,
+            out[nd:],
+        )
     return out

@@ -1,12 +1,12 @@
 """The request lifecycle as one instance's schedulers see it.
 
-    WAITING ──schedule──▶ RUNNING ──stop──▶ FINISHED_*
-       ▲                    │
-       └──── PREEMPTED ◀────┘ (blocks ran out: freed, recomputed later)
+WAITING ──schedule──▶ RUNNING ──stop──▶ FINISHED_*
+   ▲                    │
+   └──── PREEMPTED ◀────┘ (blocks ran out: freed, recomputed later)
 
-    WAITING_FOR_REMOTE_KVS: a decode instance allocated blocks for a handed-off
-    request and is pulling its KV from the prefill instance; it joins RUNNING once
-    the blocks have arrived.
+WAITING_FOR_REMOTE_KVS: a decode instance allocated blocks for a handed-off
+request and is pulling its KV from the prefill instance; it joins RUNNING once
+the blocks have arrived.
 """
 
 from __future__ import annotations

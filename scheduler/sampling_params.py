@@ -41,28 +41,46 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def _validate(self) -> None:
         checks: list[tuple[bool, str]] = [
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (0.0 <= self.temperature <= 100.0,
-             f"temperature must be in [0, 100], got {self.temperature}"),
+            (
+                0.0 <= self.temperature <= 100.0,
+                f"temperature must be in [0, 100], got {self.temperature}",
+            ),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be -1 (off) or positive, got {self.top_k}"),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (-2.0 <= self.presence_penalty <= 2.0,
-             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2.0 <= self.frequency_penalty <= 2.0,
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (0.0 < self.repetition_penalty <= 2.0,
-             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
-            (self.max_tokens is None or self.max_tokens >= 1,
-             f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (
+                -2.0 <= self.presence_penalty <= 2.0,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2.0 <= self.frequency_penalty <= 2.0,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                0.0 < self.repetition_penalty <= 2.0,
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+            ),
+            (
+                self.max_tokens is None or self.max_tokens >= 1,
+                f"max_tokens must be at least 1, got {self.max_tokens}",
+            ),
             (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
-            (all(isinstance(s, str) and s for s in self.stop),
-             "stop must be a list of non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "stop_token_ids must be non-negative integers"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            ),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+            ),
+            (
+                all(isinstance(s, str) and s for s in self.stop),
+                "stop must be a list of non-empty strings",
+            ),
+            (
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids must be non-negative integers",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -52,10 +52,12 @@ def test_decode_and_prefill_match_dense(heads, kv_heads, window):
     d, bs = 16, 4
     lens = [1, 4, 5, 13]
     qlens = [1, 2, 5, 7]
-    seqs = [(torch.randn(n, kv_heads, d, generator=gen), torch.randn(n, kv_heads, d, generator=gen))
-            for n in lens]
+    seqs = [
+        (torch.randn(n, kv_heads, d, generator=gen), torch.randn(n, kv_heads, d, generator=gen))
+        for n in lens
+    ]
     cache, bt = _scattered_cache(seqs, 32, kv_heads, bs, d, gen)
-    scale = d ** -0.5
+    scale = d**-0.5
     ctx = torch.tensor(lens, dtype=torch.int32)
 
     q_dec = torch.randn(len(lens), heads, d, generator=gen)
@@ -77,8 +79,9 @@ def test_paged_attention_mixes_decodes_and_prefills():
     gen = torch.Generator().manual_seed(1)
     heads, kvh, d, bs = 4, 2, 8, 4
     lens, qlens = [6, 9, 3], [1, 4, 3]
-    full = [(torch.randn(n, kvh, d, generator=gen), torch.randn(n, kvh, d, generator=gen))
-            for n in lens]
+    full = [
+        (torch.randn(n, kvh, d, generator=gen), torch.randn(n, kvh, d, generator=gen)) for n in lens
+    ]
     # Lay out every token's block; paged_attention itself writes this step's tokens.
     cache, bt = _scattered_cache(full, 16, kvh, bs, d, gen)
     new = [slice(n - q, n) for n, q in zip(lens, qlens, strict=True)]
@@ -102,10 +105,10 @@ def test_paged_attention_mixes_decodes_and_prefills():
         max_context_len=9,
     )
     q = torch.randn(8, heads, d, generator=gen)
-    out = paged_attention(q, torch.cat(keys), torch.cat(values), cache, meta, d ** -0.5)
+    out = paged_attention(q, torch.cat(keys), torch.cat(values), cache, meta, d**-0.5)
     for s, (k, v) in enumerate(full):
         rows = slice(int(meta.query_start_loc[s]), int(meta.query_start_loc[s + 1]))
-        want = _dense_causal(q[rows], k, v, d ** -0.5, lens[s] - qlens[s])
+        want = _dense_causal(q[rows], k, v, d**-0.5, lens[s] - qlens[s])
         torch.testing.assert_close(out[rows].double(), want, rtol=1e-5, atol=1e-5)
 
 
