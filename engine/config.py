@@ -1,0 +1,55 @@
+"""Engine arguments: what `LLM(...)`, an instance and the CLI flags configure."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GiB = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # a Hugging Face checkpoint folder; None: the embedded model
+    dtype: str = "auto"  # auto: the checkpoint's dtype, float16 → bfloat16 on CPU
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    kv_cache_memory: int = 2 * GiB  # bytes of KV cache on CPU
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests force small pools)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    num_threads: int | None = None  # torch threads; None: all cores
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        dtype = DTYPES.get(checkpoint_dtype or "float32", torch.float32)
+        # CPUs have no fast float16 path; bfloat16 keeps the range of float32.
+        return torch.bfloat16 if dtype == torch.float16 and self.device == "cpu" else dtype
+
+    def resolved_threads(self) -> int:
+        return self.num_threads or max(1, os.cpu_count() or 1)

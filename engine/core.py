@@ -1,0 +1,153 @@
+"""One instance's engine: scheduler + model runner + sampler, stepped by its owner.
+
+The owner (the offline `LLM`, or a prefill/decode instance loop) adds requests and
+calls `step()`, which returns the token deltas of that step.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.checkpoint import load_generation_config, load_model_config
+from engine.config import EngineConfig
+from engine.embedded import embedded_model_path
+from engine.kv_cache import KVCache, KVCacheShape
+from engine.loader import load_model
+from engine.outputs import RequestDelta
+from engine.runner import ModelRunner
+from engine.sampler import Sampler
+from scheduler.config import SchedulerConfig
+from scheduler.request import Request, RequestStatus
+from scheduler.sampling_params import SamplingParams
+from scheduler.step_scheduler import Scheduler
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens_computed: int = 0  # every token run through the model, prompt or output
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model (cache misses)
+    mixed_steps: int = 0  # steps that ran prefill chunks beside decodes
+    model_seconds: float = 0.0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig | None = None, **kwargs):
+        self.config = config or EngineConfig.from_kwargs(**kwargs)
+        torch.set_num_threads(self.config.resolved_threads())
+        self.model_path = str(self.config.model or embedded_model_path())
+        self.model_config = load_model_config(self.model_path)
+        self.generation_config = load_generation_config(self.model_path)
+        self.dtype = self.config.torch_dtype(self.model_config.torch_dtype)
+        self.model = load_model(self.model_path, self.model_config, self.dtype)
+        mc = self.model_config
+        self.max_model_len = min(
+            self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        shape = KVCacheShape(
+            num_layers=mc.num_hidden_layers,
+            num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+            block_size=self.config.block_size,
+            dtype=self.dtype,
+        )
+        num_blocks = self.config.num_kv_blocks or shape.num_blocks_for(self.config.kv_cache_memory)
+        self.kv_cache = KVCache(shape, num_blocks)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=self.config.max_num_seqs,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                block_size=self.config.block_size,
+                num_blocks=num_blocks,
+                enable_prefix_caching=self.config.enable_prefix_caching,
+                enable_chunked_prefill=self.config.enable_chunked_prefill,
+            )
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, self.config.block_size)
+        self.sampler = Sampler()
+        self.eos_token_ids = frozenset(self.generation_config.eos_token_ids) | frozenset(
+            mc.eos_token_ids
+        )
+        self.stats = EngineStats()
+        self._seeds = random.Random(self.config.seed)
+
+    # ---- requests -------------------------------------------------------------------
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str = "",
+        arrival_time: float | None = None,
+    ) -> Request:
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt holds token id {bad[0]} outside the vocabulary")
+        seed = sampling_params.seed
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=sampling_params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            cache_salt=cache_salt,
+            seed=self._seeds.getrandbits(63) if seed is None else seed,
+        )
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort_request(request_id)
+
+    def finish_request(self, request_id: str) -> None:
+        """Ends a request whose text matched a stop string (the front end decides)."""
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- stepping -------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        batch = self.runner.prepare(output)
+        started = time.perf_counter()
+        logits = self.runner.execute(batch)
+        tokens, logprobs = self.sampler.sample(logits, batch.sampling_requests)
+        self.stats.model_seconds += time.perf_counter() - started
+        self._count(batch)
+        sampled = {r.request_id: t for r, t in zip(batch.sampling_requests, tokens, strict=True)}
+        self.scheduler.update_from_output(output, sampled)
+        deltas = []
+        for req, tok, lp in zip(batch.sampling_requests, tokens, logprobs, strict=True):
+            status = req.status
+            deltas.append(
+                RequestDelta(
+                    request_id=req.request_id,
+                    new_token_ids=[tok],
+                    output_index=req.num_output_tokens - 1,
+                    logprobs=None if lp is None else [lp],
+                    finish_reason=status.finish_reason if status.finished else None,
+                    stop_reason=req.stop_reason if status.finished else None,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
+        return deltas
+
+    def _count(self, batch) -> None:
+        self.stats.steps += 1
+        self.stats.tokens_computed += batch.num_tokens
+        self.stats.prompt_tokens_computed += batch.num_prompt_tokens
+        decodes = batch.meta.num_decode_seqs
+        if decodes and batch.meta.num_seqs > decodes:
+            self.stats.mixed_steps += 1

@@ -1,0 +1,23 @@
+"""Builds a model from a checkpoint folder in the requested dtype."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.checkpoint import ModelConfig, iter_weights
+from engine.models import model_class
+from engine.models.llama import LlamaForCausalLM
+
+
+def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype) -> LlamaForCausalLM:
+    cls = model_class(config.architecture)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are created directly in the serving dtype
+    try:
+        model = cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.load_weights(iter_weights(folder))
+    return model.eval()

@@ -1,0 +1,234 @@
+"""The Llama family: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm).
+
+Tokens arrive as one flat batch [num_tokens] (no padding); attention goes through the
+paged KV cache via `kernels.paged_attention`. Q/K/V and gate/up projections are fused
+into single matmuls because on CPU every op costs fixed overhead per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.rope import cos_sin_cache
+from kernels import AttentionMetadata, paged_attention, rms_norm, rotary_embedding
+
+Tensor = torch.Tensor
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_index: int):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        out = self.q_size + 2 * self.kv_size
+        self.qkv_weight = nn.Parameter(torch.empty(out, cfg.hidden_size), requires_grad=False)
+        self.qkv_bias = (
+            nn.Parameter(torch.empty(out), requires_grad=False) if cfg.attention_bias else None
+        )
+        self.o_weight = nn.Parameter(torch.empty(cfg.hidden_size, self.q_size), requires_grad=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.layer_index = layer_index
+
+    def forward(
+        self,
+        positions: Tensor,
+        hidden: Tensor,
+        kv_cache: Tensor,
+        meta: AttentionMetadata,
+        cos_sin: Tensor,
+    ) -> Tensor:
+        n = hidden.shape[0]
+        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary_embedding(positions, q, k, cos_sin)
+        attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return F.linear(attn.reshape(n, self.q_size), self.o_weight)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_weight = nn.Parameter(
+            torch.empty(2 * cfg.intermediate_size, cfg.hidden_size), requires_grad=False
+        )
+        self.down_weight = nn.Parameter(
+            torch.empty(cfg.hidden_size, cfg.intermediate_size), requires_grad=False
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = F.linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_index: int):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer_index)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions, hidden, residual, kv_cache, meta, cos_sin):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_norm(hidden)
+        else:
+            hidden, residual = self.input_norm(hidden, residual)
+        hidden = self.attn(positions, hidden, kv_cache, meta, cos_sin)
+        hidden, residual = self.post_attn_norm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves Mistral, Qwen2 and Qwen3: they differ only in config flags."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        )
+        self.register_buffer(
+            "cos_sin",
+            cos_sin_cache(
+                cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+            ),
+            persistent=False,
+        )
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.cfg.sliding_window
+
+    def forward(
+        self,
+        token_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[Tensor],
+        meta: AttentionMetadata,
+    ) -> Tensor:
+        """Hidden states after the final norm: [num_tokens, hidden]."""
+        hidden = F.embedding(token_ids, self.embed)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.cos_sin)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        head = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head).float()
+
+    # ---- weights -------------------------------------------------------------------
+
+    def expected_weights(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """Every Hugging Face tensor name this model needs, with its shape."""
+        cfg = self.cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        yield "model.embed_tokens.weight", (cfg.vocab_size, h)
+        yield "model.norm.weight", (h,)
+        if not cfg.tie_word_embeddings:
+            yield "lm_head.weight", (cfg.vocab_size, h)
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            yield p + "input_layernorm.weight", (h,)
+            yield p + "post_attention_layernorm.weight", (h,)
+            for name, rows in (("q", q), ("k", kv), ("v", kv)):
+                yield p + f"self_attn.{name}_proj.weight", (rows, h)
+                if cfg.attention_bias:
+                    yield p + f"self_attn.{name}_proj.bias", (rows,)
+            yield p + "self_attn.o_proj.weight", (h, q)
+            if cfg.qk_norm:
+                yield p + "self_attn.q_norm.weight", (d,)
+                yield p + "self_attn.k_norm.weight", (d,)
+            yield p + "mlp.gate_proj.weight", (cfg.intermediate_size, h)
+            yield p + "mlp.up_proj.weight", (cfg.intermediate_size, h)
+            yield p + "mlp.down_proj.weight", (h, cfg.intermediate_size)
+
+    def target_of(self, name: str) -> tuple[Tensor, int]:
+        """The parameter slice a Hugging Face tensor is copied into: (param, row offset)."""
+        if name == "model.embed_tokens.weight":
+            return self.embed, 0
+        if name == "model.norm.weight":
+            return self.norm.weight, 0
+        if name == "lm_head.weight":
+            return self.lm_head, 0
+        parts = name.split(".")
+        layer = self.layers[int(parts[2])]
+        key = ".".join(parts[3:])
+        attn, cfg = layer.attn, self.cfg
+        qkv_offsets = {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size}
+        table = {
+            "input_layernorm.weight": (layer.input_norm.weight, 0),
+            "post_attention_layernorm.weight": (layer.post_attn_norm.weight, 0),
+            "self_attn.o_proj.weight": (attn.o_weight, 0),
+            "mlp.gate_proj.weight": (layer.mlp.gate_up_weight, 0),
+            "mlp.up_proj.weight": (layer.mlp.gate_up_weight, cfg.intermediate_size),
+            "mlp.down_proj.weight": (layer.mlp.down_weight, 0),
+        }
+        for proj, offset in qkv_offsets.items():
+            table[f"self_attn.{proj}_proj.weight"] = (attn.qkv_weight, offset)
+            if attn.qkv_bias is not None:
+                table[f"self_attn.{proj}_proj.bias"] = (attn.qkv_bias, offset)
+        if attn.q_norm is not None:
+            table["self_attn.q_norm.weight"] = (attn.q_norm.weight, 0)
+            table["self_attn.k_norm.weight"] = (attn.k_norm.weight, 0)
+        return table[key]
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy Hugging Face tensors into the fused parameters, checking every shape."""
+        expected = dict(self.expected_weights())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name not in expected:
+                if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                    continue  # some tied checkpoints still store the head
+                if "rotary_emb" in name:
+                    continue
+                raise WeightError(f"unexpected tensor {name!r} for {self.cfg.architecture}")
+            if tuple(tensor.shape) != expected[name]:
+                raise WeightError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected[name]}"
+                )
+            param, offset = self.target_of(name)
+            param.data[offset : offset + tensor.shape[0]].copy_(tensor)
+            seen.add(name)
+        missing = [n for n in expected if n not in seen]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise WeightError(f"checkpoint lacks tensor {missing[0]!r}{more}")
+
+
+class WeightError(ValueError):
+    pass
