@@ -31,12 +31,35 @@ class ScheduledChunk:
 
 
 @dataclass
+class RemoteKVAllocation:
+    """Decode side: blocks now allocated for a handed-off request's remote KV.
+
+    The first `num_local_cached_tokens` tokens were found in the local prefix cache
+    (their blocks already hold the KV); the rest must be pulled from the prefill
+    instance into `missing_block_ids`, then `Scheduler.finish_remote_kvs` called.
+    """
+
+    request_id: str
+    block_ids: list[int]  # covers all num_remote_tokens tokens
+    num_remote_tokens: int
+    num_local_cached_tokens: int  # a multiple of block_size
+    block_size: int
+
+    @property
+    def missing_block_ids(self) -> list[int]:
+        return self.block_ids[self.num_local_cached_tokens // self.block_size :]
+
+
+@dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     # Requests preempted in this step: their KV is gone and will be recomputed.
     preempted_ids: list[str] = field(default_factory=list)
     # Requests that left the instance since the last step (finished or aborted).
     finished_ids: list[str] = field(default_factory=list)
+    # Decode side: requests that entered WAITING_FOR_REMOTE_KVS in this step. They are
+    # not computed, so a step can carry allocations and still be `is_empty`.
+    remote_kv_allocations: list[RemoteKVAllocation] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

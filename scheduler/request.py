@@ -7,6 +7,10 @@ WAITING ──schedule──▶ RUNNING ──stop──▶ FINISHED_*
 WAITING_FOR_REMOTE_KVS: a decode instance allocated blocks for a handed-off
 request and is pulling its KV from the prefill instance; it joins RUNNING once
 the blocks have arrived.
+
+HANDED_OFF: a prefill instance sampled the first token of a request that continues on a
+decode instance; it is no longer computed here, but its blocks stay held until the
+decode side has pulled them (`Scheduler.release_held_blocks`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ class RequestStatus(enum.Enum):
     WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    # Prefill side: done here after its first token, blocks held for the decode side.
+    # Not a finished status: the request goes on elsewhere and has no finish reason.
+    HANDED_OFF = "handed_off"
     FINISHED_STOPPED = "finished_stopped"  # eos, a stop token id, or a stop string
     FINISHED_LENGTH_CAPPED = "finished_length_capped"  # max_tokens or max_model_len
     FINISHED_ABORTED = "finished_aborted"  # the client went away or asked to abort

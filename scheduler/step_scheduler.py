@@ -1,0 +1,434 @@
+"""One instance's step scheduler: which requests compute which tokens in the next step.
+
+Each step serves the running requests first (a decode takes one token, a request in
+chunked prefill as many as the budget leaves), then admits waiting requests first
+come first served, until the token budget, `max_num_seqs` or the free blocks run out.
+A running request that finds no free block preempts the most recently admitted one
+(possibly itself): its blocks go back, and it is recomputed from the front of the
+waiting queue later — prompt and output tokens alike, so nothing it generated is lost.
+
+Disaggregation hooks:
+- prefill side: a request added with `hand_off=True` stops after its first token and
+  keeps its blocks (HANDED_OFF) until `release_held_blocks`;
+- decode side: `add_remote_request` admits a request whose prompt KV lives on a
+  prefill instance into WAITING_FOR_REMOTE_KVS with blocks allocated for it (reported
+  in `SchedulerOutput.remote_kv_allocations`), and `finish_remote_kvs` lets it run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from scheduler.block_events import BlockCacheSnapshot, BlockEventBatch
+from scheduler.block_manager import BlockManager
+from scheduler.config import SchedulerConfig
+from scheduler.outputs import RemoteKVAllocation, ScheduledChunk, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+from scheduler.stop_checker import check_stop
+
+REMOTE_KV_POLICIES = ("recompute", "fail")
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot for metrics (vLLM's names without the prefix)."""
+
+    num_running: int
+    num_waiting: int
+    num_waiting_for_remote_kvs: int
+    num_held: int  # prefill side: handed off, blocks held for the decode side
+    kv_cache_usage_perc: float  # 0..1; cached-unreferenced blocks count as free
+    num_preemptions_total: int
+    prefix_cache_queries_total: int  # tokens
+    prefix_cache_hits_total: int  # tokens
+
+
+@dataclass
+class _RemoteKV:
+    num_remote_tokens: int
+    num_local_cached_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.max_pending_block_events,
+        )
+        self.requests: dict[str, Request] = {}  # every request that is not finished here
+        self.waiting: deque[Request] = deque()  # WAITING or PREEMPTED, admission order
+        self.running: list[Request] = []  # admission order: the last is preempted first
+        self.waiting_for_remote: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}  # HANDED_OFF, blocks kept for the decode side
+        self._remote: dict[str, _RemoteKV] = {}  # decode side, until the KV has arrived
+        self._hand_off: set[str] = set()  # prefill side, until the first token
+        self._left_ids: list[str] = []  # left the compute set since the last schedule()
+        self.num_preemptions_total = 0
+
+    # ---- requests in ---------------------------------------------------------------
+
+    def add_request(self, request: Request, hand_off: bool = False) -> None:
+        """Queues a request. With `hand_off` (prefill side) it stops after its first
+        token and keeps its blocks for a decode instance, unless that token ends it."""
+        max_kv_tokens = request.num_tokens if hand_off else self._max_kv_tokens(request)
+        self._validate(request, max_kv_tokens)
+        if hand_off:
+            self._hand_off.add(request.request_id)
+        self._enqueue(request)
+
+    def add_remote_request(self, request: Request, num_remote_tokens: int) -> None:
+        """Decode side: queues a handed-off request whose first `num_remote_tokens`
+        tokens have KV on a prefill instance; `request.output_token_ids` holds the
+        first token sampled there."""
+        if not request.output_token_ids:
+            raise ValueError(
+                f"request {request.request_id}: a remote request needs the first token "
+                "sampled on the prefill instance in output_token_ids"
+            )
+        if not 1 <= num_remote_tokens < request.num_tokens:
+            raise ValueError(
+                f"request {request.request_id}: num_remote_tokens must be in "
+                f"[1, {request.num_tokens - 1}], got {num_remote_tokens}"
+            )
+        self._validate(request, self._max_kv_tokens(request))
+        self._remote[request.request_id] = _RemoteKV(num_remote_tokens)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _max_kv_tokens(self, request: Request) -> int:
+        """The most tokens whose KV the request can need: the last token sampled is
+        never computed, and generation stops at max_tokens or max_model_len."""
+        max_tokens = request.sampling_params.max_tokens
+        final = self.config.max_model_len
+        if max_tokens is not None:
+            final = min(final, request.num_prompt_tokens + max_tokens)
+        return max(request.num_tokens, final - 1)
+
+    def _validate(self, request: Request, max_kv_tokens: int) -> None:
+        rid, cfg = request.request_id, self.config
+        if rid in self.requests:
+            raise ValueError(f"request {rid} is already scheduled on this instance")
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {rid}: the prompt is empty")
+        if request.num_tokens > cfg.max_model_len:
+            raise ValueError(
+                f"request {rid}: {request.num_tokens} tokens exceed max_model_len "
+                f"({cfg.max_model_len})"
+            )
+        needed = self.block_manager.blocks_for(max_kv_tokens)
+        if needed > cfg.num_blocks:
+            raise ValueError(
+                f"request {rid}: up to {max_kv_tokens} tokens need {needed} KV blocks, "
+                f"more than the pool's {cfg.num_blocks} (lower max_tokens or grow the cache)"
+            )
+
+    # ---- requests out --------------------------------------------------------------
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> bool:
+        """Ends a request wherever it is (the front end matched a stop string, the
+        client went away, ...) and frees its blocks. False if it is not here."""
+        if not status.finished:
+            raise ValueError(f"finish_request needs a finished status, got {status.name}")
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.status is RequestStatus.HANDED_OFF:
+            del self.held[request_id]  # reported when it was handed off
+        else:
+            self._drop_from_queues(request)
+            self._left_ids.append(request_id)
+        self._remote.pop(request_id, None)
+        self._hand_off.discard(request_id)
+        self.block_manager.free(request_id)
+        request.status = status
+        return True
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def _drop_from_queues(self, request: Request) -> None:
+        status = request.status
+        if status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting = deque(r for r in self.waiting if r is not request)
+        elif status is RequestStatus.RUNNING:
+            self.running = [r for r in self.running if r is not request]
+        elif status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            del self.waiting_for_remote[request.request_id]
+
+    def release_held_blocks(self, request_id: str) -> bool:
+        """Prefill side: the decode side has the KV (or its lease ran out); the blocks
+        go to the prefix cache. False if no blocks are held under this id."""
+        request = self.held.pop(request_id, None)
+        if request is None:
+            return False
+        del self.requests[request_id]
+        self.block_manager.free(request_id)
+        return True
+
+    # ---- the step ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput(finished_ids=self._left_ids)
+        self._left_ids = []
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        if not output.preempted_ids:  # blocks are short: admitting more would thrash
+            self._admit_waiting(output, budget)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._chunk_size(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            if not self._allocate_or_preempt(request, num_new, output):
+                break  # it preempted itself, being the last running request
+            self._add_chunk(output, request, num_new)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _chunk_size(self, remaining: int, budget: int) -> int:
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
+        end = request.num_computed_tokens + num_new
+        while not self.block_manager.allocate_slots(request, end):
+            victim = self.running.pop()
+            self._preempt(victim, output)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        self.block_manager.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        output.preempted_ids.append(request.request_id)
+        self.num_preemptions_total += 1
+
+    def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and self._num_seats_taken() < self.config.max_num_seqs:
+            request = self.waiting[0]
+            remote = self._remote.get(request.request_id)
+            if remote is not None:
+                if not self._admit_remote(request, remote, output):
+                    return
+                continue
+            if budget == 0:
+                return
+            hit = self.block_manager.find_cached_prefix(request, request.num_tokens)
+            num_new = self._chunk_size(request.num_tokens - hit.num_tokens, budget)
+            if num_new == 0:
+                return
+            if not self.block_manager.allocate_slots(request, hit.num_tokens + num_new, hit):
+                return
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = request.num_cached_tokens = hit.num_tokens
+            self.running.append(request)
+            self._add_chunk(output, request, num_new)
+            budget -= num_new
+
+    def _admit_remote(self, request: Request, remote: _RemoteKV, output: SchedulerOutput) -> bool:
+        hit = self.block_manager.find_cached_prefix(
+            request, remote.num_remote_tokens, must_compute_last=False
+        )
+        if not self.block_manager.allocate_slots(request, remote.num_remote_tokens, hit):
+            return False
+        self.waiting.popleft()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = request.num_cached_tokens = hit.num_tokens
+        remote.num_local_cached_tokens = hit.num_tokens
+        self.waiting_for_remote[request.request_id] = request
+        output.remote_kv_allocations.append(
+            RemoteKVAllocation(
+                request_id=request.request_id,
+                block_ids=self.block_manager.get_block_ids(request.request_id),
+                num_remote_tokens=remote.num_remote_tokens,
+                num_local_cached_tokens=hit.num_tokens,
+                block_size=self.config.block_size,
+            )
+        )
+        return True
+
+    def _num_seats_taken(self) -> int:
+        return len(self.running) + len(self.waiting_for_remote)
+
+    def _add_chunk(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
+        block_ids = self.block_manager.get_block_ids(request.request_id)
+        output.chunks.append(
+            ScheduledChunk(request, request.num_computed_tokens, num_new, block_ids)
+        )
+
+    # ---- after the step ------------------------------------------------------------
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Applies a computed step: advances each chunk's request, caches the blocks
+        it filled, appends the tokens sampled for chunks that sample, and checks stops.
+
+        Returns the requests that left the compute set: finished ones (their blocks
+        freed into the prefix cache) and, on the prefill side, HANDED_OFF ones.
+        Chunks of requests that ended in between (an abort) are skipped.
+        """
+        left: list[Request] = []
+        for chunk in output.chunks:
+            request = chunk.request
+            rid = request.request_id
+            if request.status is not RequestStatus.RUNNING or self.requests.get(rid) is not request:
+                continue
+            if request.num_computed_tokens != chunk.start:
+                raise ValueError(
+                    f"request {rid}: chunk starts at {chunk.start} but "
+                    f"{request.num_computed_tokens} tokens are computed (applied twice?)"
+                )
+            samples = chunk.samples  # judged before the new token lengthens the request
+            request.num_computed_tokens = chunk.end
+            self.block_manager.cache_full_blocks(request, chunk.end)
+            if not samples:
+                continue
+            if rid not in sampled:
+                raise ValueError(f"request {rid}: its chunk samples but no token came back")
+            request.output_token_ids.append(sampled[rid])
+            status = check_stop(request, self.config.max_model_len)
+            if status is not None:
+                self._finish(request, status)
+                left.append(request)
+            elif rid in self._hand_off:
+                self._hold(request)
+                left.append(request)
+        if left:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return left
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Ends a running request; the caller removes it from `running`."""
+        rid = request.request_id
+        request.status = status
+        del self.requests[rid]
+        self._hand_off.discard(rid)
+        self.block_manager.free(rid)
+        self._left_ids.append(rid)
+
+    def _hold(self, request: Request) -> None:
+        """Prefill side: the first token is out; keep the blocks for the decode side."""
+        request.status = RequestStatus.HANDED_OFF
+        self._hand_off.discard(request.request_id)
+        self.held[request.request_id] = request
+        self._left_ids.append(request.request_id)
+
+    # ---- decode side: remote KV ----------------------------------------------------
+
+    def finish_remote_kvs(
+        self, request_id: str, success: bool, policy: str = "recompute", error: str = ""
+    ) -> bool:
+        """The pull of a request's remote KV ended. On success it runs from the first
+        output token; on failure it either prefills the missing part here
+        ("recompute") or ends in FINISHED_ERROR ("fail"). Call it only once no
+        transfer can still write into the request's blocks. False if the request is
+        not waiting for remote KV (e.g. it was aborted meanwhile)."""
+        if policy not in REMOTE_KV_POLICIES:
+            raise ValueError(f"policy must be one of {REMOTE_KV_POLICIES}, got {policy!r}")
+        request = self.waiting_for_remote.get(request_id)
+        if request is None:
+            return False
+        remote = self._remote[request_id]
+        if not success and policy == "fail":
+            request.error = error or f"KV transfer for request {request_id} failed"
+            return self.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+        del self.waiting_for_remote[request_id]
+        del self._remote[request_id]
+        if success:
+            request.num_computed_tokens = remote.num_remote_tokens
+            self.block_manager.cache_full_blocks(request, remote.num_remote_tokens)
+        else:
+            request.num_computed_tokens = remote.num_local_cached_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return True
+
+    # ---- queries -------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request still needs steps (held ones do not)."""
+        return bool(self.waiting or self.running or self.waiting_for_remote)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return self.block_manager.get_block_ids(request_id)
+
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_waiting_for_remote_kvs=len(self.waiting_for_remote),
+            num_held=len(self.held),
+            kv_cache_usage_perc=bm.usage(),
+            num_preemptions_total=self.num_preemptions_total,
+            prefix_cache_queries_total=bm.prefix_cache_queries,
+            prefix_cache_hits_total=bm.prefix_cache_hits,
+        )
+
+    def drain_block_events(self) -> BlockEventBatch | None:
+        return self.block_manager.drain_events()
+
+    def block_cache_snapshot(self) -> BlockCacheSnapshot:
+        return self.block_manager.snapshot()
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError naming the first broken invariant."""
+        self.block_manager.check_invariants()
+        holders = self.block_manager.holder_ids()
+        placed: dict[str, str] = {}
+        groups = {
+            "waiting": list(self.waiting),
+            "running": self.running,
+            "waiting_for_remote": list(self.waiting_for_remote.values()),
+            "held": list(self.held.values()),
+        }
+        for name, group in groups.items():
+            for request in group:
+                rid = request.request_id
+                _check(rid not in placed, f"request {rid} is both {placed.get(rid)} and {name}")
+                placed[rid] = name
+                _check(self.requests.get(rid) is request, f"{name} request {rid} is untracked")
+                _check(
+                    (rid in holders) == (name != "waiting"),
+                    f"{name} request {rid} {'holds' if rid in holders else 'lacks'} blocks",
+                )
+        _check(set(placed) == set(self.requests), "tracked requests outside every queue")
+        for request in self.running:
+            held_tokens = len(self.get_block_ids(request.request_id)) * self.config.block_size
+            _check(
+                request.num_computed_tokens <= held_tokens,
+                f"running request {request.request_id} computed "
+                f"{request.num_computed_tokens} tokens but holds room for {held_tokens}",
+            )
+        _check(
+            self._num_seats_taken() <= self.config.max_num_seqs,
+            f"{self._num_seats_taken()} requests seated, max_num_seqs is "
+            f"{self.config.max_num_seqs}",
+        )
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise AssertionError(message)
