@@ -1,0 +1,158 @@
+"""A scripted OpenAI-compatible server with known latencies, for benchmark tests.
+
+Run as `python -m tests.bench.scripted_server`: it binds 127.0.0.1 on a free port,
+prints the port on stdout, and serves until terminated. `POST /script` sets its
+behaviour (latencies, which may grow with the number of requests in flight, error
+statuses, /tokenize on or off, preemptions above a concurrency) and resets its
+counters; `GET /stats` returns what it served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+from dataclasses import asdict, dataclass
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+MODEL = "scripted-model"
+
+
+@dataclass
+class Script:
+    ttft_s: float = 0.2
+    itl_s: float = 0.02
+    # Added per other request in flight: latency that grows with load.
+    ttft_per_active_s: float = 0.0
+    itl_per_active_s: float = 0.0
+    status: int = 200  # anything else: every completion answers this status
+    tokenize: bool = True
+    usage: bool = True
+    kv_capacity: int = 64  # requests in flight that fill the KV cache
+    preempt_above: int = 0  # >0: a request arriving above this many in flight preempts
+
+
+@dataclass
+class Stats:
+    requests: int = 0
+    completed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    max_active: int = 0
+    preemptions: int = 0
+
+
+app = FastAPI()
+state = {"script": Script(), "stats": Stats(), "active": 0}
+
+
+def word_id(word: str) -> int:
+    return 100 + sum(word.encode()) % 900
+
+
+def count_prompt(prompt: str | list[int]) -> int:
+    return len(prompt) if isinstance(prompt, list) else len(prompt.split())
+
+
+@app.post("/script")
+async def set_script(request: Request) -> JSONResponse:
+    state["script"] = Script(**(await request.json()))
+    state["stats"] = Stats()
+    return JSONResponse({"ok": True})
+
+
+@app.get("/stats")
+async def get_stats() -> JSONResponse:
+    return JSONResponse(asdict(state["stats"]))
+
+
+@app.get("/v1/models")
+async def models() -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+
+@app.post("/tokenize")
+async def tokenize(request: Request) -> JSONResponse:
+    if not state["script"].tokenize:
+        return JSONResponse({"error": "not found"}, status_code=404)
+    prompt = (await request.json())["prompt"]
+    tokens = [word_id(w) for w in prompt.split()]
+    return JSONResponse({"tokens": tokens, "count": len(tokens)})
+
+
+@app.get("/metrics")
+async def metrics() -> PlainTextResponse:
+    script, stats = state["script"], state["stats"]
+    usage = min(1.0, state["active"] / script.kv_capacity)
+    text = (
+        "# TYPE pdserve:kv_cache_usage_perc gauge\n"
+        f'pdserve:kv_cache_usage_perc{{role="decode",instance="0"}} {usage}\n'
+        "# TYPE pdserve:num_preemptions counter\n"
+        f'pdserve:num_preemptions_total{{role="decode",instance="0"}} {stats.preemptions}\n'
+    )
+    return PlainTextResponse(text)
+
+
+@app.post("/v1/completions")
+async def completions(request: Request):
+    script, stats = state["script"], state["stats"]
+    body = await request.json()
+    stats.requests += 1
+    if script.status != 200:
+        return JSONResponse({"error": {"message": "scripted failure"}}, status_code=script.status)
+    prompt_tokens = count_prompt(body["prompt"])
+    max_tokens = int(body.get("max_tokens") or 16)
+    state["active"] += 1
+    stats.max_active = max(stats.max_active, state["active"])
+    if script.preempt_above and state["active"] > script.preempt_above:
+        stats.preemptions += 1
+    ttft = script.ttft_s + script.ttft_per_active_s * (state["active"] - 1)
+
+    def chunk(text: str, finish: str | None = None) -> str:
+        choice = {"index": 0, "text": text, "finish_reason": finish}
+        return "data: " + json.dumps({"id": "c", "object": "text_completion", "choices": [choice]})
+
+    async def stream():
+        try:
+            await asyncio.sleep(ttft)
+            for i in range(max_tokens):
+                if i > 0:
+                    await asyncio.sleep(
+                        script.itl_s + script.itl_per_active_s * (state["active"] - 1)
+                    )
+                finish = "length" if i == max_tokens - 1 else None
+                yield chunk(" tok", finish) + "\n\n"
+            if script.usage:
+                usage = {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": max_tokens,
+                    "total_tokens": prompt_tokens + max_tokens,
+                }
+                yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
+            yield "data: [DONE]\n\n"
+            stats.completed += 1
+            stats.prompt_tokens += prompt_tokens
+            stats.completion_tokens += max_tokens
+        finally:
+            state["active"] -= 1
+
+    return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+def main() -> None:
+    # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on sockets that say they are
+    # TCP; without it Nagle's algorithm and delayed ACKs add ~40 ms to small replies.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    print(sock.getsockname()[1], flush=True)
+    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
