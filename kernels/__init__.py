@@ -1,4 +1,9 @@
-"""Paged attention and fused ops: Triton kernels with plain-torch references."""
+"""Paged attention and fused ops: Triton kernels with plain-torch references.
+
+Importing `kernels` never imports triton: CUDA calls load the Triton kernels on first
+use (`load_triton_kernels`), and where triton is missing they run the references and
+`triton_unavailable_reason()` says why.
+"""
 
 from kernels.attention import (
     AttentionMetadata,
@@ -7,14 +12,17 @@ from kernels.attention import (
     prefill_attention,
     write_kv_cache,
 )
+from kernels.dispatch import load_triton_kernels, triton_unavailable_reason
 from kernels.ops import rms_norm, rotary_embedding
 
 __all__ = [
     "AttentionMetadata",
     "decode_attention",
+    "load_triton_kernels",
     "paged_attention",
     "prefill_attention",
     "rms_norm",
     "rotary_embedding",
+    "triton_unavailable_reason",
     "write_kv_cache",
 ]

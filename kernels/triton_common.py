@@ -1,0 +1,83 @@
+"""Shared helpers of the Triton kernels: input checks and device facts."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+Tensor = torch.Tensor
+
+# Programs per multiprocessor the launch heuristics aim for; several resident programs
+# per SM hide the latency of the gathered loads.
+PROGRAMS_PER_SM = 4
+# Under the interpreter (CPU tensors) a notional small device keeps the grids small
+# while still sending long contexts through the split-K path.
+INTERPRETER_NUM_SMS = 8
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def next_power_of_2(n: int) -> int:
+    return triton.next_power_of_2(max(1, int(n)))
+
+
+@functools.cache
+def _cuda_num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(like: Tensor) -> int:
+    """Multiprocessors of the tensor's device (a small constant for CPU tensors)."""
+    if like.is_cuda:
+        index = like.device.index if like.device.index is not None else 0
+        return _cuda_num_sms(index)
+    return INTERPRETER_NUM_SMS
+
+
+def dot_precision(dtype: torch.dtype, upcast: bool) -> str:
+    """fp32 operands (an fp32 cache, or upcast ones) get exact fp32 products; half
+    types use their tensor-core path, where the setting has no effect."""
+    return "ieee" if upcast or dtype == torch.float32 else "tf32"
+
+
+def upcast_dot(like: Tensor, dtype: torch.dtype) -> bool:
+    """Whether the attention kernels must feed tl.dot fp32 operands: Triton's CPU
+    interpreter multiplies bfloat16 bit patterns as integers. bf16 x bf16 products
+    are exact in fp32, so the upcast changes no result; CUDA launches keep the bf16
+    tensor-core path."""
+    return not like.is_cuda and dtype == torch.bfloat16
+
+
+def check_float(name: str, tensor: Tensor) -> None:
+    if tensor.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {tensor.dtype}")
+
+
+def check_same_device(**tensors: Tensor) -> None:
+    devices = {t.device for t in tensors.values()}
+    if len(devices) > 1:
+        listing = ", ".join(f"{n} on {t.device}" for n, t in tensors.items())
+        raise ValueError(f"tensors must share one device: {listing}")
+
+
+def check_kv_cache(kv_cache: Tensor, num_kv_heads: int | None, head_dim: int) -> None:
+    """The per-layer layout [num_blocks, 2, num_kv_heads, block_size, head_dim]."""
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            "kv_cache must be [num_blocks, 2, num_kv_heads, block_size, head_dim], "
+            f"got shape {tuple(kv_cache.shape)}"
+        )
+    if num_kv_heads is not None and kv_cache.shape[2] != num_kv_heads:
+        raise ValueError(f"kv_cache has {kv_cache.shape[2]} kv heads, inputs have {num_kv_heads}")
+    if kv_cache.shape[4] != head_dim:
+        raise ValueError(f"kv_cache head_dim {kv_cache.shape[4]} != input head_dim {head_dim}")
+    check_float("kv_cache", kv_cache)
+
+
+def check_heads(num_heads: int, num_kv_heads: int) -> int:
+    """The GQA group size; query heads must split evenly over the kv heads."""
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    return num_heads // num_kv_heads

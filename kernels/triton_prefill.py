@@ -1,0 +1,259 @@
+"""Prefill attention over the paged KV cache: ragged causal batches.
+
+Sequence s owns query rows query_start_loc[s]:query_start_loc[s+1], the last tokens of
+its context_lens[s] tokens, whose keys/values are all in the cache already (the cached
+prefix and the new tokens alike). This covers chunked prefill and prefix-cache hits.
+
+Design (compute-bound): one program per (query tile of BLOCK_M rows of one sequence,
+query head), flash-attention style over key tiles of BLOCK_N tokens gathered through
+the block table. Query tiles of all sequences are numbered consecutively; a program
+finds its sequence by binary search over the per-sequence tile counts, which are
+computed on the device, so a launch needs no device-to-host sync. The grid is sized
+by an upper bound on the tile count (tokens / BLOCK_M + sequences); spare programs
+do nothing. The key loop stops at the tile's last causal position (and starts at
+the sliding window's first), so masked-out tiles are never read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import (
+    check_float,
+    check_heads,
+    check_kv_cache,
+    check_same_device,
+    dot_precision,
+    next_power_of_2,
+    upcast_dot,
+)
+
+Tensor = torch.Tensor
+
+LOG2_E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    block_m: int  # query rows per program
+    block_n: int  # key tokens per inner tile
+    num_warps: int
+    num_stages: int
+
+
+def plan_prefill(head_dim: int) -> PrefillPlan:
+    if head_dim <= 64:
+        return PrefillPlan(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return PrefillPlan(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return PrefillPlan(block_m=64, block_n=32, num_warps=8, num_stages=2)
+
+
+@triton.jit
+def prefill_attention_kernel(
+    query_ptr,
+    cache_ptr,
+    tables_ptr,
+    query_start_ptr,
+    lens_ptr,
+    tile_start_ptr,
+    out_ptr,
+    scale_log2,
+    window,
+    num_seqs,
+    search_steps,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_cb,
+    stride_ckv,
+    stride_ch,
+    stride_ct,
+    stride_cd,
+    stride_ts,
+    stride_tb,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+
+    # The last sequence whose first tile is <= this tile (tile_start is non-decreasing).
+    lo = 0
+    hi = num_seqs - 1
+    for _ in range(search_steps):
+        mid = (lo + hi + 1) // 2
+        below = tl.load(tile_start_ptr + mid) <= tile
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid - 1)
+    seq = lo
+
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    context_len = tl.load(lens_ptr + seq)
+    first_row = (tile - tl.load(tile_start_ptr + seq)) * BLOCK_M
+    prefix = context_len - q_len  # position of query row 0 is prefix
+
+    rows = first_row + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    positions = prefix + rows
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+
+    q_rows = (q_start + rows).to(tl.int64)
+    q = tl.load(
+        query_ptr + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :] * stride_qd,
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    ).to(cache_ptr.dtype.element_ty)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys this tile can see: up to its last row's position, from the window's start.
+    kv_end = prefix + tl.minimum(first_row + BLOCK_M, q_len)
+    kv_end = tl.where(first_row < q_len, kv_end, 0)  # spare program: no work
+    kv_start = 0
+    if HAS_WINDOW:
+        kv_start = tl.maximum(prefix + first_row - window + 1, 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    table_row = tables_ptr + seq.to(tl.int64) * stride_ts
+    head_base = cache_ptr + kv_head * stride_ch
+    for tile_start in range(kv_start, kv_end, BLOCK_N):
+        tokens = tile_start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < kv_end
+        blocks = tl.load(table_row + (tokens // BLOCK_SIZE) * stride_tb, mask=token_mask, other=0)
+        token_offsets = blocks.to(tl.int64) * stride_cb + (tokens % BLOCK_SIZE) * stride_ct
+        kv_ptrs = head_base + token_offsets[:, None] + dims[None, :] * stride_cd
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        visible = token_mask[None, :] & (tokens[None, :] <= positions[:, None])
+        if HAS_WINDOW:
+            visible = visible & (tokens[None, :] > positions[:, None] - window)
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # Rows that have seen no key yet (window start, spare rows) keep m = -inf;
+        # shifting by 0 instead keeps exp2 away from (-inf) - (-inf).
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - shift)
+        p = tl.exp2(scores - shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0)
+        # P is rounded to the cache dtype as the tensor cores take it.
+        p_op = p.to(cache_ptr.dtype.element_ty)
+        if UPCAST:
+            v = v.to(tl.float32)
+            p_op = p_op.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_op, v, input_precision=PRECISION)
+        m_i = m_new
+
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    result = acc / safe_l[:, None]
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :] * stride_od,
+        result.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & dim_mask[None, :],
+    )
+
+
+def prefill_attention_triton(
+    query: Tensor,
+    kv_cache: Tensor,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Same contract as `reference.prefill_attention_ref`."""
+    if query.dim() != 3:
+        raise ValueError(
+            f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}"
+        )
+    num_tokens, num_heads, head_dim = query.shape
+    check_float("query", query)
+    check_kv_cache(kv_cache, None, head_dim)
+    num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
+    group = check_heads(num_heads, num_kv_heads)
+    check_same_device(
+        query=query, kv_cache=kv_cache, block_tables=block_tables, query_start_loc=query_start_loc
+    )
+    num_seqs = context_lens.shape[0]
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"query_start_loc must be [num_seqs + 1 = {num_seqs + 1}], "
+            f"got {tuple(query_start_loc.shape)}"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables must be [num_seqs={num_seqs}, max_blocks], "
+            f"got {tuple(block_tables.shape)}"
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape:
+        raise ValueError(f"out must have the query's shape {tuple(query.shape)}")
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+
+    upcast = upcast_dot(query, kv_cache.dtype)
+    plan = plan_prefill(head_dim)
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int32)
+    tiles = torch.div(q_lens + plan.block_m - 1, plan.block_m, rounding_mode="floor")
+    tile_start = torch.zeros(num_seqs + 1, dtype=torch.int32, device=query.device)
+    torch.cumsum(tiles, 0, out=tile_start[1:])
+    # Every sequence adds at most one partial tile to tokens / BLOCK_M.
+    max_tiles = num_tokens // plan.block_m + num_seqs
+    prefill_attention_kernel[(max_tiles, num_heads)](
+        query,
+        kv_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        tile_start,
+        out,
+        scale * LOG2_E,
+        sliding_window or 0,
+        num_seqs,
+        max(1, num_seqs - 1).bit_length(),
+        *query.stride(),
+        *kv_cache.stride(),
+        *block_tables.stride(),
+        *out.stride(),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        BLOCK_D=next_power_of_2(head_dim),
+        HAS_WINDOW=sliding_window is not None,
+        PRECISION=dot_precision(kv_cache.dtype, upcast),
+        UPCAST=upcast,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+    )
+    return out
