@@ -52,6 +52,8 @@ class FakeModel:
         ]
         self.tokens_computed = 0
         self.mixed_steps = 0
+        # (request id, start, num_new_tokens, samples) of every chunk executed
+        self.chunk_log: list[tuple[str, int, int, bool]] = []
 
     def slot(self, block_ids: list[int], position: int) -> tuple[int, int]:
         return block_ids[position // self.block_size], position % self.block_size
@@ -81,6 +83,7 @@ class FakeModel:
                 assert owners[block] == {rid}, f"{rid} writes block {block} of {owners[block]}"
             self.write(chunk.block_ids, chunk.start, request.tokens_between(chunk.start, chunk.end))
             self.tokens_computed += chunk.num_new_tokens
+            self.chunk_log.append((rid, chunk.start, chunk.num_new_tokens, chunk.samples))
             is_decode = chunk.num_new_tokens == 1 and request.num_output_tokens > 0
             decodes += is_decode
             prefills += not is_decode
