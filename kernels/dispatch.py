@@ -27,6 +27,7 @@ _REFERENCE: dict[str, Callable[..., Any]] = {
 _TRITON: dict[str, Callable[..., Any]] = {}
 _load_attempted = False
 _unavailable_reason: str | None = None
+_triton_enabled = True
 
 
 def register_triton(name: str, fn: Callable[..., Any]) -> None:
@@ -52,8 +53,15 @@ def triton_unavailable_reason() -> str | None:
     return _unavailable_reason
 
 
+def set_triton_enabled(enabled: bool) -> None:
+    """Route CUDA tensors to the references too (False), e.g. to compare an engine's
+    output with Triton kernels against the same engine on the references."""
+    global _triton_enabled
+    _triton_enabled = enabled
+
+
 def lookup(name: str, like: torch.Tensor) -> Callable[..., Any]:
-    if like.is_cuda:
+    if like.is_cuda and _triton_enabled:
         load_triton_kernels()
         if name in _TRITON:
             return _TRITON[name]
