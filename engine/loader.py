@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint import ModelConfig, iter_weights
+from engine.checkpoint import ModelConfig, check_weights, iter_weights
 from engine.models import model_class
 from engine.models.llama import LlamaForCausalLM
 
@@ -19,5 +19,7 @@ def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype) -> L
         model = cls(config)
     finally:
         torch.set_default_dtype(previous)
+    # Shapes and presence are checked from the file headers before any tensor is read.
+    check_weights(folder, model.expected_weights())
     model.load_weights(iter_weights(folder))
     return model.eval()

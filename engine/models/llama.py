@@ -44,6 +44,11 @@ class Attention(nn.Module):
             nn.Parameter(torch.empty(out), requires_grad=False) if cfg.attention_bias else None
         )
         self.o_weight = nn.Parameter(torch.empty(cfg.hidden_size, self.q_size), requires_grad=False)
+        self.o_bias = (
+            nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+            if cfg.o_proj_bias
+            else None
+        )
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.layer_index = layer_index
@@ -66,7 +71,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary_embedding(positions, q, k, cos_sin)
         attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return F.linear(attn.reshape(n, self.q_size), self.o_weight)
+        return F.linear(attn.reshape(n, self.q_size), self.o_weight, self.o_bias)
 
 
 class MLP(nn.Module):
@@ -79,10 +84,17 @@ class MLP(nn.Module):
         self.down_weight = nn.Parameter(
             torch.empty(cfg.hidden_size, cfg.intermediate_size), requires_grad=False
         )
+        self.gate_up_bias = self.down_bias = None
+        if cfg.mlp_bias:
+            self.gate_up_bias = nn.Parameter(
+                torch.empty(2 * cfg.intermediate_size), requires_grad=False
+            )
+            self.down_bias = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight)
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
 
 
 class DecoderLayer(nn.Module):
@@ -169,12 +181,18 @@ class LlamaForCausalLM(nn.Module):
                 if cfg.attention_bias:
                     yield p + f"self_attn.{name}_proj.bias", (rows,)
             yield p + "self_attn.o_proj.weight", (h, q)
+            if cfg.o_proj_bias:
+                yield p + "self_attn.o_proj.bias", (h,)
             if cfg.qk_norm:
                 yield p + "self_attn.q_norm.weight", (d,)
                 yield p + "self_attn.k_norm.weight", (d,)
             yield p + "mlp.gate_proj.weight", (cfg.intermediate_size, h)
             yield p + "mlp.up_proj.weight", (cfg.intermediate_size, h)
             yield p + "mlp.down_proj.weight", (h, cfg.intermediate_size)
+            if cfg.mlp_bias:
+                yield p + "mlp.gate_proj.bias", (cfg.intermediate_size,)
+                yield p + "mlp.up_proj.bias", (cfg.intermediate_size,)
+                yield p + "mlp.down_proj.bias", (h,)
 
     def target_of(self, name: str) -> tuple[Tensor, int]:
         """The parameter slice a Hugging Face tensor is copied into: (param, row offset)."""
@@ -201,6 +219,12 @@ class LlamaForCausalLM(nn.Module):
             table[f"self_attn.{proj}_proj.weight"] = (attn.qkv_weight, offset)
             if attn.qkv_bias is not None:
                 table[f"self_attn.{proj}_proj.bias"] = (attn.qkv_bias, offset)
+        if attn.o_bias is not None:
+            table["self_attn.o_proj.bias"] = (attn.o_bias, 0)
+        if layer.mlp.gate_up_bias is not None:
+            table["mlp.gate_proj.bias"] = (layer.mlp.gate_up_bias, 0)
+            table["mlp.up_proj.bias"] = (layer.mlp.gate_up_bias, cfg.intermediate_size)
+            table["mlp.down_proj.bias"] = (layer.mlp.down_bias, 0)
         if attn.q_norm is not None:
             table["self_attn.q_norm.weight"] = (attn.q_norm.weight, 0)
             table["self_attn.k_norm.weight"] = (attn.k_norm.weight, 0)

@@ -1,0 +1,240 @@
+"""The offline Python API, shaped like vLLM's:
+
+    from pdserve import LLM, SamplingParams
+    llm = LLM()                                  # the embedded SmolLM2-135M-Instruct
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    print(out[0].outputs[0].text)
+
+This is a front end: it tokenizes, runs one `EngineCore` to completion, detokenizes
+and applies stop strings (DESIGN.md: instances stop on token ids and lengths only).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from engine.core import EngineCore
+from engine.detokenizer import TextStream
+from engine.outputs import TokenLogprobs
+from engine.tokenizer import Tokenizer
+from scheduler.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+# generation_config.json keys that map onto SamplingParams fields.
+_GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+    # Shortcuts to the first (usually only) completion.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+@dataclass
+class _Tracked:
+    """Front-end state of one engine request (one of a prompt's n completions)."""
+
+    prompt_index: int
+    completion_index: int
+    stream: TextStream
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "auto", seed: int = 0, **engine_args):
+        self.engine = EngineCore(model=model, dtype=dtype, seed=seed, **engine_args)
+        self.tokenizer = Tokenizer.from_folder(self.engine.model_path)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults applied."""
+        defaults = self.engine.generation_config.defaults
+        values = {
+            ours: defaults[theirs]
+            for theirs, ours in _GENERATION_DEFAULTS.items()
+            if theirs in defaults
+        }
+        return SamplingParams(**values)
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        prompt_list = self._as_prompt_list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompt_list))
+        encoded = [self._encode(p) for p in prompt_list]
+        return self._run(prompt_list, encoded, params)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        texts = [
+            self.tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+            )
+            for conv in conversations
+        ]
+        # The template already holds the special tokens (bos etc.): add none on top.
+        encoded = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        params = self._params_per_prompt(sampling_params, len(texts))
+        return self._run(texts, encoded, params)
+
+    # ---- internals ------------------------------------------------------------------
+
+    @staticmethod
+    def _as_prompt_list(prompts) -> list[PromptType]:
+        if isinstance(prompts, str | dict):
+            return [prompts]
+        if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+            return [prompts]
+        return list(prompts)
+
+    def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [self.get_default_sampling_params()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if len(sampling_params) != count:
+            raise ValueError(f"got {len(sampling_params)} sampling params for {count} prompts")
+        return list(sampling_params)
+
+    def _encode(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def _run(
+        self, prompts: list, encoded: list[list[int]], params: list[SamplingParams]
+    ) -> list[RequestOutput]:
+        tracked: dict[str, _Tracked] = {}
+        try:
+            for index, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
+                for completion in range(sp.n):
+                    request_id = f"{next(self._ids)}"
+                    seed = None if sp.seed is None else sp.seed + completion
+                    child = sp if seed == sp.seed else _with_seed(sp, seed)
+                    request = self.engine.make_request(request_id, ids, child)
+                    self.engine.add_request(request)
+                    tracked[request_id] = _Tracked(
+                        index,
+                        completion,
+                        TextStream(
+                            self.tokenizer,
+                            sp.stop,
+                            sp.include_stop_str_in_output,
+                            sp.skip_special_tokens,
+                        ),
+                        logprobs=[] if sp.logprobs is not None else None,
+                    )
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    self._absorb(tracked[delta.request_id], delta)
+        except BaseException:
+            for request_id, state in tracked.items():
+                if state.finish_reason is None:
+                    self.engine.abort_request(request_id)
+            raise
+        return self._collect(prompts, encoded, tracked)
+
+    def _absorb(self, state: _Tracked, delta) -> None:
+        if state.finish_reason is not None:
+            return  # already ended by a stop string
+        state.token_ids.extend(delta.new_token_ids)
+        state.num_cached_tokens = delta.num_cached_tokens
+        if state.logprobs is not None and delta.logprobs:
+            state.logprobs.extend(delta.logprobs)
+        text = state.stream.add_tokens(delta.new_token_ids)
+        if text.stopped:
+            state.finish_reason, state.stop_reason = "stop", text.stop_string
+            self.engine.finish_request(delta.request_id)
+        elif delta.finished:
+            state.stream.finish()
+            state.finish_reason, state.stop_reason = delta.finish_reason, delta.stop_reason
+
+    def _collect(self, prompts, encoded, tracked: dict[str, _Tracked]) -> list[RequestOutput]:
+        results = [
+            RequestOutput(str(i), p if isinstance(p, str) else None, ids, [])
+            for i, (p, ids) in enumerate(zip(prompts, encoded, strict=True))
+        ]
+        for state in tracked.values():
+            result = results[state.prompt_index]
+            result.num_cached_tokens = state.num_cached_tokens
+            cumulative = (
+                sum(lp.logprob for lp in state.logprobs) if state.logprobs is not None else None
+            )
+            result.outputs.append(
+                CompletionOutput(
+                    index=state.completion_index,
+                    text=state.stream.text,
+                    token_ids=state.token_ids,
+                    cumulative_logprob=cumulative,
+                    logprobs=state.logprobs,
+                    finish_reason=state.finish_reason,
+                    stop_reason=state.stop_reason,
+                )
+            )
+        for result in results:
+            result.outputs.sort(key=lambda c: c.index)
+        return results
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return msgspec.structs.replace(params, seed=seed)
