@@ -1,0 +1,99 @@
+"""The control plane between two I/O threads: ZMQ ROUTER (serving) and DEALER (pulling).
+
+The prefill side binds a ROUTER and only ever answers the decode side's DEALER, so a
+prefill instance needs no address of its decode peers. Messages are single frames of
+msgpack (messages.py). A malformed frame is logged and dropped, never fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import msgspec
+import zmq
+
+from kvtransfer.messages import ControlMessage, decode_control, encode_control
+
+logger = logging.getLogger(__name__)
+
+
+def _decode(frame: bytes, origin: str) -> ControlMessage | None:
+    try:
+        return decode_control(frame)
+    except msgspec.DecodeError as exc:
+        logger.warning("dropping a malformed control message from %s: %s", origin, exc)
+        return None
+
+
+class ControlServer:
+    """ROUTER socket: decode peers connect here."""
+
+    def __init__(self, context: zmq.Context, host: str, port: int = 0):
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        try:
+            if port:
+                self.socket.bind(f"tcp://{host}:{port}")
+            else:
+                port = self.socket.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            self.socket.close()
+            raise OSError(f"cannot bind the KV control socket on {host}:{port}: {exc}") from exc
+        self.address = f"tcp://{host}:{port}"
+
+    def send(self, identity: bytes, message: ControlMessage) -> None:
+        try:
+            self.socket.send_multipart([identity, encode_control(message)], zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("control reply to %r dropped: peer not reading", identity)
+
+    def receive(self) -> list[tuple[bytes, ControlMessage]]:
+        messages = []
+        while True:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return messages
+            if len(frames) != 2:
+                continue
+            message = _decode(frames[1], repr(frames[0]))
+            if message is not None:
+                messages.append((frames[0], message))
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class ControlClient:
+    """DEALER socket to one prefill rank's ControlServer."""
+
+    def __init__(self, context: zmq.Context, address: str, name: str):
+        self.address = address
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        # A fresh identity per connection: a restarted peer never sees stale state.
+        self.socket.setsockopt(zmq.IDENTITY, f"{name}/{uuid.uuid4().hex[:12]}".encode())
+        self.socket.connect(address)
+
+    def send(self, message: ControlMessage) -> bool:
+        try:
+            self.socket.send(encode_control(message), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            logger.warning("control message to %s dropped: queue full", self.address)
+            return False
+
+    def receive(self) -> list[ControlMessage]:
+        messages = []
+        while True:
+            try:
+                frame = self.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return messages
+            message = _decode(frame, self.address)
+            if message is not None:
+                messages.append(message)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)

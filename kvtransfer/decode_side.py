@@ -1,0 +1,413 @@
+"""The pulling half of a worker's I/O thread: handshakes, pulls, heartbeats, deadlines.
+
+For each request this rank receives one *slice* per prefill rank whose heads overlap
+its own. A slice posts its receives (straight into the KV blocks when it covers all
+of this rank's heads, else into a staging buffer scattered on arrival), then sends
+the `Pull`. A request is reported exactly once, when none of its receives can still
+write: finished (every slice arrived; P is told `Done`), failed (a rejection, an
+error or the deadline; receives are cancelled and the request stays quarantined
+until the cancels land; P is told `Abort`) or aborted (the instance gave up; an
+in-flight pull runs to its end or deadline first).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from kvtransfer.config import KVTransferConfig
+from kvtransfer.control import ControlClient
+from kvtransfer.kv_memory import KVMemory
+from kvtransfer.layout import (
+    KVLayoutMismatch,
+    Run,
+    check_compatible,
+    check_tp_split,
+    coalesce,
+    head_range,
+    source_slices,
+)
+from kvtransfer.messages import (
+    Abort,
+    BlockRun,
+    ControlMessage,
+    Done,
+    Heartbeat,
+    Hello,
+    HelloReply,
+    KeepaliveSpec,
+    KVLayout,
+    KVSource,
+    Pull,
+    PullRejected,
+    PullSpec,
+)
+from kvtransfer.metrics import KVTransferStats
+from kvtransfer.transport import TransferOp, Transport
+
+logger = logging.getLogger(__name__)
+
+Report = Callable[[str, str, str], None]  # (kind, request_id, reason)
+_TAG_BITS = 20  # message index bits inside a tag; the rest is the transfer id
+
+
+@dataclass
+class _Slice:
+    request: _Request
+    address: str
+    src_rank: int
+    head_start: int
+    head_end: int
+    runs: list[Run]
+    transfer_id: int = -1
+    ops: list[TransferOp] = field(default_factory=list)
+    stagings: list[tuple[Any, int]] = field(default_factory=list)  # (buffer, dst_start)
+    state: str = "new"  # new → waiting (handshake) → receiving → received
+
+    @property
+    def in_flight(self) -> bool:
+        return self.state == "receiving" and not all(op.poll() for op in self.ops)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    source: KVSource
+    addresses: list[str]  # the prefill ranks this rank talks to about it
+    slices: list[_Slice] = field(default_factory=list)
+    deadline: float | None = None  # set when the pull starts
+    started: float | None = None
+    aborted: bool = False
+    failure: str | None = None
+    finalized: bool = False
+
+    @property
+    def in_flight(self) -> bool:
+        return any(s.in_flight for s in self.slices)
+
+
+@dataclass
+class _Source:
+    """One prefill rank, by control address."""
+
+    address: str
+    rank: int
+    tp_size: int
+    instance_id: str
+    client: ControlClient
+    state: str = "idle"  # idle → waiting (Hello sent) → ready
+    hello_deadline: float = 0.0
+    waiting: list[_Slice] = field(default_factory=list)
+
+
+class DecodeSide:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        layout: KVLayout,
+        tp_rank: int,
+        tp_size: int,
+        memory: KVMemory,
+        transport: Transport,
+        context: zmq.Context,
+        stats: KVTransferStats,
+        report: Report,
+    ):
+        self._config = config
+        self._layout = layout
+        self._tp_rank, self._tp_size = tp_rank, tp_size
+        self._heads = head_range(layout, tp_rank, tp_size)
+        self._memory = memory
+        self._transport = transport
+        self._context = context
+        self._stats = stats
+        self._report = report
+        self._name = f"{config.instance_id}/{tp_rank}"
+        self._requests: dict[str, _Request] = {}
+        self._sources: dict[str, _Source] = {}
+        self._by_transfer: dict[int, _Slice] = {}
+        self._next_transfer_id = 1
+        self._next_heartbeat = 0.0
+
+    # ---- commands from the instance -------------------------------------------------
+
+    def keepalive(self, spec: KeepaliveSpec, now: float) -> None:
+        request = self._admit(spec.request_id, spec.source, now)
+        if request is not None and request.failure is None:
+            for address in request.addresses:
+                self._handshake(self._sources[address], now)
+
+    def pull(self, spec: PullSpec, now: float) -> None:
+        request = self._admit(spec.request_id, spec.source, now)
+        if request is None or request.deadline is not None or request.failure is not None:
+            return
+        request.deadline = now + self._config.transfer_timeout_s
+        try:
+            runs = coalesce(spec.src_block_ids, spec.dst_block_ids)
+            for run in runs:
+                self._memory.check_blocks(run.dst_start, run.count)
+        except (ValueError, IndexError) as exc:
+            self._fail(request, f"invalid pull for request {spec.request_id}: {exc}")
+            return
+        for piece in source_slices(self._layout, self._tp_rank, self._tp_size, spec.source.tp_size):
+            address = spec.source.rank_addresses[piece.src_rank]
+            part = _Slice(request, address, piece.src_rank, piece.start, piece.end, runs)
+            request.slices.append(part)
+            if not runs:
+                part.state = "received"  # every block was in the local prefix cache
+                continue
+            source = self._sources[address]
+            self._handshake(source, now)
+            if source.state == "ready":
+                self._start(part)
+            else:
+                part.state = "waiting"
+                source.waiting.append(part)
+
+    def abort(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is not None:
+            request.aborted = True
+
+    def _admit(self, request_id: str, source: KVSource, now: float) -> _Request | None:
+        request = self._requests.get(request_id)
+        if request is not None:
+            return request
+        pieces = []
+        try:
+            check_compatible(self._layout, source.layout, f"prefill instance {source.instance_id}")
+            check_tp_split(source.layout, source.tp_size, f"prefill instance {source.instance_id}")
+            pieces = source_slices(self._layout, self._tp_rank, self._tp_size, source.tp_size)
+        except KVLayoutMismatch as exc:
+            request = _Request(request_id, source, [])
+            self._requests[request_id] = request
+            self._fail(request, str(exc))
+            return request
+        addresses = [source.rank_addresses[p.src_rank] for p in pieces]
+        request = _Request(request_id, source, addresses)
+        self._requests[request_id] = request
+        for piece, address in zip(pieces, addresses, strict=True):
+            if address not in self._sources:
+                client = ControlClient(self._context, address, self._name)
+                self._sources[address] = _Source(
+                    address, piece.src_rank, source.tp_size, source.instance_id, client
+                )
+        return request
+
+    # ---- handshake and pull ---------------------------------------------------------
+
+    def _handshake(self, source: _Source, now: float) -> None:
+        if source.state != "idle":
+            return
+        hello = Hello(
+            self._config.instance_id,
+            self._tp_rank,
+            self._tp_size,
+            self._layout,
+            self._transport.name,
+            self._transport.info,
+        )
+        source.client.send(hello)
+        source.state = "waiting"
+        source.hello_deadline = now + self._config.handshake_timeout_s
+
+    def _start(self, part: _Slice) -> None:
+        request = part.request
+        if request.failure is not None or request.aborted or request.finalized:
+            part.state = "received"  # nothing will be posted for it
+            return
+        part.transfer_id = self._next_transfer_id
+        self._next_transfer_id += 1
+        self._by_transfer[part.transfer_id] = part
+        lo, hi = self._heads
+        whole = (part.head_start, part.head_end) == (lo, hi)
+        block_runs = []
+        part.state = "receiving"
+        if request.started is None:
+            request.started = time.perf_counter()
+            self._stats.in_flight += 1
+        try:
+            for index, run in enumerate(part.runs):
+                tag = (part.transfer_id << _TAG_BITS) | index
+                if whole:
+                    buffer = self._memory.blocks(run.dst_start, run.count)
+                else:
+                    buffer = self._memory.staging(run.count, part.head_end - part.head_start)
+                    part.stagings.append((buffer, run.dst_start))
+                part.ops.append(self._transport.recv(buffer, tag))
+                block_runs.append(BlockRun(run.src_start, run.count, tag))
+        except Exception as exc:
+            self._fail(request, f"could not post receives: {exc}")
+            return
+        heads = (part.head_start, part.head_end)
+        pull = Pull(request.request_id, part.transfer_id, *heads, block_runs)
+        self._sources[part.address].client.send(pull)
+
+    # ---- control messages -----------------------------------------------------------
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [s.client.socket for s in self._sources.values()]
+
+    def receive(self, now: float) -> None:
+        for source in list(self._sources.values()):
+            for message in source.client.receive():
+                self._on_message(source, message, now)
+
+    def _on_message(self, source: _Source, message: ControlMessage, now: float) -> None:
+        if isinstance(message, HelloReply):
+            self._on_hello_reply(source, message)
+        elif isinstance(message, PullRejected):
+            part = self._by_transfer.get(message.transfer_id)
+            if message.reason.startswith("unknown peer"):
+                self._reset(source)  # the prefill rank restarted: handshake again next time
+            if part is not None and part.request.request_id == message.request_id:
+                self._fail(part.request, f"{self._source_name(source)}: {message.reason}")
+        else:
+            logger.warning("unexpected %s from %s", type(message).__name__, source.address)
+
+    def _source_name(self, source: _Source) -> str:
+        return f"prefill instance {source.instance_id} rank {source.rank}"
+
+    def _on_hello_reply(self, source: _Source, reply: HelloReply) -> None:
+        if source.state != "waiting":
+            return
+        name = self._source_name(source)
+        error = reply.error
+        if not error:
+            try:
+                check_compatible(self._layout, reply.layout, name)
+                if (reply.tp_rank, reply.tp_size) != (source.rank, source.tp_size):
+                    error = (
+                        f"{name}: handshake reports TP rank {reply.tp_rank} of {reply.tp_size}, "
+                        f"the handoff said rank {source.rank} of {source.tp_size}"
+                    )
+            except KVLayoutMismatch as exc:
+                error = str(exc)
+        if error:
+            waiting = source.waiting
+            self._reset(source)
+            for part in waiting:
+                self._fail(part.request, f"handshake failed: {error}")
+            return
+        source.state = "ready"
+        waiting, source.waiting = source.waiting, []
+        for part in waiting:
+            self._start(part)
+
+    def _reset(self, source: _Source) -> None:
+        source.client.close()
+        source.client = ControlClient(self._context, source.address, self._name)
+        source.state = "idle"
+        source.waiting = []
+
+    # ---- failure, completion, timers ------------------------------------------------
+
+    def _fail(self, request: _Request, reason: str) -> None:
+        if request.failure is not None:
+            return
+        request.failure = reason
+        in_flight = [op for part in request.slices if part.in_flight for op in part.ops]
+        if in_flight:
+            self._transport.cancel_recvs(in_flight)
+
+    def poll(self, now: float) -> None:
+        for source in self._sources.values():
+            if source.state == "waiting" and now >= source.hello_deadline:
+                waiting = source.waiting
+                timeout = self._config.handshake_timeout_s
+                self._reset(source)
+                for part in waiting:
+                    self._fail(
+                        part.request,
+                        f"no handshake reply from {self._source_name(source)} at "
+                        f"{source.address} within {timeout:g}s",
+                    )
+        for request in list(self._requests.values()):
+            if request.deadline is not None and now >= request.deadline:
+                self._fail(
+                    request,
+                    f"timed out after {self._config.transfer_timeout_s:g}s waiting for KV from "
+                    f"prefill instance {request.source.instance_id}",
+                )
+            self._settle(request)
+        if now >= self._next_heartbeat:
+            self._heartbeat()
+            self._next_heartbeat = now + self._config.heartbeat_interval_s
+
+    def _settle(self, request: _Request) -> None:
+        for part in request.slices:
+            if part.state == "receiving" and not part.in_flight:
+                part.state = "received"
+                errors = [op.error for op in part.ops if op.error]
+                if errors:
+                    self._fail(request, f"receive failed: {errors[0]}")
+                elif request.failure is None:
+                    for staging, dst_start in part.stagings:
+                        lo = self._heads[0]
+                        self._memory.scatter(
+                            staging, dst_start, part.head_start - lo, part.head_end - lo
+                        )
+                part.stagings = []
+        if request.in_flight:
+            return
+        received = bool(request.slices) and all(p.state == "received" for p in request.slices)
+        if request.failure is None and not request.aborted and not received:
+            return  # still waiting for the pull or the handshake
+        self._finalize(request)
+
+    def _finalize(self, request: _Request) -> None:
+        request.finalized = True
+        del self._requests[request.request_id]
+        for part in request.slices:
+            self._by_transfer.pop(part.transfer_id, None)
+        if request.started is not None:
+            self._stats.in_flight -= 1
+        if request.failure is None and not request.aborted:
+            for part in request.slices:
+                done = Done(request.request_id, part.transfer_id, part.head_start, part.head_end)
+                self._sources[part.address].client.send(done)
+            self._stats.bytes_total += sum(op.nbytes for p in request.slices for op in p.ops)
+            self._stats.transfers_total += 1
+            if request.started is not None:
+                self._stats.observe_seconds(time.perf_counter() - request.started)
+            self._report("finished_recving", request.request_id, "")
+            return
+        reason = "aborted" if request.aborted else (request.failure or "")
+        for address in request.addresses:
+            self._sources[address].client.send(Abort(request.request_id, reason))
+        if request.aborted:
+            self._report("aborted", request.request_id, "")
+        else:
+            self._stats.failures_total += 1
+            self._report("failed", request.request_id, reason)
+
+    def _heartbeat(self) -> None:
+        wanted: dict[str, list[str]] = {}
+        for request in self._requests.values():
+            if request.failure is None and not request.aborted:
+                for address in request.addresses:
+                    wanted.setdefault(address, []).append(request.request_id)
+        for address, request_ids in wanted.items():
+            self._sources[address].client.send(Heartbeat(request_ids))
+
+    def next_deadline(self) -> float | None:
+        deadlines = [self._next_heartbeat] if self._requests else []
+        deadlines += [r.deadline for r in self._requests.values() if r.deadline is not None]
+        deadlines += [s.hello_deadline for s in self._sources.values() if s.state == "waiting"]
+        return min(deadlines, default=None)
+
+    def close(self) -> None:
+        for source in self._sources.values():
+            source.client.close()
+
+    def quarantined(self) -> list[str]:
+        return [
+            r.request_id
+            for r in self._requests.values()
+            if (r.failure is not None or r.aborted) and r.in_flight
+        ]

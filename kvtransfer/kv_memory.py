@@ -1,0 +1,100 @@
+"""One rank's KV storage seen as bytes, for transfers.
+
+The engine stores [num_blocks, num_layers, 2, heads_on_rank, block_size, head_dim]
+(engine/kv_cache.py). Here the last two dims become one byte dim, so the dtype no
+longer matters and a run of consecutive blocks is one contiguous byte range
+(zero-copy send/receive), while a head slice is a strided view that goes through a
+contiguous staging buffer when a TP split makes it partial.
+
+Host memory arrives as a torch CPU tensor or a numpy array and is handled as numpy
+views of the same memory. CUDA tensors stay torch tensors: UCX takes their
+`__cuda_array_interface__` as it is (CUDA IPC / NVLink); that path is shaped here but
+only exercised on a GPU machine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvtransfer.layout import KVLayoutMismatch
+from kvtransfer.messages import KVLayout
+
+
+def _is_torch(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torch")
+
+
+class KVMemory:
+    def __init__(self, storage: Any, layout: KVLayout, tp_size: int = 1):
+        heads = layout.num_kv_heads // tp_size
+        expected = (layout.num_layers, 2, heads, layout.block_size, layout.head_dim)
+        shape = tuple(storage.shape)
+        if len(shape) != 6 or shape[1:] != expected:
+            raise KVLayoutMismatch(
+                f"KV storage of shape {shape} does not match the layout "
+                f"[num_blocks, {', '.join(map(str, expected))}]"
+            )
+        itemsize = storage.element_size() if _is_torch(storage) else storage.itemsize
+        if itemsize != layout.itemsize:
+            raise KVLayoutMismatch(
+                f"KV storage has {itemsize}-byte elements, layout says {layout.dtype}"
+            )
+        self.layout = layout
+        self.num_blocks = shape[0]
+        self.heads = heads
+        self.is_cuda = _is_torch(storage) and storage.is_cuda
+        row = layout.block_size * layout.head_dim * itemsize
+        if _is_torch(storage):
+            if not storage.is_contiguous():
+                raise ValueError("KV storage must be contiguous")
+            raw = storage.view(dtype=_torch_uint8(storage)).reshape(*shape[:4], row)
+            self._bytes = raw if self.is_cuda else raw.numpy()
+        else:
+            if not storage.flags["C_CONTIGUOUS"]:
+                raise ValueError("KV storage must be C-contiguous")
+            self._bytes = storage.view(np.uint8).reshape(*shape[:4], row)
+        self._storage = storage  # keeps the memory alive while transfers use it
+        self.bytes_per_block = layout.num_layers * 2 * heads * row
+
+    def check_blocks(self, start: int, count: int) -> None:
+        if start < 0 or count < 1 or start + count > self.num_blocks:
+            raise IndexError(
+                f"blocks [{start}, {start + count}) outside the KV pool of {self.num_blocks}"
+            )
+
+    def blocks(self, start: int, count: int) -> Any:
+        """Consecutive whole blocks: a contiguous view of the storage itself."""
+        self.check_blocks(start, count)
+        return self._bytes[start : start + count]
+
+    def gather(self, start: int, count: int, head_lo: int, head_hi: int) -> Any:
+        """A contiguous copy of local heads [head_lo, head_hi) of the given blocks."""
+        self.check_blocks(start, count)
+        view = self._bytes[start : start + count, :, :, head_lo:head_hi]
+        return view.contiguous() if self.is_cuda else np.ascontiguousarray(view)
+
+    def staging(self, count: int, num_heads: int) -> Any:
+        """An empty contiguous buffer shaped like `gather` output."""
+        shape = (count, *self._bytes.shape[1:3], num_heads, self._bytes.shape[4])
+        if self.is_cuda:
+            return self._bytes.new_empty(shape)
+        return np.empty(shape, dtype=np.uint8)
+
+    def scatter(self, staging: Any, start: int, head_lo: int, head_hi: int) -> None:
+        """Copy a staging buffer into local heads [head_lo, head_hi) of the blocks."""
+        count = staging.shape[0]
+        self.check_blocks(start, count)
+        target = self._bytes[start : start + count, :, :, head_lo:head_hi]
+        if self.is_cuda:
+            target.copy_(staging)
+        else:
+            np.copyto(target, staging)
+
+
+def _torch_uint8(tensor: Any) -> Any:
+    # Imported only when handed a torch tensor: host-only users need no torch.
+    import torch
+
+    return torch.uint8

@@ -1,0 +1,289 @@
+"""The serving half of a worker's I/O thread: held requests, leases, pulls served.
+
+A held request keeps its blocks until every head this rank holds has been confirmed
+by a decode rank (`Done`), or the decode side aborts it, or its lease runs out. In
+each case the blocks are reported only once no send out of them is in flight.
+
+A lease that runs out while sends are in flight means the decode side stopped
+reading: the sends are cancelled by resetting the endpoint to that peer (the only
+cancel ucxx offers for sends), which also cancels other pulls in flight to it; those
+are rejected so the decode side cancels them too, and their requests stay held.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvtransfer.config import KVTransferConfig
+from kvtransfer.control import ControlServer
+from kvtransfer.kv_memory import KVMemory
+from kvtransfer.layout import KVLayoutMismatch, check_compatible, check_tp_split, head_range
+from kvtransfer.messages import (
+    Abort,
+    ControlMessage,
+    Done,
+    Heartbeat,
+    Hello,
+    HelloReply,
+    HoldSpec,
+    KVLayout,
+    Pull,
+    PullRejected,
+)
+from kvtransfer.metrics import KVTransferStats
+from kvtransfer.transport import TransferOp, Transport
+
+logger = logging.getLogger(__name__)
+
+Report = Callable[[str, str], None]  # (kind, request_id)
+
+
+@dataclass
+class _Serving:
+    """One pull being served to one decode rank."""
+
+    peer: bytes
+    transfer_id: int
+    ops: list[TransferOp]
+    started: float
+    error: str | None = None
+    sent: bool = False  # every message left; waiting for the decode side's Done
+
+    @property
+    def in_flight(self) -> bool:
+        return not self.sent and not all(op.poll() for op in self.ops)
+
+
+@dataclass
+class _Held:
+    request_id: str
+    block_ids: frozenset[int]
+    deadline: float
+    serving: dict[tuple[bytes, int], _Serving] = field(default_factory=dict)
+    delivered_heads: set[int] = field(default_factory=set)
+    release: str | None = None  # "finished_sending" | "expired" | "aborted"
+
+    @property
+    def sends_in_flight(self) -> bool:
+        return any(s.in_flight for s in self.serving.values())
+
+
+class PrefillSide:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        layout: KVLayout,
+        tp_rank: int,
+        tp_size: int,
+        memory: KVMemory,
+        transport: Transport,
+        server: ControlServer,
+        stats: KVTransferStats,
+        report: Report,
+    ):
+        self._config = config
+        self._layout = layout
+        self._tp_rank, self._tp_size = tp_rank, tp_size
+        self._heads = head_range(layout, tp_rank, tp_size)
+        self._memory = memory
+        self._transport = transport
+        self._server = server
+        self._stats = stats
+        self._report = report
+        self._peers: dict[bytes, Hello] = {}
+        self._held: dict[str, _Held] = {}
+        self._parked: list[tuple[float, bytes, Pull]] = []  # pulls that beat their hold
+
+    # ---- commands from the instance -------------------------------------------------
+
+    def hold(self, spec: HoldSpec, now: float) -> None:
+        if spec.request_id in self._held:
+            return
+        self._held[spec.request_id] = _Held(
+            spec.request_id, frozenset(spec.block_ids), now + self._config.lease_s
+        )
+
+    def abort(self, request_id: str, now: float) -> None:
+        held = self._held.get(request_id)
+        if held is not None and held.release is None:
+            held.release = "aborted"
+        self._parked = [p for p in self._parked if p[2].request_id != request_id]
+
+    # ---- control messages -----------------------------------------------------------
+
+    def on_message(self, peer: bytes, message: ControlMessage, now: float) -> None:
+        if isinstance(message, Hello):
+            self._on_hello(peer, message)
+        elif isinstance(message, Pull):
+            self._on_pull(peer, message, now)
+        elif isinstance(message, Done):
+            self._on_done(peer, message)
+        elif isinstance(message, Heartbeat):
+            for request_id in message.request_ids:
+                held = self._held.get(request_id)
+                if held is not None and held.release is None:
+                    held.deadline = now + self._config.lease_s
+        elif isinstance(message, Abort):
+            self.abort(message.request_id, now)
+        else:
+            logger.warning("unexpected %s on the serving socket", type(message).__name__)
+
+    def _on_hello(self, peer: bytes, hello: Hello) -> None:
+        name = f"decode instance {hello.instance_id} rank {hello.tp_rank}"
+        error = ""
+        try:
+            check_compatible(self._layout, hello.layout, name)
+            check_tp_split(hello.layout, hello.tp_size, name)
+            if hello.transport != self._transport.name:
+                error = (
+                    f"KV transport mismatch: {name} uses {hello.transport}, "
+                    f"prefill instance {self._config.instance_id} uses {self._transport.name}"
+                )
+        except KVLayoutMismatch as exc:
+            error = str(exc)
+        if not error:
+            self._peers[peer] = hello
+            self._transport.add_peer(peer.hex(), hello.transport_info)
+        reply = HelloReply(
+            self._config.instance_id,
+            self._tp_rank,
+            self._tp_size,
+            self._layout,
+            self._transport.name,
+            error,
+        )
+        self._server.send(peer, reply)
+
+    def _reject(self, peer: bytes, pull: Pull, reason: str) -> None:
+        self._server.send(peer, PullRejected(pull.request_id, pull.transfer_id, reason))
+
+    def _on_pull(self, peer: bytes, pull: Pull, now: float) -> None:
+        if peer not in self._peers:
+            self._reject(peer, pull, "unknown peer: handshake first")
+            return
+        held = self._held.get(pull.request_id)
+        if held is None:
+            if self._config.pull_grace_s > 0:
+                self._parked.append((now + self._config.pull_grace_s, peer, pull))
+            else:
+                self._reject(peer, pull, self._unknown(pull.request_id))
+            return
+        if held.release is not None:
+            reason = f"request {pull.request_id} is being released ({held.release})"
+            self._reject(peer, pull, reason)
+            return
+        error = self._validate(held, pull)
+        if error:
+            self._reject(peer, pull, error)
+            return
+        if (peer, pull.transfer_id) in held.serving:
+            return  # a duplicate
+        lo, hi = self._heads
+        whole = (pull.head_start, pull.head_end) == (lo, hi)
+        ops: list[TransferOp] = []
+        serving = _Serving(peer, pull.transfer_id, ops, time.perf_counter())
+        held.serving[(peer, pull.transfer_id)] = serving
+        held.deadline = max(held.deadline, now + self._config.lease_s)
+        self._stats.in_flight += 1
+        try:
+            for run in pull.runs:
+                if whole:
+                    buffer = self._memory.blocks(run.src_start, run.count)
+                else:
+                    buffer = self._memory.gather(
+                        run.src_start, run.count, pull.head_start - lo, pull.head_end - lo
+                    )
+                ops.append(self._transport.send(peer.hex(), buffer, run.tag))
+        except Exception as exc:  # e.g. the peer's address is unreachable
+            serving.error = f"prefill side could not send: {exc}"
+            self._transport.reset_peer(peer.hex())
+
+    def _unknown(self, request_id: str) -> str:
+        return (
+            f"prefill instance {self._config.instance_id} does not hold request {request_id} "
+            "(never handed off, aborted, or its lease expired)"
+        )
+
+    def _validate(self, held: _Held, pull: Pull) -> str:
+        lo, hi = self._heads
+        if not lo <= pull.head_start < pull.head_end <= hi:
+            return f"heads [{pull.head_start}, {pull.head_end}) are not on this rank ([{lo}, {hi}))"
+        for run in pull.runs:
+            blocks = range(run.src_start, run.src_start + run.count)
+            if run.count < 1 or not held.block_ids.issuperset(blocks):
+                return f"blocks {list(blocks)} are not held for request {held.request_id}"
+        return ""
+
+    def _on_done(self, peer: bytes, done: Done) -> None:
+        held = self._held.get(done.request_id)
+        if held is None:
+            return
+        held.serving.pop((peer, done.transfer_id), None)
+        held.delivered_heads.update(range(done.head_start, done.head_end))
+        lo, hi = self._heads
+        if held.release is None and held.delivered_heads.issuperset(range(lo, hi)):
+            held.release = "finished_sending"
+
+    # ---- timers and completions -----------------------------------------------------
+
+    def poll(self, now: float) -> None:
+        self._serve_parked(now)
+        for held in list(self._held.values()):
+            self._finish_sends(held)
+            if held.release is None and now >= held.deadline:
+                self._expire(held)
+            if held.release is not None and not held.sends_in_flight:
+                del self._held[held.request_id]
+                self._report(held.release, held.request_id)
+
+    def _serve_parked(self, now: float) -> None:
+        parked, self._parked = self._parked, []
+        for deadline, peer, pull in parked:
+            if pull.request_id in self._held:
+                self._on_pull(peer, pull, now)
+            elif now >= deadline:
+                self._reject(peer, pull, self._unknown(pull.request_id))
+            else:
+                self._parked.append((deadline, peer, pull))
+
+    def _finish_sends(self, held: _Held) -> None:
+        for key, serving in list(held.serving.items()):
+            if serving.sent or serving.in_flight:
+                continue
+            self._stats.in_flight -= 1
+            errors = [op.error for op in serving.ops if op.error]
+            if serving.error or errors:
+                del held.serving[key]
+                reason = serving.error or f"prefill side send failed: {errors[0]}"
+                self._server.send(serving.peer, PullRejected(held.request_id, key[1], reason))
+                self._stats.failures_total += 1
+                continue
+            self._stats.bytes_total += sum(op.nbytes for op in serving.ops)
+            self._stats.transfers_total += 1
+            self._stats.observe_seconds(time.perf_counter() - serving.started)
+            serving.sent = True
+            serving.ops = []  # lets go of staging buffers; the entry waits for Done
+
+    def _expire(self, held: _Held) -> None:
+        held.release = "expired"
+        self._stats.lease_expiries_total += 1
+        stuck = {s.peer for s in held.serving.values() if s.in_flight}
+        for peer in stuck:
+            logger.warning(
+                "lease of %s expired with sends in flight; resetting the endpoint to %r",
+                held.request_id,
+                peer,
+            )
+            self._transport.reset_peer(peer.hex())
+
+    def next_deadline(self) -> float | None:
+        deadlines = [h.deadline for h in self._held.values() if h.release is None]
+        deadlines += [p[0] for p in self._parked]
+        return min(deadlines, default=None)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)

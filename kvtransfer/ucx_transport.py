@@ -1,0 +1,192 @@
+"""UCX through ucxx's synchronous core API, driven by one I/O thread.
+
+- "ucx": endpoints from worker addresses with error handling off. On one node UCX
+  then moves host memory over shared memory (CMA/SysV/POSIX); the TLS setting
+  (`UCX_TLS` or `tls`) decides what is allowed, e.g. "sm,self" or "tcp,self".
+- "ucx-listener": endpoints through a UCX listener (sockaddr) with error handling on,
+  the across-nodes setup (TCP, RDMA where present).
+
+ucxx offers no per-request cancel from Python, but closing an endpoint cancels the
+requests posted through it and tag matching is worker-wide. So receives are posted
+through a *group* endpoint that points at this worker itself: cancelling some
+receives closes the group (cancelling every unmatched receive in it), opens a new
+group, and posts the innocent ones again. Their senders never notice: a message
+that arrives in between waits in UCX's unexpected queue for the new receive.
+Sends are cancelled per peer by closing that peer's endpoint.
+
+The worker runs in blocking-progress mode: `ready_to_block` arms it and the I/O
+thread waits on its epoll descriptor next to the ZMQ sockets.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvtransfer.transport import TransferOp, Transport
+
+_OK = 0
+_CANCELED = -16  # UCS_ERR_CANCELED
+_CLOSE_PERIOD_NS = 200_000_000  # bound on how long closing an endpoint may block
+
+
+def _ucx() -> Any:
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    import ucxx._lib.libucxx as ucx
+
+    return ucx
+
+
+def _error_of(request: Any) -> str:
+    try:
+        request.check_error()
+    except Exception as exc:  # ucxx raises one class per UCS status
+        return f"{type(exc).__name__}: {exc}"
+    return f"UCX status {request.status}"
+
+
+class _SendOp(TransferOp):
+    def __init__(self, request: Any, buffer: Any, nbytes: int):
+        super().__init__(nbytes)
+        self._request = request
+        self._buffer = buffer  # keeps a staging buffer alive until the send is done
+
+    def poll(self) -> bool:
+        if not self.done and self._request.completed:
+            self.done = True
+            if self._request.status != _OK:
+                self.error = _error_of(self._request)
+        return self.done
+
+
+class _RecvOp(TransferOp):
+    def __init__(self, transport: UcxTransport, array: Any, tag: int, nbytes: int):
+        super().__init__(nbytes)
+        self._transport = transport
+        self._array = array
+        self.tag = tag
+        self.cancel_requested = False
+        self._request: Any = None
+        self.post()
+
+    def post(self) -> None:
+        self._request = self._transport.post_recv(self)
+
+    def poll(self) -> bool:
+        if self.done or not self._request.completed:
+            return self.done
+        status = self._request.status
+        if status == _CANCELED and not self.cancel_requested:
+            self.post()  # cancelled only because its group was closed for another op
+            return False
+        self.done = True
+        if status != _OK:
+            self.error = "cancelled" if status == _CANCELED else _error_of(self._request)
+        return True
+
+
+class UcxTransport(Transport):
+    def __init__(self, listener: bool, host: str, tls: str | None):
+        ucx = _ucx()
+        from ucxx._lib.arr import Array
+
+        self._ucx = ucx
+        self._array = Array
+        self.name = "ucx-listener" if listener else "ucx"
+        config = {"TLS": tls} if tls else {}
+        for key in ("TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE"):
+            if f"UCX_{key}" not in os.environ:
+                config[key] = "1M"  # the 64 KiB default caps TCP at a fraction of the link
+        self._context = ucx.UCXContext(
+            config_dict=config, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP)
+        )
+        self._worker = ucx.UCXWorker(self._context)
+        self._worker.init_blocking_progress_mode()
+        self._error_handling = listener
+        self._accepted: list[Any] = []  # endpoints senders opened to our listener
+        self._listener = None
+        if listener:
+            self._listener = ucx.UCXListener.create(self._worker, 0, self._accept)
+            self._info = f"{host}:{self._listener.port}".encode()
+        else:
+            self._info = self._worker.address.tobytes()
+        self._peer_info: dict[str, bytes] = {}
+        self._endpoints: dict[str, Any] = {}
+        self._group = self._open_group()
+        self._group_ops: list[_RecvOp] = []
+
+    @property
+    def info(self) -> bytes:
+        return self._info
+
+    def poll_handles(self) -> list[Any]:
+        return [self._worker.epoll_file_descriptor]
+
+    def _accept(self, conn_request: Any) -> None:
+        assert self._listener is not None
+        endpoint = self._listener.create_endpoint_from_conn_request(conn_request, True)
+        self._accepted = [ep for ep in self._accepted if ep.alive] + [endpoint]
+
+    def _open_group(self) -> Any:
+        return self._worker.create_endpoint_from_worker_address(self._worker.address, False)
+
+    def add_peer(self, peer: str, info: bytes) -> None:
+        self.reset_peer(peer)
+        self._peer_info[peer] = info
+
+    def _endpoint(self, peer: str) -> Any:
+        endpoint = self._endpoints.get(peer)
+        if endpoint is None:
+            info = self._peer_info[peer]
+            if self._error_handling:
+                host, port = info.decode().rsplit(":", 1)
+                endpoint = self._worker.create_endpoint_from_hostname(host, int(port), True)
+            else:
+                address = self._ucx.UCXAddress.create_from_buffer(info)
+                endpoint = self._worker.create_endpoint_from_worker_address(address, False)
+            self._endpoints[peer] = endpoint
+        return endpoint
+
+    def send(self, peer: str, buffer: Any, tag: int) -> TransferOp:
+        array = self._array(buffer)
+        request = self._endpoint(peer).tag_send(array, self._ucx.UCXXTag(tag))
+        return _SendOp(request, buffer, array.nbytes)
+
+    def recv(self, buffer: Any, tag: int) -> TransferOp:
+        array = self._array(buffer)
+        return _RecvOp(self, array, tag, array.nbytes)
+
+    def post_recv(self, op: _RecvOp) -> Any:
+        self._group_ops.append(op)
+        return self._group.tag_recv(op._array, self._ucx.UCXXTag(op.tag))
+
+    def cancel_recvs(self, ops: list[TransferOp]) -> None:
+        for op in ops:
+            if isinstance(op, _RecvOp):
+                op.cancel_requested = True
+        old_ops = [op for op in self._group_ops if not op.done]
+        self._group.close_blocking(_CLOSE_PERIOD_NS, 1)
+        self._group = self._open_group()
+        self._group_ops = []
+        for op in old_ops:
+            op.poll()  # innocent cancelled receives go into the new group
+
+    def reset_peer(self, peer: str) -> None:
+        endpoint = self._endpoints.pop(peer, None)
+        if endpoint is not None:
+            endpoint.close_blocking(_CLOSE_PERIOD_NS, 1)
+
+    def progress(self) -> None:
+        self._worker.progress()
+        if len(self._group_ops) > 64:
+            self._group_ops = [op for op in self._group_ops if not op.done]
+
+    def ready_to_block(self) -> bool:
+        return bool(self._worker.arm())
+
+    def close(self) -> None:
+        for peer in list(self._endpoints):
+            self.reset_peer(peer)
+        self._group.close_blocking(_CLOSE_PERIOD_NS, 1)
+        self._accepted.clear()
+        self._listener = None

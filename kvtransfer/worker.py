@@ -1,0 +1,227 @@
+"""The worker half of the connector: one per TP rank, owning that rank's KV memory.
+
+All network work happens on a dedicated I/O thread (DESIGN.md: a long prefill chunk
+must never starve a lease or a transfer): the UCX worker in blocking-progress mode,
+the ZMQ control sockets, heartbeats and timers, waited on together in one poller.
+The instance talks to it through two calls per step:
+
+    worker.apply(metadata)          # holds / keepalives / pulls / aborts from the leader
+    report = worker.get_finished()  # what finished since the last call
+
+Both are cheap and never block on the network.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from kvtransfer.config import KVTransferConfig
+from kvtransfer.control import ControlServer
+from kvtransfer.decode_side import DecodeSide
+from kvtransfer.kv_memory import KVMemory
+from kvtransfer.layout import check_tp_split
+from kvtransfer.messages import KVConnectorMetadata, KVLayout, TransferReport
+from kvtransfer.metrics import KVTransferStats
+from kvtransfer.prefill_side import PrefillSide
+from kvtransfer.transport import Transport, make_transport
+
+logger = logging.getLogger(__name__)
+
+_MAX_WAIT_S = 0.1  # upper bound on one poll, so stop() is noticed promptly
+_ids = itertools.count()
+
+
+class KVTransferWorker:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        kv_storage: Any,
+        layout: KVLayout,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
+        """`kv_storage`: this rank's KV tensor (torch, CPU or CUDA) or numpy array in
+        the engine layout [num_blocks, layers, 2, kv_heads/tp_size, block_size, head_dim]."""
+        check_tp_split(layout, tp_size, f"instance {config.instance_id}")
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} outside TP size {tp_size}")
+        self.config = config
+        self.layout = layout
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self._memory = KVMemory(kv_storage, layout, tp_size)
+        self._lock = threading.Lock()
+        self._commands: list[KVConnectorMetadata] = []
+        self._report = TransferReport()
+        self._stats = KVTransferStats()
+        self._published_stats = KVTransferStats()
+        self._quarantined: list[str] = []
+        self._error: str | None = None
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._wake_address = f"inproc://kvtransfer-wake-{next(_ids)}"
+        self._context = zmq.Context()
+        self._wake: zmq.Socket | None = None
+        self._thread: threading.Thread | None = None
+        self._address = ""
+        self._transport_info = b""
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 30.0) -> KVTransferWorker:
+        if self._thread is not None:
+            return self
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvtransfer-io-{self.tp_rank}", daemon=True
+        )
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            self.close()
+            raise TimeoutError(f"KV transfer I/O thread not ready within {timeout_s:g}s")
+        if self._error:
+            self.close()
+            raise RuntimeError(f"KV transfer I/O thread failed to start: {self._error}")
+        self._wake = self._context.socket(zmq.PAIR)
+        self._wake.connect(self._wake_address)
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        if self._wake is not None:
+            self._wake.close(linger=0)
+            self._wake = None
+        self._context.term()
+
+    def __enter__(self) -> KVTransferWorker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def control_address(self) -> str:
+        """tcp://host:port of this rank's control socket (goes into KVSource)."""
+        return self._address
+
+    @property
+    def transport_info(self) -> bytes:
+        return self._transport_info
+
+    # ---- per-step calls from the instance -------------------------------------------
+
+    def apply(self, metadata: KVConnectorMetadata) -> None:
+        if metadata.is_empty:
+            return
+        with self._lock:
+            self._commands.append(metadata)
+            if self._wake is not None:
+                self._wake.send(b"", zmq.NOBLOCK)
+
+    def get_finished(self) -> TransferReport:
+        with self._lock:
+            if self._error:
+                raise RuntimeError(f"KV transfer I/O thread failed: {self._error}")
+            report, self._report = self._report, TransferReport()
+            report.quarantined = list(self._quarantined)
+            return report
+
+    def stats(self) -> KVTransferStats:
+        with self._lock:
+            return self._published_stats.copy()
+
+    # ---- the I/O thread -------------------------------------------------------------
+
+    def _record(self, kind: str, request_id: str, reason: str = "") -> None:
+        with self._lock:
+            if kind == "failed":
+                self._report.failed[request_id] = reason
+            else:
+                getattr(self._report, kind).append(request_id)
+
+    def _run(self) -> None:
+        transport: Transport | None = None
+        server: ControlServer | None = None
+        decode: DecodeSide | None = None
+        wake = self._context.socket(zmq.PAIR)
+        try:
+            wake.bind(self._wake_address)
+            transport = make_transport(
+                self.config.transport, self.config.host, self.config.ucx_tls, self._context
+            )
+            server = ControlServer(self._context, self.config.host, self.config.control_port)
+            self._address, self._transport_info = server.address, transport.info
+            args = (self.config, self.layout, self.tp_rank, self.tp_size, self._memory, transport)
+            prefill = PrefillSide(*args, server, self._stats, self._record)
+            decode = DecodeSide(*args, self._context, self._stats, self._record)
+            self._ready.set()
+            self._loop(wake, transport, server, prefill, decode)
+        except Exception as exc:
+            logger.exception("KV transfer I/O thread failed")
+            with self._lock:
+                self._error = f"{type(exc).__name__}: {exc}"
+            self._ready.set()
+        finally:
+            if decode is not None:
+                decode.close()
+            if transport is not None:
+                transport.close()
+            if server is not None:
+                server.close()
+            wake.close(linger=0)
+
+    def _loop(
+        self,
+        wake: zmq.Socket,
+        transport: Transport,
+        server: ControlServer,
+        prefill: PrefillSide,
+        decode: DecodeSide,
+    ) -> None:
+        poller = zmq.Poller()
+        for handle in [wake, server.socket, *transport.poll_handles()]:
+            poller.register(handle, zmq.POLLIN)
+        registered: set[zmq.Socket] = set()
+        while not self._stop.is_set():
+            now = time.monotonic()
+            with self._lock:
+                commands, self._commands = self._commands, []
+            for metadata in commands:
+                for hold in metadata.holds:
+                    prefill.hold(hold, now)
+                for keepalive in metadata.keepalives:
+                    decode.keepalive(keepalive, now)
+                for pull in metadata.pulls:
+                    decode.pull(pull, now)
+                for request_id in metadata.aborts:
+                    prefill.abort(request_id, now)
+                    decode.abort(request_id)
+            for peer, message in server.receive():
+                prefill.on_message(peer, message, now)
+            decode.receive(now)
+            transport.progress()
+            prefill.poll(now)
+            decode.poll(now)
+            with self._lock:
+                self._published_stats = self._stats.copy()
+                self._quarantined = decode.quarantined()
+            sockets = set(decode.sockets())
+            for socket in sockets - registered:
+                poller.register(socket, zmq.POLLIN)
+            for socket in registered - sockets:
+                poller.unregister(socket)
+            registered = sockets
+            if not transport.ready_to_block():
+                continue  # UCX has events queued: progress again at once
+            deadlines = [d for d in (prefill.next_deadline(), decode.next_deadline()) if d]
+            wait = min([_MAX_WAIT_S, *(d - time.monotonic() for d in deadlines)])
+            for socket, _ in poller.poll(max(0, int(wait * 1000))):
+                if socket is wake:
+                    while wake.poll(0):
+                        wake.recv()
