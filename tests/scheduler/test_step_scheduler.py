@@ -250,7 +250,8 @@ def test_no_admission_in_a_step_that_preempted() -> None:
     model.step()
     sched.add_request(make_request("late", [1], max_tokens=1))
     output, _ = model.step()
-    assert output.preempted_ids and "late" not in o_ids(output)
+    assert output.preempted_ids == ["c"] and "late" not in o_ids(output)
+    assert [r.request_id for r in sched.waiting] == ["c", "late"], "the preempted go first"
 
 
 # ---- stop conditions ------------------------------------------------------------

@@ -1,0 +1,229 @@
+"""Property-based: random request traffic against small pools keeps the books straight.
+
+Hypothesis drives adds (local, hand-off and remote requests over shared prefixes and
+two tenants), steps with random sampled tokens (eos among them), aborts, pulls that
+succeed or fail, and releases of held blocks, on pools small enough to force
+preemptions. After every operation the block books must balance; the fake model
+checks on every chunk that the KV it reads back is the request's own tokens; and once
+everything has drained, every block is free or held only by the prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from scheduler.config import SchedulerConfig
+from scheduler.outputs import RemoteKVAllocation
+from scheduler.request import Request, RequestStatus
+from scheduler.step_scheduler import Scheduler
+from tests.scheduler.fake_model import FakeModel, make_request
+
+EOS = 0
+PREFIXES = [[], [11, 12, 13, 14, 15, 16, 17, 18], [11, 12, 13, 14, 21, 22], [31, 32, 33]]
+
+
+def assert_books_balance(sched: Scheduler) -> None:
+    """The block invariants, recomputed here independently of check_invariants()."""
+    bm = sched.block_manager
+    owners: dict[int, set[str]] = {}
+    for rid in bm.holder_ids():
+        table = bm.get_block_ids(rid)
+        assert len(set(table)) == len(table), f"{rid} holds a block twice: {table}"
+        for block in table:
+            owners.setdefault(block, set()).add(rid)
+    free = list(bm.pool._free) + list(bm.pool._evictable)
+    assert len(free) == len(set(free)), "a block is free twice"
+    assert not set(free) & set(owners), "a block is both free and owned"
+    for block in bm.pool.blocks:
+        holders = owners.get(block.block_id, set())
+        assert block.ref_count == len(holders), f"block {block.block_id}: {block} vs {holders}"
+    assert len(free) + len(owners) == bm.num_blocks, "a block is neither free nor owned"
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        num_blocks=st.integers(4, 14),
+        block_size=st.sampled_from([2, 3, 4]),
+        max_batched=st.integers(3, 24),
+        max_num_seqs=st.integers(1, 4),
+        prefix_caching=st.booleans(),
+        chunked=st.booleans(),
+    )
+    def start(self, num_blocks, block_size, max_batched, max_num_seqs, prefix_caching, chunked):
+        max_model_len = 24
+        self.sched = Scheduler(
+            SchedulerConfig(
+                num_blocks=num_blocks,
+                block_size=block_size,
+                max_num_batched_tokens=max_batched if chunked else max_model_len,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                enable_prefix_caching=prefix_caching,
+                enable_chunked_prefill=chunked,
+            )
+        )
+        self.model = FakeModel(self.sched, vocab=6)
+        self.allocations: dict[str, RemoteKVAllocation] = {}
+        self.next_id = 0
+        self.outputs_seen: Counter[str] = Counter()
+
+    def new_request(self, prefix: int, suffix: list[int], salt: str, **params) -> Request:
+        self.next_id += 1
+        prompt = PREFIXES[prefix] + suffix
+        return make_request(f"r{self.next_id}", prompt, salt=salt, eos=frozenset({EOS}), **params)
+
+    def fits(self, request: Request, kv_tokens: int) -> bool:
+        return -(-kv_tokens // self.sched.config.block_size) <= self.sched.config.num_blocks
+
+    @rule(
+        prefix=st.integers(0, len(PREFIXES) - 1),
+        suffix=st.lists(st.integers(1, 5), max_size=10),
+        salt=st.sampled_from(["", "tenant"]),
+        max_tokens=st.integers(1, 8),
+        min_tokens=st.integers(0, 2),
+        ignore_eos=st.booleans(),
+        hand_off=st.booleans(),
+    )
+    def add(self, prefix, suffix, salt, max_tokens, min_tokens, ignore_eos, hand_off):
+        min_tokens = min(min_tokens, max_tokens)
+        req = self.new_request(
+            prefix,
+            suffix,
+            salt,
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            ignore_eos=ignore_eos,
+        )
+        n = req.num_prompt_tokens
+        kv_tokens = n if hand_off else max(n, min(n + max_tokens, 24) - 1)
+        try:
+            self.sched.add_request(req, hand_off=hand_off)
+        except ValueError as error:
+            assert n == 0 or not self.fits(req, kv_tokens), str(error)
+        else:
+            assert n > 0 and self.fits(req, kv_tokens)
+
+    @rule(
+        prefix=st.integers(0, len(PREFIXES) - 1),
+        suffix=st.lists(st.integers(1, 5), max_size=8),
+        first_token=st.integers(1, 5),
+        max_tokens=st.integers(2, 6),
+    )
+    def add_remote(self, prefix, suffix, first_token, max_tokens):
+        req = self.new_request(prefix, suffix, "", max_tokens=max_tokens)
+        if not req.prompt_token_ids:
+            return
+        req.output_token_ids.append(first_token)
+        n = req.num_prompt_tokens
+        try:
+            self.sched.add_remote_request(req, n)
+        except ValueError:
+            assert not self.fits(req, max(n + 1, min(n + max_tokens, 24) - 1))
+
+    @rule(tokens=st.lists(st.integers(0, 5), min_size=1, max_size=6))
+    def step(self, tokens):
+        feed = iter(tokens * 20)
+        output = self.sched.schedule()
+        self.sched.check_invariants()
+        for allocation in output.remote_kv_allocations:
+            self.allocations[allocation.request_id] = allocation
+        sampled = self.model.execute(output, lambda request, context: next(feed))
+        counts = {c.request.request_id: c.request.num_output_tokens for c in output.chunks}
+        left = self.sched.update_from_output(output, sampled)
+        for chunk in output.chunks:
+            req = chunk.request
+            grew = req.num_output_tokens - counts[req.request_id]
+            assert grew == (1 if req.request_id in sampled else 0)
+            if req.is_finished:
+                assert req in left
+        for req in left:
+            assert req.status.finished or req.status is RequestStatus.HANDED_OFF
+            assert self.sched.get_request(req.request_id) in (None, req)
+            if req.status.finished:
+                assert not self.sched.get_block_ids(req.request_id)
+
+    @precondition(lambda self: self.sched.requests)
+    @rule(data=st.data(), stop=st.booleans())
+    def end_one(self, data, stop):
+        rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
+        status = RequestStatus.FINISHED_STOPPED if stop else RequestStatus.FINISHED_ABORTED
+        assert self.sched.finish_request(rid, status)
+        assert not self.sched.get_block_ids(rid)
+
+    @precondition(lambda self: self.sched.waiting_for_remote)
+    @rule(data=st.data(), success=st.booleans(), recompute=st.booleans())
+    def finish_pull(self, data, success, recompute):
+        rid = data.draw(st.sampled_from(sorted(self.sched.waiting_for_remote)))
+        self.complete_pull(rid, success, "recompute" if recompute else "fail")
+
+    def complete_pull(self, rid: str, success: bool, policy: str) -> None:
+        allocation = self.allocations.pop(rid)
+        req = self.sched.waiting_for_remote[rid]
+        if success:
+            self.model.fill_remote(
+                allocation.block_ids,
+                req,
+                allocation.num_local_cached_tokens,
+                allocation.num_remote_tokens,
+            )
+        assert self.sched.finish_remote_kvs(rid, success, policy)
+        if success or policy == "recompute":
+            assert req.status is RequestStatus.RUNNING
+        else:
+            assert req.status is RequestStatus.FINISHED_ERROR and req.error
+
+    @precondition(lambda self: self.sched.held)
+    @rule(data=st.data())
+    def release_held(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.sched.held)))
+        assert self.sched.release_held_blocks(rid)
+
+    @invariant()
+    def books_balance(self):
+        if hasattr(self, "sched"):
+            self.sched.check_invariants()
+            assert_books_balance(self.sched)
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        sched = self.sched
+        for _ in range(500):
+            for rid in list(sched.held):
+                assert sched.release_held_blocks(rid)
+            for rid in list(sched.waiting_for_remote):
+                self.complete_pull(rid, True, "recompute")
+            if not sched.has_unfinished_requests():
+                break
+            output = sched.schedule()
+            for allocation in output.remote_kv_allocations:
+                self.allocations[allocation.request_id] = allocation
+            sched.update_from_output(output, self.model.execute(output))
+            sched.check_invariants()
+        assert not sched.has_unfinished_requests(), "requests never drained"
+        for rid in list(sched.held):
+            sched.release_held_blocks(rid)
+        sched.check_invariants()
+        assert_books_balance(sched)
+        assert sched.block_manager.holder_ids() == set()
+        assert sched.block_manager.num_free_blocks == sched.config.num_blocks
+        assert sched.stats().kv_cache_usage_perc == 0.0
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+test_scheduler_keeps_its_books_under_random_traffic = SchedulerMachine.TestCase
