@@ -100,15 +100,20 @@ class CompletionsClient:
         self, response: httpx.Response, outcome: RequestOutcome, start: float
     ) -> None:
         """Fill `outcome` from the SSE stream: TTFT, ITLs, tokens, text."""
-        last_chunk = start
+        last_chunk = end = start
         chunks = 0
         usage: dict = {}
+        done = False
+        # Read to the end even after [DONE]: a fully read response keeps its connection
+        # in the pool, where breaking off would close it and cost a reconnect.
         async for line in response.aiter_lines():
-            if not line.startswith("data:"):
+            if done or not line.startswith("data:"):
                 continue
             data = line[len("data:") :].strip()
             if data == "[DONE]":
-                break
+                done = True
+                end = time.perf_counter()
+                continue
             now = time.perf_counter()
             try:
                 payload = json.loads(data)
@@ -135,7 +140,7 @@ class CompletionsClient:
         if chunks == 0:
             outcome.error = "no tokens received"
             return
-        outcome.latency = time.perf_counter() - start
+        outcome.latency = (end if done else time.perf_counter()) - start
         outcome.output_tokens = int(usage.get("completion_tokens") or chunks)
         outcome.prompt_len = int(usage.get("prompt_tokens") or outcome.prompt_len)
         outcome.success = True

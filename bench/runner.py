@@ -121,22 +121,31 @@ class Run:
         return outcomes, duration
 
 
-async def run_benchmark(samples: list[SampleRequest], config: RunConfig) -> dict:
-    """Run `samples` against the server and return vLLM-shaped results."""
+async def run_benchmark(
+    samples: list[SampleRequest], config: RunConfig, client: CompletionsClient | None = None
+) -> dict:
+    """Run `samples` against the server and return vLLM-shaped results.
+
+    A caller running several benchmarks in a row (a sweep) may pass its own client so
+    that warm connections carry over from one run to the next.
+    """
     config.validate()
     if not samples:
         raise ValueError("no requests to send")
-    connections = config.max_concurrency or min(len(samples), 1000)
-    client = CompletionsClient(
-        config.base_url, config.timeout_s, max(connections, 1), config.extra_body
-    )
+    own_client = client is None
+    if client is None:
+        connections = config.max_concurrency or min(len(samples), 1000)
+        client = CompletionsClient(
+            config.base_url, config.timeout_s, max(connections, 1), config.extra_body
+        )
     try:
         run = Run(config, client)
         run.model = await resolve_model(client, config.model)
         await run.warm_up(samples)
         outcomes, duration = await run.measure(samples)
     finally:
-        await client.close()
+        if own_client:
+            await client.close()
     rate = config.request_rate
     header = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),

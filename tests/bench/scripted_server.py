@@ -99,6 +99,7 @@ async def metrics() -> PlainTextResponse:
 
 @app.post("/v1/completions")
 async def completions(request: Request):
+    arrived = asyncio.get_running_loop().time()
     script, stats = state["script"], state["stats"]
     body = await request.json()
     stats.requests += 1
@@ -117,13 +118,15 @@ async def completions(request: Request):
         return "data: " + json.dumps({"id": "c", "object": "text_completion", "choices": [choice]})
 
     async def stream():
+        # Tokens are paced against deadlines, not by chained sleeps, so a late wake-up
+        # on a busy machine does not push every later token back.
+        loop = asyncio.get_running_loop()
+        deadline = arrived + ttft
         try:
-            await asyncio.sleep(ttft)
             for i in range(max_tokens):
                 if i > 0:
-                    await asyncio.sleep(
-                        script.itl_s + script.itl_per_active_s * (state["active"] - 1)
-                    )
+                    deadline += script.itl_s + script.itl_per_active_s * (state["active"] - 1)
+                await asyncio.sleep(max(0.0, deadline - loop.time()))
                 finish = "length" if i == max_tokens - 1 else None
                 yield chunk(" tok", finish) + "\n\n"
             if script.usage:

@@ -32,7 +32,6 @@ def test_measures_scripted_latencies_and_counts_match_server(scripted_server) ->
     assert result["completed"] == 12 and result["failed"] == 0
     assert result["model_id"] == "scripted-model"
     assert within(result["median_ttft_ms"], 200.0, 0.10), result["median_ttft_ms"]
-    assert within(result["mean_ttft_ms"], 200.0, 0.10), result["mean_ttft_ms"]
     assert within(result["median_itl_ms"], 20.0, 0.10), result["median_itl_ms"]
     assert within(result["mean_tpot_ms"], 20.0, 0.10), result["mean_tpot_ms"]
     expected_e2e = 200.0 + 15 * 20.0
