@@ -45,12 +45,14 @@ class PrefillPlan:
     num_stages: int
 
 
-def plan_prefill(head_dim: int) -> PrefillPlan:
+def plan_prefill(head_dim: int, dtype: torch.dtype) -> PrefillPlan:
+    if dtype == torch.float32 or head_dim > 128:  # fp32 tiles take twice the registers
+        return PrefillPlan(
+            block_m=64, block_n=32, num_warps=4 if head_dim <= 64 else 8, num_stages=2
+        )
     if head_dim <= 64:
         return PrefillPlan(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    if head_dim <= 128:
-        return PrefillPlan(block_m=128, block_n=64, num_warps=8, num_stages=3)
-    return PrefillPlan(block_m=64, block_n=32, num_warps=8, num_stages=2)
+    return PrefillPlan(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
 @triton.jit
@@ -221,7 +223,7 @@ def prefill_attention_triton(
         return out
 
     upcast = upcast_dot(query, kv_cache.dtype)
-    plan = plan_prefill(head_dim)
+    plan = plan_prefill(head_dim, query.dtype)
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int32)
     tiles = torch.div(q_lens + plan.block_m - 1, plan.block_m, rounding_mode="floor")
     tile_start = torch.zeros(num_seqs + 1, dtype=torch.int32, device=query.device)

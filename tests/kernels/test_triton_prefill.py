@@ -75,7 +75,7 @@ def test_prefill_matches_reference_over_the_grid(
     "head_dim,dtype,window", [(64, BF16, None), (256, F16, 50)], ids=["d64-bf16", "d256-f16-w50"]
 )
 def test_several_query_tiles_per_sequence(head_dim, dtype, window):
-    block_m = plan_prefill(head_dim).block_m
+    block_m = plan_prefill(head_dim, dtype).block_m
     # A prompt over two query tiles plus one token, after a cached prefix, beside a
     # chunk ending exactly on a tile boundary.
     seqs = [(block_m + 21, block_m + 1), (block_m, block_m), (3, 3)]
