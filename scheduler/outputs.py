@@ -55,7 +55,8 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     # Requests preempted in this step: their KV is gone and will be recomputed.
     preempted_ids: list[str] = field(default_factory=list)
-    # Requests that left the instance since the last step (finished or aborted).
+    # Requests that left the compute set since the last step (finished, aborted, or —
+    # prefill side — handed off with their blocks held): drop their per-request state.
     finished_ids: list[str] = field(default_factory=list)
     # Decode side: requests that entered WAITING_FOR_REMOTE_KVS in this step. They are
     # not computed, so a step can carry allocations and still be `is_empty`.

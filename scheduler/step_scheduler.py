@@ -188,7 +188,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._chunk_size(request.num_tokens - request.num_computed_tokens, budget)
+            # Leave a token for each running request behind this one, so a long
+            # prefill chunk never stalls their decodes.
+            share = max(1, budget - (len(self.running) - i - 1))
+            num_new = self._chunk_size(request.num_tokens - request.num_computed_tokens, share)
             if num_new == 0:
                 i += 1
                 continue

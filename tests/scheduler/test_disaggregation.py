@@ -300,3 +300,24 @@ def test_prefill_to_decode_hand_off_matches_a_colocated_run() -> None:
     assert decode.block_manager.num_free_blocks == 32
     assert p_model.tokens_computed == sum(len(p) for p in prompts.values())
     assert d_model.tokens_computed == 3 * 7  # decodes only
+
+
+def test_a_long_prefill_leaves_a_token_for_each_decode_behind_it() -> None:
+    sched = make_scheduler(max_num_batched_tokens=8)
+    model = FakeModel(sched)
+    req = handed_off(prompt_of(30), "slow", max_tokens=4)
+    fast = handed_off(prompt_of(10, 1), "fast", max_tokens=4)
+    sched.add_remote_request(req, 30)
+    sched.add_remote_request(fast, 10)
+    _, fast_allocation = sched.schedule().remote_kv_allocations
+    assert sched.finish_remote_kvs("slow", success=False, policy="recompute")
+    model.fill_remote(fast_allocation.block_ids, fast, 0, 10)
+    assert sched.finish_remote_kvs("fast", success=True)
+    assert [r.request_id for r in sched.running] == ["slow", "fast"]
+    for _ in range(3):
+        output, _ = model.step()
+        sizes = {c.request.request_id: c.num_new_tokens for c in output.chunks}
+        assert sizes == {"slow": 7, "fast": 1}
+    model.run_to_completion()
+    assert fast.output_token_ids == reference_output(fast.prompt_token_ids, 4)
+    assert req.output_token_ids == reference_output(req.prompt_token_ids, 4)
