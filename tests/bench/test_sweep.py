@@ -94,10 +94,10 @@ def reduced_config(base_url: str, **overrides) -> SweepConfig:
 
 @pytest.mark.slow
 def test_reduced_sweep_stops_on_itl_and_writes_json_and_png(scripted_server, tmp_path) -> None:
-    # ITL grows 10 ms per other request in flight: 40, 50, 70, 110 ms at 1, 2, 4, 8,
-    # while throughput still gains 60%, 43%, 27% from step to step.
-    scripted_server.script(ttft_s=0.02, itl_s=0.04, itl_per_active_s=0.01, kv_capacity=8)
-    config = reduced_config(scripted_server.base_url, itl_slo_ms=90.0)
+    # ITL grows 20 ms per other request in flight: 40, 60, 100, 180 ms at 1, 2, 4, 8,
+    # while throughput still gains 33%, 20%, 11% from step to step.
+    scripted_server.script(ttft_s=0.02, itl_s=0.04, itl_per_active_s=0.02, kv_capacity=8)
+    config = reduced_config(scripted_server.base_url, itl_slo_ms=140.0)
     spec = DatasetSpec(
         num_prompts=config.requests_needed(), random_input_len=16, random_output_len=8
     )
@@ -122,7 +122,7 @@ def test_reduced_sweep_stops_on_itl_and_writes_json_and_png(scripted_server, tmp
 
     json_path = tmp_path / "sweep.json"
     json_path.write_text(json.dumps(result))
-    assert json.loads(json_path.read_text())["steps"][2]["p95_itl_ms"] < 90.0
+    assert json.loads(json_path.read_text())["steps"][2]["p95_itl_ms"] < 140.0
     png = plot_sweep(result, tmp_path / "sweep.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
@@ -136,12 +136,13 @@ def test_sweep_stops_when_preemptions_appear(scripted_server) -> None:
         num_warmups=0,
         prefill_probe=False,
         plateau_gain=-1.0,
+        itl_slo_ms=1000.0,
     )
     spec = DatasetSpec(
         num_prompts=config.requests_needed(), random_input_len=8, random_output_len=4
     )
     result = asyncio.run(run_sweep(build_samples(spec), config))
-    assert result["stopped_at"]["concurrency"] == 4
+    assert result["stopped_at"]["concurrency"] == 4, result["stopped_at"]
     assert result["stopped_at"]["reasons"] == ["2 preemptions"]
     assert result["working_point"]["base_concurrency"] == 2
     assert result["capacity"]["method"].startswith("none")
