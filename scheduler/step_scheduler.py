@@ -25,6 +25,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import RemoteKVAllocation, ScheduledChunk, SchedulerOutput
 from scheduler.request import Request, RequestStatus
+from scheduler.scheduler_checks import check_scheduler_invariants
 from scheduler.stop_checker import check_stop
 
 REMOTE_KV_POLICIES = ("recompute", "fail")
@@ -397,41 +398,5 @@ class Scheduler:
         return self.block_manager.snapshot()
 
     def check_invariants(self) -> None:
-        """Raises AssertionError naming the first broken invariant."""
-        self.block_manager.check_invariants()
-        holders = self.block_manager.holder_ids()
-        placed: dict[str, str] = {}
-        groups = {
-            "waiting": list(self.waiting),
-            "running": self.running,
-            "waiting_for_remote": list(self.waiting_for_remote.values()),
-            "held": list(self.held.values()),
-        }
-        for name, group in groups.items():
-            for request in group:
-                rid = request.request_id
-                _check(rid not in placed, f"request {rid} is both {placed.get(rid)} and {name}")
-                placed[rid] = name
-                _check(self.requests.get(rid) is request, f"{name} request {rid} is untracked")
-                _check(
-                    (rid in holders) == (name != "waiting"),
-                    f"{name} request {rid} {'holds' if rid in holders else 'lacks'} blocks",
-                )
-        _check(set(placed) == set(self.requests), "tracked requests outside every queue")
-        for request in self.running:
-            held_tokens = len(self.get_block_ids(request.request_id)) * self.config.block_size
-            _check(
-                request.num_computed_tokens <= held_tokens,
-                f"running request {request.request_id} computed "
-                f"{request.num_computed_tokens} tokens but holds room for {held_tokens}",
-            )
-        _check(
-            self._num_seats_taken() <= self.config.max_num_seqs,
-            f"{self._num_seats_taken()} requests seated, max_num_seqs is "
-            f"{self.config.max_num_seqs}",
-        )
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise AssertionError(message)
+        """Raises AssertionError naming the first broken invariant (tests call it)."""
+        check_scheduler_invariants(self)

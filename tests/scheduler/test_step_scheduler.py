@@ -451,3 +451,19 @@ def test_stats_describe_the_queues_and_the_cache() -> None:
     stats = sched.stats()
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert stats.kv_cache_usage_perc == 0.0
+
+
+def test_check_invariants_catches_a_request_in_the_wrong_queue() -> None:
+    sched = make_scheduler()
+    model = FakeModel(sched)
+    req = make_request("a", prompt_of(5), max_tokens=4)
+    sched.add_request(req)
+    model.step()
+    req.status = RequestStatus.WAITING
+    with pytest.raises(AssertionError, match="running request a has status WAITING"):
+        sched.check_invariants()
+    req.status = RequestStatus.RUNNING
+    sched.check_invariants()
+    sched.waiting.append(req)  # now in two queues at once
+    with pytest.raises(AssertionError, match="waiting request a"):
+        sched.check_invariants()
