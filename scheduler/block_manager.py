@@ -82,10 +82,10 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return PrefixHit([], 0, 0)
-        limit = num_tokens - 1 if must_compute_last else num_tokens
-        hashes = self._hashes_of(request, limit // self.block_size)
+        limit = max(0, num_tokens - 1 if must_compute_last else num_tokens)
+        num_full = limit // self.block_size
         block_ids: list[int] = []
-        for block_hash in hashes[: limit // self.block_size]:
+        for block_hash in self._hashes_of(request, num_full)[:num_full]:
             block_id = self.pool.find_cached(block_hash)
             if block_id is None:
                 break

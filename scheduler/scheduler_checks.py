@@ -1,6 +1,7 @@
 """The step scheduler's invariants, for tests and debugging: every request sits in
 exactly the queue its status names, only requests that may hold blocks hold them, and
-the block manager's own books balance."""
+the block manager's own books balance.
+"""
 
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ def check_scheduler_invariants(scheduler: Scheduler) -> None:
                 f"{name} request {rid} {'holds' if rid in holders else 'lacks'} blocks",
             )
     _check(set(placed) == set(scheduler.requests), "tracked requests outside every queue")
+    for rid, request in scheduler.quarantined.items():
+        _check(request.status.finished, f"quarantined request {rid} is not finished")
+        _check(rid in holders and rid not in placed, f"quarantined request {rid} misplaced")
+    strays = holders - set(placed) - set(scheduler.quarantined)
+    _check(not strays, f"blocks held by requests the scheduler does not know: {sorted(strays)}")
     block_size = scheduler.config.block_size
     for request in scheduler.running:
         room = len(scheduler.get_block_ids(request.request_id)) * block_size

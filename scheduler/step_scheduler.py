@@ -65,6 +65,8 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last is preempted first
         self.waiting_for_remote: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # HANDED_OFF, blocks kept for the decode side
+        # Ended while pulling remote KV: blocks kept until the transfer says it is over.
+        self.quarantined: dict[str, Request] = {}
         self._remote: dict[str, _RemoteKV] = {}  # decode side, until the KV has arrived
         self._hand_off: set[str] = set()  # prefill side, until the first token
         self._left_ids: list[str] = []  # left the compute set since the last schedule()
@@ -116,7 +118,7 @@ class Scheduler:
 
     def _validate(self, request: Request, max_kv_tokens: int) -> None:
         rid, cfg = request.request_id, self.config
-        if rid in self.requests:
+        if rid in self.requests or rid in self.quarantined:
             raise ValueError(f"request {rid} is already scheduled on this instance")
         if not request.prompt_token_ids:
             raise ValueError(f"request {rid}: the prompt is empty")
@@ -136,7 +138,11 @@ class Scheduler:
 
     def finish_request(self, request_id: str, status: RequestStatus) -> bool:
         """Ends a request wherever it is (the front end matched a stop string, the
-        client went away, ...) and frees its blocks. False if it is not here."""
+        client went away, ...) and frees its blocks. False if it is not here.
+
+        A request still pulling remote KV ends at once, but its blocks stay
+        quarantined until `finish_remote_kvs` says the transfer is over: a cancelled
+        transfer may still write into them."""
         if not status.finished:
             raise ValueError(f"finish_request needs a finished status, got {status.name}")
         request = self.requests.pop(request_id, None)
@@ -147,9 +153,12 @@ class Scheduler:
         else:
             self._drop_from_queues(request)
             self._left_ids.append(request_id)
-        self._remote.pop(request_id, None)
+        if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.quarantined[request_id] = request
+        else:
+            self._remote.pop(request_id, None)
+            self.block_manager.free(request_id)
         self._hand_off.discard(request_id)
-        self.block_manager.free(request_id)
         request.status = status
         return True
 
@@ -345,18 +354,27 @@ class Scheduler:
         output token; on failure it either prefills the missing part here
         ("recompute") or ends in FINISHED_ERROR ("fail"). Call it only once no
         transfer can still write into the request's blocks. False if the request is
-        not waiting for remote KV (e.g. it was aborted meanwhile)."""
+        not waiting for remote KV; if it was ended meanwhile, this frees its
+        quarantined blocks."""
         if policy not in REMOTE_KV_POLICIES:
             raise ValueError(f"policy must be one of {REMOTE_KV_POLICIES}, got {policy!r}")
+        if request_id in self.quarantined:  # ended meanwhile: now its blocks can go
+            del self.quarantined[request_id]
+            del self._remote[request_id]
+            self.block_manager.free(request_id)
+            return False
         request = self.waiting_for_remote.get(request_id)
         if request is None:
             return False
-        remote = self._remote[request_id]
+        remote = self._remote.pop(request_id)
+        del self.waiting_for_remote[request_id]
         if not success and policy == "fail":
             request.error = error or f"KV transfer for request {request_id} failed"
-            return self.finish_request(request_id, RequestStatus.FINISHED_ERROR)
-        del self.waiting_for_remote[request_id]
-        del self._remote[request_id]
+            request.status = RequestStatus.FINISHED_ERROR
+            del self.requests[request_id]
+            self.block_manager.free(request_id)
+            self._left_ids.append(request_id)
+            return True
         if success:
             request.num_computed_tokens = remote.num_remote_tokens
             self.block_manager.cache_full_blocks(request, remote.num_remote_tokens)

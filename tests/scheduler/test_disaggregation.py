@@ -179,12 +179,23 @@ def test_failed_pull_with_fail_policy_ends_in_error() -> None:
         sched.finish_remote_kvs("r", success=False, policy="retry")
 
 
-def test_aborting_while_pulling_frees_the_blocks() -> None:
+def test_aborting_while_pulling_quarantines_the_blocks_until_the_transfer_ends() -> None:
     sched = make_scheduler()
-    admit_remote(sched, handed_off(prompt_of(10)), 10)
+    req = handed_off(prompt_of(10))
+    allocation = admit_remote(sched, req, 10)
     assert sched.abort_request("r")
+    assert req.status is RequestStatus.FINISHED_ABORTED
+    assert sched.get_request("r") is None and not sched.has_unfinished_requests()
+    assert sched.schedule().finished_ids == ["r"]
+    # a cancelled transfer may still land in these blocks: nobody else may get them
+    assert sched.get_block_ids("r") == allocation.block_ids
+    assert sched.block_manager.num_free_blocks == 61
+    with pytest.raises(ValueError, match="already scheduled"):
+        sched.add_request(make_request("r", prompt_of(3)))
+    sched.check_invariants()
+    assert not sched.finish_remote_kvs("r", success=False)  # the cancel completed
+    assert sched.block_manager.num_free_blocks == 64 and sched.quarantined == {}
     assert not sched.finish_remote_kvs("r", success=True)
-    assert sched.block_manager.num_free_blocks == 64
     sched.check_invariants()
 
 

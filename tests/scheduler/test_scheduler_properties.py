@@ -157,17 +157,23 @@ class SchedulerMachine(RuleBasedStateMachine):
     def end_one(self, data, stop):
         rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
         status = RequestStatus.FINISHED_STOPPED if stop else RequestStatus.FINISHED_ABORTED
+        pulling = rid in self.sched.waiting_for_remote
         assert self.sched.finish_request(rid, status)
-        assert not self.sched.get_block_ids(rid)
+        assert bool(self.sched.get_block_ids(rid)) == pulling  # quarantined until pulled
 
-    @precondition(lambda self: self.sched.waiting_for_remote)
+    @precondition(lambda self: self.sched.waiting_for_remote or self.sched.quarantined)
     @rule(data=st.data(), success=st.booleans(), recompute=st.booleans())
     def finish_pull(self, data, success, recompute):
-        rid = data.draw(st.sampled_from(sorted(self.sched.waiting_for_remote)))
+        pulling = sorted(self.sched.waiting_for_remote) + sorted(self.sched.quarantined)
+        rid = data.draw(st.sampled_from(pulling))
         self.complete_pull(rid, success, "recompute" if recompute else "fail")
 
     def complete_pull(self, rid: str, success: bool, policy: str) -> None:
         allocation = self.allocations.pop(rid)
+        if rid in self.sched.quarantined:  # ended while pulling: the pull ends too
+            assert not self.sched.finish_remote_kvs(rid, success, policy)
+            assert not self.sched.get_block_ids(rid)
+            return
         req = self.sched.waiting_for_remote[rid]
         if success:
             self.model.fill_remote(
@@ -201,7 +207,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(500):
             for rid in list(sched.held):
                 assert sched.release_held_blocks(rid)
-            for rid in list(sched.waiting_for_remote):
+            for rid in list(sched.waiting_for_remote) + list(sched.quarantined):
                 self.complete_pull(rid, True, "recompute")
             if not sched.has_unfinished_requests():
                 break
