@@ -7,7 +7,7 @@ naming the file and what is wrong, so the CLI and the gateway can show it as is.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -327,7 +327,7 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
         raise CheckpointError(f"{root}: no model.safetensors (nor *.safetensors) in the folder")
     located: dict[str, Path] = {}
     for path in files:
-        for name in _tensor_names(path):
+        for name in _tensor_shapes(path):
             if name in located:
                 raise CheckpointError(
                     f"{path}: tensor {name!r} also appears in {located[name].name}"
@@ -346,7 +346,7 @@ def _indexed_weight_files(root: Path, index_path: Path) -> dict[str, Path]:
         path = root / str(shard)
         if not path.is_file():
             raise CheckpointError(f"{path}: missing shard named by {index_path.name}")
-        shards[shard] = set(_tensor_names(path))
+        shards[shard] = set(_tensor_shapes(path))
     for name, shard in weight_map.items():
         if name not in shards[shard]:
             raise CheckpointError(
@@ -355,14 +355,14 @@ def _indexed_weight_files(root: Path, index_path: Path) -> dict[str, Path]:
     return {name: root / shard for name, shard in weight_map.items()}
 
 
-def _tensor_names(path: Path) -> list[str]:
+def _tensor_shapes(path: Path) -> dict[str, list[int]]:
+    """Name → shape of every tensor in one file, read from its header alone."""
     try:
         with safe_open(path, framework="pt") as handle:
-            return list(handle.keys())
+            return {name: handle.get_slice(name).get_shape() for name in handle.keys()}  # noqa: SIM118
     except Exception as exc:  # safetensors raises its own error types for corrupt headers
-        raise CheckpointError(
-            f"{path}: not a readable safetensors file: {_one_line(exc)}"
-        ) from None
+        reason = _one_line(exc)
+        raise CheckpointError(f"{path}: not a readable safetensors file: {reason}") from None
 
 
 def iter_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -382,18 +382,21 @@ def iter_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def check_shape(
-    name: str, tensor: torch.Tensor, expected: tuple[int, ...], file: str | Path = ""
+    name: str,
+    tensor: torch.Tensor | Sequence[int],
+    expected: Sequence[int],
+    file: str | Path = "",
 ) -> None:
-    """Raise a one-line CheckpointError when `tensor` does not have the `expected` shape."""
-    actual = tuple(tensor.shape)
-    if actual != tuple(expected):
+    """Raise a one-line CheckpointError when a tensor (or its shape) is not `expected`."""
+    actual = list(tensor.shape if isinstance(tensor, torch.Tensor) else tensor)
+    if actual != list(expected):
         where = f"{file}: " if file else ""
         raise CheckpointError(
-            f"{where}tensor {name!r} has shape {list(actual)}, expected {list(expected)}"
+            f"{where}tensor {name!r} has shape {actual}, expected {list(expected)}"
         )
 
 
-def check_weights(folder: str | Path, expected: Iterable[tuple[str, tuple[int, ...]]]) -> None:
+def check_weights(folder: str | Path, expected: Iterable[tuple[str, Sequence[int]]]) -> None:
     """Check, from the file headers alone, that every expected tensor exists with its shape."""
     located = weight_files(folder)
     shapes: dict[Path, dict[str, list[int]]] = {}
@@ -403,16 +406,7 @@ def check_weights(folder: str | Path, expected: Iterable[tuple[str, tuple[int, .
             raise CheckpointError(f"{Path(folder)}: checkpoint lacks tensor {name!r}")
         if path not in shapes:
             shapes[path] = _tensor_shapes(path)
-        actual = shapes[path][name]
-        if tuple(actual) != tuple(shape):
-            raise CheckpointError(
-                f"{path}: tensor {name!r} has shape {list(actual)}, expected {list(shape)}"
-            )
-
-
-def _tensor_shapes(path: Path) -> dict[str, list[int]]:
-    with safe_open(path, framework="pt") as handle:
-        return {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118
+        check_shape(name, shapes[path][name], shape, path)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -182,3 +182,19 @@ def test_stream_without_stop_strings_equals_detokenizer(tokenizer: Tokenizer) ->
     stream = TextStream(tokenizer)
     text = "".join(stream.add_tokens([i]).text for i in ids) + stream.finish().text
     assert text == TEXTS[0] and not stream.stopped
+
+
+def test_sentencepiece_style_decoder_keeps_word_spaces() -> None:
+    # Metaspace decoders drop the space of the first token they decode; each step decodes a
+    # window that starts mid-text, and the deltas must still carry the spaces between words.
+    from tokenizers import SentencePieceBPETokenizer
+
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello world, zoë and café"] * 20
+    trained = SentencePieceBPETokenizer()
+    trained.train_from_iterator(corpus, vocab_size=120, min_frequency=1, show_progress=False)
+    tokenizer = Tokenizer(trained._tokenizer)
+    text = "the lazy fox says hello, café world"
+    ids = tokenizer.encode(text)
+    deltas = stream_deltas(tokenizer, ids)
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+    assert sum(delta.startswith(" ") for delta in deltas) >= 5
