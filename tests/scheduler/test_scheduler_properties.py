@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
-    precondition,
     rule,
 )
 
@@ -26,10 +25,10 @@ from scheduler.config import SchedulerConfig
 from scheduler.outputs import RemoteKVAllocation
 from scheduler.request import Request, RequestStatus
 from scheduler.step_scheduler import Scheduler
-from tests.scheduler.fake_model import FakeModel, make_request
+from tests.scheduler.fake_model import FakeModel, make_request, reference_output
 
 EOS = 0
-PREFIXES = [[], [11, 12, 13, 14, 15, 16, 17, 18], [11, 12, 13, 14, 21, 22], [31, 32, 33]]
+PREFIXES = [[], [11, 12, 13, 14, 15, 16], [11, 12, 13, 14, 21], [31, 32, 33]]
 
 
 def assert_books_balance(sched: Scheduler) -> None:
@@ -52,8 +51,8 @@ def assert_books_balance(sched: Scheduler) -> None:
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(
-        num_blocks=st.integers(4, 14),
-        block_size=st.sampled_from([2, 3, 4]),
+        num_blocks=st.integers(4, 12),
+        block_size=st.sampled_from([2, 3]),
         max_batched=st.integers(3, 24),
         max_num_seqs=st.integers(1, 4),
         prefix_caching=st.booleans(),
@@ -87,7 +86,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(
         prefix=st.integers(0, len(PREFIXES) - 1),
-        suffix=st.lists(st.integers(1, 5), max_size=10),
+        suffix=st.lists(st.integers(1, 5), max_size=6),
         salt=st.sampled_from(["", "tenant"]),
         max_tokens=st.integers(1, 8),
         min_tokens=st.integers(0, 2),
@@ -115,7 +114,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(
         prefix=st.integers(0, len(PREFIXES) - 1),
-        suffix=st.lists(st.integers(1, 5), max_size=8),
+        suffix=st.lists(st.integers(1, 5), max_size=6),
         first_token=st.integers(1, 5),
         max_tokens=st.integers(2, 6),
     )
@@ -130,13 +129,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         except ValueError:
             assert not self.fits(req, max(n + 1, min(n + max_tokens, 24) - 1))
 
-    @rule(tokens=st.lists(st.integers(0, 5), min_size=1, max_size=6))
-    def step(self, tokens):
-        feed = iter(tokens * 20)
+    @rule(steps=st.integers(1, 4), tokens=st.lists(st.integers(0, 5), min_size=1, max_size=6))
+    def step(self, steps, tokens):
+        feed = iter(tokens * 200)
+        for _ in range(steps):
+            self.step_once(feed)
+            self.books_balance()
+
+    def step_once(self, feed) -> None:
         output = self.sched.schedule()
         self.sched.check_invariants()
         for allocation in output.remote_kv_allocations:
             self.allocations[allocation.request_id] = allocation
+            event("remote allocation")
+        if output.preempted_ids:
+            event("preemption")
+        if any(c.start > 0 and c.request.num_preemptions == 0 for c in output.chunks):
+            event("chunk after a prefix hit or an earlier chunk")
         sampled = self.model.execute(output, lambda request, context: next(feed))
         counts = {c.request.request_id: c.request.num_output_tokens for c in output.chunks}
         left = self.sched.update_from_output(output, sampled)
@@ -147,24 +156,27 @@ class SchedulerMachine(RuleBasedStateMachine):
             if req.is_finished:
                 assert req in left
         for req in left:
+            event(req.status.name)
             assert req.status.finished or req.status is RequestStatus.HANDED_OFF
             assert self.sched.get_request(req.request_id) in (None, req)
             if req.status.finished:
                 assert not self.sched.get_block_ids(req.request_id)
 
-    @precondition(lambda self: self.sched.requests)
     @rule(data=st.data(), stop=st.booleans())
     def end_one(self, data, stop):
+        if not self.sched.requests:
+            return
         rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
         status = RequestStatus.FINISHED_STOPPED if stop else RequestStatus.FINISHED_ABORTED
         pulling = rid in self.sched.waiting_for_remote
         assert self.sched.finish_request(rid, status)
         assert bool(self.sched.get_block_ids(rid)) == pulling  # quarantined until pulled
 
-    @precondition(lambda self: self.sched.waiting_for_remote or self.sched.quarantined)
     @rule(data=st.data(), success=st.booleans(), recompute=st.booleans())
     def finish_pull(self, data, success, recompute):
         pulling = sorted(self.sched.waiting_for_remote) + sorted(self.sched.quarantined)
+        if not pulling:
+            return
         rid = data.draw(st.sampled_from(pulling))
         self.complete_pull(rid, success, "recompute" if recompute else "fail")
 
@@ -188,9 +200,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         else:
             assert req.status is RequestStatus.FINISHED_ERROR and req.error
 
-    @precondition(lambda self: self.sched.held)
     @rule(data=st.data())
     def release_held(self, data):
+        if not self.sched.held:
+            return
         rid = data.draw(st.sampled_from(sorted(self.sched.held)))
         assert self.sched.release_held_blocks(rid)
 
@@ -233,3 +246,70 @@ SchedulerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_scheduler_keeps_its_books_under_random_traffic = SchedulerMachine.TestCase
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    num_blocks=st.integers(4, 12),
+    block_size=st.sampled_from([2, 3, 4]),
+    max_batched=st.integers(2, 16),
+    max_num_seqs=st.integers(1, 4),
+    prefix_caching=st.booleans(),
+    chunked=st.booleans(),
+    workload=st.lists(
+        st.tuples(
+            st.integers(0, len(PREFIXES) - 1),  # shared prefix
+            st.lists(st.integers(1, 5), max_size=6),  # own suffix
+            st.integers(1, 8),  # max_tokens
+            st.sampled_from(["", "tenant"]),  # cache salt
+            st.integers(0, 4),  # arrival step
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_any_schedule_generates_what_an_unconstrained_one_would(
+    num_blocks, block_size, max_batched, max_num_seqs, prefix_caching, chunked, workload
+):
+    """Chunking, batching, prefix hits and preemptions never change a single token."""
+    max_model_len = 20
+    sched = Scheduler(
+        SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_batched_tokens=max_batched if chunked else max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            enable_prefix_caching=prefix_caching,
+            enable_chunked_prefill=chunked,
+        )
+    )
+    model = FakeModel(sched)
+    accepted: list[Request] = []
+    arrivals = sorted(enumerate(workload), key=lambda item: item[1][4])
+    step = 0
+    while arrivals or sched.has_unfinished_requests():
+        while arrivals and arrivals[0][1][4] <= step:
+            i, (prefix, suffix, max_tokens, salt, _) = arrivals.pop(0)
+            req = make_request(f"r{i}", PREFIXES[prefix] + suffix, max_tokens=max_tokens, salt=salt)
+            try:
+                sched.add_request(req)
+                accepted.append(req)
+            except ValueError:
+                n = req.num_prompt_tokens
+                kv_tokens = max(n, min(n + max_tokens, max_model_len) - 1)
+                assert n == 0 or -(-kv_tokens // block_size) > num_blocks
+        model.step()
+        step += 1
+        assert step < 1000, "the workload never drained"
+    if sched.num_preemptions_total:
+        event("preempted")
+    if sched.stats().prefix_cache_hits_total:
+        event("prefix hit")
+    for req in accepted:
+        expected = reference_output(req.prompt_token_ids, req.sampling_params.max_tokens)
+        expected = expected[: max_model_len - req.num_prompt_tokens]
+        assert req.output_token_ids == expected, req.request_id
+    sched.check_invariants()
+    assert_books_balance(sched)
+    assert sched.block_manager.num_free_blocks == num_blocks
