@@ -222,14 +222,18 @@ def merge_partitions_kernel(
     split_mask = splits < num_splits
     row = (seq * NUM_HEADS + head) * num_splits + splits
     lse = tl.load(part_lse_ptr + row, mask=split_mask, other=float("-inf"))
-    # Partition 0 is never empty (context_len >= 1), so the maximum is finite.
-    weights = tl.exp2(lse - tl.max(lse, 0))
+    # Every partition is empty only for context_len 0 (CUDA-graph padding rows): the
+    # guards below give such a row zeros instead of NaN.
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weights = tl.exp2(lse - top)
     partial = tl.load(
         part_out_ptr + row[:, None] * BLOCK_D + dims[None, :],
         mask=split_mask[:, None],
         other=0.0,
     )
-    merged = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
+    total = tl.sum(weights, 0)
+    merged = tl.sum(partial * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(
         out_ptr + seq * stride_os + head * stride_oh + dims * stride_od,
         merged.to(out_ptr.dtype.element_ty),
@@ -250,7 +254,8 @@ def decode_attention_triton(
 
     The split-K partition count follows `block_tables.shape[1]` (its capacity in
     tokens); callers get the best parallelism by passing tables trimmed to the
-    step's longest context (and a fixed width under CUDA graphs).
+    step's longest context (and a fixed width under CUDA graphs). A sequence with
+    context_len 0 (a padding row) gets zeros, where the reference gives NaN.
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [num_seqs, num_heads, head_dim], got {tuple(query.shape)}")

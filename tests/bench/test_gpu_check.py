@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_gpu_check_reports_no_cuda_in_one_line():
     # Importing the kernel half first proves every import of the device script resolves.
     code = (

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from kernels import dispatch, reference
@@ -21,6 +22,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_kernels_import_without_triton_and_fall_back_with_a_reason():
     # One interpreter (imports are slow on a busy machine) checks both: importing
     # kernels leaves triton alone, and with triton missing CUDA calls keep the references.

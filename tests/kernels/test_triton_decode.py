@@ -148,3 +148,23 @@ def test_bad_shapes_get_one_line_errors():
         decode_attention_triton(q[:, :4, :32], cache, tables, lens, 1.0)
     with pytest.raises(TypeError, match="float16"):
         decode_attention_triton(q[:, :4].double(), cache, tables, lens, 1.0)
+
+
+@pytest.mark.parametrize("seqs", [2, 16], ids=["split-k", "single-pass"])
+def test_padding_rows_with_no_context_get_zeros(seqs):
+    """CUDA-graph batches are padded with context_len 0 rows: zeros, never NaN."""
+    require_interpreter(decode_attention_kernel)
+    gen = torch.Generator().manual_seed(13)
+    lens = [0] * (seqs - 1) + [200]
+    batch = make_paged_batch([max(n, 1) for n in lens], 2, 64, 16, F32, gen)
+    batch.context_lens[:-1] = 0
+    plan = _split_plan(seqs, 2, 4, 64, batch.block_tables.shape[1] * 16)
+    assert (plan.num_splits > 1) == (seqs == 2)
+    query = torch.randn(seqs, 4, 64, generator=gen)
+    args = (query, batch.kv_cache, batch.block_tables, batch.context_lens, 0.125)
+    out = decode_attention_triton(*args, None, poisoned_like(query))
+    assert out[:-1].eq(0).all()
+    want = decode_attention_ref(
+        query[-1:], batch.kv_cache, batch.block_tables[-1:], batch.context_lens[-1:], 0.125
+    )
+    assert_matches(out[-1:], want, F32)

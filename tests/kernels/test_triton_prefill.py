@@ -60,6 +60,7 @@ def _run_case(heads, kv_heads, head_dim, block_size, dtype, window, seqs, seed):
     assert_matches(got, prefill_attention_ref(*args, window), dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,block_size,dtype,window", PAIRWISE, ids=map(_case_id, PAIRWISE)
 )
@@ -71,6 +72,7 @@ def test_prefill_matches_reference_over_the_grid(
     _run_case(heads, kv_heads, head_dim, bs, dtype, window, seqs, seed=head_dim + bs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "head_dim,dtype,window", [(64, BF16, None), (256, F16, 50)], ids=["d64-bf16", "d256-f16-w50"]
 )
