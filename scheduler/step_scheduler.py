@@ -29,6 +29,7 @@ from scheduler.scheduler_checks import check_scheduler_invariants
 from scheduler.stop_checker import check_stop
 
 REMOTE_KV_POLICIES = ("recompute", "fail")
+_TRANSFER_STATUSES = (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.HANDED_OFF)
 
 
 @dataclass
@@ -65,7 +66,8 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last is preempted first
         self.waiting_for_remote: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # HANDED_OFF, blocks kept for the decode side
-        # Ended while pulling remote KV: blocks kept until the transfer says it is over.
+        # Ended while a transfer may still touch their blocks (pulling remote KV, or
+        # handed off): blocks kept until the transfer's end is reported.
         self.quarantined: dict[str, Request] = {}
         self._remote: dict[str, _RemoteKV] = {}  # decode side, until the KV has arrived
         self._hand_off: set[str] = set()  # prefill side, until the first token
@@ -140,20 +142,22 @@ class Scheduler:
         """Ends a request wherever it is (the front end matched a stop string, the
         client went away, ...) and frees its blocks. False if it is not here.
 
-        A request still pulling remote KV ends at once, but its blocks stay
-        quarantined until `finish_remote_kvs` says the transfer is over: a cancelled
-        transfer may still write into them."""
+        Blocks a transfer may still touch are not freed here but quarantined until
+        the transfer's end is reported: `finish_remote_kvs` for a request pulling
+        remote KV (a cancelled pull may still write into them), `release_held_blocks`
+        for a handed-off one (the decode side may still be reading them)."""
         if not status.finished:
             raise ValueError(f"finish_request needs a finished status, got {status.name}")
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
+        in_transfer = request.status in _TRANSFER_STATUSES
         if request.status is RequestStatus.HANDED_OFF:
             del self.held[request_id]  # reported when it was handed off
         else:
             self._drop_from_queues(request)
             self._left_ids.append(request_id)
-        if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+        if in_transfer:
             self.quarantined[request_id] = request
         else:
             self._remote.pop(request_id, None)
@@ -175,12 +179,16 @@ class Scheduler:
             del self.waiting_for_remote[request.request_id]
 
     def release_held_blocks(self, request_id: str) -> bool:
-        """Prefill side: the decode side has the KV (or its lease ran out); the blocks
-        go to the prefix cache. False if no blocks are held under this id."""
-        request = self.held.pop(request_id, None)
-        if request is None:
+        """Prefill side: the decode side has the KV, or the transfer was aborted, or
+        its lease ran out; the blocks go to the prefix cache. Call it once for every
+        handed-off request, even one ended meanwhile. False if nothing is held."""
+        if request_id in self.held:
+            del self.held[request_id]
+            del self.requests[request_id]
+        elif request_id in self.quarantined and request_id not in self._remote:
+            del self.quarantined[request_id]
+        else:
             return False
-        del self.requests[request_id]
         self.block_manager.free(request_id)
         return True
 
@@ -352,13 +360,14 @@ class Scheduler:
     ) -> bool:
         """The pull of a request's remote KV ended. On success it runs from the first
         output token; on failure it either prefills the missing part here
-        ("recompute") or ends in FINISHED_ERROR ("fail"). Call it only once no
-        transfer can still write into the request's blocks. False if the request is
-        not waiting for remote KV; if it was ended meanwhile, this frees its
-        quarantined blocks."""
+        ("recompute") or ends in FINISHED_ERROR ("fail"). Call it exactly once for
+        every allocation in `remote_kv_allocations`, once no transfer can still write
+        into the request's blocks — also for a request ended meanwhile, whose
+        quarantined blocks it then frees (and returns False). False as well for an
+        id that is not pulling."""
         if policy not in REMOTE_KV_POLICIES:
             raise ValueError(f"policy must be one of {REMOTE_KV_POLICIES}, got {policy!r}")
-        if request_id in self.quarantined:  # ended meanwhile: now its blocks can go
+        if request_id in self._remote and request_id in self.quarantined:  # ended meanwhile
             del self.quarantined[request_id]
             del self._remote[request_id]
             self.block_manager.free(request_id)

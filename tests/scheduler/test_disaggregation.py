@@ -78,7 +78,7 @@ def test_a_first_token_that_finishes_the_request_is_not_handed_off() -> None:
     sched.check_invariants()
 
 
-def test_aborting_a_held_request_releases_its_blocks() -> None:
+def test_aborting_a_held_request_keeps_its_blocks_until_the_transfer_ends() -> None:
     sched = make_scheduler()
     model = FakeModel(sched)
     req = make_request("p", prompt_of(9), max_tokens=4)
@@ -86,8 +86,14 @@ def test_aborting_a_held_request_releases_its_blocks() -> None:
     model.step()
     assert req.status is RequestStatus.HANDED_OFF
     assert sched.abort_request("p")
-    assert req.status is RequestStatus.FINISHED_ABORTED
-    assert sched.block_manager.num_free_blocks == 64 and sched.held == {}
+    assert req.status is RequestStatus.FINISHED_ABORTED and sched.get_request("p") is None
+    assert sched.held == {} and sched.quarantined == {"p": req}
+    assert sched.block_manager.num_free_blocks == 61, "the decode side may still read them"
+    assert sched.schedule().finished_ids == ["p"], "reported once, for its hand-off"
+    sched.check_invariants()
+    assert sched.release_held_blocks("p")
+    assert sched.block_manager.num_free_blocks == 64 and sched.quarantined == {}
+    assert not sched.release_held_blocks("p")
     sched.check_invariants()
 
 

@@ -168,13 +168,21 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
         status = RequestStatus.FINISHED_STOPPED if stop else RequestStatus.FINISHED_ABORTED
-        pulling = rid in self.sched.waiting_for_remote
+        in_transfer = rid in self.sched.waiting_for_remote or rid in self.sched.held
         assert self.sched.finish_request(rid, status)
-        assert bool(self.sched.get_block_ids(rid)) == pulling  # quarantined until pulled
+        assert bool(self.sched.get_block_ids(rid)) == in_transfer  # quarantined till it ends
+
+    def pulling(self) -> list[str]:
+        quarantined = [rid for rid in self.sched.quarantined if rid in self.allocations]
+        return sorted(self.sched.waiting_for_remote) + sorted(quarantined)
+
+    def handed_off(self) -> list[str]:
+        quarantined = [rid for rid in self.sched.quarantined if rid not in self.allocations]
+        return sorted(self.sched.held) + sorted(quarantined)
 
     @rule(data=st.data(), success=st.booleans(), recompute=st.booleans())
     def finish_pull(self, data, success, recompute):
-        pulling = sorted(self.sched.waiting_for_remote) + sorted(self.sched.quarantined)
+        pulling = self.pulling()
         if not pulling:
             return
         rid = data.draw(st.sampled_from(pulling))
@@ -202,10 +210,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def release_held(self, data):
-        if not self.sched.held:
+        if not self.handed_off():
             return
-        rid = data.draw(st.sampled_from(sorted(self.sched.held)))
+        rid = data.draw(st.sampled_from(self.handed_off()))
         assert self.sched.release_held_blocks(rid)
+        assert not self.sched.get_block_ids(rid)
 
     @invariant()
     def books_balance(self):
@@ -218,9 +227,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         sched = self.sched
         for _ in range(500):
-            for rid in list(sched.held):
+            for rid in self.handed_off():
                 assert sched.release_held_blocks(rid)
-            for rid in list(sched.waiting_for_remote) + list(sched.quarantined):
+            for rid in self.pulling():
                 self.complete_pull(rid, True, "recompute")
             if not sched.has_unfinished_requests():
                 break
@@ -230,8 +239,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             sched.update_from_output(output, self.model.execute(output))
             sched.check_invariants()
         assert not sched.has_unfinished_requests(), "requests never drained"
-        for rid in list(sched.held):
-            sched.release_held_blocks(rid)
+        for rid in self.handed_off():
+            assert sched.release_held_blocks(rid)
+        assert sched.quarantined == {}
         sched.check_invariants()
         assert_books_balance(sched)
         assert sched.block_manager.holder_ids() == set()
@@ -240,7 +250,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=150,
+    max_examples=100,
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
