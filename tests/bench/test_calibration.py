@@ -1,0 +1,31 @@
+"""Calibration through the public `pdserve` API."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+import pdserve
+from bench.sim.calibration import CalibrationUnavailable, collect_step_samples
+from bench.sim.latency import calibration_from_measurements
+
+
+def test_missing_engine_gives_a_clear_error(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "pdserve", types.ModuleType("pdserve"))
+    with pytest.raises(CalibrationUnavailable, match="pdserve engine is not available"):
+        collect_step_samples(prompt_lens=(16,), batch_sizes=(1,), decode_tokens=2, repeats=1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(pdserve, "LLM"), reason="the pdserve engine has not landed")
+def test_calibration_on_the_embedded_model_fits() -> None:
+    data = collect_step_samples(
+        None, dtype="float32", prompt_lens=(16, 64), batch_sizes=(1, 2), decode_tokens=4, repeats=1
+    )
+    assert len(data["prefill"]) == len(data["decode"]) == 4
+    assert all(sample["seconds"] > 0 for sample in data["prefill"] + data["decode"])
+    calibration = calibration_from_measurements(data)
+    assert calibration.prefill.predict(128, 2 * 64 * 65 // 2) > 0
+    assert calibration.decode.predict(2, 2 * 66) > 0
