@@ -227,7 +227,7 @@ def prefill_attention_triton(
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int32)
     tiles = torch.div(q_lens + plan.block_m - 1, plan.block_m, rounding_mode="floor")
     tile_start = torch.zeros(num_seqs + 1, dtype=torch.int32, device=query.device)
-    torch.cumsum(tiles, 0, out=tile_start[1:])
+    torch.cumsum(tiles, 0, dtype=torch.int32, out=tile_start[1:])
     # Every sequence adds at most one partial tile to tokens / BLOCK_M.
     max_tiles = num_tokens // plan.block_m + num_seqs
     prefill_attention_kernel[(max_tiles, num_heads)](
