@@ -62,6 +62,10 @@ def gguf_reference():
     pytest.importorskip("accelerate")
     import torch
 
+    # The work here is small tensors: one thread avoids OpenMP spin-waits costing far more
+    # than they save when the test run shares its cores with other work.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     source = embedded.gguf_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(source.parent), gguf_file=source.name, dtype=torch.float32
@@ -69,7 +73,8 @@ def gguf_reference():
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         str(source.parent), gguf_file=source.name
     )
-    return model.eval(), tokenizer
+    yield model.eval(), tokenizer
+    torch.set_num_threads(threads)
 
 
 def test_folder_layout_and_config(folder: Path) -> None:
