@@ -206,8 +206,12 @@ class LLM:
             state.finish_reason, state.stop_reason = "stop", text.stop_string
             self.engine.finish_request(delta.request_id)
         elif delta.finished:
-            state.stream.finish()
-            state.finish_reason, state.stop_reason = delta.finish_reason, delta.stop_reason
+            # Text held back at the end may still complete a stop string.
+            tail = state.stream.finish()
+            if tail.stopped:
+                state.finish_reason, state.stop_reason = "stop", tail.stop_string
+            else:
+                state.finish_reason, state.stop_reason = delta.finish_reason, delta.stop_reason
 
     def _collect(self, prompts, encoded, tracked: dict[str, _Tracked]) -> list[RequestOutput]:
         results = [
