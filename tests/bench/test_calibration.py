@@ -21,11 +21,14 @@ def test_missing_engine_gives_a_clear_error(monkeypatch) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(pdserve, "LLM"), reason="the pdserve engine has not landed")
 def test_calibration_on_the_embedded_model_fits() -> None:
+    # The smallest run that exercises the real API path; CPU timings are too noisy
+    # here for more than sanity checks.
     data = collect_step_samples(
-        None, dtype="float32", prompt_lens=(16, 64), batch_sizes=(1, 2), decode_tokens=4, repeats=1
+        None, dtype="float32", prompt_lens=(8,), batch_sizes=(1,), decode_tokens=2, repeats=1
     )
-    assert len(data["prefill"]) == len(data["decode"]) == 4
-    assert all(sample["seconds"] > 0 for sample in data["prefill"] + data["decode"])
+    assert len(data["prefill"]) == len(data["decode"]) == 1
+    assert (data["prefill"][0]["batch_tokens"], data["prefill"][0]["attention_pairs"]) == (8, 36)
+    assert data["prefill"][0]["seconds"] > 0 and data["decode"][0]["seconds"] >= 0
+    assert data["decode"][0]["attention_pairs"] == 8 + 1
     calibration = calibration_from_measurements(data)
-    assert calibration.prefill.predict(128, 2 * 64 * 65 // 2) > 0
-    assert calibration.decode.predict(2, 2 * 66) > 0
+    assert calibration.prefill.predict(8, 36) == pytest.approx(data["prefill"][0]["seconds"])
