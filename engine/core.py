@@ -122,7 +122,9 @@ class EngineCore:
         batch = self.runner.prepare(output)
         started = time.perf_counter()
         logits = self.runner.execute(batch)
-        tokens, logprobs = self.sampler.sample(logits, batch.sampling_requests)
+        tokens, logprobs = [], []
+        if batch.sampling_requests:  # a step of mid-prompt chunks samples nothing
+            tokens, logprobs = self.sampler.sample(logits, batch.sampling_requests)
         self.stats.model_seconds += time.perf_counter() - started
         self._count(batch)
         sampled = {r.request_id: t for r, t in zip(batch.sampling_requests, tokens, strict=True)}

@@ -1,0 +1,145 @@
+"""The embedded model generates exactly what transformers generates (fp32, greedy),
+also when prompts are chunked, blocks run out, and prefixes come from the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.embedded import embedded_model_path
+from pdserve import LLM, SamplingParams
+from tests.engine.hf_reference import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity to a child.",
+    "List three primary colors.",
+    "What is 17 times 3?",
+    "Give me a synonym for happy.",
+    "How do airplanes fly?",
+    "Translate 'good morning' into Spanish.",
+    "What is photosynthesis?",
+    "Name a famous painting by Leonardo da Vinci.",
+    "Why is the sky blue?",
+    "Write a Python function that adds two numbers.",
+    "What are the planets of the solar system?",
+    "Describe a cat in one sentence.",
+    "What is the boiling point of water?",
+    "Suggest a name for a pet goldfish.",
+    "What does a CPU do?",
+    "Tell me a fun fact about octopuses.",
+    "How many days are in a leap year?",
+    "What is the opposite of cold?",
+    "Summarize the story of Cinderella.",
+    "What is machine learning?",
+]
+MAX_NEW = 64
+
+
+@pytest.fixture(scope="module")
+def folder() -> str:
+    return str(embedded_model_path())
+
+
+@pytest.fixture(scope="module")
+def llm(folder) -> LLM:
+    return LLM(dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def prompts(llm) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    return [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False
+        )
+        for q in QUESTIONS
+    ]
+
+
+@pytest.fixture(scope="module")
+def expected(folder, prompts) -> list[list[int]]:
+    return [hf_greedy(folder, p, MAX_NEW) for p in prompts]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+
+
+def test_chat_prompts_match_transformers(llm, prompts, expected):
+    outputs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == expected
+    assert all(o.finish_reason in ("stop", "length") for o in outputs)
+    # The text is the decoding of those tokens (eos is a special token, so skipped).
+    tok = llm.get_tokenizer()
+    assert outputs[0].text == tok.decode(expected[0], skip_special_tokens=True)
+
+
+def test_chunked_prefill_mixes_prefill_with_decodes(prompts, expected):
+    llm = LLM(dtype="float32", max_num_batched_tokens=24)
+    assert max(len(p) for p in prompts) > 24  # every long prompt is split
+    outputs = llm.generate(prompts[:8], GREEDY)
+    assert [o.token_ids for o in outputs] == expected[:8]
+    assert llm.engine.stats.mixed_steps > 0
+
+
+def test_preemption_recomputes_identically(prompts, expected):
+    # 8 requests of ~40 + 64 tokens need ~7 blocks each; 24 blocks cannot hold them all.
+    llm = LLM(dtype="float32", num_kv_blocks=24)
+    outputs = llm.generate(prompts[:8], GREEDY)
+    assert llm.engine.scheduler.stats().num_preemptions_total > 0
+    assert [o.token_ids for o in outputs] == expected[:8]
+    llm.engine.scheduler.check_invariants()
+
+
+def _with_shared_document(llm: LLM, question: str) -> list[int]:
+    document = (
+        "The Eiffel Tower was built for the 1889 World's Fair in Paris. It is 330 metres tall "
+        "and was the tallest man-made structure in the world until 1930. Gustave Eiffel's "
+        "company designed and built it, and millions of people visit it every year. "
+    )
+    tok = llm.get_tokenizer()
+    content = document + question
+    return tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": content}]), add_special_tokens=False
+    )
+
+
+def test_prefix_cache_hit_computes_only_the_new_tokens(folder):
+    llm = LLM(dtype="float32")
+    first = _with_shared_document(llm, "How tall is it?")
+    second = _with_shared_document(llm, "Who built it?")
+    llm.generate([first], GREEDY)
+    stats_before = llm.engine.scheduler.stats()
+    computed_before = llm.engine.stats.prompt_tokens_computed
+
+    out = llm.generate([second], GREEDY)[0]
+
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    cached = shared // 16 * 16
+    assert cached >= 48
+    assert out.num_cached_tokens == cached
+    assert llm.engine.stats.prompt_tokens_computed - computed_before == len(second) - cached
+    stats = llm.engine.scheduler.stats()
+    assert stats.prefix_cache_hits_total - stats_before.prefix_cache_hits_total == cached
+    assert out.token_ids == hf_greedy(folder, second, MAX_NEW)
+
+
+def test_cached_blocks_are_really_read(folder):
+    """Corrupting the KV pool after the first request changes the second one's output
+    only when its prefix comes from the cache: the hit is used, not recomputed."""
+    outputs = {}
+    for caching in (True, False):
+        llm = LLM(dtype="float32", enable_prefix_caching=caching)
+        first = _with_shared_document(llm, "How tall is it?")
+        second = _with_shared_document(llm, "Who built it?")
+        llm.generate([first], GREEDY)
+        gen = torch.Generator().manual_seed(0)
+        storage = llm.engine.kv_cache.storage
+        storage.copy_(torch.randn(storage.shape, generator=gen) * 3)
+        outputs[caching] = llm.generate([second], GREEDY)[0].token_ids
+    expected = hf_greedy(folder, second, MAX_NEW)
+    assert outputs[False] == expected
+    assert outputs[True] != expected
