@@ -11,7 +11,8 @@ finds its sequence by binary search over the per-sequence tile counts, which are
 computed on the device, so a launch needs no device-to-host sync. The grid is sized
 by an upper bound on the tile count (tokens / BLOCK_M + sequences); spare programs
 do nothing. The key loop stops at the tile's last causal position (and starts at
-the sliding window's first), so masked-out tiles are never read.
+the sliding window's first), so masked-out tiles are never read, and key tiles wholly
+before the causal diagonal skip the masking.
 """
 
 from __future__ import annotations
@@ -139,36 +140,62 @@ def prefill_attention_kernel(
 
     table_row = tables_ptr + seq.to(tl.int64) * stride_ts
     head_base = cache_ptr + kv_head * stride_ch
-    for tile_start in range(kv_start, kv_end, BLOCK_N):
-        tokens = tile_start + tl.arange(0, BLOCK_N)
-        token_mask = tokens < kv_end
-        blocks = tl.load(table_row + (tokens // BLOCK_SIZE) * stride_tb, mask=token_mask, other=0)
-        token_offsets = blocks.to(tl.int64) * stride_cb + (tokens % BLOCK_SIZE) * stride_ct
-        kv_ptrs = head_base + token_offsets[:, None] + dims[None, :] * stride_cd
-        kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        visible = token_mask[None, :] & (tokens[None, :] <= positions[:, None])
-        if HAS_WINDOW:
-            visible = visible & (tokens[None, :] > positions[:, None] - window)
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        # Rows that have seen no key yet (window start, spare rows) keep m = -inf;
-        # shifting by 0 instead keeps exp2 away from (-inf) - (-inf).
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - shift)
-        p = tl.exp2(scores - shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0)
-        # P is rounded to the cache dtype as the tensor cores take it.
-        p_op = p.to(cache_ptr.dtype.element_ty)
-        if UPCAST:
-            v = v.to(tl.float32)
-            p_op = p_op.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_op, v, input_precision=PRECISION)
-        m_i = m_new
+    # Keys before the tile's first row's position are visible to every row, so without
+    # a window the tiles wholly before it (phase 0) need no masking at all; the tiles
+    # on the causal diagonal (phase 1) are masked per element.
+    diagonal = kv_start
+    if not HAS_WINDOW:
+        diagonal = tl.minimum((prefix + first_row + 1) // BLOCK_N * BLOCK_N, kv_end)
+    for phase in tl.static_range(2):
+        if phase == 0:
+            lo_token = kv_start
+            hi_token = diagonal
+        else:
+            lo_token = diagonal
+            hi_token = kv_end
+        for tile_start in range(lo_token, hi_token, BLOCK_N):
+            tokens = tile_start + tl.arange(0, BLOCK_N)
+            token_mask = tokens < kv_end
+            if phase == 0:
+                blocks = tl.load(table_row + (tokens // BLOCK_SIZE) * stride_tb)
+                kv_mask = (tokens >= 0)[:, None] & dim_mask[None, :]
+            else:
+                blocks = tl.load(
+                    table_row + (tokens // BLOCK_SIZE) * stride_tb, mask=token_mask, other=0
+                )
+                kv_mask = token_mask[:, None] & dim_mask[None, :]
+            token_offsets = blocks.to(tl.int64) * stride_cb + (tokens % BLOCK_SIZE) * stride_ct
+            kv_ptrs = head_base + token_offsets[:, None] + dims[None, :] * stride_cd
+            if phase == 0 and HEAD_DIM == BLOCK_D:
+                k = tl.load(kv_ptrs)
+            else:
+                k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            if phase == 1:
+                visible = token_mask[None, :] & (tokens[None, :] <= positions[:, None])
+                if HAS_WINDOW:
+                    visible = visible & (tokens[None, :] > positions[:, None] - window)
+                scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            # Rows that have seen no key yet (window start, spare rows) keep m = -inf;
+            # shifting by 0 instead keeps exp2 away from (-inf) - (-inf).
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - shift)
+            p = tl.exp2(scores - shift[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if phase == 0 and HEAD_DIM == BLOCK_D:
+                v = tl.load(kv_ptrs + stride_ckv)
+            else:
+                v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0)
+            # P is rounded to the cache dtype as the tensor cores take it.
+            p_op = p.to(cache_ptr.dtype.element_ty)
+            if UPCAST:
+                v = v.to(tl.float32)
+                p_op = p_op.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p_op, v, input_precision=PRECISION)
+            m_i = m_new
 
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     result = acc / safe_l[:, None]

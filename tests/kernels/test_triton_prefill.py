@@ -2,7 +2,8 @@
 
 Each batch is ragged: a single fresh token, a whole prompt ending one short of a block
 boundary, a chunk continuing over a cached prefix (prefix-cache hit / chunked
-prefill), a sequence with no new tokens this step, and a longer chunk. The grid is the
+prefill), a sequence with no new tokens this step, a longer chunk, and a short chunk
+after a long prefix (key tiles wholly before the causal diagonal). The grid is the
 same pairwise design as the decode tests; extra cases pin several query tiles per
 sequence and the causal edge at the tile boundaries.
 """
@@ -68,7 +69,7 @@ def test_prefill_matches_reference_over_the_grid(
     heads, kv_heads, head_dim, block_size, dtype, window
 ):
     bs = block_size
-    seqs = [(1, 1), (bs - 1, bs - 1), (bs + 1, 2), (bs, 0), (2 * bs + 3, bs + 2)]
+    seqs = [(1, 1), (bs - 1, bs - 1), (bs + 1, 2), (bs, 0), (2 * bs + 3, bs + 2), (5 * bs + 3, 3)]
     _run_case(heads, kv_heads, head_dim, bs, dtype, window, seqs, seed=head_dim + bs)
 
 
