@@ -124,6 +124,15 @@ class Calibration:
         }
 
 
+def calibration_for(calibrations: dict[int, Calibration], tp: int) -> Calibration:
+    """The calibration measured at `tp`, else the TP=1 one rescaled."""
+    if tp in calibrations:
+        return calibrations[tp]
+    if 1 in calibrations:
+        return calibrations[1].for_tp(tp)
+    raise ValueError(f"no calibration for TP={tp} and none at TP=1 to rescale")
+
+
 def parse_samples(records: object, where: str) -> list[StepSample]:
     if not isinstance(records, list) or not records:
         raise ValueError(f"{where}: expected a non-empty list of step samples")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from bench.metrics import meets_slos
-from bench.sim.latency import Calibration
+from bench.sim.latency import Calibration, calibration_for
 from bench.sim.simulator import ClusterConfig, make_workload, simulate
 
 
@@ -68,7 +68,7 @@ def max_goodput_rate(config: ClusterConfig, spec: SearchSpec) -> float:
 
 def candidate_configs(base: ClusterConfig, calibrations: dict[int, Calibration], spec: SearchSpec):
     for tp in spec.tp_sizes:
-        calibration = calibrations[tp] if tp in calibrations else calibrations[1].for_tp(tp)
+        calibration = calibration_for(calibrations, tp)
         models = replace(base, prefill=calibration.prefill, decode=calibration.decode, tp=tp)
         instances = spec.max_gpus // tp
         for colocated in range(1, instances + 1):
@@ -82,8 +82,6 @@ def search_placements(
     base: ClusterConfig, calibrations: dict[int, Calibration], spec: SearchSpec
 ) -> list[dict]:
     """Every candidate deployment with its goodput, best goodput per GPU first."""
-    if 1 not in calibrations and any(tp not in calibrations for tp in spec.tp_sizes):
-        raise ValueError("TP sizes without a calibration need a TP=1 one to scale from")
     ranked = []
     for config in candidate_configs(base, calibrations, spec):
         rate = max_goodput_rate(config, spec)

@@ -1,0 +1,310 @@
+"""Command-line front ends: `pdserve bench serve|sweep|calibrate` and `pdserve plan`.
+
+Flags follow `vllm bench serve` where one exists. Every handler turns bad input into
+a one-line error and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+
+from bench.datasets import DATASET_NAMES, DatasetSpec
+from bench.metrics import METRIC_NAMES
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+
+
+def guarded(name: str, handler: Callable[[argparse.Namespace], int]):
+    """Run a handler; expected failures become one line on stderr."""
+
+    def run(args: argparse.Namespace) -> int:
+        from bench.sim.calibration import CalibrationUnavailable
+
+        try:
+            return handler(args)
+        except (ValueError, OSError, CalibrationUnavailable) as exc:
+            print(f"pdserve {name}: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print(f"pdserve {name}: interrupted", file=sys.stderr)
+            return 130
+
+    return run
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not a comma-separated list of integers"
+        ) from None
+
+
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--base-url", default=DEFAULT_BASE_URL, help="OpenAI-compatible server")
+    group.add_argument("--model", default=None, help="model name (default: the server's only one)")
+    group.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    group.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens")
+    group.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    group.add_argument("--seed", type=int, default=0)
+
+
+def add_dataset_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("dataset")
+    group.add_argument("--dataset-name", choices=DATASET_NAMES, default="random")
+    group.add_argument("--dataset-path", default=None, help="ShareGPT or JSONL file")
+    group.add_argument("--random-input-len", type=positive_int, default=1024)
+    group.add_argument("--random-output-len", type=positive_int, default=128)
+    group.add_argument("--random-range-ratio", type=float, default=0.0)
+    group.add_argument("--sharegpt-output-len", type=positive_int, default=None)
+    group.add_argument("--rag-num-documents", type=positive_int, default=8)
+    group.add_argument("--rag-chunk-len", type=positive_int, default=256)
+    group.add_argument(
+        "--tokenizer",
+        choices=("auto", "server", "approximate"),
+        default="auto",
+        help="count prompt tokens with the server's /tokenize (auto: if it answers)",
+    )
+
+
+def dataset_spec(args: argparse.Namespace, num_prompts: int) -> DatasetSpec:
+    return DatasetSpec(
+        name=args.dataset_name,
+        path=args.dataset_path,
+        num_prompts=num_prompts,
+        random_input_len=args.random_input_len,
+        random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio,
+        sharegpt_output_len=args.sharegpt_output_len,
+        rag_num_documents=args.rag_num_documents,
+        rag_chunk_len=args.rag_chunk_len,
+        seed=args.seed,
+    )
+
+
+def build_dataset(args: argparse.Namespace, num_prompts: int):
+    from bench.datasets import build_samples
+    from bench.tokenizer import ApproximateTokenizer, ServerTokenizer, pick_tokenizer
+
+    if args.tokenizer == "approximate":
+        tokenizer = ApproximateTokenizer()
+    elif args.tokenizer == "server":
+        tokenizer = ServerTokenizer(args.base_url, args.model)
+    else:
+        tokenizer = pick_tokenizer(args.base_url, args.model)
+    return build_samples(dataset_spec(args, num_prompts), tokenizer)
+
+
+def ignores_eos(args: argparse.Namespace) -> bool:
+    # Synthetic prompts would stop at random EOS tokens: run them to their lengths,
+    # as vLLM does for its random dataset.
+    return args.ignore_eos or args.dataset_name in ("random", "rag")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from bench.metrics import parse_goodput, parse_metric_names, parse_percentiles
+    from bench.runner import RunConfig, format_report, run_benchmark, save_result
+
+    config = RunConfig(
+        base_url=args.base_url,
+        model=args.model,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        num_warmups=args.num_warmups,
+        ignore_eos=ignores_eos(args),
+        timeout_s=args.request_timeout,
+        percentiles=parse_percentiles(args.metric_percentiles),
+        percentile_metrics=parse_metric_names(args.percentile_metrics),
+        goodput_slos_ms=parse_goodput(args.goodput),
+        seed=args.seed,
+        replay_timestamps=args.replay_timestamps,
+        show_progress=not args.disable_tqdm,
+    )
+    samples = build_dataset(args, args.num_prompts)
+    result = asyncio.run(run_benchmark(samples, config))
+    print(format_report(result))
+    if args.save_result or args.result_filename:
+        path = save_result(result, args.result_filename)
+        print(f"saved {path}")
+    return 0 if result["completed"] else 1
+
+
+def add_serve_parser(bench_sub) -> None:
+    parser = bench_sub.add_parser("serve", help="load-test a running OpenAI-compatible server")
+    add_server_flags(parser)
+    add_dataset_flags(parser)
+    parser.add_argument("--num-prompts", type=positive_int, default=1000)
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="req/s, or inf")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    parser.add_argument("--max-concurrency", type=positive_int, default=None)
+    parser.add_argument("--num-warmups", type=int, default=0, help="requests left out")
+    parser.add_argument(
+        "--replay-timestamps",
+        action="store_true",
+        help="send jsonl requests at their recorded 'timestamp' offsets",
+    )
+    parser.add_argument("--percentile-metrics", default=",".join(METRIC_NAMES))
+    parser.add_argument("--metric-percentiles", default="50,95,99")
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="NAME:MS",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000",
+    )
+    parser.add_argument("--save-result", action="store_true")
+    parser.add_argument("--result-filename", default=None)
+    parser.set_defaults(handler=guarded("bench serve", run_serve))
+
+
+REDUCED_PROFILE = {"concurrency_steps": [1, 2, 4, 8], "requests_per_step": 20, "num_warmups": 5}
+
+
+def run_sweep_command(args: argparse.Namespace) -> int:
+    from bench.metrics import parse_percentiles
+    from bench.sweep import SweepConfig, format_sweep, run_sweep
+    from bench.sweep_plot import plot_sweep
+
+    settings = dict(
+        concurrency_steps=args.concurrency_steps,
+        requests_per_step=args.requests_per_step,
+        num_warmups=args.num_warmups,
+    )
+    if args.reduced:
+        settings.update(REDUCED_PROFILE)
+    config = SweepConfig(
+        base_url=args.base_url,
+        model=args.model,
+        warmup_concurrency=args.warmup_concurrency,
+        ttft_slo_ms=args.ttft_slo_ms,
+        itl_slo_ms=args.itl_slo_ms,
+        plateau_gain=args.plateau_gain,
+        percentiles=parse_percentiles(args.metric_percentiles),
+        ignore_eos=ignores_eos(args),
+        timeout_s=args.request_timeout,
+        num_gpus=args.num_gpus,
+        num_prefill_gpus=args.num_prefill_gpus,
+        num_decode_gpus=args.num_decode_gpus,
+        prefill_probe=not args.no_prefill_probe,
+        show_progress=not args.disable_tqdm,
+        seed=args.seed,
+        **settings,
+    )
+    config.validate()
+    samples = build_dataset(args, config.requests_needed())
+    result = asyncio.run(run_sweep(samples, config))
+    stem = args.result_filename or f"sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    json_path = Path(stem)
+    json_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(format_sweep(result))
+    print(f"saved {json_path}")
+    if result["steps"]:
+        png = plot_sweep(result, args.plot_filename or json_path.with_suffix(".png"))
+        print(f"saved {png}")
+    return 0 if result["working_point"] else 1
+
+
+def add_sweep_parser(bench_sub) -> None:
+    parser = bench_sub.add_parser("sweep", help="find the working point over concurrency steps")
+    add_server_flags(parser)
+    add_dataset_flags(parser)
+    parser.add_argument("--concurrency-steps", type=int_list, default=[1, 4, 8, 16, 32, 64, 128])
+    parser.add_argument("--requests-per-step", type=positive_int, default=300)
+    parser.add_argument("--num-warmups", type=int, default=100)
+    parser.add_argument("--warmup-concurrency", type=positive_int, default=8)
+    parser.add_argument(
+        "--reduced",
+        action="store_true",
+        help="short profile: steps 1,2,4,8 of 20 requests, 5 warm-ups",
+    )
+    parser.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="p95 TTFT limit")
+    parser.add_argument("--itl-slo-ms", type=float, default=50.0, help="p95 ITL limit")
+    parser.add_argument(
+        "--plateau-gain",
+        type=float,
+        default=0.10,
+        help="stop when throughput gains less than this fraction",
+    )
+    parser.add_argument("--metric-percentiles", default="50,95,99")
+    parser.add_argument("--num-gpus", type=positive_int, default=1, help="GPUs of the server")
+    parser.add_argument("--num-prefill-gpus", type=positive_int, default=None)
+    parser.add_argument("--num-decode-gpus", type=positive_int, default=None)
+    parser.add_argument(
+        "--no-prefill-probe",
+        action="store_true",
+        help="skip the one-token probe that splits GPU time by phase",
+    )
+    parser.add_argument("--result-filename", default=None, help="JSON path")
+    parser.add_argument("--plot-filename", default=None, help="PNG path (default: beside JSON)")
+    parser.set_defaults(handler=guarded("bench sweep", run_sweep_command))
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from bench.sim.calibration import collect_step_samples
+    from bench.sim.latency import calibration_from_measurements
+
+    data = collect_step_samples(
+        args.model,
+        dtype=args.dtype,
+        prompt_lens=args.prompt_lens,
+        batch_sizes=args.batch_sizes,
+        decode_tokens=args.decode_tokens,
+        repeats=args.repeats,
+        seed=args.seed,
+    )
+    fitted = calibration_from_measurements(data)
+    data["fitted"] = fitted.to_json()
+    Path(args.output).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps(data["fitted"], indent=2))
+    print(f"saved {args.output}")
+    return 0
+
+
+def add_calibrate_parser(bench_sub) -> None:
+    parser = bench_sub.add_parser(
+        "calibrate", help="measure step times of the pdserve engine for the simulator"
+    )
+    parser.add_argument("--model", default=None, help="checkpoint (default: the embedded one)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--prompt-lens", type=int_list, default=[64, 256, 1024])
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16])
+    parser.add_argument("--decode-tokens", type=positive_int, default=32)
+    parser.add_argument("--repeats", type=positive_int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default="calibration.json")
+    parser.set_defaults(handler=guarded("bench calibrate", run_calibrate))
+
+
+def add_bench_parser(subparsers) -> None:
+    """`pdserve bench ...`: load generation, sweeps and calibration."""
+    bench = subparsers.add_parser("bench", help="benchmark a server or the engine")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    add_serve_parser(bench_sub)
+    add_sweep_parser(bench_sub)
+    add_calibrate_parser(bench_sub)
+
+
+def add_plan_parser(subparsers) -> None:
+    """`pdserve plan`: memory, capacity, cost and simulation for a deployment."""
+    from bench.plan_cli import add_plan_arguments, run_plan
+
+    parser = subparsers.add_parser("plan", help="size and price a deployment")
+    add_plan_arguments(parser)
+    parser.set_defaults(handler=guarded("plan", run_plan))
