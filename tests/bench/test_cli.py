@@ -219,3 +219,64 @@ def test_plan_prints_tables_and_rejects_bad_input(tmp_path, capsys) -> None:
     assert capsys.readouterr().err.strip().startswith("pdserve plan: error: no config.json")
     assert main(["plan", "--model", write_config(tmp_path), "--requests-per-minute", "5"]) == 2
     assert "needs --requests-per-minute, --prompt-tokens" in capsys.readouterr().err
+
+
+def test_plan_with_a_calibration_simulates_and_searches(tmp_path, capsys) -> None:
+    prefill = [
+        {"batch_tokens": n, "attention_pairs": 0, "seconds": 0.01 + 1e-4 * n}
+        for n in (256, 1024, 4096)
+    ]
+    decode = [
+        {"batch_tokens": b, "attention_pairs": 0, "seconds": 0.01 + 1e-3 * b} for b in (1, 8, 32)
+    ]
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"tp": 1, "prefill": prefill, "decode": decode}))
+    code = main(
+        [
+            "plan",
+            "--model",
+            write_config(
+                tmp_path,
+                num_hidden_layers=2,
+                hidden_size=512,
+                num_attention_heads=8,
+                intermediate_size=1024,
+                vocab_size=1000,
+            ),
+            "--json",
+            "--tensor-parallel-size",
+            "1",
+            "--requests-per-minute",
+            "120",
+            "--prompt-tokens",
+            "1000",
+            "--output-tokens",
+            "20",
+            "--ttft-slo-ms",
+            "2000",
+            "--itl-slo-ms",
+            "50",
+            "--calibration",
+            str(calibration),
+            "--simulate-requests",
+            "100",
+            "--search-max-gpus",
+            "2",
+        ]
+    )
+    plan = json.loads(capsys.readouterr().out)
+    assert code == 0
+    capacity = plan["capacity"]
+    # Prefill: 8192-token steps take 0.01 + 0.8192 s. Decode: the largest batch whose
+    # step stays within 50 ms is 40 (0.01 + 0.040 s), giving 800 tok/s.
+    assert capacity["prefill_tokens_per_s_per_gpu"] == pytest.approx(8192 / 0.8292)
+    assert capacity["decode_tokens_per_s_per_gpu"] == pytest.approx(800.0)
+    assert capacity["throughput_source"] == "calibration (decode batch 40)"
+    simulated = plan["simulation"]
+    assert simulated["disaggregated"]["completed"] == 100
+    assert simulated["colocated"]["deployment"].endswith("colocated x TP1")
+    assert {row["deployment"] for row in simulated["placement_search"]} == {
+        "1 colocated x TP1",
+        "2 colocated x TP1",
+        "1P+1D x TP1",
+    }
