@@ -22,19 +22,9 @@ from engine.core import EngineCore
 from engine.detokenizer import TextStream
 from engine.outputs import TokenLogprobs
 from engine.tokenizer import Tokenizer
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams, generation_config_defaults
 
 PromptType = str | list[int] | dict[str, Any]
-
-# generation_config.json keys that map onto SamplingParams fields.
-_GENERATION_DEFAULTS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
 
 
 @dataclass
@@ -96,13 +86,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json defaults applied."""
-        defaults = self.engine.generation_config.defaults
-        values = {
-            ours: defaults[theirs]
-            for theirs, ours in _GENERATION_DEFAULTS.items()
-            if theirs in defaults
-        }
-        return SamplingParams(**values)
+        return SamplingParams(**generation_config_defaults(self.engine.generation_config.defaults))
 
     def generate(
         self,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from scheduler.block_events import BlockCacheSnapshot
 from scheduler.sampling_params import SamplingParams
 
 
@@ -65,7 +66,28 @@ class AbortTask(msgspec.Struct, tag="abort"):
     request_ids: list[str]
 
 
-Task = GenerateTask | AbortTask
+class SnapshotTask(msgspec.Struct, tag="snapshot"):
+    """Asks for a `BlockCacheSnapshot` in the next output: the gateway missed block
+    events (PUB/SUB drops messages before a subscription is up and when it falls
+    behind), so it resyncs from a snapshot that travels on the reliable output path."""
+
+
+class InspectTask(msgspec.Struct, tag="inspect"):
+    """Asks for an `InstanceInspection` in the next output (tests and debugging)."""
+
+    query_id: str
+
+
+class LeakBlocksTask(msgspec.Struct, tag="leak_blocks"):
+    """Test hook: hold blocks for a request the scheduler does not know, so a test can
+    prove the invariant check catches a leak. Honoured only by instances started with
+    test hooks enabled."""
+
+    num_blocks: int = 1
+    owner: str = "leaked-on-purpose"
+
+
+Task = GenerateTask | AbortTask | SnapshotTask | InspectTask | LeakBlocksTask
 
 
 class InstanceStats(msgspec.Struct):
@@ -91,6 +113,18 @@ class MetricsDelta(msgspec.Struct):
     histograms: dict[str, list[float]] = {}
 
 
+class InstanceInspection(msgspec.Struct):
+    """An instance's books, for the invariant "idle ⇒ every block free or cached"."""
+
+    query_id: str
+    invariant_error: str | None  # the first broken scheduler invariant, if any
+    block_owners: dict[int, list[str]]  # block id → requests holding it (held blocks only)
+    num_total_blocks: int
+    num_free_blocks: int  # free plus cached-unreferenced
+    num_cached_blocks: int
+    unfinished_request_ids: list[str]  # waiting, running, pulling or held here
+
+
 class InstanceOutput(msgspec.Struct):
     """One message per step (or per heartbeat interval when idle)."""
 
@@ -98,3 +132,21 @@ class InstanceOutput(msgspec.Struct):
     deltas: list[RequestDelta] = []
     stats: InstanceStats | None = None
     metrics: MetricsDelta | None = None
+    inspection: InstanceInspection | None = None
+    block_snapshot: BlockCacheSnapshot | None = None
+
+
+class InstanceInfo(msgspec.Struct, frozen=True):
+    """What a ready instance tells its launcher, and the launcher the gateway."""
+
+    address: InstanceAddress
+    events_address: str  # ZMQ PUB endpoint of its block events (BlockEventBatch frames)
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    # generation_config.json sampling defaults (its own key names), for the gateway.
+    generation_defaults: dict[str, float] = {}
+    pid: int = 0

@@ -6,10 +6,34 @@ handoff). Validation happens at construction so bad values never reach an instan
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import msgspec
 
 # Above this, `logprobs` would make every step ship a large part of the vocabulary.
 MAX_LOGPROBS = 20
+
+# generation_config.json keys that map onto SamplingParams fields.
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_config_defaults(defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """SamplingParams keyword arguments from a checkpoint's generation_config.json
+    defaults: what a request that leaves a field unset gets (the offline LLM and the
+    gateway share this)."""
+    return {
+        ours: defaults[theirs]
+        for theirs, ours in GENERATION_CONFIG_FIELDS.items()
+        if theirs in defaults
+    }
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
