@@ -289,15 +289,20 @@ class DecodeSide:
             except KVLayoutMismatch as exc:
                 error = str(exc)
         if error:
-            waiting = source.waiting
-            self._reset(source)
-            for part in waiting:
-                self._fail(part.request, f"handshake failed: {error}")
+            self._fail_source(source, f"handshake failed: {error}")
             return
         source.state = "ready"
         waiting, source.waiting = source.waiting, []
         for part in waiting:
             self._start(part)
+
+    def _fail_source(self, source: _Source, reason: str) -> None:
+        """Every request that needs this prefill rank fails, queued ones included, so a
+        request still waiting for blocks is rejected before anything is allocated."""
+        self._reset(source)
+        for request in list(self._requests.values()):
+            if source.address in request.addresses:
+                self._fail(request, reason)
 
     def _reset(self, source: _Source) -> None:
         source.client.close()
@@ -318,15 +323,11 @@ class DecodeSide:
     def poll(self, now: float) -> None:
         for source in self._sources.values():
             if source.state == "waiting" and now >= source.hello_deadline:
-                waiting = source.waiting
-                timeout = self._config.handshake_timeout_s
-                self._reset(source)
-                for part in waiting:
-                    self._fail(
-                        part.request,
-                        f"no handshake reply from {self._source_name(source)} at "
-                        f"{source.address} within {timeout:g}s",
-                    )
+                self._fail_source(
+                    source,
+                    f"no handshake reply from {self._source_name(source)} at "
+                    f"{source.address} within {self._config.handshake_timeout_s:g}s",
+                )
         for request in list(self._requests.values()):
             if request.deadline is not None and now >= request.deadline:
                 self._fail(

@@ -4,10 +4,14 @@ A held request keeps its blocks until every head this rank holds has been confir
 by a decode rank (`Done`), or the decode side aborts it, or its lease runs out. In
 each case the blocks are reported only once no send out of them is in flight.
 
-A lease that runs out while sends are in flight means the decode side stopped
-reading: the sends are cancelled by resetting the endpoint to that peer (the only
-cancel ucxx offers for sends), which also cancels other pulls in flight to it; those
-are rejected so the decode side cancels them too, and their requests stay held.
+The lease bounds everything, releases included: when it runs out with sends still
+in flight, the decode side has stopped reading (it died, or its own transfer deadline,
+which is shorter than the lease, made it give up and cancel its receives). Those sends
+are then *abandoned* and the blocks released. They cannot be cancelled: with error
+handling off, UCX has no forced endpoint close, and a flushing close would wait on
+the silent peer forever. Abandoning is safe because a decode side past its deadline
+never uses what it receives, and its own blocks stay quarantined until its receives
+end. The abandoned requests (and their buffers) are kept until UCX completes them.
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ class PrefillSide:
         self._peers: dict[bytes, Hello] = {}
         self._held: dict[str, _Held] = {}
         self._parked: list[tuple[float, bytes, Pull]] = []  # pulls that beat their hold
+        self._abandoned: list[TransferOp] = []  # sends given up on, kept until UCX ends them
 
     # ---- commands from the instance -------------------------------------------------
 
@@ -199,7 +204,6 @@ class PrefillSide:
                 ops.append(self._transport.send(peer.hex(), buffer, run.tag))
         except Exception as exc:  # e.g. the peer's address is unreachable
             serving.error = f"prefill side could not send: {exc}"
-            self._transport.reset_peer(peer.hex())
 
     def _unknown(self, request_id: str) -> str:
         return (
@@ -233,8 +237,11 @@ class PrefillSide:
         self._serve_parked(now)
         for held in list(self._held.values()):
             self._finish_sends(held)
-            if held.release is None and now >= held.deadline:
-                self._expire(held)
+            if now >= held.deadline:
+                if held.release is None:
+                    held.release = "expired"
+                    self._stats.lease_expiries_total += 1
+                self._abandon_sends(held)
             if held.release is not None and not held.sends_in_flight:
                 del self._held[held.request_id]
                 self._report(held.release, held.request_id)
@@ -267,20 +274,23 @@ class PrefillSide:
             serving.sent = True
             serving.ops = []  # lets go of staging buffers; the entry waits for Done
 
-    def _expire(self, held: _Held) -> None:
-        held.release = "expired"
-        self._stats.lease_expiries_total += 1
-        stuck = {s.peer for s in held.serving.values() if s.in_flight}
-        for peer in stuck:
-            logger.warning(
-                "lease of %s expired with sends in flight; resetting the endpoint to %r",
-                held.request_id,
-                peer,
-            )
-            self._transport.reset_peer(peer.hex())
+    def _abandon_sends(self, held: _Held) -> None:
+        for key, serving in list(held.serving.items()):
+            if serving.in_flight:
+                logger.warning(
+                    "lease of %s ran out with %d sends in flight to %r; abandoning them",
+                    held.request_id,
+                    sum(not op.done for op in serving.ops),
+                    serving.peer,
+                )
+                self._abandoned.extend(op for op in serving.ops if not op.done)
+                self._stats.in_flight -= 1
+                self._stats.failures_total += 1
+                del held.serving[key]
+        self._abandoned = [op for op in self._abandoned if not op.poll()]
 
     def next_deadline(self) -> float | None:
-        deadlines = [h.deadline for h in self._held.values() if h.release is None]
+        deadlines = [h.deadline for h in self._held.values()]
         deadlines += [p[0] for p in self._parked]
         return min(deadlines, default=None)
 

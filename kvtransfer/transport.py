@@ -5,7 +5,8 @@ tags it chose, then asks the prefill side to send under the same tags. Only the
 sending side addresses a peer; receives match on the tag alone.
 
 An op is `done` once the transport can no longer touch its buffer, whether it
-succeeded, failed or was cancelled; only then may its blocks be reused.
+succeeded, failed or was cancelled; only then may its blocks be reused. Receives can
+be cancelled; sends cannot (see prefill_side.py for how a stuck send is handled).
 """
 
 from __future__ import annotations
@@ -53,10 +54,6 @@ class Transport(abc.ABC):
     def cancel_recvs(self, ops: list[TransferOp]) -> None:
         """Cancel these receives; each becomes done (with an error) once the
         transport has let go of its buffer."""
-
-    @abc.abstractmethod
-    def reset_peer(self, peer: str) -> None:
-        """Cancel every send in flight to `peer`; the next send reconnects."""
 
     @abc.abstractmethod
     def progress(self) -> None: ...

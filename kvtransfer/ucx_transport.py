@@ -12,7 +12,8 @@ through a *group* endpoint that points at this worker itself: cancelling some
 receives closes the group (cancelling every unmatched receive in it), opens a new
 group, and posts the innocent ones again. Their senders never notice: a message
 that arrives in between waits in UCX's unexpected queue for the new receive.
-Sends are cancelled per peer by closing that peer's endpoint.
+Sends cannot be cancelled: with error handling off a closing endpoint flushes, and a
+flush towards a peer that stopped progressing never ends.
 
 The worker runs in blocking-progress mode: `ready_to_block` arms it and the I/O
 thread waits on its epoll descriptor next to the ZMQ sockets.
@@ -131,7 +132,6 @@ class UcxTransport(Transport):
         return self._worker.create_endpoint_from_worker_address(self._worker.address, False)
 
     def add_peer(self, peer: str, info: bytes) -> None:
-        self.reset_peer(peer)
         self._peer_info[peer] = info
 
     def _endpoint(self, peer: str) -> Any:
@@ -171,11 +171,6 @@ class UcxTransport(Transport):
         for op in old_ops:
             op.poll()  # innocent cancelled receives go into the new group
 
-    def reset_peer(self, peer: str) -> None:
-        endpoint = self._endpoints.pop(peer, None)
-        if endpoint is not None:
-            endpoint.close_blocking(_CLOSE_PERIOD_NS, 1)
-
     def progress(self) -> None:
         self._worker.progress()
         if len(self._group_ops) > 64:
@@ -185,8 +180,9 @@ class UcxTransport(Transport):
         return bool(self._worker.arm())
 
     def close(self) -> None:
-        for peer in list(self._endpoints):
-            self.reset_peer(peer)
+        for endpoint in self._endpoints.values():
+            endpoint.close()  # non-blocking: a silent peer must not hang shutdown
+        self._endpoints.clear()
         self._group.close_blocking(_CLOSE_PERIOD_NS, 1)
         self._accepted.clear()
         self._listener = None

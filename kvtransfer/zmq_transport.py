@@ -49,7 +49,7 @@ class ZmqTransport(Transport):
         return [self._inbox]
 
     def add_peer(self, peer: str, info: bytes) -> None:
-        self.reset_peer(peer)
+        self._drop_outbox(peer)
         self._peer_info[peer] = info
 
     def _outbox(self, peer: str) -> zmq.Socket:
@@ -82,7 +82,7 @@ class ZmqTransport(Transport):
                 del self._recvs[tag]
                 op.done, op.error = True, "cancelled"
 
-    def reset_peer(self, peer: str) -> None:
+    def _drop_outbox(self, peer: str) -> None:
         socket = self._outboxes.pop(peer, None)
         if socket is not None:
             socket.close(linger=0)
@@ -109,5 +109,5 @@ class ZmqTransport(Transport):
 
     def close(self) -> None:
         for peer in list(self._outboxes):
-            self.reset_peer(peer)
+            self._drop_outbox(peer)
         self._inbox.close(linger=0)

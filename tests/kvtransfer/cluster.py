@@ -56,6 +56,9 @@ class BlockPool:
         self._owned[owner] = blocks
         return blocks
 
+    def owns(self, owner: str) -> bool:
+        return owner in self._owned
+
     def blocks_of(self, owner: str) -> list[int]:
         return self._owned[owner]
 
@@ -194,7 +197,8 @@ def step(p: Instance | None, d: Instance | None, outcomes: Outcomes) -> Outcomes
     if d is not None and d.decode is not None:
         update = d.decode.update(d.poll())
         for rid in [f.request_id for f in update.failed] + update.aborted:
-            d.pool.free(rid)
+            if d.pool.owns(rid):  # a request can fail before it was allocated
+                d.pool.free(rid)
         outcomes.add_decode(update)
     return outcomes
 
