@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv_cache import KVCacheShape
+from kvtransfer.layout import (
+    KVLayoutMismatch,
+    Run,
+    check_compatible,
+    check_tp_split,
+    coalesce,
+    head_range,
+    layout_of,
+    source_slices,
+)
+from kvtransfer.messages import KVLayout
+
+LAYOUT = KVLayout(block_size=16, num_layers=4, num_kv_heads=8, head_dim=64, dtype="bfloat16")
+
+
+def test_coalesce_groups_runs_consecutive_on_both_sides():
+    runs = coalesce([4, 5, 6, 9, 10, 3], [0, 1, 2, 3, 7, 8])
+    assert runs == [Run(4, 0, 3), Run(9, 3, 1), Run(10, 7, 1), Run(3, 8, 1)]
+    assert coalesce([], []) == []
+    with pytest.raises(ValueError, match="2 source blocks for 1 destination"):
+        coalesce([1, 2], [1])
+
+
+def test_layout_of_engine_shape_counts_heads_of_all_ranks():
+    shape = KVCacheShape(30, 3, 64, 16, torch.bfloat16)
+    layout = layout_of(shape)
+    assert layout == KVLayout(16, 30, 3, 64, "bfloat16")
+    assert layout.bytes_per_block == shape.bytes_per_block
+    assert layout_of(KVCacheShape(4, 2, 8, 16, torch.float32), tp_size=4).num_kv_heads == 8
+
+
+def test_compatibility_names_every_difference():
+    other = KVLayout(block_size=32, num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16")
+    with pytest.raises(KVLayoutMismatch) as info:
+        check_compatible(LAYOUT, other, "prefill instance p0")
+    message = str(info.value)
+    assert "prefill instance p0" in message and "\n" not in message
+    assert "block_size 32 there vs 16 here" in message
+    assert "head_dim 128 there vs 64 here" in message
+    assert "dtype float16 there vs bfloat16 here" in message
+    check_compatible(LAYOUT, LAYOUT, "itself")
+
+
+def test_tp_split_must_divide_heads():
+    check_tp_split(LAYOUT, 8, "x")
+    with pytest.raises(KVLayoutMismatch, match="8 kv heads cannot be split over TP size 3"):
+        check_tp_split(LAYOUT, 3, "x")
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 1), (2, 1), (1, 2), (4, 2), (2, 8), (8, 8)])
+def test_source_slices_cover_each_decode_rank_exactly(src_tp, dst_tp):
+    for dst_rank in range(dst_tp):
+        lo, hi = head_range(LAYOUT, dst_rank, dst_tp)
+        slices = source_slices(LAYOUT, dst_rank, dst_tp, src_tp)
+        covered = [h for s in slices for h in range(s.start, s.end)]
+        assert covered == list(range(lo, hi))
+        for piece in slices:
+            s_lo, s_hi = head_range(LAYOUT, piece.src_rank, src_tp)
+            assert s_lo <= piece.start < piece.end <= s_hi
