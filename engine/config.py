@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, fields
 
 import torch
@@ -25,7 +26,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     num_threads: int | None = None  # torch threads; None: all cores
-    device: str = "cpu"
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory this engine may use
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly (no CUDA graphs)
+    cuda_graph_sizes: list[int] | None = None  # decode batch sizes to capture; None: defaults
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -35,6 +39,14 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N; got {self.device!r}")
+        if self.cuda_graph_sizes is not None and any(s < 1 for s in self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be positive, got {self.cuda_graph_sizes}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
