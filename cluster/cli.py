@@ -6,12 +6,13 @@ import argparse
 import sys
 
 from bench.cli import add_bench_parser, add_plan_parser
+from cluster.serve_cli import add_serve_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("serve", help="serve a model")
+    add_serve_parser(sub)
     add_bench_parser(sub)
     add_plan_parser(sub)
     return parser

@@ -1,0 +1,80 @@
+"""What every launcher does: start instances, report each one ready, watch, shut down.
+
+    launcher.launch(specs, on_ready)     # blocks until all are ready (progress on stderr)
+    launcher.watch(on_exit)              # a thread reports instances that die later
+    launcher.shutdown()                  # stops them all and frees their ports
+
+`cancel()` (from a signal handler's thread) makes a `launch` still waiting give up.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TextIO
+
+from engine.instance_spec import InstanceSpec
+from scheduler.messages import InstanceInfo
+
+ReadyCallback = Callable[[InstanceInfo], None]
+ExitCallback = Callable[[str, str], None]  # (instance id, reason)
+
+PROGRESS_INTERVAL_S = 2.0
+
+
+class LaunchError(RuntimeError):
+    """An instance could not start (or the launch was cancelled); one line."""
+
+
+class Launcher(ABC):
+    def __init__(self, ready_timeout_s: float = 600.0) -> None:
+        self.ready_timeout_s = ready_timeout_s
+        self.cancelled = threading.Event()
+        self.stopping = threading.Event()
+
+    @abstractmethod
+    def launch(self, specs: list[InstanceSpec], on_ready: ReadyCallback) -> None: ...
+
+    @abstractmethod
+    def watch(self, on_exit: ExitCallback) -> None: ...
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class LoadProgress:
+    """ "loading 2 instances: 1/2 ready (12 s)" every couple of seconds while weights load."""
+
+    def __init__(self, total: int, stream: TextIO | None = None) -> None:
+        self.total = total
+        self.ready: list[str] = []
+        self.stream = stream or sys.stderr
+        self.started = time.monotonic()
+        self._last = 0.0
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def mark_ready(self, instance_id: str) -> None:
+        self.ready.append(instance_id)
+        self._print(f"{instance_id} ready")
+
+    def tick(self) -> None:
+        if time.monotonic() - self._last >= PROGRESS_INTERVAL_S:
+            self._print("loading weights")
+
+    def _print(self, note: str) -> None:
+        self._last = time.monotonic()
+        print(
+            f"pdserve: {len(self.ready)}/{self.total} instances ready "
+            f"({self.elapsed:.0f} s): {note}",
+            file=self.stream,
+            flush=True,
+        )

@@ -1,0 +1,134 @@
+"""The Ray-free launcher: each instance a plain child process on this machine.
+
+The same topology as the Ray launcher, for one machine, tests, and hosts without Ray.
+A child prints one READY (or FAILED) line on stdout when its weights are loaded; it
+gets SIGTERM when this process dies (PDSERVE_PARENT_PID), so none outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import msgspec
+
+from cluster.launcher import ExitCallback, Launcher, LaunchError, LoadProgress, ReadyCallback
+from engine.instance_main import FAILED_PREFIX, READY_PREFIX
+from engine.instance_spec import InstanceSpec
+from scheduler.messages import InstanceInfo
+
+STOP_GRACE_S = 10.0
+
+
+class LocalLauncher(Launcher):
+    def __init__(self, ready_timeout_s: float = 600.0, env: dict[str, str] | None = None) -> None:
+        super().__init__(ready_timeout_s)
+        self.env = env
+        self.processes: dict[str, subprocess.Popen] = {}
+        self._events: queue.Queue[tuple[str, str, str]] = queue.Queue()
+        self._readers: list[threading.Thread] = []
+        self._watcher: threading.Thread | None = None
+
+    # ---- launching --------------------------------------------------------------------
+
+    def launch(self, specs: list[InstanceSpec], on_ready: ReadyCallback) -> None:
+        for spec in specs:
+            self._spawn(spec)
+        progress = LoadProgress(len(specs))
+        pending = {spec.instance_id for spec in specs}
+        deadline = time.monotonic() + self.ready_timeout_s
+        while pending:
+            if self.cancelled.is_set():
+                raise LaunchError("cancelled while instances were loading")
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"instances not ready after {self.ready_timeout_s:g} s: {sorted(pending)}"
+                )
+            progress.tick()
+            try:
+                instance_id, kind, payload = self._events.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if kind == "ready":
+                on_ready(msgspec.json.decode(payload, type=InstanceInfo))
+                pending.discard(instance_id)
+                progress.mark_ready(instance_id)
+            elif kind == "failed":
+                raise LaunchError(f"{instance_id} failed to start: {payload}")
+            elif kind == "eof":
+                code = self.processes[instance_id].wait()
+                raise LaunchError(f"{instance_id} exited with code {code} while loading")
+
+    def _spawn(self, spec: InstanceSpec) -> None:
+        env = dict(self.env if self.env is not None else os.environ)
+        env["PDSERVE_PARENT_PID"] = str(os.getpid())
+        command = [
+            sys.executable,
+            "-m",
+            "engine.instance_main",
+            spec.instance_id,
+            "--spec",
+            msgspec.json.encode(spec).decode(),
+        ]
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, text=True
+        )
+        self.processes[spec.instance_id] = process
+        reader = threading.Thread(target=self._read, args=(spec.instance_id, process), daemon=True)
+        reader.start()
+        self._readers.append(reader)
+
+    def _read(self, instance_id: str, process: subprocess.Popen) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith(READY_PREFIX):
+                self._events.put((instance_id, "ready", line[len(READY_PREFIX) :]))
+            elif line.startswith(FAILED_PREFIX):
+                self._events.put((instance_id, "failed", line[len(FAILED_PREFIX) :].strip()))
+            else:
+                sys.stderr.write(f"[{instance_id}] {line}")
+        self._events.put((instance_id, "eof", ""))
+
+    # ---- watching ---------------------------------------------------------------------
+
+    def watch(self, on_exit: ExitCallback) -> None:
+        def run() -> None:
+            while not self.stopping.is_set():
+                try:
+                    instance_id, kind, _ = self._events.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if kind == "eof" and not self.stopping.is_set():
+                    code = self.processes[instance_id].wait()
+                    on_exit(instance_id, f"its process exited with code {code}")
+
+        self._watcher = threading.Thread(target=run, name="local-launcher-watch", daemon=True)
+        self._watcher.start()
+
+    # ---- stopping ---------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """SIGTERM to every child, SIGKILL to any still alive after the grace period."""
+        self.stopping.set()
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for reader in self._readers:
+            reader.join(timeout=2.0)
+        if self._watcher is not None:
+            self._watcher.join(timeout=2.0)
+
+    def pids(self) -> dict[str, int]:
+        return {instance_id: p.pid for instance_id, p in self.processes.items()}

@@ -1,0 +1,148 @@
+"""What `pdserve serve` brings up, worked out from its flags before anything starts.
+
+The instances (roles, ids, threads and cores), the engine arguments they share and the
+gateway's settings. Every flag problem surfaces here as one `ServeError` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+
+from engine.embedded import MODEL_NAME
+from engine.instance_kinds import kind_available
+from scheduler.global_scheduler import GlobalSchedulerConfig
+
+MODES = ("disaggregated", "colocated")
+LAUNCHERS = ("ray", "local")
+KV_TRANSPORTS = ("ucx", "ucx-listener", "zmq")  # kvtransfer.transport.TRANSPORTS
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+class ServeError(ValueError):
+    """A flag combination that cannot be served; the message is one line."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "2GiB", "512MiB", "1.5GB", "4096" (binary units with an i)."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ServeError(f"cannot read {text!r} as a size (examples: 2GiB, 512MiB, 1073741824)")
+    number, unit = float(match.group(1)), (match.group(2) or "").lower().rstrip("b")
+    if unit.endswith("i"):
+        scale = 1024 ** "kmgt".index(unit[0]) * 1024
+    else:
+        scale = _UNITS[unit]
+    size = int(number * scale)
+    if size <= 0:
+        raise ServeError(f"size {text!r} must be positive")
+    return size
+
+
+@dataclass(frozen=True)
+class PlannedInstance:
+    instance_id: str
+    role: str
+    num_threads: int
+    cpus: list[int]  # empty: not pinned
+    num_cpus: float  # Ray resource request
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    args: argparse.Namespace
+    model_path: str | None  # None: the embedded model (resolved at start)
+    served_model_names: list[str]
+    instances: list[PlannedInstance]
+    engine_args: dict
+    scheduler: GlobalSchedulerConfig
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, cores: list[int] | None = None) -> ServePlan:
+        check_flags(args)
+        if args.mode == "disaggregated" and not (
+            kind_available("prefill") and kind_available("decode")
+        ):
+            raise ServeError(
+                "--mode disaggregated needs the prefill/decode KV handoff, which is not wired "
+                "yet; use --mode colocated"
+            )
+        roles = _roles(args)
+        instances = place(roles, cores or available_cores())
+        names = args.served_model_name or [args.model or MODEL_NAME]
+        engine_args = {
+            "model": args.model,
+            "dtype": args.dtype,
+            "block_size": args.block_size,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": args.max_model_len,
+            "kv_cache_memory": parse_size(args.kv_cache_memory),
+            "enable_prefix_caching": args.enable_prefix_caching,
+            "seed": args.seed,
+        }
+        try:
+            scheduler = GlobalSchedulerConfig(
+                routing_policy=args.routing_policy,
+                max_queued_requests=args.max_queued_requests,
+                instance_timeout_s=args.instance_timeout,
+                skip_prefill_max_tokens=args.skip_prefill_max_tokens,
+                skip_prefill_min_cached_ratio=args.skip_prefill_min_cached_ratio,
+            )
+        except ValueError as exc:
+            raise ServeError(str(exc)) from None
+        return cls(args, args.model, names, instances, engine_args, scheduler)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    positive = ("max_num_seqs", "max_num_batched_tokens", "block_size")
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise ServeError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ServeError("--max-model-len must be at least 1")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ServeError("--gpu-memory-utilization must be in (0, 1]")
+    for name in ("num_prefill", "num_decode"):
+        if getattr(args, name) < 1:
+            raise ServeError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.num_colocated is not None and args.num_colocated < 1:
+        raise ServeError("--num-colocated must be at least 1")
+    if not 0 <= args.port <= 65535:
+        raise ServeError("--port must be in [0, 65535]")
+    if args.model is not None and not os.path.isdir(os.path.expanduser(args.model)):
+        raise ServeError(f"--model {args.model}: no such checkpoint folder")
+    parse_size(args.kv_cache_memory)
+
+
+def _roles(args: argparse.Namespace) -> list[str]:
+    if args.mode == "colocated":
+        count = args.num_colocated or args.num_prefill + args.num_decode
+        return ["colocated"] * count
+    return ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
+
+
+def available_cores() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def place(roles: list[str], cores: list[int]) -> list[PlannedInstance]:
+    """Each instance gets max(1, cores // instances) torch threads; with at least two
+    cores each they are pinned to disjoint cores (fewer would starve the gateway)."""
+    count, num_cores = len(roles), len(cores)
+    share = max(1, num_cores // count)
+    pin = num_cores // count >= 2
+    seen: dict[str, int] = {}
+    planned = []
+    for i, role in enumerate(roles):
+        index = seen[role] = seen.get(role, -1) + 1
+        cpus = cores[i * share : (i + 1) * share] if pin else []
+        num_cpus = min(float(share), num_cores / count)
+        planned.append(PlannedInstance(f"{role}-{index}", role, share, cpus, num_cpus))
+    return planned

@@ -1,0 +1,54 @@
+"""Instance kinds as Ray actors. The class names are what `ray list actors` and `ps`
+show (Ray titles an actor's process `ray::ColocatedInstance`); each actor is also
+named after its instance id.
+
+The runtime is imported inside the actor, so the driver (the gateway process) never
+loads torch. Ray runs the methods on a small thread pool: `run()` holds one thread for
+the step loop while `stop()` and `ping()` use the others.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.instance_spec import InstanceSpec
+
+
+class _InstanceActor:
+    def __init__(self, spec_json: bytes) -> None:
+        from engine.instance_kinds import runtime_class
+
+        spec = msgspec.json.decode(spec_json, type=InstanceSpec)
+        self.runtime = runtime_class(spec.role)(spec)
+
+    def load(self) -> bytes:
+        """Loads the weights; returns the InstanceInfo as JSON."""
+        return msgspec.json.encode(self.runtime.load())
+
+    def run(self) -> None:
+        self.runtime.run()
+
+    def stop(self) -> None:
+        self.runtime.stop()
+
+    def ping(self) -> str:
+        return "ok"
+
+
+class ColocatedInstance(_InstanceActor):
+    """Runs whole requests: prompt and every output token."""
+
+
+class PrefillInstance(_InstanceActor):
+    """Computes prompts, samples the first token, hands the KV to a decode instance."""
+
+
+class DecodeInstance(_InstanceActor):
+    """Pulls handed-off KV and runs continuous batching to the end of each request."""
+
+
+ACTOR_CLASSES: dict[str, type[_InstanceActor]] = {
+    "colocated": ColocatedInstance,
+    "prefill": PrefillInstance,
+    "decode": DecodeInstance,
+}

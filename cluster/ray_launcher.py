@@ -1,0 +1,151 @@
+"""The Ray launcher: instances as named actors in a Ray cluster (started here, or joined
+with `--ray-address`), each asking for its share of the CPUs.
+
+Readiness: every actor's `load()` is awaited, with progress while weights load. Health:
+each actor's long-running `run()` call finishes only if the step loop ends or the actor
+dies, so waiting on those calls is the death watch. Shutdown asks every step loop to
+stop, waits a little, then kills the actors (their ports close with their processes);
+a cluster started here is shut down too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+
+import msgspec
+
+from cluster.launcher import ExitCallback, Launcher, LaunchError, LoadProgress, ReadyCallback
+from cluster.ray_actors import ACTOR_CLASSES
+from engine.instance_spec import InstanceSpec
+from scheduler.messages import InstanceInfo
+
+STOP_GRACE_S = 10.0
+
+
+class RayLauncher(Launcher):
+    def __init__(
+        self,
+        address: str | None = None,
+        namespace: str = "pdserve",
+        num_cpus: dict[str, float] | None = None,
+        ready_timeout_s: float = 600.0,
+    ) -> None:
+        super().__init__(ready_timeout_s)
+        self.address = address
+        self.namespace = namespace
+        self.num_cpus = num_cpus or {}
+        self.actors: dict[str, object] = {}
+        self.run_refs: dict[object, str] = {}
+        self.started_cluster = False
+        self._watcher: threading.Thread | None = None
+
+    def _ray(self):
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        import ray
+
+        return ray
+
+    def connect(self) -> None:
+        ray = self._ray()
+        if ray.is_initialized():
+            return
+        self.started_cluster = self.address is None
+        try:
+            ray.init(
+                address=self.address,
+                namespace=self.namespace,
+                logging_level="WARNING",
+                log_to_driver=True,
+                configure_logging=True,
+            )
+        except Exception as exc:  # ray raises ConnectionError, RuntimeError, ValueError...
+            where = self.address or "a new local cluster"
+            raise LaunchError(f"cannot start or join Ray ({where}): {_one_line(exc)}") from None
+
+    def launch(self, specs: list[InstanceSpec], on_ready: ReadyCallback) -> None:
+        ray = self._ray()
+        self.connect()
+        loads = {}
+        for spec in specs:
+            actor_class = ray.remote(ACTOR_CLASSES[spec.role])
+            try:
+                actor = actor_class.options(
+                    name=spec.instance_id,
+                    num_cpus=self.num_cpus.get(spec.instance_id, 1.0),
+                    max_concurrency=4,
+                    max_restarts=0,
+                ).remote(msgspec.json.encode(spec))
+            except ValueError as exc:  # a name already taken in this namespace
+                raise LaunchError(f"cannot create actor {spec.instance_id}: {exc}") from None
+            self.actors[spec.instance_id] = actor
+            loads[actor.load.remote()] = spec.instance_id
+        progress = LoadProgress(len(specs))
+        deadline = time.monotonic() + self.ready_timeout_s
+        while loads:
+            if self.cancelled.is_set():
+                raise LaunchError("cancelled while instances were loading")
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"instances not ready after {self.ready_timeout_s:g} s: "
+                    f"{sorted(loads.values())} (not enough CPUs in the cluster?)"
+                )
+            progress.tick()
+            ready, _ = ray.wait(list(loads), num_returns=1, timeout=0.5)
+            for ref in ready:
+                instance_id = loads.pop(ref)
+                try:
+                    info = msgspec.json.decode(ray.get(ref), type=InstanceInfo)
+                except Exception as exc:
+                    raise LaunchError(f"{instance_id} failed to start: {_one_line(exc)}") from None
+                on_ready(info)
+                progress.mark_ready(instance_id)
+                self.run_refs[self.actors[instance_id].run.remote()] = instance_id
+
+    def watch(self, on_exit: ExitCallback) -> None:
+        ray = self._ray()
+
+        def run() -> None:
+            pending = dict(self.run_refs)
+            while pending and not self.stopping.is_set():
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
+                for ref in done:
+                    instance_id = pending.pop(ref)
+                    if self.stopping.is_set():
+                        return
+                    try:
+                        ray.get(ref)
+                        reason = "its step loop ended"
+                    except Exception as exc:
+                        reason = f"the actor died: {_one_line(exc)}"
+                    on_exit(instance_id, reason)
+
+        self._watcher = threading.Thread(target=run, name="ray-launcher-watch", daemon=True)
+        self._watcher.start()
+
+    def shutdown(self) -> None:
+        self.stopping.set()
+        ray = self._ray()
+        if not ray.is_initialized():
+            return
+        for actor in self.actors.values():
+            with contextlib.suppress(Exception):  # already dead
+                actor.stop.remote()
+        if self.run_refs:
+            ray.wait(list(self.run_refs), num_returns=len(self.run_refs), timeout=STOP_GRACE_S)
+        for actor in self.actors.values():
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+        if self._watcher is not None:
+            self._watcher.join(timeout=2.0)
+        # Stops a cluster started here; only disconnects from one joined with --ray-address.
+        ray.shutdown()
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    # Ray wraps the actor's error; its last line is the actual exception.
+    text = lines[-1] if lines else type(exc).__name__
+    return text[:300]

@@ -1,0 +1,173 @@
+"""`pdserve serve`: the gateway in this process, the instances through a launcher.
+
+Order of events: check the flags; bind the HTTP port (a taken port fails at once, not
+after the weights load); start the gateway (its ZMQ output socket) and the HTTP server
+(/health answers 503 until an instance is ready); launch the instances, registering
+each with the gateway as it becomes ready; print one "serving" line; serve until
+SIGINT/SIGTERM; then stop the HTTP server, the instances and the gateway, in that
+order. A second Ctrl-C skips the graceful wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+
+import uvicorn
+
+from cluster.launcher import Launcher, LaunchError
+from cluster.local_launcher import LocalLauncher
+from cluster.plan import ServeError, ServePlan
+from engine.embedded import EmbeddedModelError, embedded_model_path
+from engine.instance_spec import InstanceSpec
+from engine.tokenizer import TokenizerError
+from gateway.app import create_app
+from gateway.state import Gateway, GatewayConfig
+
+logger = logging.getLogger("pdserve.serve")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: `pdserve serve` owns SIGINT/SIGTERM so it
+    can stop the instances before it exits."""
+
+    def capture_signals(self):  # noqa: ANN201 - a context manager, as in uvicorn
+        return contextlib.nullcontext()
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        plan = ServePlan.from_args(args)
+        model_path = plan.model_path or str(embedded_model_path())
+        listener = bind_listener(args.host, args.port)
+    except (ServeError, EmbeddedModelError) as exc:
+        print(f"pdserve serve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(plan, model_path, listener))
+    except (LaunchError, TokenizerError) as exc:
+        print(f"pdserve serve: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def make_launcher(plan: ServePlan, port: int) -> Launcher:
+    if plan.args.launcher == "local":
+        return LocalLauncher()
+    from cluster.ray_launcher import RayLauncher  # Ray loads only when asked for
+
+    return RayLauncher(
+        address=plan.args.ray_address,
+        namespace=f"pdserve-{port}",
+        num_cpus={i.instance_id: i.num_cpus for i in plan.instances},
+    )
+
+
+def instance_specs(plan: ServePlan, model_path: str, gateway_address: str) -> list[InstanceSpec]:
+    args = plan.args
+    return [
+        InstanceSpec(
+            instance_id=planned.instance_id,
+            role=planned.role,
+            gateway_address=gateway_address,
+            engine={**plan.engine_args, "model": model_path, "num_threads": planned.num_threads},
+            test_hooks=args.enable_test_hooks,
+            kv_transport=args.kv_transport,
+            cpus=planned.cpus,
+        )
+        for planned in plan.instances
+    ]
+
+
+async def serve(plan: ServePlan, model_path: str, listener: socket.socket) -> int:
+    args = plan.args
+    host, port = listener.getsockname()[:2]
+    gateway = Gateway(
+        GatewayConfig(
+            model_path=model_path,
+            served_model_names=plan.served_model_names,
+            max_model_len=args.max_model_len,
+            api_key=args.api_key,
+            enable_test_hooks=args.enable_test_hooks,
+            scheduler=plan.scheduler,
+        )
+    )
+    gateway.start()
+    config = uvicorn.Config(
+        create_app(gateway),
+        log_level=args.log_level,
+        access_log=args.log_level == "debug",
+        lifespan="off",
+        timeout_graceful_shutdown=5,
+    )
+    server = _Server(config)
+    launcher = make_launcher(plan, port)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            server.force_exit = True
+        stop.set()
+        server.should_exit = True
+        launcher.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    serving = loop.create_task(server.serve(sockets=[listener]))
+    code = 0
+    try:
+        specs = instance_specs(plan, model_path, gateway.output_address)
+        print(
+            f"pdserve: starting {len(specs)} instance(s) ({args.mode}, {args.launcher} "
+            f"launcher): {', '.join(s.instance_id for s in specs)}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+        def on_ready(info) -> None:
+            loop.call_soon_threadsafe(gateway.register, info)
+
+        await loop.run_in_executor(None, launcher.launch, specs, on_ready)
+        launcher.watch(lambda i, why: loop.call_soon_threadsafe(gateway.instance_lost, i, why))
+        print(f"pdserve: serving {gateway.model_name} on http://{host}:{port}", flush=True)
+        waiter = loop.create_task(stop.wait())
+        await asyncio.wait({waiter, serving}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+    except LaunchError as exc:
+        if not stop.is_set():
+            print(f"pdserve serve: error: {exc}", file=sys.stderr, flush=True)
+            code = 1
+    finally:
+        print("pdserve: shutting down", file=sys.stderr, flush=True)
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(serving, timeout=10)
+        await loop.run_in_executor(None, launcher.shutdown)
+        await gateway.close()
+        listener.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return code

@@ -1,0 +1,123 @@
+"""`pdserve serve` flags, named like `vllm serve`'s where one exists."""
+
+from __future__ import annotations
+
+import argparse
+
+from cluster.plan import KV_TRANSPORTS, LAUNCHERS, MODES
+from scheduler.routing import POLICIES
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        "serve",
+        help="serve a model behind an OpenAI-compatible API",
+        description="Serve a model: prefill and decode pools (or colocated instances) behind "
+        "an OpenAI-compatible HTTP API. With no flags: the embedded SmolLM2-135M-Instruct, "
+        "one prefill and one decode instance, on 127.0.0.1:8000.",
+    )
+    model = parser.add_argument_group("model and engine")
+    model.add_argument("--model", default=None, help="checkpoint folder (default: embedded)")
+    model.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="name(s) clients use for the model (default: --model)",
+    )
+    model.add_argument("--dtype", choices=DTYPES, default="auto")
+    model.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + output tokens per request (default: the model's)",
+    )
+    model.add_argument("--max-num-seqs", type=int, default=256)
+    model.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    model.add_argument("--block-size", type=int, default=16)
+    model.add_argument(
+        "--kv-cache-memory", default="2GiB", help="KV cache per instance on CPU, e.g. 2GiB, 512MiB"
+    )
+    model.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory per instance (GPU only)",
+    )
+    model.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    model.add_argument("--seed", type=int, default=0)
+
+    http = parser.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1")
+    http.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
+    http.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+
+    topology = parser.add_argument_group("topology")
+    topology.add_argument("--mode", choices=MODES, default="disaggregated")
+    topology.add_argument("--num-prefill", type=int, default=1)
+    topology.add_argument("--num-decode", type=int, default=1)
+    topology.add_argument(
+        "--num-colocated",
+        type=int,
+        default=None,
+        help="instances in colocated mode (default: prefill + decode)",
+    )
+    topology.add_argument("--kv-transport", choices=KV_TRANSPORTS, default="ucx")
+    topology.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="ray",
+        help="ray: instances as Ray actors; local: plain processes",
+    )
+    topology.add_argument(
+        "--ray-address", default=None, help="join this Ray cluster (default: start a local one)"
+    )
+
+    scheduling = parser.add_argument_group("global scheduler")
+    scheduling.add_argument("--routing-policy", choices=sorted(POLICIES), default="prefix_aware")
+    scheduling.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=256,
+        help="requests admitted beyond the running seats; then 503",
+    )
+    scheduling.add_argument(
+        "--skip-prefill-max-tokens",
+        type=int,
+        default=0,
+        help="prompts this short skip the prefill pool (0: off)",
+    )
+    scheduling.add_argument(
+        "--skip-prefill-min-cached-ratio",
+        type=float,
+        default=0.0,
+        help="prompts cached this much on their decode instance skip the prefill pool (0: off)",
+    )
+    scheduling.add_argument(
+        "--instance-timeout",
+        type=float,
+        default=10.0,
+        help="seconds without a heartbeat before an instance is dead",
+    )
+
+    debug = parser.add_argument_group("debugging")
+    debug.add_argument(
+        "--log-level", default="warning", choices=("debug", "info", "warning", "error")
+    )
+    debug.add_argument(
+        "--enable-test-hooks",
+        action="store_true",
+        help="accept test-only requests that break instances on purpose",
+    )
+    parser.set_defaults(handler=_run)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    from cluster.serve import run_serve  # the serving stack loads only for this command
+
+    return run_serve(args)

@@ -1,0 +1,24 @@
+"""What one instance needs to start: a torch-free message, so launchers and the gateway
+process can build it without loading the engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class InstanceSpec(msgspec.Struct, kw_only=True):
+    """Everything one instance process needs to start (JSON on a command line, or an
+    actor's constructor argument)."""
+
+    instance_id: str
+    role: str = "colocated"
+    gateway_address: str  # the gateway's PULL endpoint for outputs
+    host: str = "127.0.0.1"
+    engine: dict[str, Any] = {}  # EngineConfig fields
+    heartbeat_interval_s: float = 0.5
+    idle_wait_s: float = 0.5  # longest wait for a task while there is nothing to step
+    test_hooks: bool = False  # honour LeakBlocksTask (tests only)
+    kv_transport: str = "ucx"  # for the prefill/decode kinds
+    cpus: list[int] = []  # cores to pin to (empty: no pinning)

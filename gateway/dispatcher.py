@@ -1,0 +1,299 @@
+"""The gateway's side of the instances: routes requests, sends tasks, receives outputs.
+
+Sockets (all used from the event loop's thread):
+- one PULL, bound here, that every instance's output PUSH connects to;
+- one PUSH per instance, connected to the instance's task PULL;
+- one SUB connected to every instance's block-event PUB (frame 0 names the instance).
+
+Outputs are decoded as they arrive and their deltas handed to each request's
+`RequestStream` (which orders them). The global scheduler hears every output (its
+stats and heartbeats); an instance silent past the timeout, or reported gone by the
+launcher, is taken out, and its requests are retried or failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from gateway.metrics import GatewayMetrics
+from gateway.request_stream import RequestStream, StreamEvent
+from scheduler.block_events import BlockEventBatch
+from scheduler.global_scheduler import AdmissionRejected, GlobalScheduler, Route
+from scheduler.messages import (
+    AbortTask,
+    GenerateTask,
+    InspectTask,
+    InstanceInfo,
+    InstanceInspection,
+    InstanceOutput,
+    LeakBlocksTask,
+    RequestDelta,
+    SnapshotTask,
+    Task,
+)
+from scheduler.routing import RouteRequest
+
+logger = logging.getLogger(__name__)
+
+LIVENESS_CHECK_INTERVAL_S = 0.5
+_TASK_HWM = 100_000
+
+
+class Dispatcher:
+    def __init__(
+        self, scheduler: GlobalScheduler, metrics: GatewayMetrics, host: str = "127.0.0.1"
+    ) -> None:
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.context = zmq.asyncio.Context()
+        self._output_socket = self.context.socket(zmq.PULL)
+        port = self._output_socket.bind_to_random_port(f"tcp://{host}")
+        self.output_address = f"tcp://{host}:{port}"
+        self._event_socket = self.context.socket(zmq.SUB)
+        self._event_socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._push_context = zmq.Context()  # plain sockets: sends never wait
+        self._task_sockets: dict[str, zmq.Socket] = {}
+        self.streams: dict[str, RequestStream] = {}
+        self._tasks: dict[str, GenerateTask] = {}
+        self._inspections: dict[tuple[str, str], asyncio.Future] = {}
+        self._snapshot_requested: set[str] = set()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._output_decoder = msgspec.msgpack.Decoder(InstanceOutput)
+        self._batch_decoder = msgspec.msgpack.Decoder(BlockEventBatch)
+        self._background: list[asyncio.Task] = []
+        self.on_instance_lost: Callable[[str, str], None] | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the receiving tasks on the running loop."""
+        for coroutine in (self._receive_outputs(), self._receive_events(), self._watch()):
+            self._background.append(asyncio.get_running_loop().create_task(coroutine))
+
+    async def close(self) -> None:
+        for task in self._background:
+            task.cancel()
+        for task in self._background:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for sock in self._task_sockets.values():
+            sock.close(linger=0)
+        self._output_socket.close(linger=0)
+        self._event_socket.close(linger=0)
+        self._push_context.term()
+        self.context.term()
+
+    # ---- instances --------------------------------------------------------------------
+
+    def register(self, info: InstanceInfo) -> None:
+        instance_id = info.address.instance_id
+        self.scheduler.add_instance(info, time.monotonic())
+        sock = self._push_context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, _TASK_HWM)
+        sock.connect(info.address.task_address)
+        self._task_sockets[instance_id] = sock
+        self._event_socket.connect(info.events_address)
+        self.metrics.add_instance(info.address.role, instance_id)
+        self._request_snapshot(instance_id)
+
+    def role_of(self, instance_id: str) -> str:
+        view = self.scheduler.views.get(instance_id)
+        return view.role if view else "unknown"
+
+    def instance_lost(self, instance_id: str, reason: str) -> None:
+        """Takes a dead instance out; retries or fails its requests."""
+        view = self.scheduler.views.get(instance_id)
+        if view is None or not view.alive:
+            return
+        logger.warning("instance %s is gone: %s", instance_id, reason)
+        failover = self.scheduler.mark_dead(instance_id)
+        self.metrics.mark_down(view.role, instance_id)
+        sock = self._task_sockets.pop(instance_id, None)
+        if sock is not None:
+            sock.close(linger=0)
+        with contextlib.suppress(zmq.ZMQError):
+            self._event_socket.disconnect(view.info.events_address)
+        for other, request_ids in failover.abort.items():
+            self._send(other, AbortTask(request_ids))
+        for request_id in failover.fail:
+            self._fail(request_id, f"instance {instance_id} failed mid-request: {reason}")
+        for request_id in failover.retry:
+            self._retry(request_id)
+        for (owner, _), future in list(self._inspections.items()):
+            if owner == instance_id and not future.done():
+                future.set_result(None)
+        if self.on_instance_lost is not None:
+            self.on_instance_lost(instance_id, reason)
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def submit(self, task: GenerateTask, sink: Callable[[StreamEvent], None]) -> RequestStream:
+        """Routes and sends a request; raises AdmissionRejected when no instance can."""
+        request = RouteRequest(task.request_id, task.prompt_token_ids, task.cache_salt)
+        route = self.scheduler.route(request)
+        self.scheduler.assign(request, route)
+        stream = RequestStream(task.request_id, sink)
+        self.streams[task.request_id] = stream
+        self._tasks[task.request_id] = task
+        self._dispatch(task, route)
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Ends requests everywhere (client gone, stop string matched); idempotent."""
+        per_instance: dict[str, list[str]] = {}
+        for request_id in request_ids:
+            stream = self.streams.pop(request_id, None)
+            if stream is not None:
+                stream.end()
+            self._tasks.pop(request_id, None)
+            assignment = self.scheduler.finish(request_id)
+            if assignment is None:
+                continue
+            for view in assignment.route.instances:
+                if view.alive:
+                    per_instance.setdefault(view.instance_id, []).append(request_id)
+        for instance_id, ids in per_instance.items():
+            self._send(instance_id, AbortTask(ids))
+
+    def _dispatch(self, task: GenerateTask, route: Route) -> None:
+        if route.prefill is not None:
+            task = msgspec.structs.replace(task, decode_target=route.decode.info.address)
+        elif task.decode_target is not None:
+            task = msgspec.structs.replace(task, decode_target=None)
+        self._send(route.first.instance_id, task)
+
+    def _retry(self, request_id: str) -> None:
+        assignment = self.scheduler.assignments.get(request_id)
+        task = self._tasks.get(request_id)
+        if assignment is None or task is None:
+            return
+        try:
+            route = self.scheduler.route(assignment.request)
+        except AdmissionRejected as exc:
+            self._fail(request_id, f"no instance left to retry on: {exc}")
+            return
+        self.scheduler.assign(assignment.request, route)
+        logger.info("retrying %s on %s", request_id, route.first.instance_id)
+        self._dispatch(task, route)
+
+    def _fail(self, request_id: str, message: str) -> None:
+        self.scheduler.finish(request_id)
+        self._tasks.pop(request_id, None)
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            stream.fail(message, time.perf_counter())
+
+    def _send(self, instance_id: str, task: Task) -> bool:
+        sock = self._task_sockets.get(instance_id)
+        if sock is None:
+            return False
+        try:
+            sock.send(self._encoder.encode(task), zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("instance %s is not reading its tasks; one dropped", instance_id)
+            return False
+        return True
+
+    # ---- debugging and tests ----------------------------------------------------------
+
+    async def inspect(self, timeout_s: float = 10.0) -> dict[str, InstanceInspection | None]:
+        """Every live instance's books (None for one that did not answer in time)."""
+        query_id = uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        futures: dict[str, asyncio.Future] = {}
+        for view in self.scheduler.views.values():
+            if view.alive:
+                future = loop.create_future()
+                self._inspections[(view.instance_id, query_id)] = future
+                futures[view.instance_id] = future
+                self._send(view.instance_id, InspectTask(query_id))
+        try:
+            if futures:
+                await asyncio.wait(futures.values(), timeout=timeout_s)
+        finally:
+            for instance_id in futures:
+                self._inspections.pop((instance_id, query_id), None)
+        return {i: f.result() if f.done() else None for i, f in futures.items()}
+
+    def leak_blocks(self, instance_id: str, num_blocks: int) -> bool:
+        return self._send(instance_id, LeakBlocksTask(num_blocks))
+
+    # ---- receiving --------------------------------------------------------------------
+
+    async def _receive_outputs(self) -> None:
+        while True:
+            frame = await self._output_socket.recv()
+            try:
+                output = self._output_decoder.decode(frame)
+            except msgspec.DecodeError as exc:
+                logger.warning("dropping a malformed instance output: %s", exc)
+                continue
+            try:
+                self._on_output(output, time.perf_counter())
+            except Exception:  # one bad output must not stop the receiver
+                logger.exception("failed to handle an output of %s", output.instance.instance_id)
+
+    def _on_output(self, output: InstanceOutput, arrival: float) -> None:
+        instance_id = output.instance.instance_id
+        if not self.scheduler.observe(instance_id, output.stats, time.monotonic()):
+            return  # not registered yet, or already taken for dead
+        self.metrics.record_output(output)
+        for delta in output.deltas:
+            self._on_delta(instance_id, delta, arrival)
+        if output.inspection is not None:
+            future = self._inspections.get((instance_id, output.inspection.query_id))
+            if future is not None and not future.done():
+                future.set_result(output.inspection)
+        if output.block_snapshot is not None:
+            self._snapshot_requested.discard(instance_id)
+            if not self.scheduler.apply_snapshot(instance_id, output.block_snapshot):
+                self._request_snapshot(instance_id)
+
+    def _on_delta(self, instance_id: str, delta: RequestDelta, arrival: float) -> None:
+        request_id = delta.request_id
+        stream = self.streams.get(request_id)
+        assignment = self.scheduler.assignments.get(request_id)
+        if stream is None or assignment is None:
+            return  # ended here already (aborted, stop string, failed over)
+        if all(view.instance_id != instance_id for view in assignment.route.instances):
+            return  # from an instance the request was moved away from
+        if delta.new_token_ids:
+            self.scheduler.mark_started(request_id)
+        if stream.push(delta, instance_id, arrival):
+            self.streams.pop(request_id, None)
+            self._tasks.pop(request_id, None)
+            self.scheduler.finish(request_id)
+
+    async def _receive_events(self) -> None:
+        while True:
+            frames = await self._event_socket.recv_multipart()
+            if len(frames) != 2:
+                continue
+            instance_id = frames[0].decode(errors="replace")
+            try:
+                batch = self._batch_decoder.decode(frames[1])
+            except msgspec.DecodeError as exc:
+                logger.warning("dropping a malformed block-event batch: %s", exc)
+                continue
+            if not self.scheduler.apply_block_events(instance_id, batch):
+                self._request_snapshot(instance_id)
+
+    def _request_snapshot(self, instance_id: str) -> None:
+        if instance_id not in self._snapshot_requested and self._send(instance_id, SnapshotTask()):
+            self._snapshot_requested.add(instance_id)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(LIVENESS_CHECK_INTERVAL_S)
+            timeout = self.scheduler.config.instance_timeout_s
+            for instance_id in self.scheduler.find_silent(time.monotonic()):
+                self.instance_lost(instance_id, f"no output or heartbeat for {timeout:g} s")

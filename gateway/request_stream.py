@@ -1,0 +1,63 @@
+"""Puts one request's token deltas back in order before anyone reads them.
+
+With disaggregation the first token comes from the prefill instance and the rest from
+the decode instance, over different sockets: they can arrive in either order. Each
+delta carries the output index of its first token; a delta is released only once
+every token before it was, and the request ends when its finishing delta is released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scheduler.messages import RequestDelta
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """A delta released in order (`delta`), or the request failing (`error`)."""
+
+    request_id: str
+    source: str = ""  # the instance that produced the delta
+    delta: RequestDelta | None = None
+    error: str | None = None
+    arrival: float = 0.0  # time.perf_counter() when the gateway received it
+
+    @property
+    def final(self) -> bool:
+        return self.error is not None or (self.delta is not None and self.delta.finished)
+
+
+class RequestStream:
+    def __init__(self, request_id: str, sink: Callable[[StreamEvent], None]) -> None:
+        self.request_id = request_id
+        self.sink = sink
+        self.next_index = 0  # output index of the next token to release
+        self.pending: dict[int, tuple[RequestDelta, str, float]] = {}
+        self.closed = False
+
+    def push(self, delta: RequestDelta, source: str, arrival: float) -> bool:
+        """Accepts a delta from an instance; True once the request has ended."""
+        if self.closed:
+            return True
+        if delta.output_index < self.next_index and not delta.finished:
+            return False  # a repeat of tokens already released
+        self.pending[max(delta.output_index, self.next_index)] = (delta, source, arrival)
+        while self.next_index in self.pending and not self.closed:
+            ready, origin, at = self.pending.pop(self.next_index)
+            self.next_index += len(ready.new_token_ids)
+            if ready.finished:
+                self.closed = True
+            self.sink(StreamEvent(self.request_id, origin, ready, arrival=at))
+        return self.closed
+
+    def fail(self, message: str, arrival: float = 0.0) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sink(StreamEvent(self.request_id, error=message, arrival=arrival))
+
+    def end(self) -> None:
+        """Stops releasing (the gateway itself ended the request, e.g. a stop string)."""
+        self.closed = True
+        self.pending.clear()

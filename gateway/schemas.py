@@ -1,0 +1,122 @@
+"""Request bodies of the OpenAI API (and vLLM's extras), decoded strictly with msgspec.
+
+Unknown fields are ignored (clients send `user`, `service_tier` and the like), but a
+field of the wrong type is an error naming the field: "Expected `int`, got `str` - at
+`$.max_tokens`". Semantic checks (ranges, combinations) happen when the request is
+turned into SamplingParams (`gateway.sampling`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+from gateway.errors import APIError, bad_request
+
+MAX_BODY_BYTES = 32 << 20
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields the completion and chat requests share."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    cache_salt: str | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    # A string, a list of strings, a list of token ids, or a list of token-id lists;
+    # msgspec unions hold one array type, so the shape is checked in gateway.prompts.
+    prompt: str | list[Any]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    # vLLM's extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+T = TypeVar("T")
+
+
+def decode_body(body: bytes, content_type: str | None, schema: type[T]) -> T:
+    """The request body as `schema`, or an APIError saying what is wrong with it."""
+    media_type = (content_type or "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(
+            415, f"Content-Type must be application/json, got {content_type or 'none'!r}"
+        )
+    if len(body) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+    if not body.strip():
+        raise bad_request("the request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(body, type=schema)
+    except msgspec.ValidationError as exc:
+        raise bad_request(f"invalid request: {exc}", param=_param_of(str(exc))) from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"malformed JSON: {exc}") from None
+
+
+def _param_of(message: str) -> str | None:
+    """`$.max_tokens` in msgspec's message → "max_tokens"."""
+    marker = "at `$."
+    start = message.find(marker)
+    if start < 0:
+        return None
+    rest = message[start + len(marker) :]
+    end = rest.find("`")
+    return rest[:end] if end >= 0 else None

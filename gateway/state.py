@@ -1,0 +1,144 @@
+"""What the HTTP handlers share: tokenizer, model card, dispatcher, metrics, settings."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from engine.tokenizer import Tokenizer
+from gateway.dispatcher import Dispatcher
+from gateway.errors import APIError, error_body
+from gateway.generation import Choice, GenerationFailed, GenerationRun
+from gateway.metrics import GatewayMetrics
+from gateway.prompts import Prompt
+from gateway.streaming import ClientDisconnected, watch_disconnect
+from scheduler.global_scheduler import AdmissionRejected, GlobalScheduler, GlobalSchedulerConfig
+from scheduler.messages import InstanceInfo
+from scheduler.routing import ROLES_THAT_DECODE
+from scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's code: nobody reads it, but logs show it
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model_path: str  # the checkpoint folder (its tokenizer is loaded here)
+    served_model_names: list[str]
+    max_model_len: int | None = None  # a cap below the instances' own
+    api_key: str | None = None
+    enable_test_hooks: bool = False
+    zmq_host: str = "127.0.0.1"  # where the output PULL socket binds
+    scheduler: GlobalSchedulerConfig = field(default_factory=GlobalSchedulerConfig)
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What the instances reported about the model they serve."""
+
+    max_model_len: int
+    vocab_size: int
+    generation_defaults: dict[str, float]
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        if not config.served_model_names:
+            raise ValueError("at least one served model name is needed")
+        self.config = config
+        self.tokenizer = Tokenizer.from_folder(config.model_path)
+        self.metrics = GatewayMetrics()
+        self.scheduler = GlobalScheduler(config.scheduler)
+        self.dispatcher = Dispatcher(self.scheduler, self.metrics, config.zmq_host)
+        self.model_card: ModelCard | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_names[0]
+
+    @property
+    def output_address(self) -> str:
+        return self.dispatcher.output_address
+
+    # ---- lifecycle (event loop thread) ------------------------------------------------
+
+    def start(self) -> None:
+        self.dispatcher.start()
+
+    async def close(self) -> None:
+        await self.dispatcher.close()
+
+    def register(self, info: InstanceInfo) -> None:
+        limit = info.max_model_len
+        if self.config.max_model_len:
+            limit = min(limit, self.config.max_model_len)
+        if self.model_card is not None:
+            limit = min(limit, self.model_card.max_model_len)
+        self.model_card = ModelCard(limit, info.vocab_size, dict(info.generation_defaults))
+        self.dispatcher.register(info)
+
+    def instance_lost(self, instance_id: str, reason: str) -> None:
+        self.dispatcher.instance_lost(instance_id, reason)
+
+    def ready(self) -> bool:
+        return bool(self.scheduler.live(ROLES_THAT_DECODE))
+
+    # ---- request helpers --------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> str:
+        if name is None or name in self.config.served_model_names:
+            return self.model_name if name is None else name
+        raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+
+    def require_model_card(self) -> ModelCard:
+        if self.model_card is None:
+            raise APIError(
+                503, "no instance is ready yet", code="unavailable", headers={"Retry-After": "1"}
+            )
+        return self.model_card
+
+    def start_run(
+        self, request_id: str, prompts: list[Prompt], params: SamplingParams, salt: str | None
+    ) -> GenerationRun:
+        run = GenerationRun(
+            request_id, prompts, params, self.dispatcher, self.tokenizer, self.metrics, salt or ""
+        )
+        try:
+            run.start()
+        except AdmissionRejected as exc:
+            self.metrics.rejected.inc()
+            raise APIError(
+                503, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after_s)}
+            ) from None
+        return run
+
+    async def finish_run(self, request: Request, run: GenerationRun) -> list[Choice]:
+        """Waits for every choice; aborts them all if the client leaves or one fails."""
+        try:
+            return await watch_disconnect(request, run.wait())
+        except ClientDisconnected:
+            raise APIError(CLIENT_CLOSED_REQUEST, "the client closed the request") from None
+        except GenerationFailed as exc:
+            if exc.rejected:
+                raise APIError(400, str(exc)) from None
+            raise APIError(503, str(exc), code="instance_failed") from None
+        finally:
+            if not run.finished:
+                run.abort()
+
+    def stream_error(self, exc: BaseException) -> dict[str, Any]:
+        """The SSE error event for a failure after the stream began."""
+        if isinstance(exc, GenerationFailed):
+            return error_body(400 if exc.rejected else 503, str(exc))
+        logger.exception("a stream failed", exc_info=exc)
+        return error_body(500, f"internal error: {type(exc).__name__}")
+
+    @staticmethod
+    def json(payload: Any, status: int = 200) -> Response:
+        return Response(msgspec.json.encode(payload), status, media_type="application/json")

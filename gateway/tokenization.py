@@ -1,0 +1,42 @@
+"""POST /tokenize and /detokenize, in vLLM's shapes (bench and clients count tokens here)."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.errors import bad_request
+from gateway.logprobs import TokenText
+from gateway.prompts import chat_prompt, check_vocabulary
+from gateway.schemas import DetokenizeRequest, TokenizeRequest, decode_body
+from gateway.state import Gateway
+
+
+async def tokenize(request: Request, gateway: Gateway) -> Response:
+    body = decode_body(await request.body(), request.headers.get("content-type"), TokenizeRequest)
+    gateway.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt and messages", param="prompt")
+    if body.messages is not None:
+        ids = chat_prompt(
+            body.messages, gateway.tokenizer, add_generation_prompt=body.add_generation_prompt
+        ).token_ids
+    else:
+        ids = gateway.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    card = gateway.model_card
+    payload = {
+        "count": len(ids),
+        "max_model_len": card.max_model_len if card else None,
+        "tokens": ids,
+        "token_strs": [TokenText(gateway.tokenizer)(t) for t in ids]
+        if body.return_token_strs
+        else None,
+    }
+    return gateway.json(payload)
+
+
+async def detokenize(request: Request, gateway: Gateway) -> Response:
+    body = decode_body(await request.body(), request.headers.get("content-type"), DetokenizeRequest)
+    gateway.check_model(body.model)
+    check_vocabulary(body.tokens, gateway.tokenizer.vocab_size, "tokens")
+    return gateway.json({"prompt": gateway.tokenizer.decode(body.tokens)})

@@ -1,0 +1,252 @@
+"""The global scheduler: which instances serve a request, and what happens when one dies.
+
+It lives in the gateway process and keeps a view of every instance (the stats and
+heartbeats their outputs carry, their prefix caches mirrored from block events, the
+requests the gateway sent them). For each request it admits or refuses (a bounded
+queue beyond the running seats), then picks a route: a prefill instance and a decode
+instance, or one instance that runs the whole request (colocated instances, or a
+prompt that skips the prefill pool). When an instance dies, requests that have not
+produced a token yet are retried elsewhere; the others fail.
+
+Pure bookkeeping: no sockets, no clock of its own (callers pass `now`), no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from scheduler.block_events import BlockCacheSnapshot, BlockEventBatch
+from scheduler.messages import InstanceInfo, InstanceStats
+from scheduler.routing import (
+    MAX_UNSYNCED_BATCHES,
+    ROLES_THAT_DECODE,
+    InstanceView,
+    PrefillSkipDecider,
+    RouteRequest,
+    make_policy,
+)
+
+
+@dataclass(frozen=True)
+class GlobalSchedulerConfig:
+    routing_policy: str = "load_aware"
+    # Requests admitted beyond the running seats (max_num_seqs of every instance that
+    # decodes); past that, new requests are refused with Retry-After.
+    max_queued_requests: int = 256
+    # An instance silent this long (no step output, no heartbeat) is taken for dead.
+    instance_timeout_s: float = 10.0
+    retry_after_s: int = 1
+    max_attempts: int = 3  # dispatches of one request, retries included
+    skip_prefill_max_tokens: int = 0
+    skip_prefill_min_cached_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        make_policy(self.routing_policy)  # fails early on a bad name
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.instance_timeout_s <= 0:
+            raise ValueError(f"instance_timeout_s must be positive, got {self.instance_timeout_s}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
+
+
+class AdmissionRejected(Exception):
+    """The request cannot be taken now; answer 503 with Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a request runs. Without a prefill instance, `decode` runs it whole."""
+
+    prefill: InstanceView | None
+    decode: InstanceView
+
+    @property
+    def first(self) -> InstanceView:
+        """The instance that receives the request and computes its prompt."""
+        return self.prefill or self.decode
+
+    @property
+    def instances(self) -> list[InstanceView]:
+        return [self.prefill, self.decode] if self.prefill else [self.decode]
+
+
+@dataclass
+class Assignment:
+    request: RouteRequest
+    route: Route
+    attempts: int = 1
+    started: bool = False  # a token reached the gateway: a retry would repeat output
+
+
+@dataclass
+class Failover:
+    """What to do after an instance died: re-route `retry`, fail `fail`; `abort` maps
+    surviving instances to the requests they must drop either way."""
+
+    retry: list[str] = field(default_factory=list)
+    fail: list[str] = field(default_factory=list)
+    abort: dict[str, list[str]] = field(default_factory=dict)
+
+
+class GlobalScheduler:
+    def __init__(self, config: GlobalSchedulerConfig | None = None) -> None:
+        self.config = config or GlobalSchedulerConfig()
+        self.policy = make_policy(self.config.routing_policy)
+        self.skip_decider = PrefillSkipDecider(
+            self.config.skip_prefill_max_tokens, self.config.skip_prefill_min_cached_ratio
+        )
+        self.views: dict[str, InstanceView] = {}
+        self.assignments: dict[str, Assignment] = {}
+
+    # ---- instances -------------------------------------------------------------------
+
+    def add_instance(self, info: InstanceInfo, now: float) -> InstanceView:
+        instance_id = info.address.instance_id
+        if instance_id in self.views and self.views[instance_id].alive:
+            raise ValueError(f"instance {instance_id} is already registered")
+        view = InstanceView(info=info, last_seen=now)
+        self.views[instance_id] = view
+        return view
+
+    def live(self, roles: Iterable[str]) -> list[InstanceView]:
+        wanted = set(roles)
+        return [v for v in self.views.values() if v.alive and v.role in wanted]
+
+    def observe(self, instance_id: str, stats: InstanceStats | None, now: float) -> bool:
+        """An output or heartbeat came from the instance. False if it is unknown or dead."""
+        view = self.views.get(instance_id)
+        if view is None or not view.alive:
+            return False
+        view.last_seen = now
+        if stats is not None:
+            view.stats = stats
+            view.pending_blocks = 0
+        return True
+
+    def apply_block_events(self, instance_id: str, batch: BlockEventBatch) -> bool:
+        """Updates the instance's cache mirror; False asks for a snapshot (a gap).
+
+        Batches that arrive out of sync are kept (a bounded few) and replayed on top of
+        the snapshot, so events racing the snapshot do not open a new gap."""
+        view = self.views.get(instance_id)
+        if view is None:
+            return True
+        if view.mirror.apply(batch):
+            return True
+        if len(view.unsynced_batches) < MAX_UNSYNCED_BATCHES:
+            view.unsynced_batches.append(batch)
+        return False
+
+    def apply_snapshot(self, instance_id: str, snapshot: BlockCacheSnapshot) -> bool:
+        """Resets the mirror; False if it is still out of sync (request another)."""
+        view = self.views.get(instance_id)
+        if view is None:
+            return True
+        view.mirror.reset(snapshot)
+        pending = sorted(view.unsynced_batches, key=lambda b: b.seq)
+        view.unsynced_batches.clear()
+        return all([view.mirror.apply(batch) for batch in pending])
+
+    def find_silent(self, now: float) -> list[str]:
+        """Live instances not heard from within the timeout."""
+        limit = self.config.instance_timeout_s
+        return [i for i, v in self.views.items() if v.alive and now - v.last_seen > limit]
+
+    # ---- admission and routing -------------------------------------------------------
+
+    def admit(self, count: int = 1) -> None:
+        """Raises AdmissionRejected unless `count` more requests fit."""
+        deciders = self.live(ROLES_THAT_DECODE)
+        if not deciders:
+            raise AdmissionRejected("no instance is available", self.config.retry_after_s)
+        seats = sum(v.info.max_num_seqs for v in deciders)
+        limit = seats + self.config.max_queued_requests
+        if len(self.assignments) + count > limit:
+            raise AdmissionRejected(
+                f"the server is at capacity ({len(self.assignments)} requests in flight, "
+                f"limit {limit}); retry later",
+                self.config.retry_after_s,
+            )
+
+    def route(self, request: RouteRequest) -> Route:
+        """Picks live instances for the request (raises AdmissionRejected if none)."""
+        decoders = self.live(ROLES_THAT_DECODE)
+        prefillers = self.live(("prefill",))
+        colocated = [v for v in decoders if v.role == "colocated"]
+        if colocated:
+            return Route(None, self.policy.pick_colocated(colocated, request))
+        if not decoders:
+            raise AdmissionRejected("no decode instance is available", self.config.retry_after_s)
+        decode = self.policy.pick_decode(decoders, request)
+        if not prefillers or self.skip_decider.should_skip(request, decode):
+            return Route(None, decode)
+        return Route(self.policy.pick_prefill(prefillers, request), decode)
+
+    def assign(self, request: RouteRequest, route: Route) -> Assignment:
+        """Records that the request was sent along `route`."""
+        previous = self.assignments.get(request.request_id)
+        attempts = previous.attempts + 1 if previous else 1
+        if previous:
+            self._unassign(previous)
+        assignment = Assignment(request, route, attempts)
+        self.assignments[request.request_id] = assignment
+        first = route.first
+        first.unstarted_tokens[request.request_id] = request.num_prompt_tokens
+        for view in route.instances:
+            view.in_flight.add(request.request_id)
+            view.pending_blocks += request.num_blocks(view.block_size)
+        return assignment
+
+    def mark_started(self, request_id: str) -> None:
+        """The request's first token reached the gateway: its prefill is done."""
+        assignment = self.assignments.get(request_id)
+        if assignment is not None and not assignment.started:
+            assignment.started = True
+            assignment.route.first.unstarted_tokens.pop(request_id, None)
+
+    def finish(self, request_id: str) -> Assignment | None:
+        """The request ended (finished, aborted, failed): forget it."""
+        assignment = self.assignments.pop(request_id, None)
+        if assignment is not None:
+            self._unassign(assignment)
+        return assignment
+
+    def _unassign(self, assignment: Assignment) -> None:
+        rid = assignment.request.request_id
+        for view in assignment.route.instances:
+            view.in_flight.discard(rid)
+            view.unstarted_tokens.pop(rid, None)
+
+    # ---- failures --------------------------------------------------------------------
+
+    def mark_dead(self, instance_id: str) -> Failover:
+        """Takes the instance out of routing and says what becomes of its requests.
+
+        A request with no token out yet is retried (up to `max_attempts` dispatches);
+        one whose output has begun fails, since its stream cannot be resumed unseen.
+        """
+        failover = Failover()
+        view = self.views.get(instance_id)
+        if view is None or not view.alive:
+            return failover
+        view.alive = False
+        for rid in sorted(view.in_flight):
+            assignment = self.assignments[rid]
+            for other in assignment.route.instances:
+                if other is not view and other.alive:
+                    failover.abort.setdefault(other.instance_id, []).append(rid)
+            can_retry = assignment.attempts < self.config.max_attempts
+            (failover.retry if not assignment.started and can_retry else failover.fail).append(rid)
+        for rid in failover.fail:
+            self.finish(rid)
+        for rid in failover.retry:
+            self._unassign(self.assignments[rid])
+        view.in_flight.clear()
+        view.unstarted_tokens.clear()
+        return failover
