@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import gpu_memory
 from engine.checkpoint import load_generation_config, load_model_config
 from engine.config import EngineConfig
+from engine.device_executor import DeviceExecutor
 from engine.embedded import embedded_model_path
 from engine.kv_cache import KVCache, KVCacheShape
 from engine.loader import load_model
@@ -43,7 +45,10 @@ class EngineCore:
         self.model_config = load_model_config(self.model_path)
         self.generation_config = load_generation_config(self.model_path)
         self.dtype = self.config.torch_dtype(self.model_config.torch_dtype)
-        self.model = load_model(self.model_path, self.model_config, self.dtype)
+        self.device = torch.device(self.config.device)
+        on_cuda = self.device.type == "cuda"
+        free_before_load = gpu_memory.free_device_memory(self.device) if on_cuda else 0
+        self.model = load_model(self.model_path, self.model_config, self.dtype, self.device)
         mc = self.model_config
         self.max_model_len = min(
             self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
@@ -55,8 +60,22 @@ class EngineCore:
             block_size=self.config.block_size,
             dtype=self.dtype,
         )
-        num_blocks = self.config.num_kv_blocks or shape.num_blocks_for(self.config.kv_cache_memory)
-        self.kv_cache = KVCache(shape, num_blocks)
+        if self.config.num_kv_blocks:
+            num_blocks = self.config.num_kv_blocks
+        elif on_cuda:
+            profile = gpu_memory.profile_memory(
+                self.model,
+                shape,
+                self.device,
+                free_before_load,
+                min(self.config.max_num_batched_tokens, self.max_model_len),
+                self.config.max_num_seqs,
+            )
+            kv_bytes = gpu_memory.kv_cache_bytes(profile, self.config.gpu_memory_utilization)
+            num_blocks = kv_bytes // shape.bytes_per_block
+        else:
+            num_blocks = shape.num_blocks_for(self.config.kv_cache_memory)
+        self.kv_cache = KVCache(shape, num_blocks, self.device)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=self.config.max_num_seqs,
@@ -69,6 +88,10 @@ class EngineCore:
             )
         )
         self.runner = ModelRunner(self.model, self.kv_cache, self.config.block_size)
+        if on_cuda:  # decode graphs are captured here, once the KV cache exists
+            self.runner.device_executor = DeviceExecutor.for_engine(
+                self.model, self.kv_cache, self.config, self.max_model_len
+            )
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.generation_config.eos_token_ids) | frozenset(
             mc.eos_token_ids

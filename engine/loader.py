@@ -11,12 +11,18 @@ from engine.models import model_class
 from engine.models.llama import LlamaForCausalLM
 
 
-def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype) -> LlamaForCausalLM:
+def load_model(
+    folder: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> LlamaForCausalLM:
     cls = model_class(config.architecture)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created directly in the serving dtype
     try:
-        model = cls(config)
+        with torch.device(device):  # ...and on the serving device: no host copy of the model
+            model = cls(config)
     finally:
         torch.set_default_dtype(previous)
     # Shapes and presence are checked from the file headers before any tensor is read.

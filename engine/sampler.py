@@ -39,7 +39,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            rows = torch.tensor(random_rows)
+            rows = torch.tensor(random_rows, device=logits.device)
             tokens[rows] = self._sample_random(logits[rows], [requests[i] for i in random_rows])
         token_list = tokens.tolist()
         logprobs = [
@@ -68,15 +68,18 @@ class Sampler:
             req, p = requests[i], requests[i].sampling_params
             row = logits[i]
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
+                seen = torch.tensor(
+                    sorted(set(req.all_token_ids)), dtype=torch.long, device=logits.device
+                )
                 seen = seen[seen < vocab]
                 vals = row[seen]
                 row[seen] = torch.where(
                     vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
                 )
             if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
-                out = torch.tensor(req.output_token_ids, dtype=torch.long)
-                counts = torch.zeros(vocab).scatter_add_(0, out, torch.ones(len(out)))
+                out = torch.tensor(req.output_token_ids, dtype=torch.long, device=logits.device)
+                counts = torch.zeros(vocab, device=logits.device)
+                counts.scatter_add_(0, out, torch.ones(len(out), device=logits.device))
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         return logits
 
@@ -98,29 +101,33 @@ class Sampler:
 
     def _sample_random(self, logits: Tensor, requests: list[Request]) -> Tensor:
         params = [r.sampling_params for r in requests]
-        temps = torch.tensor([max(p.temperature, 1e-5) for p in params])
+        device = logits.device
+        temps = torch.tensor([max(p.temperature, 1e-5) for p in params], device=device)
         logits = logits / temps[:, None]
         top_k = [p.top_k for p in params]
         if any(top_k):
             logits = self._keep_top_k(logits, top_k)
         if any(p.top_p < 1.0 for p in params):
-            logits = self._keep_top_p(logits, torch.tensor([p.top_p for p in params]))
+            top_p = torch.tensor([p.top_p for p in params], device=device)
+            logits = self._keep_top_p(logits, top_p)
         probs = torch.softmax(logits, dim=-1)
-        min_p = torch.tensor([p.min_p for p in params])
+        min_p = torch.tensor([p.min_p for p in params], device=device)
         if bool((min_p > 0).any()):
             floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
-        # Exponential race: argmax(p / q) with q ~ Exp(1) draws from p.
+        # Exponential race: argmax(p / q) with q ~ Exp(1) draws from p. The generator
+        # lives on the logits' device (CUDA draws differ from CPU ones for one seed).
         noise = torch.empty_like(probs)
         for i, req in enumerate(requests):
-            gen = torch.Generator().manual_seed(noise_seed(req.seed, req.num_output_tokens))
+            gen = torch.Generator(device=device)
+            gen.manual_seed(noise_seed(req.seed, req.num_output_tokens))
             noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod
     def _keep_top_k(logits: Tensor, top_k: list[int]) -> Tensor:
         vocab = logits.shape[1]
-        k = torch.tensor([vocab if t <= 0 else min(t, vocab) for t in top_k])
+        k = torch.tensor([vocab if t <= 0 else min(t, vocab) for t in top_k], device=logits.device)
         sorted_logits = logits.sort(dim=-1, descending=True).values
         kth = sorted_logits.gather(1, (k - 1)[:, None])
         return logits.masked_fill(logits < kth, float("-inf"))

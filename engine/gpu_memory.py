@@ -1,0 +1,111 @@
+"""How many KV blocks fit on a CUDA device (`--gpu-memory-utilization`).
+
+As vLLM does: the engine may use `utilization` x the device's memory. From that it
+subtracts the weights, the peak of activation memory in a profiled step of the largest
+batch (`max_num_batched_tokens` prompt tokens, logits and sampler work for
+`max_num_seqs` rows), and the memory this process holds outside torch's allocator
+(CUDA context growth, cuBLAS workspaces), measured since before the weights loaded.
+The rest is the KV cache, bounded by what the device still has free. CUDA graphs take
+their (small) pool from the headroom left by `utilization` < 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import KVCache, KVCacheShape
+from engine.step_inputs import build_step_inputs, contiguous_block_tables
+
+GiB = 1 << 30
+# Slack kept free on the device beyond the budget (allocator fragmentation).
+FREE_MEMORY_MARGIN = 256 << 20
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    total: int  # bytes of device memory
+    free: int  # bytes free on the device after profiling (other processes included)
+    weights: int  # bytes torch holds for the model
+    activation_peak: int  # peak bytes above the weights during the profiled step
+    non_torch: int  # bytes this process gained outside torch's allocator since the baseline
+
+
+def kv_cache_bytes(profile: MemoryProfile, utilization: float) -> int:
+    """The KV cache's share of the device; raises if nothing is left for it."""
+    budget = (
+        int(profile.total * utilization)
+        - profile.weights
+        - profile.activation_peak
+        - profile.non_torch
+    )
+    available = min(budget, profile.free - FREE_MEMORY_MARGIN)
+    if available <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization {utilization} of {profile.total / GiB:.1f} GiB leaves no "
+            f"room for the KV cache (weights {profile.weights / GiB:.2f} GiB, activations "
+            f"{profile.activation_peak / GiB:.2f} GiB, other {profile.non_torch / GiB:.2f} GiB, "
+            f"free {profile.free / GiB:.2f} GiB); raise --gpu-memory-utilization or lower "
+            "--max-num-batched-tokens"
+        )
+    return available
+
+
+def free_device_memory(device: torch.device) -> int:
+    """Free bytes now (call before loading the weights: the profile's baseline)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free
+
+
+@torch.inference_mode()
+def profile_memory(
+    model: torch.nn.Module,
+    shape: KVCacheShape,
+    device: torch.device,
+    free_before_load: int,
+    max_num_tokens: int,
+    max_num_seqs: int,
+) -> MemoryProfile:
+    """Runs one prefill step of `max_num_tokens` tokens on a scratch KV cache and
+    measures the peak; `free_before_load` comes from `free_device_memory`."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    weights = torch.cuda.memory_allocated(device)
+    blocks = -(-max_num_tokens // shape.block_size)
+    scratch = KVCache(shape, blocks, device)
+    inputs = build_step_inputs(
+        [([0] * max_num_tokens, 0)],
+        contiguous_block_tables(1, blocks),
+        shape.block_size,
+        getattr(model, "sliding_window", None),
+    )
+    meta = inputs.meta
+    meta.slot_mapping = meta.slot_mapping.to(device)
+    meta.block_tables = meta.block_tables.to(device)
+    meta.query_start_loc = meta.query_start_loc.to(device)
+    meta.context_lens = meta.context_lens.to(device)
+    token_ids, positions = inputs.token_ids.to(device), inputs.positions.to(device)
+    torch.cuda.synchronize(device)
+    before_step = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    hidden = model(token_ids, positions, scratch.layers, meta)
+    rows = min(max_num_seqs, max_num_tokens)
+    logits = model.compute_logits(hidden[-rows:])
+    # The sampler's worst case holds probabilities and a sorted copy with its indices.
+    probs = logits.softmax(dim=-1)
+    ordered = logits.sort(dim=-1, descending=True)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del hidden, logits, probs, ordered, scratch
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    used_since_baseline = free_before_load - free
+    non_torch = max(0, used_since_baseline - torch.cuda.memory_reserved(device))
+    return MemoryProfile(
+        total=total,
+        free=free,
+        weights=weights,
+        activation_peak=peak - before_step,
+        non_torch=non_torch,
+    )
