@@ -50,16 +50,14 @@ class ControlServer:
 
     def receive(self) -> list[tuple[bytes, ControlMessage]]:
         messages = []
-        while True:
-            try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return messages
+        while self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = self.socket.recv_multipart(zmq.NOBLOCK)
             if len(frames) != 2:
                 continue
             message = _decode(frames[1], repr(frames[0]))
             if message is not None:
                 messages.append((frames[0], message))
+        return messages
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -86,14 +84,11 @@ class ControlClient:
 
     def receive(self) -> list[ControlMessage]:
         messages = []
-        while True:
-            try:
-                frame = self.socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return messages
-            message = _decode(frame, self.address)
+        while self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            message = _decode(self.socket.recv(zmq.NOBLOCK), self.address)
             if message is not None:
                 messages.append(message)
+        return messages
 
     def close(self) -> None:
         self.socket.close(linger=0)

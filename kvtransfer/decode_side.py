@@ -129,6 +129,9 @@ class DecodeSide:
         self._report = report
         self._name = f"{config.instance_id}/{tp_rank}"
         self._requests: dict[str, _Request] = {}
+        # Requests being pulled, failed or aborted: settled each poll. Queued ones
+        # (keepalive only) just get heartbeats.
+        self._active: set[str] = set()
         self._sources: dict[str, _Source] = {}
         self._by_transfer: dict[int, _Slice] = {}
         self._next_transfer_id = 1
@@ -147,6 +150,7 @@ class DecodeSide:
         if request is None or request.deadline is not None or request.failure is not None:
             return
         request.deadline = now + self._config.transfer_timeout_s
+        self._active.add(request.request_id)
         try:
             runs = coalesce(spec.src_block_ids, spec.dst_block_ids)
             for run in runs:
@@ -173,6 +177,7 @@ class DecodeSide:
         request = self._requests.get(request_id)
         if request is not None:
             request.aborted = True
+            self._active.add(request_id)
 
     def _admit(self, request_id: str, source: KVSource, now: float) -> _Request | None:
         request = self._requests.get(request_id)
@@ -316,6 +321,7 @@ class DecodeSide:
         if request.failure is not None:
             return
         request.failure = reason
+        self._active.add(request.request_id)
         in_flight = [op for part in request.slices if part.in_flight for op in part.ops]
         if in_flight:
             self._transport.cancel_recvs(in_flight)
@@ -328,7 +334,11 @@ class DecodeSide:
                     f"no handshake reply from {self._source_name(source)} at "
                     f"{source.address} within {self._config.handshake_timeout_s:g}s",
                 )
-        for request in list(self._requests.values()):
+        for request_id in list(self._active):
+            request = self._requests.get(request_id)
+            if request is None:
+                self._active.discard(request_id)
+                continue
             if request.deadline is not None and now >= request.deadline:
                 self._fail(
                     request,
@@ -364,6 +374,7 @@ class DecodeSide:
     def _finalize(self, request: _Request) -> None:
         request.finalized = True
         del self._requests[request.request_id]
+        self._active.discard(request.request_id)
         for part in request.slices:
             self._by_transfer.pop(part.transfer_id, None)
         if request.started is not None:
@@ -398,7 +409,8 @@ class DecodeSide:
 
     def next_deadline(self) -> float | None:
         deadlines = [self._next_heartbeat] if self._requests else []
-        deadlines += [r.deadline for r in self._requests.values() if r.deadline is not None]
+        active = (self._requests[r] for r in self._active)
+        deadlines += [r.deadline for r in active if r.deadline is not None]
         deadlines += [s.hello_deadline for s in self._sources.values() if s.state == "waiting"]
         return min(deadlines, default=None)
 
@@ -407,8 +419,7 @@ class DecodeSide:
             source.client.close()
 
     def quarantined(self) -> list[str]:
+        requests = (self._requests[r] for r in self._active if r in self._requests)
         return [
-            r.request_id
-            for r in self._requests.values()
-            if (r.failure is not None or r.aborted) and r.in_flight
+            r.request_id for r in requests if (r.failure is not None or r.aborted) and r.in_flight
         ]

@@ -17,6 +17,7 @@ end. The abandoned requests (and their buffers) are kept until UCX completes the
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,6 +100,10 @@ class PrefillSide:
         self._report = report
         self._peers: dict[bytes, Hello] = {}
         self._held: dict[str, _Held] = {}
+        # Held requests that need a look each poll (sends in flight, or being released);
+        # the others only need their lease checked, at _lease_check_at.
+        self._active: set[str] = set()
+        self._lease_check_at = math.inf
         self._parked: list[tuple[float, bytes, Pull]] = []  # pulls that beat their hold
         self._abandoned: list[TransferOp] = []  # sends given up on, kept until UCX ends them
 
@@ -107,14 +112,15 @@ class PrefillSide:
     def hold(self, spec: HoldSpec, now: float) -> None:
         if spec.request_id in self._held:
             return
-        self._held[spec.request_id] = _Held(
-            spec.request_id, frozenset(spec.block_ids), now + self._config.lease_s
-        )
+        deadline = now + self._config.lease_s
+        self._held[spec.request_id] = _Held(spec.request_id, frozenset(spec.block_ids), deadline)
+        self._lease_check_at = min(self._lease_check_at, deadline)
 
     def abort(self, request_id: str, now: float) -> None:
         held = self._held.get(request_id)
         if held is not None and held.release is None:
             held.release = "aborted"
+            self._active.add(request_id)
         self._parked = [p for p in self._parked if p[2].request_id != request_id]
 
     # ---- control messages -----------------------------------------------------------
@@ -192,6 +198,7 @@ class PrefillSide:
         serving = _Serving(peer, pull.transfer_id, ops, time.perf_counter())
         held.serving[(peer, pull.transfer_id)] = serving
         held.deadline = max(held.deadline, now + self._config.lease_s)
+        self._active.add(held.request_id)
         self._stats.in_flight += 1
         try:
             for run in pull.runs:
@@ -230,12 +237,22 @@ class PrefillSide:
         lo, hi = self._heads
         if held.release is None and held.delivered_heads.issuperset(range(lo, hi)):
             held.release = "finished_sending"
+            self._active.add(held.request_id)
 
     # ---- timers and completions -----------------------------------------------------
 
     def poll(self, now: float) -> None:
-        self._serve_parked(now)
-        for held in list(self._held.values()):
+        if self._parked:
+            self._serve_parked(now)
+        if now >= self._lease_check_at:
+            self._lease_check_at = math.inf
+            for held in self._held.values():
+                if now >= held.deadline:
+                    self._active.add(held.request_id)
+                else:
+                    self._lease_check_at = min(self._lease_check_at, held.deadline)
+        for request_id in list(self._active):
+            held = self._held[request_id]
             self._finish_sends(held)
             if now >= held.deadline:
                 if held.release is None:
@@ -243,8 +260,11 @@ class PrefillSide:
                     self._stats.lease_expiries_total += 1
                 self._abandon_sends(held)
             if held.release is not None and not held.sends_in_flight:
-                del self._held[held.request_id]
-                self._report(held.release, held.request_id)
+                del self._held[request_id]
+                self._active.discard(request_id)
+                self._report(held.release, request_id)
+            elif held.release is None and all(s.sent for s in held.serving.values()):
+                self._active.discard(request_id)  # quiet until Done, abort or lease
 
     def _serve_parked(self, now: float) -> None:
         parked, self._parked = self._parked, []
@@ -290,8 +310,9 @@ class PrefillSide:
         self._abandoned = [op for op in self._abandoned if not op.poll()]
 
     def next_deadline(self) -> float | None:
-        deadlines = [h.deadline for h in self._held.values()]
-        deadlines += [p[0] for p in self._parked]
+        deadlines = [self._lease_check_at, *(p[0] for p in self._parked)]
+        if self._active:
+            deadlines.append(min(self._held[r].deadline for r in self._active))
         return min(deadlines, default=None)
 
     @property

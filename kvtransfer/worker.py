@@ -58,9 +58,9 @@ class KVTransferWorker:
         self._lock = threading.Lock()
         self._commands: list[KVConnectorMetadata] = []
         self._report = TransferReport()
-        self._stats = KVTransferStats()
-        self._published_stats = KVTransferStats()
+        self._stats = KVTransferStats()  # mutated by the I/O thread only
         self._quarantined: list[str] = []
+        self._has_report = threading.Event()
         self._error: str | None = None
         self._ready = threading.Event()
         self._stop = threading.Event()
@@ -130,11 +130,18 @@ class KVTransferWorker:
                 raise RuntimeError(f"KV transfer I/O thread failed: {self._error}")
             report, self._report = self._report, TransferReport()
             report.quarantined = list(self._quarantined)
+            self._has_report.clear()
             return report
 
+    def wait(self, timeout_s: float) -> bool:
+        """Block until something can be reported (or the I/O thread failed), at most
+        `timeout_s`; for an instance with nothing else to do this step."""
+        return self._has_report.wait(timeout_s)
+
     def stats(self) -> KVTransferStats:
-        with self._lock:
-            return self._published_stats.copy()
+        # Fields are plain ints and floats written by one thread: a copy may straddle
+        # an update, which is fine for metrics deltas.
+        return self._stats.copy()
 
     # ---- the I/O thread -------------------------------------------------------------
 
@@ -144,6 +151,7 @@ class KVTransferWorker:
                 self._report.failed[request_id] = reason
             else:
                 getattr(self._report, kind).append(request_id)
+            self._has_report.set()
 
     def _run(self) -> None:
         transport: Transport | None = None
@@ -167,6 +175,7 @@ class KVTransferWorker:
             with self._lock:
                 self._error = f"{type(exc).__name__}: {exc}"
             self._ready.set()
+            self._has_report.set()
         finally:
             if decode is not None:
                 decode.close()
@@ -208,9 +217,10 @@ class KVTransferWorker:
             transport.progress()
             prefill.poll(now)
             decode.poll(now)
-            with self._lock:
-                self._published_stats = self._stats.copy()
-                self._quarantined = decode.quarantined()
+            quarantined = decode.quarantined()
+            if quarantined or self._quarantined:
+                with self._lock:
+                    self._quarantined = quarantined
             sockets = set(decode.sockets())
             for socket in sockets - registered:
                 poller.register(socket, zmq.POLLIN)

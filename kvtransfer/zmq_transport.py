@@ -88,11 +88,8 @@ class ZmqTransport(Transport):
             socket.close(linger=0)
 
     def progress(self) -> None:
-        while True:
-            try:
-                tag_bytes, payload = self._inbox.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        while self._inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            tag_bytes, payload = self._inbox.recv_multipart(zmq.NOBLOCK, copy=False)
             entry = self._recvs.pop(int.from_bytes(tag_bytes.bytes, "little"), None)
             if entry is None:
                 continue  # a cancelled transfer's data
