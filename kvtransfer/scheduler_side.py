@@ -168,12 +168,16 @@ class DecodeKVScheduler:
         self._pending.keepalives.append(KeepaliveSpec(handoff.request_id, source))
         return handoff.num_prompt_tokens
 
-    def on_allocation(self, allocation: Any) -> int:
+    def on_allocation(self, allocation: Any) -> int | None:
         """Blocks were allocated (`RemoteKVAllocation`: request_id, block_ids,
         num_local_cached_tokens). Queues the pull of the blocks the local prefix cache
-        lacks; returns how many blocks will be pulled."""
+        lacks; returns how many blocks will be pulled. None if the request already
+        ended here (a handshake failure or an abort reported by `update` while it was
+        queued): nothing is pulled, and the caller frees what it just allocated."""
         rid = allocation.request_id
-        handoff = self._handoffs[rid]
+        handoff = self._handoffs.get(rid)
+        if handoff is None:
+            return None
         skip = allocation.num_local_cached_tokens // self.layout.block_size
         src = handoff.source.block_ids[skip:]
         dst = list(allocation.block_ids[skip : skip + len(src)])

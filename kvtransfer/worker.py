@@ -97,6 +97,10 @@ class KVTransferWorker:
         if self._wake is not None:
             self._wake.close(linger=0)
             self._wake = None
+        if self._thread is not None and self._thread.is_alive():
+            # Its sockets are still open: terminating the context would hang.
+            logger.error("KV transfer I/O thread did not stop within 5s; leaving it")
+            return
         self._context.term()
 
     def __enter__(self) -> KVTransferWorker:

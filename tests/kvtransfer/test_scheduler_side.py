@@ -82,6 +82,16 @@ def test_decode_admission_checks_before_allocation_and_pulls_only_misses():
     ]
 
 
+def test_request_that_failed_while_queued_pulls_nothing_once_allocated():
+    d = DecodeKVScheduler(LAYOUT)
+    d.admit(_prefill().hand_off(_request(), [1, 2, 3], 5))
+    d.build_metadata()
+    assert d.update(TransferReport(failed={"r1": "handshake failed"})).failed
+    allocation = SimpleNamespace(request_id="r1", block_ids=[4, 5, 6], num_local_cached_tokens=0)
+    assert d.on_allocation(allocation) is None
+    assert d.build_metadata().is_empty
+
+
 def test_decode_admission_refuses_a_foreign_layout():
     handoff = _prefill().hand_off(_request(), [1, 2, 3], 5)
     d = DecodeKVScheduler(msgspec.structs.replace(LAYOUT, num_layers=3))
