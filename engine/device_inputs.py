@@ -44,8 +44,9 @@ class HostToDeviceStager:
         for dtype, total in totals.items():
             self._device[dtype][:total].copy_(self._host[dtype][:total], non_blocking=True)
             if self._pin:
-                event = self._copied.setdefault(dtype, torch.cuda.Event())
-                event.record()
+                if dtype not in self._copied:
+                    self._copied[dtype] = torch.cuda.Event()
+                self._copied[dtype].record()
         return [
             self._device[t.dtype][start : start + t.numel()].view(t.shape)
             for t, start in zip(tensors, offsets, strict=True)

@@ -18,8 +18,10 @@ from engine.device_executor import DeviceExecutor
 from engine.device_inputs import HostToDeviceStager
 from engine.gpu_memory import FREE_MEMORY_MARGIN, GiB, MemoryProfile, kv_cache_bytes
 from engine.kv_cache import KVCache, KVCacheShape
+from engine.sampler import Sampler
 from engine.step_inputs import build_step_inputs, contiguous_block_tables
 from engine.synthetic_model import SyntheticLlamaConfig, random_llama
+from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 
 BS = 16
@@ -360,7 +362,35 @@ def test_engine_on_cuda_generates_the_cpu_engine_tokens(tmp_path):
     args = dict(model=folder, max_num_seqs=5, max_num_batched_tokens=24, num_threads=1)
     prompts = random_prompts([3, 30, 12, 50, 7, 21], seed=5)
     want = _generate(EngineCore(num_kv_blocks=48, **args), prompts)
-    gpu = EngineCore(device="cuda", gpu_memory_utilization=0.3, **args)
-    assert gpu.kv_cache.storage.is_cuda and gpu.kv_cache.num_blocks > 48
+    # A budget of about 1.5 GiB: enough blocks, yet a block list the scheduler builds fast.
+    utilization = 1.5 * GiB / torch.cuda.mem_get_info()[1]
+    gpu = EngineCore(device="cuda", gpu_memory_utilization=utilization, **args)
+    kv = gpu.kv_cache
+    assert kv.storage.is_cuda and kv.num_blocks > 48
+    assert kv.num_blocks * kv.shape.bytes_per_block <= 1.5 * GiB
     assert gpu.runner.device_executor.graphs is not None
     assert _generate(gpu, prompts) == want
+
+
+@needs_cuda
+def test_sampler_takes_cuda_logits_with_every_knob():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 300, generator=gen).cuda()
+    knobs = [
+        dict(temperature=0.0),
+        dict(temperature=0.8, top_k=5, seed=1, logprobs=3),
+        dict(temperature=1.0, top_p=0.5, min_p=0.1, seed=2, repetition_penalty=1.3),
+        dict(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.5, min_tokens=4),
+    ]
+    requests = []
+    for i, params in enumerate(knobs):
+        req = Request(
+            f"r{i}", [1, 2, 3], SamplingParams(**params), eos_token_ids=frozenset({0}), seed=i
+        )
+        req.output_token_ids = [5, 5, 7]
+        requests.append(req)
+    tokens, logprobs = Sampler().sample(logits, requests)
+    assert tokens[0] == int(logits[0].argmax())
+    assert tokens[1] in logits[1].topk(5).indices.tolist()
+    assert logprobs[1] is not None and logprobs[1].token_id == tokens[1]
+    assert tokens[3] != 0  # eos suppressed before min_tokens
