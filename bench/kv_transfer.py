@@ -8,9 +8,10 @@ per block, so 256 blocks are a 4k-token prompt; and an 8B model: 32 layers, 8 kv
 heads, head_dim 128, bf16, 2 MiB per block). A decode process pulls each one through
 `KVTransferWorker` exactly as an instance would and times it from `apply(pull)` to
 `get_finished()` reporting it: the per-request handoff latency (handshake excluded,
-done once in a warm-up). Bandwidth = bytes / median latency. "socket" is the same
-bytes over a plain TCP socket on 127.0.0.1 (ask for n bytes, receive them into a
-buffer), as a yardstick. Block ids are consecutive, so each pull is one message.
+done once in a warm-up). Bandwidth = bytes / median latency. Yardsticks for the same
+bytes: "socket", a plain TCP socket on 127.0.0.1 (ask for n bytes, receive them into
+a buffer), and "memcpy", one in-process copy (what a single core can move; shared
+memory transfers cannot beat it). Block ids are consecutive: one message per pull.
 """
 
 from __future__ import annotations
@@ -197,24 +198,45 @@ def run_socket(repeats: int) -> dict:
         server.join(timeout=10)
 
 
+def run_memcpy(repeats: int) -> dict:
+    import numpy as np
+
+    results = {}
+    for name in LAYOUTS:
+        for count in BLOCK_COUNTS:
+            source = np.full(count * _layout(name).bytes_per_block, 0x3C, np.uint8)
+            target = np.zeros_like(source)
+            times = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                np.copyto(target, source)
+                times.append(time.perf_counter() - start)
+            results[(name, count)] = times[1:]
+    return results
+
+
+YARDSTICKS = {"socket": run_socket, "memcpy": run_memcpy}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed pulls per size")
+    choices = [*TRANSPORTS, *YARDSTICKS]
     parser.add_argument(
         "--transports",
-        default=",".join([*TRANSPORTS, "socket"]),
-        help=f"comma-separated, from {', '.join([*TRANSPORTS, 'socket'])}",
+        default=",".join(choices),
+        help=f"comma-separated, from {', '.join(choices)}",
     )
     args = parser.parse_args(argv)
     names = [t for t in args.transports.split(",") if t]
-    unknown = [t for t in names if t not in TRANSPORTS and t != "socket"]
+    unknown = [t for t in names if t not in choices]
     if unknown or args.repeats < 1:
         parser.error(f"unknown transport {unknown[0]}" if unknown else "--repeats must be >= 1")
     print(f"{'transport':<18}{'layout':<14}{'blocks':>7}{'MiB':>9}"
           f"{'median ms':>11}{'p90 ms':>9}{'GB/s':>8}")  # fmt: skip
     for transport in names:
-        if transport == "socket":
-            results = run_socket(args.repeats)
+        if transport in YARDSTICKS:
+            results = YARDSTICKS[transport](args.repeats)
         else:
             results = run_transport(*TRANSPORTS[transport], args.repeats)
         for (name, count), times in results.items():

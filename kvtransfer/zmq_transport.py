@@ -1,14 +1,16 @@
 """A plain ZMQ TCP copy for machines without UCX; chosen explicitly, never a fallback.
 
-Each side binds a PULL socket; a sender connects a PUSH socket to it and sends
-[tag, payload] frames. The payload is copied into ZMQ at send time, so a send is
-done at once and its source blocks are free to reuse. Receives are posted before
-the pull request goes out, so a frame without a posted receive belongs to a
+Each side binds a PULL socket; a sender connects a PUSH socket to it. A message goes
+as chunks of [tag + offset, payload] frames, sent without copying (a send is done
+once ZMQ has let go of every chunk), and each chunk lands in place as it arrives, so
+a large message streams instead of being buffered whole. Receives are posted before
+the pull request goes out, so a chunk without a posted receive belongs to a
 cancelled transfer and is dropped.
 """
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import numpy as np
@@ -16,8 +18,29 @@ import zmq
 
 from kvtransfer.transport import TransferOp, Transport
 
+_CHUNK = 4 << 20
+_HEADER = struct.Struct("<QQ")  # tag, byte offset
 
-class _ZmqOp(TransferOp):
+
+class _SendOp(TransferOp):
+    def __init__(self, nbytes: int, trackers: list[zmq.MessageTracker], view: np.ndarray):
+        super().__init__(nbytes)
+        self._trackers = trackers
+        self._view = view  # keeps a staging buffer alive while ZMQ reads it
+
+    def poll(self) -> bool:
+        if not self.done and all(t.done for t in self._trackers):
+            self.done = True
+            self._trackers, self._view = [], self._view[:0]
+        return self.done
+
+
+class _RecvOp(TransferOp):
+    def __init__(self, view: np.ndarray):
+        super().__init__(view.nbytes)
+        self.view = view
+        self.received = 0
+
     def poll(self) -> bool:
         return self.done
 
@@ -39,7 +62,7 @@ class ZmqTransport(Transport):
         self._info = f"tcp://{host}:{port}".encode()
         self._peer_info: dict[str, bytes] = {}
         self._outboxes: dict[str, zmq.Socket] = {}
-        self._recvs: dict[int, tuple[_ZmqOp, np.ndarray]] = {}
+        self._recvs: dict[int, _RecvOp] = {}
 
     @property
     def info(self) -> bytes:
@@ -64,20 +87,21 @@ class ZmqTransport(Transport):
 
     def send(self, peer: str, buffer: Any, tag: int) -> TransferOp:
         view = _host_view(buffer)
-        self._outbox(peer).send_multipart([tag.to_bytes(8, "little"), view], copy=True)
-        op = _ZmqOp(view.nbytes)
-        op.done = True
-        return op
+        socket, trackers = self._outbox(peer), []
+        for offset in range(0, max(view.nbytes, 1), _CHUNK):
+            chunk = view[offset : offset + _CHUNK]
+            frames = [_HEADER.pack(tag, offset), chunk]
+            trackers.append(socket.send_multipart(frames, copy=False, track=True))
+        return _SendOp(view.nbytes, trackers, view)
 
     def recv(self, buffer: Any, tag: int) -> TransferOp:
-        view = _host_view(buffer)
-        op = _ZmqOp(view.nbytes)
-        self._recvs[tag] = (op, view)
+        op = _RecvOp(_host_view(buffer))
+        self._recvs[tag] = op
         return op
 
     def cancel_recvs(self, ops: list[TransferOp]) -> None:
         cancel = {id(op) for op in ops}
-        for tag, (op, _) in list(self._recvs.items()):
+        for tag, op in list(self._recvs.items()):
             if id(op) in cancel:
                 del self._recvs[tag]
                 op.done, op.error = True, "cancelled"
@@ -89,17 +113,20 @@ class ZmqTransport(Transport):
 
     def progress(self) -> None:
         while self._inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            tag_bytes, payload = self._inbox.recv_multipart(zmq.NOBLOCK, copy=False)
-            entry = self._recvs.pop(int.from_bytes(tag_bytes.bytes, "little"), None)
-            if entry is None:
+            header, payload = self._inbox.recv_multipart(zmq.NOBLOCK, copy=False)
+            tag, offset = _HEADER.unpack(header.bytes)
+            op = self._recvs.get(tag)
+            if op is None:
                 continue  # a cancelled transfer's data
-            op, view = entry
             data = np.frombuffer(payload.buffer, dtype=np.uint8)
-            if data.nbytes != view.nbytes:
-                op.error = f"message of {data.nbytes} bytes for a {view.nbytes}-byte buffer"
+            if offset + data.nbytes > op.nbytes:
+                op.error = f"{offset + data.nbytes} bytes sent for a {op.nbytes}-byte buffer"
             else:
-                np.copyto(view, data)
-            op.done = True
+                op.view[offset : offset + data.nbytes] = data
+                op.received += data.nbytes
+            if op.error or op.received == op.nbytes:
+                del self._recvs[tag]
+                op.done = True
 
     def ready_to_block(self) -> bool:
         return True
