@@ -37,7 +37,8 @@ CFG = SyntheticLlamaConfig(
     max_position_embeddings=BS * BLOCKS_PER_SEQ,
 )
 needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device"
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device (capture, device memory, device sampling)",
 )
 
 
