@@ -71,7 +71,7 @@ class ServePlan:
                 "yet; use --mode colocated"
             )
         roles = _roles(args)
-        instances = place(roles, cores or available_cores())
+        instances = place(roles, cores or available_cores(), args.threads_per_instance)
         names = args.served_model_name or [args.model or MODEL_NAME]
         engine_args = {
             "model": args.model,
@@ -111,6 +111,8 @@ def check_flags(args: argparse.Namespace) -> None:
             raise ServeError(f"--{name.replace('_', '-')} must be at least 1")
     if args.num_colocated is not None and args.num_colocated < 1:
         raise ServeError("--num-colocated must be at least 1")
+    if args.threads_per_instance < 0:
+        raise ServeError("--threads-per-instance must be >= 0 (0: automatic)")
     if not 0 <= args.port <= 65535:
         raise ServeError("--port must be in [0, 65535]")
     if args.model is not None and not os.path.isdir(os.path.expanduser(args.model)):
@@ -132,12 +134,13 @@ def available_cores() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def place(roles: list[str], cores: list[int]) -> list[PlannedInstance]:
-    """Each instance gets max(1, cores // instances) torch threads; with at least two
-    cores each they are pinned to disjoint cores (fewer would starve the gateway)."""
+def place(roles: list[str], cores: list[int], threads: int = 0) -> list[PlannedInstance]:
+    """Each instance gets max(1, cores // instances) torch threads (or `threads`); with
+    at least two cores each they are pinned to disjoint cores (fewer would starve the
+    gateway)."""
     count, num_cores = len(roles), len(cores)
-    share = max(1, num_cores // count)
-    pin = num_cores // count >= 2
+    share = threads or max(1, num_cores // count)
+    pin = not threads and num_cores // count >= 2
     seen: dict[str, int] = {}
     planned = []
     for i, role in enumerate(roles):

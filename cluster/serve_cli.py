@@ -66,6 +66,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         default=None,
         help="instances in colocated mode (default: prefill + decode)",
     )
+    topology.add_argument(
+        "--threads-per-instance",
+        type=int,
+        default=0,
+        help="torch threads per instance (0: max(1, cores // instances))",
+    )
     topology.add_argument("--kv-transport", choices=KV_TRANSPORTS, default="ucx")
     topology.add_argument(
         "--launcher",

@@ -17,7 +17,6 @@ from gateway.completions import create_completion
 from gateway.errors import APIError, error_response
 from gateway.state import Gateway
 from gateway.tokenization import detokenize, tokenize
-from scheduler.messages import InstanceInspection
 
 logger = logging.getLogger(__name__)
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -90,14 +89,17 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def debug_instances() -> Response:
         """Each live instance's books: invariant check, block owners, unfinished requests."""
         inspections = await gateway.dispatcher.inspect()
-        return gateway.json(
-            {
-                "instances": {
-                    instance_id: None if found is None else _inspection_json(found)
-                    for instance_id, found in inspections.items()
-                }
+        instances = {}
+        for instance_id, view in gateway.scheduler.views.items():
+            found = inspections.get(instance_id)
+            instances[instance_id] = {
+                "role": view.role,
+                "pid": view.info.pid,
+                "alive": view.alive,
+                "in_flight": sorted(view.in_flight),
+                "inspection": None if found is None else msgspec.to_builtins(found),
             }
-        )
+        return gateway.json({"instances": instances})
 
     @app.post("/debug/instances/{instance_id}/leak", dependencies=protected)
     async def leak(instance_id: str, blocks: int = 1) -> Response:
@@ -108,10 +110,6 @@ def create_app(gateway: Gateway) -> FastAPI:
         return gateway.json({"leaked": blocks, "instance": instance_id})
 
     return app
-
-
-def _inspection_json(inspection: InstanceInspection) -> dict:
-    return msgspec.to_builtins(inspection)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

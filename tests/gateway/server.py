@@ -1,0 +1,158 @@
+"""Starting a real `pdserve serve` for tests: a child process on 127.0.0.1, a free port.
+
+    server = ServeProcess.start("--num-colocated", "1")
+    client = server.openai()
+    ...
+    server.stop()
+
+The server prints "pdserve: serving ... on http://HOST:PORT" once its instances are
+ready; stderr goes to a file that failures quote.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+
+API_KEY = "test-key"
+START_TIMEOUT_S = 240.0
+SERVING = "pdserve: serving "
+
+
+@dataclass
+class ServeProcess:
+    process: subprocess.Popen
+    base_url: str
+    log_path: str
+    api_key: str | None
+    lines: list[str] = field(default_factory=list)
+
+    @classmethod
+    def start(
+        cls, *args: str, api_key: str | None = API_KEY, env: dict[str, str] | None = None
+    ) -> ServeProcess:
+        command = [sys.executable, "-m", "cluster.cli", "serve", "--port", "0", *args]
+        if api_key and "--api-key" not in args:
+            command += ["--api-key", api_key]
+        full_env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
+        with tempfile.NamedTemporaryFile(
+            "w", prefix="pdserve-test-", suffix=".log", delete=False
+        ) as log:  # the child keeps writing to its own copy of the descriptor
+            process = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                text=True, env=full_env,
+            )  # fmt: skip
+        lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=_pump, args=(process, lines), daemon=True).start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            if line.startswith(SERVING):
+                url = line.rsplit(" on ", 1)[1].strip()
+                return cls(process, url, log.name, api_key)
+        process.kill()
+        process.wait()
+        raise RuntimeError(f"pdserve serve did not come up:\n{tail(log.name)}")
+
+    # ---- clients ----------------------------------------------------------------------
+
+    def openai(self, **kwargs: Any) -> openai.OpenAI:
+        return openai.OpenAI(**self._client_args(kwargs))
+
+    def async_openai(self, **kwargs: Any) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(**self._client_args(kwargs))
+
+    def _client_args(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        args = {"base_url": f"{self.base_url}/v1", "api_key": self.api_key or "none",
+                "max_retries": 0, "timeout": 120}  # fmt: skip
+        return {**args, **overrides}
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def get(self, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.get(self.base_url + path, headers=self.headers, timeout=60, **kwargs)
+
+    def post(self, path: str, **kwargs: Any) -> httpx.Response:
+        headers = {**self.headers, **kwargs.pop("headers", {})}
+        return httpx.post(self.base_url + path, headers=headers, timeout=120, **kwargs)
+
+    def instances(self) -> dict[str, dict]:
+        response = self.get("/debug/instances")
+        response.raise_for_status()
+        return response.json()["instances"]
+
+    def wait_idle(self, timeout_s: float = 30.0) -> dict[str, dict]:
+        """Instances' books once no request is left anywhere (or the last look)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = self.instances()
+            idle = all(
+                not i["in_flight"]
+                and i["inspection"] is not None
+                and not i["inspection"]["unfinished_request_ids"]
+                for i in found.values()
+                if i["alive"]
+            )
+            if idle or time.monotonic() > deadline:
+                return found
+            time.sleep(0.2)
+
+    def assert_blocks_free_or_cached(self) -> None:
+        """DESIGN.md's invariant: idle ⇒ every block on every instance free or cached."""
+        for instance_id, found in self.wait_idle().items():
+            if not found["alive"]:
+                continue
+            inspection = found["inspection"]
+            assert inspection is not None, f"{instance_id} did not answer"
+            assert inspection["invariant_error"] is None, (instance_id, inspection)
+            assert inspection["unfinished_request_ids"] == [], (instance_id, inspection)
+            assert inspection["block_owners"] == {}, (instance_id, inspection["block_owners"])
+            assert inspection["num_free_blocks"] == inspection["num_total_blocks"], inspection
+
+    # ---- stopping ---------------------------------------------------------------------
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def log(self) -> str:
+        return tail(self.log_path)
+
+
+def _pump(process: subprocess.Popen, lines: queue.Queue) -> None:
+    assert process.stdout is not None
+    for line in process.stdout:
+        lines.put(line)
+    lines.put(None)
+
+
+def tail(path: str, count: int = 40) -> str:
+    try:
+        with open(path) as f:
+            return "".join(f.readlines()[-count:])
+    except OSError:
+        return ""
