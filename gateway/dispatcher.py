@@ -182,6 +182,7 @@ class Dispatcher:
             self._fail(request_id, f"no instance left to retry on: {exc}")
             return
         self.scheduler.assign(assignment.request, route)
+        self.metrics.retried.inc()
         logger.info("retrying %s on %s", request_id, route.first.instance_id)
         self._dispatch(task, route)
 

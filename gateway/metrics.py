@@ -81,6 +81,11 @@ class GatewayMetrics:
             "Requests refused by admission control (503)",
             registry=self.registry,
         )
+        self.retried = Counter(
+            PREFIX + "num_requests_retried",
+            "Requests sent again after their instance died before their first token",
+            registry=self.registry,
+        )
 
     def _counter(self, name: str, documentation: str) -> Counter:
         # prometheus_client appends "_total" itself.

@@ -43,6 +43,7 @@ class GlobalSchedulerConfig:
 
     def __post_init__(self) -> None:
         make_policy(self.routing_policy)  # fails early on a bad name
+        PrefillSkipDecider(self.skip_prefill_max_tokens, self.skip_prefill_min_cached_ratio)
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.instance_timeout_s <= 0:

@@ -1,0 +1,107 @@
+"""`pdserve serve` flags and the plan they make, without starting instances."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from cluster.cli import build_parser
+from cluster.plan import ServeError, ServePlan, parse_size, place
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "serve", *argv],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("2GiB", 2 << 30), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000), ("4096", 4096),
+     ("64 KiB", 64 << 10), ("1tib", 1 << 40)],
+)  # fmt: skip
+def test_parse_size(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1GiB", "2XB", "0"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(ServeError):
+        parse_size(text)
+
+
+def test_defaults_are_the_issue_defaults() -> None:
+    args = parse()
+    assert (args.host, args.port) == ("127.0.0.1", 8000)
+    assert (args.num_prefill, args.num_decode, args.mode) == (1, 1, "disaggregated")
+    assert args.enable_prefix_caching is True
+    assert parse("--no-enable-prefix-caching").enable_prefix_caching is False
+    assert args.model is None and args.launcher == "ray"
+
+
+def test_colocated_plan_threads_and_engine_args() -> None:
+    args = parse("--mode", "colocated", "--kv-cache-memory", "256MiB", "--max-num-seqs", "8")
+    plan = ServePlan.from_args(args, cores=[0, 1])
+    assert [i.instance_id for i in plan.instances] == ["colocated-0", "colocated-1"]
+    assert [i.num_threads for i in plan.instances] == [1, 1]  # max(1, 2 // 2)
+    assert all(i.cpus == [] for i in plan.instances)  # one core each: not pinned
+    assert plan.engine_args["kv_cache_memory"] == 256 << 20
+    assert plan.engine_args["max_num_seqs"] == 8
+    assert plan.served_model_names == ["SmolLM2-135M-Instruct"]
+    single = ServePlan.from_args(parse("--mode", "colocated", "--num-colocated", "1"), [0, 1])
+    assert [i.num_threads for i in single.instances] == [2]
+
+
+def test_place_pins_when_each_instance_has_two_cores_or_more() -> None:
+    planned = place(["prefill", "decode", "decode"], list(range(8)))
+    assert [p.instance_id for p in planned] == ["prefill-0", "decode-0", "decode-1"]
+    assert [p.num_threads for p in planned] == [2, 2, 2]
+    assert [p.cpus for p in planned] == [[0, 1], [2, 3], [4, 5]]
+    crowded = place(["colocated"] * 3, [0, 1])
+    assert [p.num_threads for p in crowded] == [1, 1, 1]
+    assert sum(p.num_cpus for p in crowded) == pytest.approx(2.0)  # Ray can place them all
+    assert [p.num_threads for p in place(["colocated"], [0, 1, 2, 3], threads=1)] == [1]
+
+
+def test_disaggregated_mode_refuses_until_the_handoff_is_wired() -> None:
+    result = run_cli()
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "pdserve serve: error: --mode disaggregated needs the prefill/decode KV handoff, "
+        "which is not wired yet; use --mode colocated"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--kv-cache-memory", "lots"], "cannot read 'lots' as a size"),
+        (["--model", "/no/such/folder"], "no such checkpoint folder"),
+        (["--block-size", "0"], "--block-size must be at least 1"),
+        (["--skip-prefill-min-cached-ratio", "2"], "min_cached_ratio"),
+    ],
+)
+def test_bad_flags_fail_with_one_line(flags: list[str], message: str) -> None:
+    result = run_cli("--mode", "colocated", *flags)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_a_taken_port_fails_before_anything_loads() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("--mode", "colocated", "--launcher", "local", "--port", str(port))
+    assert result.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
