@@ -23,6 +23,7 @@ from engine.outputs import RequestDelta
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from scheduler.config import SchedulerConfig
+from scheduler.outputs import SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.step_scheduler import Scheduler
@@ -139,7 +140,12 @@ class EngineCore:
     # ---- stepping -------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
-        output = self.scheduler.schedule()
+        return self.execute(self.scheduler.schedule())
+
+    def execute(self, output: SchedulerOutput) -> list[RequestDelta]:
+        """Runs a step the scheduler planned. Owners that act on the plan itself (a
+        decode instance pulls the KV of `output.remote_kv_allocations`, which a step
+        can carry while computing nothing) call `scheduler.schedule()` and then this."""
         if output.is_empty:
             return []
         batch = self.runner.prepare(output)
