@@ -10,11 +10,16 @@ its metric deltas. The I/O thread (`InstanceIO`) sends heartbeats while the loop
 
 Instance kinds subclass `InstanceRuntime` and override its hooks:
 - `on_generate(task)`: admit a GenerateTask (the prefill kind adds it with hand_off);
-- `on_task(task)`: any task type the base does not know (e.g. a decode kind's handoff);
+- `on_task(task)`: any task type the base does not know (e.g. a decode kind's handoff;
+  `task_type` names the union its task socket decodes);
+- `on_abort(task)`: the gateway ended requests (the KV kinds also drop transfers);
 - `before_step()`: work between steps (e.g. polling KV-transfer reports);
 - `after_step(deltas)`: act on a step's results (e.g. handing off requests that
   reached HANDED_OFF), returning the deltas to send;
 - `has_work()`: whether the loop should step rather than wait for tasks;
+- `task_wait_s()`: how long a loop turn may wait for tasks (e.g. short while transfers run);
+- `step_engine()`: one engine step (the decode kind plans it itself to start pulls);
+- `has_news()`: whether to send an output even without deltas (e.g. transfer counters);
 - `collect_metrics(metrics)`: add kind-specific counters/histograms to an output;
 - `on_close()`: release kind-specific resources.
 """
@@ -54,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 class InstanceRuntime:
     role: ClassVar[str] = "colocated"
+    task_type: ClassVar[Any] = Task
 
     def __init__(self, spec: InstanceSpec) -> None:
         if spec.role != self.role:
@@ -61,7 +67,12 @@ class InstanceRuntime:
         self.spec = spec
         self.engine_config = EngineConfig.from_kwargs(**spec.engine)
         self.io = InstanceIO(
-            spec.instance_id, spec.role, spec.gateway_address, spec.host, spec.heartbeat_interval_s
+            spec.instance_id,
+            spec.role,
+            spec.gateway_address,
+            spec.host,
+            spec.heartbeat_interval_s,
+            self.task_type,
         )
         self.engine: EngineCore | None = None
         self._stopped = threading.Event()
@@ -123,15 +134,14 @@ class InstanceRuntime:
 
     def run_once(self) -> None:
         """One loop turn: tasks in, at most one step, one output out (when there is news)."""
-        wait = 0.0 if self.has_work() else self.spec.idle_wait_s
-        tasks = self.io.take_tasks(wait)
+        tasks = self.io.take_tasks(self.task_wait_s())
         deltas = [d for task in tasks if (d := self._apply(task)) is not None]
         self.before_step()
         if self.has_work():
             deltas.extend(self._step())
         deltas = self.after_step(deltas)
         self._publish_block_events()
-        if tasks or deltas or self._pending_inspection or self._pending_snapshot:
+        if tasks or deltas or self._pending_inspection or self._pending_snapshot or self.has_news():
             self._send(deltas)
 
     # ---- hooks for instance kinds -----------------------------------------------------
@@ -145,8 +155,22 @@ class InstanceRuntime:
         logger.warning("%s: ignoring a %s task", self.spec.instance_id, type(task).__name__)
         return None
 
+    def on_abort(self, task: AbortTask) -> None:
+        engine = self._require_engine()
+        for request_id in task.request_ids:
+            engine.abort_request(request_id)
+
     def before_step(self) -> None:
         pass
+
+    def task_wait_s(self) -> float:
+        return 0.0 if self.has_work() else self.spec.idle_wait_s
+
+    def step_engine(self) -> list[RequestDelta]:
+        return self._require_engine().step()
+
+    def has_news(self) -> bool:
+        return False
 
     def after_step(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
         return deltas
@@ -186,8 +210,7 @@ class InstanceRuntime:
                 return error_delta(task.request_id, str(exc), len(task.prompt_token_ids))
             return None
         if isinstance(task, AbortTask):
-            for request_id in task.request_ids:
-                engine.abort_request(request_id)
+            self.on_abort(task)
         elif isinstance(task, SnapshotTask):
             self._pending_snapshot = engine.scheduler.block_cache_snapshot()
         elif isinstance(task, InspectTask):
@@ -229,9 +252,8 @@ class InstanceRuntime:
     # ---- stepping and output ----------------------------------------------------------
 
     def _step(self) -> list[RequestDelta]:
-        engine = self._require_engine()
         try:
-            return engine.step()
+            return self.step_engine()
         except Exception as exc:  # a broken step must not take the instance down
             logger.exception("%s: engine step failed", self.spec.instance_id)
             return self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from itertools import count
+from typing import Any
 
 import msgspec
 import zmq
@@ -42,7 +43,10 @@ class InstanceIO:
         gateway_address: str,
         host: str = "127.0.0.1",
         heartbeat_interval_s: float = 0.5,
+        task_type: Any = Task,
     ) -> None:
+        """`task_type`: the union the task socket decodes (a kind may accept more than
+        `scheduler.messages.Task`, e.g. the decode kind's handoffs)."""
         self.heartbeat_interval_s = heartbeat_interval_s
         self.context = zmq.Context()
         self._task_socket = self.context.socket(zmq.PULL)
@@ -61,10 +65,10 @@ class InstanceIO:
         self.events_address = f"tcp://{host}:{event_port}"
         # Frame 0 of every event message: one SUB socket at the gateway hears them all.
         self._topic = instance_id.encode()
-        self._tasks: collections.deque[Task] = collections.deque()
+        self._tasks: collections.deque[Any] = collections.deque()
         self._task_ready = threading.Event()
         self._stopping = threading.Event()
-        self._decoder = msgspec.msgpack.Decoder(Task)
+        self._decoder = msgspec.msgpack.Decoder(task_type)
         self._encoder = msgspec.msgpack.Encoder()
         self.latest_stats: InstanceStats | None = None  # set by the step loop, read here
         self._last_sent = 0.0
@@ -75,7 +79,7 @@ class InstanceIO:
     def start(self) -> None:
         self._thread.start()
 
-    def take_tasks(self, timeout_s: float) -> list[Task]:
+    def take_tasks(self, timeout_s: float) -> list[Any]:
         """Every task received so far; waits up to `timeout_s` when there is none."""
         if not self._tasks:
             self._task_ready.wait(timeout_s)

@@ -64,6 +64,10 @@ class GenerateTask(msgspec.Struct, tag="generate"):
 
 class AbortTask(msgspec.Struct, tag="abort"):
     request_ids: list[str]
+    # Decode side: handoffs of these requests from this prefill instance that have not
+    # arrived yet are void (P may have sent one just before it heard of the abort). A
+    # retry comes from another prefill instance, so it is not mistaken for a late one.
+    handoffs_from: str = ""
 
 
 class SnapshotTask(msgspec.Struct, tag="snapshot"):
