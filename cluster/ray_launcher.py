@@ -44,6 +44,9 @@ class RayLauncher(Launcher):
 
     def _ray(self):
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # Ray's C++ crash handler would catch SIGTERM too and dump a stack trace on every
+        # clean Ctrl-C / SIGTERM shutdown of this process.
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         import ray
 
         return ray

@@ -1,0 +1,99 @@
+"""`pdserve serve --launcher ray` joining a Ray cluster that the test session owns."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.gateway.server import ServeProcess
+
+pytestmark = pytest.mark.slow
+
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[str]:
+    """One local Ray cluster for the session (started by, and stopped with, this process)."""
+    os.environ.update(RAY_ENV)
+    ray = pytest.importorskip("ray")
+    context = ray.init(num_cpus=2, namespace="pdserve-tests", logging_level="ERROR")
+    try:
+        yield context.address_info["gcs_address"]
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster: str) -> Iterator[ServeProcess]:
+    process = ServeProcess.start(
+        "--mode", "colocated", "--launcher", "ray", "--ray-address", ray_cluster,
+        "--num-colocated", "2", "--dtype", "float32", "--kv-cache-memory", "64MiB",
+        "--threads-per-instance", "1", env=RAY_ENV,
+    )  # fmt: skip
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def ray_actors(address: str) -> list[dict]:
+    result = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "ray"), "list", "actors",
+         "--address", address, "--format", "json", "--detail"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **RAY_ENV},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_serves_through_ray_actors(server, ray_cluster) -> None:
+    result = server.openai().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0
+    )
+    assert result.usage.completion_tokens >= 1
+    alive = [a for a in ray_actors(ray_cluster) if a["state"] == "ALIVE"]
+    mine = sorted(
+        (a for a in alive if a["class_name"] == "ColocatedInstance"), key=lambda a: a["name"]
+    )
+    assert [a["name"] for a in mine] == ["colocated-0", "colocated-1"]
+    pid = server.instances()["colocated-0"]["pid"]
+    assert mine[0]["pid"] == pid
+    title = subprocess.run(["ps", "-o", "args=", "-p", str(pid)], capture_output=True, text=True)
+    assert "ray::ColocatedInstance" in title.stdout
+    server.assert_blocks_free_or_cached()
+
+
+def test_a_dead_actor_is_noticed_and_the_other_serves_on(server) -> None:
+    pid = server.instances()["colocated-0"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while server.instances()["colocated-0"]["alive"] and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert server.instances()["colocated-0"]["alive"] is False
+    result = server.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert result.usage.completion_tokens >= 1
+
+
+def test_sigterm_shuts_down_and_leaves_the_joined_cluster_running(server, ray_cluster) -> None:
+    port = int(server.base_url.rsplit(":", 1)[1])
+    survivor = {a["name"]: a["state"] for a in ray_actors(ray_cluster)}["colocated-1"]
+    assert survivor == "ALIVE"
+    assert server.stop(timeout_s=60) == 0
+    ours = [a for a in ray_actors(ray_cluster) if a["class_name"] == "ColocatedInstance"]
+    assert len(ours) == 2 and all(a["state"] == "DEAD" for a in ours)
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("127.0.0.1", port))
+    import ray
+
+    assert ray.is_initialized() and ray.cluster_resources().get("CPU") == 2
