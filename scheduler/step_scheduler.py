@@ -363,8 +363,12 @@ class Scheduler:
         ("recompute") or ends in FINISHED_ERROR ("fail"). Call it exactly once for
         every allocation in `remote_kv_allocations`, once no transfer can still write
         into the request's blocks — also for a request ended meanwhile, whose
-        quarantined blocks it then frees (and returns False). False as well for an
-        id that is not pulling."""
+        quarantined blocks it then frees (and returns False).
+
+        A failure may also come while the request is still queued, before any block
+        was allocated (e.g. the prefill instance refused the handshake): "recompute"
+        turns it into an ordinary request that prefills here, "fail" ends it. False
+        for an id that is neither pulling nor queued as remote."""
         if policy not in REMOTE_KV_POLICIES:
             raise ValueError(f"policy must be one of {REMOTE_KV_POLICIES}, got {policy!r}")
         if request_id in self._remote and request_id in self.quarantined:  # ended meanwhile
@@ -372,17 +376,21 @@ class Scheduler:
             del self._remote[request_id]
             self.block_manager.free(request_id)
             return False
+        queued = self.requests.get(request_id)
+        if (
+            queued is not None
+            and queued.status is RequestStatus.WAITING
+            and request_id in self._remote
+        ):
+            return self._fail_queued_remote(queued, success, policy, error)
         request = self.waiting_for_remote.get(request_id)
         if request is None:
             return False
         remote = self._remote.pop(request_id)
         del self.waiting_for_remote[request_id]
         if not success and policy == "fail":
-            request.error = error or f"KV transfer for request {request_id} failed"
-            request.status = RequestStatus.FINISHED_ERROR
-            del self.requests[request_id]
+            self._end_with_error(request, error)
             self.block_manager.free(request_id)
-            self._left_ids.append(request_id)
             return True
         if success:
             request.num_computed_tokens = remote.num_remote_tokens
@@ -392,6 +400,26 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return True
+
+    def _fail_queued_remote(self, request: Request, success: bool, policy: str, error: str) -> bool:
+        rid = request.request_id
+        if success:
+            raise ValueError(f"request {rid}: no blocks were allocated, so no KV can have arrived")
+        del self._remote[rid]
+        if policy == "fail":
+            self.waiting = deque(r for r in self.waiting if r is not request)
+            self._end_with_error(request, error)
+        # "recompute": it stays queued as an ordinary request (prompt + first token).
+        return True
+
+    def _end_with_error(self, request: Request, error: str) -> None:
+        """A remote request whose KV never came, under the "fail" policy; the caller
+        frees its blocks if it has any."""
+        rid = request.request_id
+        request.error = error or f"KV transfer for request {rid} failed"
+        request.status = RequestStatus.FINISHED_ERROR
+        del self.requests[rid]
+        self._left_ids.append(rid)
 
     # ---- queries -------------------------------------------------------------------
 

@@ -185,6 +185,58 @@ def test_failed_pull_with_fail_policy_ends_in_error() -> None:
         sched.finish_remote_kvs("r", success=False, policy="retry")
 
 
+def queue_remote_behind_a_full_pool(sched: Scheduler, prompt: list[int]):
+    """A remote request left queued (no blocks yet) behind one that took every seat;
+    returns it and the pulling one's allocation."""
+    first = handed_off(prompt_of(10, 9), rid="first")
+    allocation = admit_remote(sched, first, 10)
+    req = handed_off(prompt)
+    sched.add_remote_request(req, len(prompt))
+    output = sched.schedule()
+    assert output.remote_kv_allocations == [] and req.status is RequestStatus.WAITING
+    return req, allocation
+
+
+def test_a_queued_remote_request_that_fails_with_recompute_prefills_here() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    model = FakeModel(sched)
+    prompt = prompt_of(10, 7)
+    req, allocation = queue_remote_behind_a_full_pool(sched, prompt)
+    free_before = sched.block_manager.num_free_blocks
+    assert sched.finish_remote_kvs("r", success=False, policy="recompute", error="no handshake")
+    assert req.status is RequestStatus.WAITING and sched.get_request("r") is req
+    assert sched.block_manager.num_free_blocks == free_before, "nothing was allocated for it"
+    assert not sched.finish_remote_kvs("r", success=False), "it is no longer remote"
+    model.fill_remote(allocation.block_ids, sched.get_request("first"), 0, 10)
+    assert sched.finish_remote_kvs("first", success=True)
+    model.run_to_completion()
+    # it ran as an ordinary request: prompt and P's first token computed here
+    assert ("r", 0, 11, True) in model.chunk_log
+    assert req.output_token_ids == reference_output(prompt, 6)
+    assert sched.block_manager.num_free_blocks == 64
+    sched.check_invariants()
+
+
+def test_a_queued_remote_request_that_fails_with_fail_policy_ends_without_blocks() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    req, _ = queue_remote_behind_a_full_pool(sched, prompt_of(10, 8))
+    free_before = sched.block_manager.num_free_blocks
+    assert sched.finish_remote_kvs("r", success=False, policy="fail", error="layout differs")
+    assert req.status is RequestStatus.FINISHED_ERROR and req.error == "layout differs"
+    assert sched.get_request("r") is None and list(sched.waiting) == []
+    assert sched.block_manager.num_free_blocks == free_before
+    assert sched.schedule().finished_ids == ["r"]
+    sched.check_invariants()
+    assert not sched.finish_remote_kvs("r", success=False, policy="fail"), "already gone"
+
+
+def test_a_queued_remote_request_cannot_succeed_without_blocks() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    queue_remote_behind_a_full_pool(sched, prompt_of(10, 6))
+    with pytest.raises(ValueError, match="no blocks were allocated"):
+        sched.finish_remote_kvs("r", success=True)
+
+
 def test_aborting_while_pulling_quarantines_the_blocks_until_the_transfer_ends() -> None:
     sched = make_scheduler()
     req = handed_off(prompt_of(10))
