@@ -21,6 +21,8 @@ Instance kinds subclass `InstanceRuntime` and override its hooks:
 - `step_engine()`: one engine step (the decode kind plans it itself to start pulls);
 - `has_news()`: whether to send an output even without deltas (e.g. transfer counters);
 - `collect_metrics(metrics)`: add kind-specific counters/histograms to an output;
+- `send_to_instance(address, message)` (a helper, not a hook): a task to another
+  instance, e.g. the prefill kind's handoff to its decode instance;
 - `on_close()`: release kind-specific resources.
 """
 
@@ -41,6 +43,7 @@ from scheduler.messages import (
     AbortTask,
     GenerateTask,
     InspectTask,
+    InstanceAddress,
     InstanceInfo,
     InstanceInspection,
     InstanceOutput,
@@ -185,6 +188,12 @@ class InstanceRuntime:
         pass
 
     # ---- helpers for kinds ------------------------------------------------------------
+
+    def send_to_instance(self, address: InstanceAddress, message: msgspec.Struct) -> None:
+        """Sends a message to another instance's task socket, through the I/O thread
+        (e.g. the prefill kind's KVHandoff to `GenerateTask.decode_target`; the decode
+        kind lists that type in its `task_type`)."""
+        self.io.send_to_peer(address.task_address, self._encoder.encode(message))
 
     def make_request(self, task: GenerateTask) -> Request:
         params = task.sampling_params

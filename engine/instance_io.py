@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 _KIND_OUTPUT = b"out"
 _KIND_EVENTS = b"events"
+_KIND_PEER = b"peer"
 _OUTPUT_HWM = 100_000  # messages queued for a gateway that is slow or gone
 _CLOSE_LINGER_MS = 500
 _instance_numbers = count()
@@ -71,6 +72,7 @@ class InstanceIO:
         self._decoder = msgspec.msgpack.Decoder(task_type)
         self._encoder = msgspec.msgpack.Encoder()
         self.latest_stats: InstanceStats | None = None  # set by the step loop, read here
+        self._peer_sockets: dict[bytes, zmq.Socket] = {}  # the I/O thread's, by task address
         self._last_sent = 0.0
         self._thread = threading.Thread(target=self._run, name=f"io-{instance_id}", daemon=True)
 
@@ -101,6 +103,12 @@ class InstanceIO:
     def publish_events(self, payload: bytes) -> None:
         self._outbox_tx.send_multipart([_KIND_EVENTS, payload])
 
+    def send_to_peer(self, task_address: str, payload: bytes) -> None:
+        """Sends an encoded task to another instance's task socket (e.g. a prefill
+        instance's handoff to its decode instance); the I/O thread keeps one PUSH per
+        peer, so messages to one peer stay in order."""
+        self._outbox_tx.send_multipart([_KIND_PEER, task_address.encode(), payload])
+
     def close(self) -> None:
         """Stops the thread after it forwarded what the step loop queued; frees the ports."""
         self._stopping.set()
@@ -112,6 +120,7 @@ class InstanceIO:
             self._task_socket,
             self._event_socket,
             self._output_socket,
+            *self._peer_sockets.values(),
         ):
             sock.close(linger=_CLOSE_LINGER_MS)
         self.context.term()
@@ -156,13 +165,30 @@ class InstanceIO:
     def _forward_outbox(self) -> None:
         while True:
             try:
-                kind, payload = self._outbox_rx.recv_multipart(zmq.NOBLOCK)
+                kind, *frames = self._outbox_rx.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             if kind == _KIND_OUTPUT:
-                self._send(payload)
+                self._send(frames[0])
+            elif kind == _KIND_PEER:
+                self._send_to_peer(frames[0], frames[1])
             else:
-                self._event_socket.send_multipart([self._topic, payload])
+                self._event_socket.send_multipart([self._topic, frames[0]])
+
+    def _send_to_peer(self, task_address: bytes, payload: bytes) -> None:
+        sock = self._peer_sockets.get(task_address)
+        if sock is None:
+            sock = self._peer_sockets[task_address] = self.context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, _OUTPUT_HWM)
+            sock.connect(task_address.decode())
+        try:
+            sock.send(payload, zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning(
+                "%s: peer %s is not reading; task dropped",
+                self.address.instance_id,
+                task_address.decode(),
+            )
 
     def _send(self, payload: bytes) -> None:
         try:

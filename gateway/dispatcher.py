@@ -27,7 +27,7 @@ import zmq.asyncio
 from gateway.metrics import GatewayMetrics
 from gateway.request_stream import RequestStream, StreamEvent
 from scheduler.block_events import BlockEventBatch
-from scheduler.global_scheduler import AdmissionRejected, GlobalScheduler, Route
+from scheduler.global_scheduler import AdmissionRejected, GlobalScheduler, Route, handoffs_from
 from scheduler.messages import (
     AbortTask,
     GenerateTask,
@@ -122,8 +122,8 @@ class Dispatcher:
             sock.close(linger=0)
         with contextlib.suppress(zmq.ZMQError):
             self._event_socket.disconnect(view.info.events_address)
-        for other, request_ids in failover.abort.items():
-            self._send(other, AbortTask(request_ids))
+        for (other, prefill_id), request_ids in failover.abort.items():
+            self._send(other, AbortTask(request_ids, handoffs_from=prefill_id))
         for request_id in failover.fail:
             self._fail(request_id, f"instance {instance_id} failed mid-request: {reason}")
         for request_id in failover.retry:
@@ -149,7 +149,7 @@ class Dispatcher:
 
     def abort(self, request_ids: list[str]) -> None:
         """Ends requests everywhere (client gone, stop string matched); idempotent."""
-        per_instance: dict[str, list[str]] = {}
+        per_instance: dict[tuple[str, str], list[str]] = {}
         for request_id in request_ids:
             stream = self.streams.pop(request_id, None)
             if stream is not None:
@@ -160,9 +160,10 @@ class Dispatcher:
                 continue
             for view in assignment.route.instances:
                 if view.alive:
-                    per_instance.setdefault(view.instance_id, []).append(request_id)
-        for instance_id, ids in per_instance.items():
-            self._send(instance_id, AbortTask(ids))
+                    key = (view.instance_id, handoffs_from(assignment.route, view))
+                    per_instance.setdefault(key, []).append(request_id)
+        for (instance_id, prefill_id), ids in per_instance.items():
+            self._send(instance_id, AbortTask(ids, handoffs_from=prefill_id))
 
     def _dispatch(self, task: GenerateTask, route: Route) -> None:
         if route.prefill is not None:

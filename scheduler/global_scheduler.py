@@ -88,11 +88,13 @@ class Assignment:
 @dataclass
 class Failover:
     """What to do after an instance died: re-route `retry`, fail `fail`; `abort` maps
-    surviving instances to the requests they must drop either way."""
+    (surviving instance, the request's prefill instance or "") to the requests that
+    instance must drop either way — a decode instance also voids late handoffs of them
+    from that prefill instance."""
 
     retry: list[str] = field(default_factory=list)
     fail: list[str] = field(default_factory=list)
-    abort: dict[str, list[str]] = field(default_factory=dict)
+    abort: dict[tuple[str, str], list[str]] = field(default_factory=dict)
 
 
 class GlobalScheduler:
@@ -241,7 +243,8 @@ class GlobalScheduler:
             assignment = self.assignments[rid]
             for other in assignment.route.instances:
                 if other is not view and other.alive:
-                    failover.abort.setdefault(other.instance_id, []).append(rid)
+                    key = (other.instance_id, handoffs_from(assignment.route, other))
+                    failover.abort.setdefault(key, []).append(rid)
             can_retry = assignment.attempts < self.config.max_attempts
             (failover.retry if not assignment.started and can_retry else failover.fail).append(rid)
         for rid in failover.fail:
@@ -251,3 +254,10 @@ class GlobalScheduler:
         view.in_flight.clear()
         view.unstarted_tokens.clear()
         return failover
+
+
+def handoffs_from(route: Route, target: InstanceView) -> str:
+    """The prefill instance whose handoffs of a request `target` must void on abort."""
+    if route.prefill is not None and target is route.decode:
+        return route.prefill.instance_id
+    return ""

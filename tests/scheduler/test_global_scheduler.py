@@ -117,7 +117,8 @@ def test_death_retries_unstarted_requests_and_fails_started_ones() -> None:
     failover = gs.mark_dead("p0")
     assert failover.retry == ["early"]
     assert failover.fail == ["late"]
-    assert failover.abort == {"d0": ["early", "late"]}
+    # d0 also voids handoffs of these requests still on their way from p0.
+    assert failover.abort == {("d0", "p0"): ["early", "late"]}
     assert "late" not in gs.assignments and "early" in gs.assignments
     route = gs.route(gs.assignments["early"].request)
     assert route.prefill.instance_id == "p1"  # the dead one is never picked again
