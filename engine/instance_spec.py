@@ -21,4 +21,7 @@ class InstanceSpec(msgspec.Struct, kw_only=True):
     idle_wait_s: float = 0.5  # longest wait for a task while there is nothing to step
     test_hooks: bool = False  # honour LeakBlocksTask (tests only)
     kv_transport: str = "ucx"  # for the prefill/decode kinds
+    # More KVTransferConfig fields for the prefill/decode kinds (failure_policy, lease_s,
+    # transfer_timeout_s, heartbeat_interval_s, handshake_timeout_s, ucx_tls).
+    kv_transfer: dict[str, Any] = {}
     cpus: list[int] = []  # cores to pin to (empty: no pinning)
