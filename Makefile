@@ -5,6 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
 TEST_ARGS ?=
+# Colocated until the prefill/decode KV handoff is wired into `pdserve serve`;
+# override, e.g. `make serve SERVE_ARGS="--mode colocated --port 9000"`.
+SERVE_ARGS ?= --mode colocated
 
 export RAY_USAGE_STATS_ENABLED := 0
 export UCX_WARN_UNUSED_ENV_VARS := n

@@ -155,3 +155,16 @@ def test_32_concurrent_streams(server, greedy_reference) -> None:
         model="SmolLM2-135M-Instruct", prompt=p, max_tokens=4, temperature=0).choices[0].text
         for p in PROMPTS}  # fmt: skip
     assert texts == [alone[PROMPTS[i % len(PROMPTS)]] for i in range(32)]
+
+
+def test_streaming_never_splits_a_multibyte_character(server, offline_llm) -> None:
+    prompt = "Emoji list: 😀 😃 😄 😁"  # greedy: an emoji and wide dashes, every token partial
+    expected = offline_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8))[0].text
+    assert "😊" in expected and "\ufffd" not in expected
+    stream = server.openai().completions.create(
+        model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8, temperature=0, stream=True
+    )
+    pieces = [c.choices[0].text for c in stream]
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) == expected
+    assert len([p for p in pieces if p]) >= 2  # it did arrive in several chunks
