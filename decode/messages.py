@@ -1,0 +1,12 @@
+"""What a decode instance's task socket accepts: the gateway's tasks and the prefill
+instances' handoffs. The union lives here, not in `scheduler.messages`, so the wire
+protocol of the scheduler room stays free of kvtransfer (and of torch)."""
+
+from __future__ import annotations
+
+from kvtransfer import KVHandoff
+from scheduler.messages import Task
+
+DecodeTask = Task | KVHandoff
+
+__all__ = ["DecodeTask", "KVHandoff"]
