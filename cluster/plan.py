@@ -18,6 +18,7 @@ from scheduler.global_scheduler import GlobalSchedulerConfig
 MODES = ("disaggregated", "colocated")
 LAUNCHERS = ("ray", "local")
 KV_TRANSPORTS = ("ucx", "ucx-listener", "zmq")  # kvtransfer.transport.TRANSPORTS
+FAILURE_POLICIES = ("recompute", "fail")  # kvtransfer.config.FAILURE_POLICIES
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
@@ -59,6 +60,7 @@ class ServePlan:
     instances: list[PlannedInstance]
     engine_args: dict
     scheduler: GlobalSchedulerConfig
+    kv_transfer: dict  # KVTransferConfig fields for the prefill and decode instances
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, cores: list[int] | None = None) -> ServePlan:
@@ -94,7 +96,29 @@ class ServePlan:
             )
         except ValueError as exc:
             raise ServeError(str(exc)) from None
-        return cls(args, args.model, names, instances, engine_args, scheduler)
+        kv_transfer = kv_transfer_settings(args) if args.mode == "disaggregated" else {}
+        return cls(args, args.model, names, instances, engine_args, scheduler, kv_transfer)
+
+
+def kv_transfer_settings(args: argparse.Namespace) -> dict:
+    """The KV transfer limits, derived from the lease so they stay consistent: pulls
+    give up before the lease ends, heartbeats renew it several times over."""
+    lease = args.kv_lease_seconds
+    timeout = args.kv_transfer_timeout or min(10.0, lease / 2)
+    settings = {
+        "failure_policy": args.kv_failure_policy,
+        "lease_s": lease,
+        "transfer_timeout_s": timeout,
+        "heartbeat_interval_s": min(2.0, lease / 4),
+        "handshake_timeout_s": min(5.0, timeout),
+    }
+    from kvtransfer.config import KVTransferConfig  # zmq and numpy, no torch
+
+    try:
+        KVTransferConfig(instance_id="check", transport=args.kv_transport, **settings)
+    except ValueError as exc:
+        raise ServeError(f"--kv-lease-seconds / --kv-transfer-timeout: {exc}") from None
+    return settings
 
 
 def check_flags(args: argparse.Namespace) -> None:

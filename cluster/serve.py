@@ -95,6 +95,7 @@ def instance_specs(plan: ServePlan, model_path: str, gateway_address: str) -> li
             engine={**plan.engine_args, "model": model_path, "num_threads": planned.num_threads},
             test_hooks=args.enable_test_hooks,
             kv_transport=args.kv_transport,
+            kv_transfer=plan.kv_transfer,
             cpus=planned.cpus,
         )
         for planned in plan.instances

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.plan import KV_TRANSPORTS, LAUNCHERS, MODES
+from cluster.plan import FAILURE_POLICIES, KV_TRANSPORTS, LAUNCHERS, MODES
 from scheduler.routing import POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -72,7 +72,33 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         default=0,
         help="torch threads per instance (0: max(1, cores // instances))",
     )
-    topology.add_argument("--kv-transport", choices=KV_TRANSPORTS, default="ucx")
+    topology.add_argument(
+        "--kv-transport",
+        choices=KV_TRANSPORTS,
+        default="ucx",
+        help="how KV blocks move from prefill to decode: ucx (shared memory on one node), "
+        "ucx-listener (TCP/RDMA across nodes), zmq (plain copy)",
+    )
+    topology.add_argument(
+        "--kv-failure-policy",
+        choices=FAILURE_POLICIES,
+        default="recompute",
+        help="a failed KV transfer: recompute the prompt on the decode instance, or fail "
+        "the request",
+    )
+    topology.add_argument(
+        "--kv-lease-seconds",
+        type=float,
+        default=30.0,
+        help="a prefill instance frees handed-off blocks after this long without news "
+        "from the decode side",
+    )
+    topology.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=None,
+        help="seconds a decode instance waits for one pull (default: min(10, lease / 2))",
+    )
     topology.add_argument(
         "--launcher",
         choices=LAUNCHERS,

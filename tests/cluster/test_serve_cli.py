@@ -71,12 +71,28 @@ def test_place_pins_when_each_instance_has_two_cores_or_more() -> None:
     assert [p.num_threads for p in place(["colocated"], [0, 1, 2, 3], threads=1)] == [1]
 
 
-def test_disaggregated_mode_refuses_until_the_handoff_is_wired() -> None:
-    result = run_cli()
+def test_the_default_plan_is_one_prefill_and_one_decode_instance() -> None:
+    plan = ServePlan.from_args(parse(), cores=[0, 1])
+    assert [(i.instance_id, i.role) for i in plan.instances] == [
+        ("prefill-0", "prefill"), ("decode-0", "decode")]  # fmt: skip
+    assert [i.num_threads for i in plan.instances] == [1, 1]
+    assert plan.args.kv_transport == "ucx"
+    assert plan.kv_transfer == {
+        "failure_policy": "recompute", "lease_s": 30.0, "transfer_timeout_s": 10.0,
+        "heartbeat_interval_s": 2.0, "handshake_timeout_s": 5.0}  # fmt: skip
+    short = ServePlan.from_args(parse("--kv-lease-seconds", "4", "--kv-failure-policy", "fail"))
+    assert short.kv_transfer == {
+        "failure_policy": "fail", "lease_s": 4.0, "transfer_timeout_s": 2.0,
+        "heartbeat_interval_s": 1.0, "handshake_timeout_s": 2.0}  # fmt: skip
+    assert ServePlan.from_args(parse("--mode", "colocated")).kv_transfer == {}
+
+
+def test_inconsistent_kv_transfer_limits_fail_with_one_line() -> None:
+    result = run_cli("--kv-lease-seconds", "2", "--kv-transfer-timeout", "3")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "pdserve serve: error: --mode disaggregated needs the prefill/decode KV handoff, "
-        "which is not wired yet; use --mode colocated"
+        "pdserve serve: error: --kv-lease-seconds / --kv-transfer-timeout: "
+        "transfer_timeout_s must be in (0, lease_s), got 3.0"
     ]
 
 
