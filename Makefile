@@ -5,9 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
 TEST_ARGS ?=
-# Colocated until the prefill/decode KV handoff is wired into `pdserve serve`;
-# override, e.g. `make serve SERVE_ARGS="--mode colocated --port 9000"`.
-SERVE_ARGS ?= --mode colocated
+# One prefill and one decode instance by default; e.g. `make serve SERVE_ARGS="--port 9000"`.
+SERVE_ARGS ?=
 
 export RAY_USAGE_STATS_ENABLED := 0
 export UCX_WARN_UNUSED_ENV_VARS := n
