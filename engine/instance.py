@@ -245,7 +245,8 @@ class InstanceRuntime:
             num_total_blocks=bm.num_blocks,
             num_free_blocks=bm.num_free_blocks,
             num_cached_blocks=bm.pool.num_cached_blocks,
-            unfinished_request_ids=sorted(scheduler.requests),
+            # quarantined: ended, but a transfer may still touch their blocks
+            unfinished_request_ids=sorted({*scheduler.requests, *scheduler.quarantined}),
         )
 
     def _leak_blocks(self, task: LeakBlocksTask) -> None:
