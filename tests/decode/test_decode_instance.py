@@ -1,0 +1,174 @@
+"""The decode kind: handoffs from a real prefill instance (pull only what the local
+prefix cache lacks, continuous batching, aborts) and handcrafted ones that cannot be
+served (another KV layout, an unreachable prefill instance under each failure policy,
+a handoff voided by an abort before it arrived)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from decode.instance import DecodeRuntime
+from kvtransfer import KVHandoff, KVSource
+from prefill.instance import PrefillRuntime
+from scheduler.messages import AbortTask
+from scheduler.sampling_params import SamplingParams
+from tests.prefill.instances import Gateway, Running, reference_tokens, spec, until
+
+pytestmark = pytest.mark.slow
+
+LIMITS = {"lease_s": 4.0, "heartbeat_interval_s": 0.5, "transfer_timeout_s": 2.0,
+          "handshake_timeout_s": 0.5}  # fmt: skip
+PROMPT = list(range(300, 340))  # two full blocks and a partial one
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[Gateway]:
+    gateway = Gateway()
+    yield gateway
+    gateway.close()
+
+
+@pytest.fixture(scope="module")
+def instances(gateway) -> Iterator[dict[str, Running]]:
+    running = {
+        "prefill": Running(PrefillRuntime(spec(gateway, "p", "prefill", kv_transfer=LIMITS))),
+        "decode": Running(DecodeRuntime(spec(gateway, "d", "decode", kv_transfer=LIMITS))),
+        "strict": Running(
+            DecodeRuntime(
+                spec(gateway, "d-fail", "decode", kv_transfer={**LIMITS, "failure_policy": "fail"})
+            )
+        ),
+    }
+    yield running
+    for instance in running.values():
+        instance.stop()
+
+
+def unreachable_address() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def crafted(decode: DecodeRuntime, request_id: str, prompt: list[int], first: int,
+            source_id: str = "p-gone", **layout_changes) -> KVHandoff:  # fmt: skip
+    """A handoff from a prefill instance that is not there."""
+    layout = msgspec.structs.replace(decode.layout, **layout_changes)
+    blocks = list(range(-(-len(prompt) // layout.block_size)))
+    source = KVSource(source_id, [unreachable_address()], blocks, layout)
+    return KVHandoff(request_id=request_id, prompt_token_ids=prompt, first_token_id=first,
+                     sampling_params=SamplingParams(max_tokens=4, temperature=0.0), seed=7,
+                     source=source)  # fmt: skip
+
+
+def blocks_pulled(gateway: Gateway) -> float:
+    return gateway.counter("d", "kv_transfer_blocks_total")
+
+
+def test_pulls_only_the_blocks_the_local_prefix_cache_lacks(gateway, instances) -> None:
+    prefill, decode = instances["prefill"].runtime, instances["decode"].runtime
+    expected = reference_tokens(PROMPT, 4)
+    pulled = []
+    for request_id in ("first", "second"):
+        before = gateway.counter("d", "kv_transfer_blocks_total")
+        gateway.generate(prefill, request_id, PROMPT, max_tokens=4, decode=decode)
+        gateway.wait_finished(request_id)
+        assert gateway.tokens(request_id) == expected
+        until(lambda: blocks_pulled(gateway) > before, what="the pull")  # noqa: B023
+        pulled.append(blocks_pulled(gateway) - before)
+    # the two full prompt blocks stayed in D's prefix cache: only the partial one moves again
+    assert pulled == [3, 1]
+    moved = 4 * decode.layout.bytes_per_block
+    until(lambda: gateway.counter("d", "kv_transfer_bytes_total") == moved, what="bytes")
+    assert gateway.counter("d", "prompt_tokens_computed_total") == 0
+    assert gateway.counter("d", "kv_transfer_failures_total") == 0
+
+
+def test_concurrent_handoffs_decode_in_one_batch(gateway, instances) -> None:
+    prefill, decode = instances["prefill"].runtime, instances["decode"].runtime
+    prompts = {f"c{i}": [400 + 13 * i + j for j in range(20 + 7 * i)] for i in range(6)}
+    for request_id, prompt in prompts.items():
+        gateway.generate(prefill, request_id, prompt, max_tokens=6, decode=decode)
+    for request_id, prompt in prompts.items():
+        gateway.wait_finished(request_id)
+        assert gateway.tokens(request_id) == reference_tokens(prompt, 6), request_id
+    books = gateway.idle_books(decode)
+    assert books.block_owners == {} and books.invariant_error is None
+    assert gateway.idle_books(prefill).block_owners == {}
+
+
+def test_abort_mid_decode_frees_both_sides(gateway, instances) -> None:
+    prefill, decode = instances["prefill"].runtime, instances["decode"].runtime
+    gateway.generate(prefill, "long", PROMPT[:20], max_tokens=200, decode=decode,
+                     ignore_eos=True)  # fmt: skip
+    until(lambda: len(gateway.of("long")) >= 3, timeout_s=30, what="decoding")
+    for instance in (prefill, decode):
+        gateway.send(instance, AbortTask(["long"], handoffs_from="p"))
+    assert gateway.idle_books(decode).block_owners == {}
+    count = len(gateway.of("long"))
+    time.sleep(0.5)
+    assert len(gateway.of("long")) <= count + 1  # at most the step already under way
+    assert not any(r.delta.finished for r in gateway.of("long"))
+    assert gateway.idle_books(prefill).block_owners == {}
+
+
+def test_another_kv_layout_fails_the_request_before_anything_is_allocated(
+    gateway, instances
+) -> None:
+    decode = instances["decode"].runtime
+    gateway.send(decode, crafted(decode, "odd", PROMPT, 1, dtype="bfloat16", num_layers=12))
+    [error] = gateway.wait_finished("odd")
+    assert error.delta.finish_reason == "error" and error.delta.output_index == 1
+    assert "KV layout mismatch with prefill instance p-gone" in error.delta.error
+    assert "num_layers 12 there vs 30 here" in error.delta.error
+    assert "dtype bfloat16 there vs float32 here" in error.delta.error
+    books = gateway.inspect(decode)
+    assert books.unfinished_request_ids == [] and books.block_owners == {}
+
+
+def test_an_unreachable_prefill_instance_under_recompute_prefills_here(gateway, instances) -> None:
+    decode = instances["decode"].runtime
+    prompt = list(range(900, 933))  # nothing of it cached here
+    expected = reference_tokens(prompt, 4)
+    computed = gateway.counter("d", "prompt_tokens_computed_total")
+    gateway.send(decode, crafted(decode, "lost", prompt, expected[0]))
+    got = gateway.wait_finished("lost")
+    assert [r.delta.error for r in got] == [None] * len(got)
+    assert [t for r in got for t in r.delta.new_token_ids] == expected[1:]
+    assert min(r.delta.output_index for r in got) == 1
+    until(lambda: gateway.counter("d", "kv_transfer_recomputed_requests_total") == 1,
+          what="recompute counter")  # fmt: skip
+    assert gateway.counter("d", "prompt_tokens_computed_total") - computed == len(prompt)
+    assert gateway.counter("d", "kv_transfer_failures_total") == 1
+    assert gateway.idle_books(decode).block_owners == {}
+
+
+def test_an_unreachable_prefill_instance_under_fail_ends_the_request(gateway, instances) -> None:
+    strict = instances["strict"].runtime
+    gateway.send(strict, crafted(strict, "doomed", PROMPT, 5))
+    [error] = gateway.wait_finished("doomed")
+    assert error.delta.finish_reason == "error" and error.delta.output_index == 1
+    assert error.delta.error.startswith("KV transfer failed: ")
+    assert "no handshake reply from prefill instance p-gone" in error.delta.error
+    books = gateway.idle_books(strict)
+    assert books.block_owners == {} and books.num_free_blocks == books.num_total_blocks
+    assert gateway.counter("d-fail", "prompt_tokens_computed_total") == 0
+
+
+def test_a_handoff_voided_by_an_abort_is_dropped_but_a_retry_is_not(gateway, instances) -> None:
+    decode = instances["decode"].runtime
+    expected = reference_tokens(PROMPT, 4)
+    gateway.send(decode, AbortTask(["late"], handoffs_from="p-old"))
+    gateway.send(decode, crafted(decode, "late", PROMPT, expected[0], source_id="p-old"))
+    time.sleep(1.0)  # past the handshake timeout: it would have ended by now
+    assert gateway.of("late") == []
+    assert gateway.inspect(decode).unfinished_request_ids == []
+    # the same request retried through another prefill instance is served
+    gateway.send(decode, crafted(decode, "late", PROMPT, expected[0], source_id="p-new"))
+    got = gateway.wait_finished("late")
+    assert [t for r in got for t in r.delta.new_token_ids] == expected[1:]
