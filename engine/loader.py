@@ -9,6 +9,7 @@ import torch
 from engine.checkpoint import ModelConfig, check_weights, iter_weights
 from engine.models import model_class
 from engine.models.llama import LlamaForCausalLM
+from engine.models.precision import compute_dtype, round_weights_through
 
 
 def load_model(
@@ -18,8 +19,9 @@ def load_model(
     device: torch.device | str = "cpu",
 ) -> LlamaForCausalLM:
     cls = model_class(config.architecture)
+    compute = compute_dtype(dtype, device)
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # parameters are created directly in the serving dtype
+    torch.set_default_dtype(compute)  # parameters are created directly in the compute dtype
     try:
         with torch.device(device):  # ...and on the serving device: no host copy of the model
             model = cls(config)
@@ -28,4 +30,6 @@ def load_model(
     # Shapes and presence are checked from the file headers before any tensor is read.
     check_weights(folder, model.expected_weights())
     model.load_weights(iter_weights(folder))
+    if compute != dtype:
+        round_weights_through(model, dtype)
     return model.eval()
