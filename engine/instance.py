@@ -215,8 +215,12 @@ class InstanceRuntime:
         if isinstance(task, GenerateTask):
             try:
                 self.on_generate(task)
-            except ValueError as exc:
+            except ValueError as exc:  # a request this instance cannot run
                 return error_delta(task.request_id, str(exc), len(task.prompt_token_ids))
+            except Exception as exc:  # a bug: fail the request, keep the instance serving
+                logger.exception("%s: admitting %s failed", self.spec.instance_id, task.request_id)
+                message = f"internal error: {type(exc).__name__}: {exc}"
+                return error_delta(task.request_id, message, len(task.prompt_token_ids))
             return None
         if isinstance(task, AbortTask):
             self.on_abort(task)
