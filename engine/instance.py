@@ -111,7 +111,7 @@ class InstanceRuntime:
             block_size=self.engine_config.block_size,
             num_blocks=engine.scheduler.config.num_blocks,
             max_num_seqs=self.engine_config.max_num_seqs,
-            generation_defaults={k: float(v) for k, v in engine.generation_config.defaults.items()},
+            generation_defaults=dict(engine.generation_config.defaults),
             pid=os.getpid(),
         )
 

@@ -44,7 +44,7 @@ class ModelCard:
 
     max_model_len: int
     vocab_size: int
-    generation_defaults: dict[str, float]
+    generation_defaults: dict[str, int | float]
 
 
 class Gateway:

@@ -152,5 +152,5 @@ class InstanceInfo(msgspec.Struct, frozen=True):
     num_blocks: int
     max_num_seqs: int
     # generation_config.json sampling defaults (its own key names), for the gateway.
-    generation_defaults: dict[str, float] = {}
+    generation_defaults: dict[str, int | float] = {}
     pid: int = 0
