@@ -56,6 +56,9 @@ class _Serving:
     started: float
     error: str | None = None
     sent: bool = False  # every message left; waiting for the decode side's Done
+    # The decode side's Done came before this side saw its sends complete (the receiver
+    # can finish first): the entry stays until they do, so they are counted and closed.
+    confirmed: bool = False
 
     @property
     def in_flight(self) -> bool:
@@ -232,7 +235,13 @@ class PrefillSide:
         held = self._held.get(done.request_id)
         if held is None:
             return
-        held.serving.pop((peer, done.transfer_id), None)
+        key = (peer, done.transfer_id)
+        serving = held.serving.get(key)
+        if serving is not None and serving.sent:
+            del held.serving[key]
+        elif serving is not None:
+            serving.confirmed = True
+            self._active.add(held.request_id)
         held.delivered_heads.update(range(done.head_start, done.head_end))
         lo, hi = self._heads
         if held.release is None and held.delivered_heads.issuperset(range(lo, hi)):
@@ -293,6 +302,8 @@ class PrefillSide:
             self._stats.observe_seconds(time.perf_counter() - serving.started)
             serving.sent = True
             serving.ops = []  # lets go of staging buffers; the entry waits for Done
+            if serving.confirmed:
+                del held.serving[key]
 
     def _abandon_sends(self, held: _Held) -> None:
         for key, serving in list(held.serving.items()):

@@ -1,0 +1,98 @@
+"""The serving half with a transport whose sends complete when the test says so: a
+decode side's `Done` may overtake this side's completion of the same sends."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvtransfer import KVLayout, KVTransferConfig, KVTransferStats
+from kvtransfer.kv_memory import KVMemory
+from kvtransfer.messages import BlockRun, Done, Hello, HelloReply, HoldSpec, Pull
+from kvtransfer.prefill_side import PrefillSide
+from kvtransfer.transport import TransferOp, Transport
+
+LAYOUT = KVLayout(block_size=4, num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
+PEER = b"decode-rank"
+
+
+class HeldOp(TransferOp):
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes)
+        self.complete = False
+
+    def poll(self) -> bool:
+        self.done = self.complete
+        return self.done
+
+
+class ManualTransport(Transport):
+    name = "ucx"
+
+    def __init__(self) -> None:
+        self.sent: list[HeldOp] = []
+
+    @property
+    def info(self) -> bytes:
+        return b"manual"
+
+    def poll_handles(self) -> list[Any]:
+        return []
+
+    def add_peer(self, peer: str, info: bytes) -> None:
+        pass
+
+    def send(self, peer: str, buffer: Any, tag: int) -> TransferOp:
+        op = HeldOp(buffer.nbytes)
+        self.sent.append(op)
+        return op
+
+    def recv(self, buffer: Any, tag: int) -> TransferOp:
+        raise NotImplementedError
+
+    def cancel_recvs(self, ops: list[TransferOp]) -> None:
+        raise NotImplementedError
+
+    def progress(self) -> None:
+        pass
+
+    def ready_to_block(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class RecordingServer:
+    def __init__(self) -> None:
+        self.messages: list[tuple[bytes, Any]] = []
+
+    def send(self, identity: bytes, message: Any) -> None:
+        self.messages.append((identity, message))
+
+
+def test_done_before_the_sends_complete_still_counts_them_once() -> None:
+    storage = np.zeros((8, 2, 2, 2, 4, 8), dtype=np.float32)
+    transport, server, stats = ManualTransport(), RecordingServer(), KVTransferStats()
+    reports: list[tuple[str, str]] = []
+    side = PrefillSide(
+        KVTransferConfig(instance_id="p"), LAYOUT, 0, 1, KVMemory(storage, LAYOUT), transport,
+        server, stats, lambda kind, rid: reports.append((kind, rid)),
+    )  # fmt: skip
+    side.hold(HoldSpec("r", [2, 3, 5]), now=0.0)
+    side.on_message(PEER, Hello("d", 0, 1, LAYOUT, "ucx", b"addr"), now=0.0)
+    assert isinstance(server.messages[-1][1], HelloReply) and not server.messages[-1][1].error
+    side.on_message(PEER, Pull("r", 7, 0, 2, [BlockRun(2, 2, 1), BlockRun(5, 1, 2)]), now=0.1)
+    assert len(transport.sent) == 2 and stats.in_flight == 1
+    side.on_message(PEER, Done("r", 7, 0, 2), now=0.2)  # the receiver finished first
+    side.poll(now=0.2)
+    assert reports == [] and stats.bytes_total == 0, "blocks stay held while sends run"
+    for op in transport.sent:
+        op.complete = True
+    side.poll(now=0.3)
+    assert reports == [("finished_sending", "r")]
+    assert stats.bytes_total == 3 * LAYOUT.bytes_per_block
+    assert (stats.transfers_total, stats.in_flight, stats.seconds_count) == (1, 0, 1)
+    side.poll(now=0.4)
+    assert reports == [("finished_sending", "r")] and side.num_held == 0
