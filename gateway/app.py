@@ -17,6 +17,7 @@ from gateway.completions import create_completion
 from gateway.errors import APIError, error_response
 from gateway.state import Gateway
 from gateway.tokenization import detokenize, tokenize
+from scheduler.routing import make_policy
 
 logger = logging.getLogger(__name__)
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -100,6 +101,18 @@ def create_app(gateway: Gateway) -> FastAPI:
                 "inspection": None if found is None else msgspec.to_builtins(found),
             }
         return gateway.json({"instances": instances})
+
+    @app.post("/debug/routing-policy", dependencies=protected)
+    async def set_routing_policy(name: str) -> Response:
+        """Test hook: switch the global scheduler's policy without a restart (tests run
+        one pool under every policy)."""
+        if not gateway.config.enable_test_hooks:
+            raise APIError(404, "test hooks are off (start with --enable-test-hooks)")
+        try:
+            gateway.scheduler.policy = make_policy(name)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "name") from None
+        return gateway.json({"routing_policy": name})
 
     @app.post("/debug/instances/{instance_id}/leak", dependencies=protected)
     async def leak(instance_id: str, blocks: int = 1) -> Response:
