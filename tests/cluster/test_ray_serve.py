@@ -1,4 +1,5 @@
-"""`pdserve serve --launcher ray` joining a Ray cluster that the test session owns."""
+"""`pdserve serve --launcher ray` joining a Ray cluster that the test session owns: colocated
+instances, then one prefill and one decode instance (actors PrefillInstance, DecodeInstance)."""
 
 from __future__ import annotations
 
@@ -97,3 +98,41 @@ def test_sigterm_shuts_down_and_leaves_the_joined_cluster_running(server, ray_cl
     import ray
 
     assert ray.is_initialized() and ray.cluster_resources().get("CPU") == 2
+
+
+# ---- disaggregated: the same cluster, once the colocated server above is gone ---------
+
+
+@pytest.fixture(scope="module")
+def pd_server(ray_cluster: str) -> Iterator[ServeProcess]:
+    process = ServeProcess.start(
+        "--launcher", "ray", "--ray-address", ray_cluster, "--num-prefill", "1",
+        "--num-decode", "1", "--dtype", "bfloat16", "--kv-cache-memory", "64MiB",
+        "--threads-per-instance", "1", "--enable-test-hooks", env=RAY_ENV,
+    )  # fmt: skip
+    try:
+        yield process
+    finally:
+        assert process.stop(timeout_s=60) == 0, process.log()
+
+
+def test_prefill_and_decode_instances_are_ray_actors(pd_server, ray_cluster) -> None:
+    result = pd_server.openai().completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert result.usage.completion_tokens == 4
+    alive = {a["name"]: a for a in ray_actors(ray_cluster) if a["state"] == "ALIVE"}
+    assert alive["prefill-0"]["class_name"] == "PrefillInstance"
+    assert alive["decode-0"]["class_name"] == "DecodeInstance"
+    found = pd_server.instances()
+    for name, kind in (("prefill-0", "PrefillInstance"), ("decode-0", "DecodeInstance")):
+        assert alive[name]["pid"] == found[name]["pid"]
+        title = subprocess.run(
+            ["ps", "-o", "args=", "-p", str(found[name]["pid"])], capture_output=True, text=True
+        )
+        assert f"ray::{kind}" in title.stdout
+    metrics = pd_server.get("/metrics").text  # the tokens after the first came through a pull
+    assert 'pdserve:kv_transfer_blocks_total{instance="decode-0",role="decode"} 1.0' in metrics
+    assert 'pdserve:generation_tokens_total{instance="decode-0",role="decode"} 3.0' in metrics
+    pd_server.assert_blocks_free_or_cached()
