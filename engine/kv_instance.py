@@ -32,7 +32,7 @@ from kvtransfer import (
     KVTransferWorker,
     layout_of,
 )
-from scheduler.messages import InstanceInfo, MetricsDelta, RequestDelta
+from scheduler.messages import InstanceInfo, InstanceStats, MetricsDelta, RequestDelta
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +165,12 @@ class KVInstanceRuntime(InstanceRuntime):
         raise NotImplementedError
 
     # ---- metrics ----------------------------------------------------------------------
+
+    def stats(self) -> InstanceStats:
+        stats = super().stats()
+        if self.worker is not None:
+            stats.num_kv_transfers_in_flight = self.worker.stats().in_flight
+        return stats
 
     def collect_metrics(self, metrics: MetricsDelta) -> None:
         now = self.require_worker().stats()

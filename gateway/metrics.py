@@ -36,6 +36,7 @@ GAUGES = {
     "num_requests_running": "Requests in the running batch",
     "num_requests_waiting": "Requests waiting to be scheduled",
     "num_requests_waiting_for_remote_kvs": "Requests pulling their KV from a prefill instance",
+    "kv_transfers_in_flight": "KV transfers with data moving (served on prefill, pulled on decode)",
     "kv_cache_usage_perc": "Fraction of KV blocks in use (1 = full)",
     "instance_up": "1 while the gateway hears from the instance",
 }
@@ -60,6 +61,7 @@ _STAT_GAUGES = {
     "num_requests_running": lambda s: s.num_running,
     "num_requests_waiting": lambda s: s.num_waiting,
     "num_requests_waiting_for_remote_kvs": lambda s: s.num_waiting_for_remote_kvs,
+    "kv_transfers_in_flight": lambda s: s.num_kv_transfers_in_flight,
     "kv_cache_usage_perc": lambda s: s.kv_cache_usage_perc,
 }
 

@@ -108,6 +108,7 @@ class InstanceStats(msgspec.Struct):
     num_preemptions_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    num_kv_transfers_in_flight: int = 0  # prefill and decode kinds: pulls with data moving
 
 
 class MetricsDelta(msgspec.Struct):

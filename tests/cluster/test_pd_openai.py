@@ -206,3 +206,4 @@ def test_the_kv_moved(server) -> None:
     timed = metric(text, "kv_transfer_seconds_count", "decode")
     assert 1 <= timed <= metric(text, "kv_transfers_total", "decode")
     assert metric(text, "num_requests_waiting_for_remote_kvs", "decode") == 0
+    assert 'pdserve:kv_transfers_in_flight{instance="decode-0",role="decode"} 0.0' in text
