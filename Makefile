@@ -15,6 +15,7 @@ export UCX_WARN_UNUSED_ENV_VARS := n
 
 install: $(STAMP)
 	$(PY) -m engine.embedded --prepare
+	$(PY) -m kernels.cpu_ops --build
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -2,7 +2,8 @@
 
 Importing `kernels` never imports triton: CUDA calls load the Triton kernels on first
 use (`load_triton_kernels`), and where triton is missing they run the references and
-`triton_unavailable_reason()` says why.
+`triton_unavailable_reason()` says why. CPU calls run C kernels built on first use
+(`kernels.cpu_ops`); `cpu_kernels_status()` says which implementation is active.
 """
 
 from kernels.attention import (
@@ -12,11 +13,12 @@ from kernels.attention import (
     prefill_attention,
     write_kv_cache,
 )
-from kernels.dispatch import load_triton_kernels, triton_unavailable_reason
+from kernels.dispatch import cpu_kernels_status, load_triton_kernels, triton_unavailable_reason
 from kernels.ops import rms_norm, rotary_embedding
 
 __all__ = [
     "AttentionMetadata",
+    "cpu_kernels_status",
     "decode_attention",
     "load_triton_kernels",
     "paged_attention",

@@ -1,15 +1,20 @@
 """Picks an implementation of a kernel by the device of its input.
 
-CPU → the torch reference. CUDA → the Triton kernel registered for that name, or the
-reference when none is registered (so the GPU path works before every kernel has a
-Triton version, and where triton is not installed). The Triton kernels register
-themselves when `kernels.triton_ops` is imported, which happens on the first CUDA
-lookup (or explicitly through `load_triton_kernels`), so CPU-only processes never
-import triton.
+CPU → the C kernel registered for that name (`kernels.cpu_ops`, built and loaded on
+the first CPU lookup), or the reference when none is registered, when the build
+failed (logged once, with the compiler's error) or when PDSERVE_CPU_KERNELS=0.
+CUDA → the Triton kernel registered for that name, or the reference when none is
+registered (so the GPU path works before every kernel has a Triton version, and
+where triton is not installed). The Triton kernels register themselves when
+`kernels.triton_ops` is imported, which happens on the first CUDA lookup (or
+explicitly through `load_triton_kernels`), so CPU-only processes never import triton.
+The references stay the definition of every op and the oracle of the tests.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +33,12 @@ _TRITON: dict[str, Callable[..., Any]] = {}
 _load_attempted = False
 _unavailable_reason: str | None = None
 _triton_enabled = True
+_CPU: dict[str, Callable[..., Any]] = {}
+_cpu_load_attempted = False
+_cpu_unavailable_reason: str | None = None
+_cpu_description = ""
+_cpu_enabled = os.environ.get("PDSERVE_CPU_KERNELS", "1") != "0"
+_log = logging.getLogger("pdserve.kernels")
 
 
 def register_triton(name: str, fn: Callable[..., Any]) -> None:
@@ -60,9 +71,53 @@ def set_triton_enabled(enabled: bool) -> None:
     _triton_enabled = enabled
 
 
+def register_cpu(name: str, fn: Callable[..., Any]) -> None:
+    if name not in _REFERENCE:
+        raise KeyError(f"unknown kernel {name!r}")
+    _CPU[name] = fn
+
+
+def load_cpu_kernels() -> bool:
+    """Build (first time), load and register the C kernels once; False (reason kept
+    and logged once) if that fails."""
+    global _cpu_load_attempted, _cpu_unavailable_reason, _cpu_description
+    if not _cpu_load_attempted:
+        _cpu_load_attempted = True
+        from kernels import cpu_build, cpu_ops
+
+        try:
+            loaded = cpu_ops.load()
+        except cpu_build.BuildError as exc:
+            _cpu_unavailable_reason = str(exc)
+            _log.warning("CPU attention runs the torch references: %s", exc)
+        else:
+            cpu_ops.register(loaded)
+            _cpu_description = loaded.describe()
+    return _cpu_unavailable_reason is None
+
+
+def set_cpu_kernels_enabled(enabled: bool) -> None:
+    """Route CPU tensors to the references (False) or the C kernels (True), e.g. to
+    compare an engine's output on both. PDSERVE_CPU_KERNELS=0 sets False at start."""
+    global _cpu_enabled
+    _cpu_enabled = enabled
+
+
+def cpu_kernels_status() -> str:
+    """Which implementation CPU attention runs, for startup logs and /health."""
+    if not _cpu_enabled:
+        return "torch references (C kernels off: PDSERVE_CPU_KERNELS=0 or set_cpu_kernels_enabled)"
+    if not load_cpu_kernels():
+        return f"torch references ({_cpu_unavailable_reason})"
+    return _cpu_description
+
+
 def lookup(name: str, like: torch.Tensor) -> Callable[..., Any]:
-    if like.is_cuda and _triton_enabled:
-        load_triton_kernels()
-        if name in _TRITON:
-            return _TRITON[name]
+    if like.is_cuda:
+        if _triton_enabled:
+            load_triton_kernels()
+            if name in _TRITON:
+                return _TRITON[name]
+    elif _cpu_enabled and like.is_cpu and (_CPU or load_cpu_kernels()) and name in _CPU:
+        return _CPU[name]
     return _REFERENCE[name]

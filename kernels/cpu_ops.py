@@ -1,0 +1,298 @@
+"""CPU C kernels for the paged-attention ops, bound with ctypes.
+
+Same signatures and semantics as `kernels.reference` (the definition and the test
+oracle). The C sources in `kernels/cpu/` take raw data pointers and element strides,
+so strided views (the block-strided per-layer cache, q/k/v split out of a fused QKV
+projection, `out` rows of a wider batch) need no copies. Every call uses
+`torch.get_num_threads()` threads, the instance's share of the cores; the library
+links the OpenMP runtime torch already loaded, so both share one thread pool.
+
+    python -m kernels.cpu_ops --build   # compile into the cache now (make install)
+
+`kernels.dispatch` calls `load` and `register` on the first CPU lookup (building the
+library the first time) and keeps the torch references, with the reason logged once,
+when that fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import struct
+import sys
+
+import torch
+
+from kernels import dispatch
+from kernels.cpu_build import BuildError, BuiltLibrary, ensure_built
+
+Tensor = torch.Tensor
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_INDEX = {torch.int32: 0, torch.int64: 1}
+_ERRORS = {
+    -1: "slot_mapping[{i}] points past the KV cache's last block",
+    -2: "context_lens[{i}] is negative or longer than its block table row holds",
+    -3: "block_tables row {i} names a block outside the KV cache",
+    -4: "query_start_loc must be non-decreasing and within the query rows (sequence {i})",
+    -5: "sequence {i} has more new tokens than its context_len",
+    -6: "out of memory in a CPU attention kernel",
+}
+
+# Each entry point takes one struct of 8-byte fields (int64, one double for the scale)
+# whose last field receives the index of a bad input; the field order is the C
+# struct's (kernels/cpu/*.c), checked against its size at load time. One packed
+# argument keeps a call at a few microseconds, where 35 ctypes arguments cost ~15.
+_CALLS = {
+    # key, value, cache, slots (pointer, dtype code, strides each), then shapes, threads.
+    "write": ("pd_write_kv_cache", struct.Struct("<26q")),
+    # query, cache, tables, lens, out, then shapes; scale; window, threads.
+    "decode": ("pd_decode_attention", struct.Struct("<30qd3q")),
+    # query, cache, tables, query_start_loc, lens, out, then shapes; scale; window, threads.
+    "prefill": ("pd_prefill_attention", struct.Struct("<34qd3q")),
+}
+
+
+class CpuKernels:
+    """The loaded library: one method per op, argument checks in Python, work in C."""
+
+    def __init__(self, built: BuiltLibrary):
+        self.path = built.path
+        lib = ctypes.CDLL(str(built.path))
+        calls = []
+        for op, (name, layout) in _CALLS.items():
+            size_fn = getattr(lib, f"pd_{op}_call_size")
+            size_fn.restype = ctypes.c_int64
+            if size_fn() != layout.size:
+                raise BuildError(f"{name} takes {size_fn()} bytes of arguments, not {layout.size}")
+            fn = getattr(lib, name)
+            fn.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+            fn.restype = ctypes.c_int
+            calls.append((fn, layout.pack_into, ctypes.c_int64 * (layout.size // 8)))
+        lib.pd_decode_splits.argtypes = [ctypes.c_int64] * 5
+        lib.pd_decode_splits.restype = ctypes.c_int64
+        self._decode_splits = lib.pd_decode_splits
+        lib.pd_build_info.restype = ctypes.c_char_p
+        self.build_info = lib.pd_build_info().decode()
+        (self._write, self._pack_write, self._WriteArgs) = calls[0]
+        (self._decode, self._pack_decode, self._DecodeArgs) = calls[1]
+        (self._prefill, self._pack_prefill, self._PrefillArgs) = calls[2]
+
+    def describe(self) -> str:
+        return f"C kernels ({self.build_info}; {self.path.name})"
+
+    def decode_splits(self, context_lens: list[int], num_kv_heads: int, threads: int) -> int:
+        """Context splits per (sequence, kv head) a decode call makes (no window)."""
+        seqs, tokens, longest = len(context_lens), sum(context_lens), max(context_lens)
+        return self._decode_splits(seqs, num_kv_heads, tokens, longest, threads)
+
+    def write_kv_cache(self, key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tensor) -> None:
+        shape = key.shape
+        cache = _cache_fields(kv_cache, shape[-1])
+        if len(shape) != 3 or shape[1] != cache[1] or value.shape != shape:
+            raise ValueError(
+                f"key/value must be [num_tokens, {cache[1]}, {shape[-1]}], got "
+                f"{tuple(shape)} and {tuple(value.shape)}"
+            )
+        if slots.dim() != 1 or slots.shape[0] != shape[0]:
+            raise ValueError(f"slot_mapping must be [{shape[0]}], got {tuple(slots.shape)}")
+        k, v = key.stride(), value.stride()
+        call = self._WriteArgs()
+        self._pack_write(
+            call, 0,
+            key.data_ptr(), _dtype("key", key), k[0], k[1], k[2],
+            value.data_ptr(), _dtype("value", value), v[0], v[1], v[2],
+            *cache[3:],
+            slots.data_ptr(), _index("slot_mapping", slots), slots.stride(0),
+            shape[0], cache[1], cache[2], shape[2], cache[0], torch.get_num_threads(), -1,
+        )  # fmt: skip
+        _check(self._write(call), call)
+
+    def decode_attention(
+        self,
+        query: Tensor,
+        kv_cache: Tensor,
+        block_tables: Tensor,
+        context_lens: Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+        out: Tensor | None = None,
+    ) -> Tensor:
+        if out is None:
+            out = torch.empty_like(query)
+        num_seqs, num_heads, d = _query_shape(query, out)
+        if num_seqs == 0:
+            return out
+        cache = _cache_fields(kv_cache, d)
+        _check_heads(num_heads, cache[1])
+        tables = _table_fields(num_seqs, block_tables, context_lens)
+        q, o = query.stride(), out.stride()
+        call = self._DecodeArgs()
+        self._pack_decode(
+            call, 0,
+            query.data_ptr(), _dtype("query", query), q[0], q[1], q[2],
+            *cache[3:],
+            *tables,
+            out.data_ptr(), _dtype("out", out), o[0], o[1], o[2],
+            num_seqs, num_heads, cache[1], cache[2], d, cache[0], block_tables.shape[1],
+            scale, _window(sliding_window), torch.get_num_threads(), -1,
+        )  # fmt: skip
+        _check(self._decode(call), call)
+        return out
+
+    def prefill_attention(
+        self,
+        query: Tensor,
+        kv_cache: Tensor,
+        block_tables: Tensor,
+        query_start_loc: Tensor,
+        context_lens: Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+        out: Tensor | None = None,
+    ) -> Tensor:
+        if out is None:
+            out = torch.empty_like(query)
+        num_tokens, num_heads, d = _query_shape(query, out)
+        num_seqs = context_lens.shape[0]
+        starts = query_start_loc
+        if starts.dim() != 1 or starts.shape[0] != num_seqs + 1:
+            raise ValueError(
+                f"query_start_loc must be [{num_seqs + 1}] (num_seqs + 1), "
+                f"got {tuple(starts.shape)}"
+            )
+        if num_seqs == 0:
+            return out
+        cache = _cache_fields(kv_cache, d)
+        _check_heads(num_heads, cache[1])
+        tables = _table_fields(num_seqs, block_tables, context_lens)
+        q, o = query.stride(), out.stride()
+        call = self._PrefillArgs()
+        self._pack_prefill(
+            call, 0,
+            query.data_ptr(), _dtype("query", query), q[0], q[1], q[2],
+            *cache[3:],
+            *tables[:4],
+            starts.data_ptr(), _index("query_start_loc", starts), starts.stride(0),
+            *tables[4:],
+            out.data_ptr(), _dtype("out", out), o[0], o[1], o[2],
+            num_seqs, num_tokens, num_heads, cache[1], cache[2], d, cache[0],
+            block_tables.shape[1],
+            scale, _window(sliding_window), torch.get_num_threads(), -1,
+        )  # fmt: skip
+        _check(self._prefill(call), call)
+        return out
+
+
+def _dtype(name: str, t: Tensor) -> int:
+    code = _DTYPES.get(t.dtype)
+    if code is None:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    return code
+
+
+def _index(name: str, t: Tensor) -> int:
+    code = _INDEX.get(t.dtype)
+    if code is None:
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+    return code
+
+
+def _window(sliding_window: int | None) -> int:
+    if sliding_window is None:
+        return 0
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+    return int(sliding_window)
+
+
+def _cache_fields(kv_cache: Tensor, head_dim: int) -> tuple[int, ...]:
+    """(num_blocks, kv_heads, block_size, then the C fields: pointer, dtype, 4 strides)."""
+    shape = kv_cache.shape
+    if len(shape) != 5 or shape[1] != 2:
+        raise ValueError(
+            "kv_cache must be [num_blocks, 2, num_kv_heads, block_size, head_dim], "
+            f"got shape {tuple(shape)}"
+        )
+    if shape[4] != head_dim:
+        raise ValueError(f"kv_cache head_dim {shape[4]} != input head_dim {head_dim}")
+    c = kv_cache.stride()
+    if c[4] != 1 and head_dim > 1:
+        raise ValueError("kv_cache must be contiguous along head_dim (the KV layout contract)")
+    if not kv_cache.is_cpu:
+        raise ValueError(f"kv_cache must be on the CPU, got {kv_cache.device}")
+    code = _dtype("kv_cache", kv_cache)
+    return shape[0], shape[2], shape[3], kv_cache.data_ptr(), code, c[0], c[1], c[2], c[3]
+
+
+def _table_fields(num_seqs: int, block_tables: Tensor, context_lens: Tensor) -> tuple[int, ...]:
+    """The C fields of block_tables (pointer, index type, 2 strides) and context_lens
+    (pointer, index type, stride)."""
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}"
+        )
+    if context_lens.dim() != 1 or context_lens.shape[0] != num_seqs:
+        raise ValueError(f"context_lens must be [{num_seqs}], got {tuple(context_lens.shape)}")
+    t = block_tables.stride()
+    return (
+        block_tables.data_ptr(), _index("block_tables", block_tables), t[0], t[1],
+        context_lens.data_ptr(), _index("context_lens", context_lens), context_lens.stride(0),
+    )  # fmt: skip
+
+
+def _query_shape(query: Tensor, out: Tensor) -> tuple[int, int, int]:
+    shape = query.shape
+    if len(shape) != 3:
+        raise ValueError(f"query must be [tokens, heads, head_dim], got {tuple(shape)}")
+    if out.shape != shape:
+        raise ValueError(f"out {tuple(out.shape)} must match query {tuple(shape)}")
+    return shape  # type: ignore[return-value]
+
+
+def _check_heads(num_heads: int, num_kv_heads: int) -> None:
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+
+
+def _check(rc: int, call: ctypes.Array) -> None:
+    if rc:
+        message = _ERRORS.get(rc, f"CPU kernel failed with code {rc}")
+        raise ValueError(message.format(i=call[-1]))
+
+
+def load() -> CpuKernels:
+    """Build if needed and load; raises BuildError (one line) when impossible."""
+    try:
+        return CpuKernels(ensure_built())
+    except OSError as exc:  # a library that does not load (e.g. missing libgomp)
+        raise BuildError(f"loading the CPU kernels failed: {exc}") from exc
+
+
+def register(kernels: CpuKernels) -> None:
+    dispatch.register_cpu("write_kv_cache", kernels.write_kv_cache)
+    dispatch.register_cpu("decode_attention", kernels.decode_attention)
+    dispatch.register_cpu("prefill_attention", kernels.prefill_attention)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Build the CPU attention kernels.")
+    parser.add_argument("--build", action="store_true", help="compile into the cache now")
+    args = parser.parse_args(argv)
+    if not args.build:
+        parser.print_help()
+        return 0
+    try:
+        built = ensure_built()
+        kernels = CpuKernels(built)
+    except (BuildError, OSError) as exc:
+        # Not fatal for an install: the engine then runs the torch references.
+        print(f"CPU kernels not built: {exc}; CPU attention will use the torch references")
+        return 0
+    state = "built" if built.fresh else "up to date"
+    print(f"CPU kernels {state}: {kernels.describe()} at {built.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""CPU C kernels against the torch references.
+
+The grids are pairwise designs over GQA group (1, 2, 3, 4, 5, 7, 8: one or several
+chunks of query heads), head_dim (64 and 128, plus 72 and 36 for the generic and
+scalar-tail paths), block size 16/32, fp32/bf16/fp16 and sliding windows. Every cache
+is a block-strided view of a NaN-poisoned block-major storage with shuffled block ids
+and table entries past each sequence's end pointing anywhere, so a kernel that reads
+a slot it should not fails; outputs start as NaN, so a row left unwritten fails too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_build, cpu_ops
+from kernels.reference import decode_attention_ref, prefill_attention_ref, write_kv_cache_ref
+from tests.kernels.paged import assert_matches, make_paged_batch, poisoned_like
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+# (heads, kv_heads, head_dim, block_size, dtype, window)
+PAIRWISE = [
+    (9, 3, 64, 16, BF16, None),  # SmolLM2-135M
+    (4, 4, 128, 32, F32, 7),
+    (8, 2, 64, 32, F16, 40),
+    (8, 1, 128, 16, BF16, 7),  # group 8: two chunks of four heads
+    (6, 2, 72, 16, F32, None),  # head_dim without a specialisation
+    (5, 1, 36, 32, BF16, 40),  # group 5 = 4 + 1; head_dim with a scalar tail
+    (12, 4, 128, 16, F16, None),
+    (2, 2, 64, 16, F32, 40),
+    (14, 2, 64, 32, BF16, 20),  # group 7 = 4 + 3
+    (6, 3, 36, 16, F16, 7),
+]
+
+
+def _case_id(case) -> str:
+    heads, kv_heads, d, bs, dtype, window = case
+    return f"h{heads}kv{kv_heads}-d{d}-bs{bs}-{str(dtype)[6:]}-w{window}"
+
+
+@pytest.fixture(scope="module")
+def kernels() -> cpu_ops.CpuKernels:
+    try:
+        return cpu_ops.load()
+    except cpu_build.BuildError as exc:
+        if "no C compiler" in str(exc):
+            pytest.skip(f"CPU kernels need a C compiler: {exc}")
+        raise
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count for one test, restoring it after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def _decode_case(kernels, heads, kv_heads, head_dim, bs, dtype, window, lens, seed, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    batch = make_paged_batch(lens, kv_heads, head_dim, bs, dtype, gen, **kw)
+    query = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    args = (query, batch.kv_cache, batch.block_tables, batch.context_lens, head_dim**-0.5)
+    out = poisoned_like(query)
+    assert kernels.decode_attention(*args, window, out) is out
+    assert_matches(out, decode_attention_ref(*args, window), dtype)
+    return out
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,dtype,window", PAIRWISE, ids=map(_case_id, PAIRWISE)
+)
+def test_decode_matches_reference_over_the_grid(
+    kernels, threads, heads, kv_heads, head_dim, block_size, dtype, window
+):
+    threads(1)
+    bs = block_size
+    lens = [bs + 1, 1, bs, bs - 1, 2 * bs + 5, 3 * bs, 70]
+    _decode_case(kernels, heads, kv_heads, head_dim, bs, dtype, window, lens, seed=head_dim + bs)
+
+
+@pytest.mark.parametrize("window", [None, 300], ids=["full", "window"])
+def test_decode_split_k_matches_reference_and_one_thread(kernels, threads, window):
+    """One long sequence beside a short one: two threads cut contexts into splits
+    (the short one's later splits are empty) and merge them."""
+    lens = [3000, 3]
+    assert kernels.decode_splits(lens, 2, threads=2) > 1
+    threads(2)
+    split = _decode_case(kernels, 6, 2, 64, 16, F32, window, lens, seed=5)
+    threads(1)
+    single = _decode_case(kernels, 6, 2, 64, 16, F32, window, lens, seed=5)
+    torch.testing.assert_close(split, single, atol=1e-6, rtol=1e-6)
+
+
+def test_decode_batches_enough_work_without_splits(kernels):
+    assert kernels.decode_splits([200] * 32, 3, threads=2) == 1
+    assert kernels.decode_splits([4000], 3, threads=1) == 1
+    assert kernels.decode_splits([300], 1, threads=2) == 1  # too short to split
+
+
+def _prefill_case(kernels, heads, kv_heads, head_dim, bs, dtype, window, seqs, seed, index=None):
+    """seqs: (context_len, new_tokens) per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = make_paged_batch([ctx for ctx, _ in seqs], kv_heads, head_dim, bs, dtype, gen)
+    starts = [0]
+    for _, new in seqs:
+        starts.append(starts[-1] + new)
+    query_start_loc = torch.tensor(starts, dtype=index or torch.int32)
+    tables, lens = batch.block_tables, batch.context_lens
+    if index is not None:
+        tables, lens = tables.to(index), lens.to(index)
+    query = torch.randn(starts[-1], heads, head_dim, generator=gen).to(dtype)
+    args = (query, batch.kv_cache, tables, query_start_loc, lens, head_dim**-0.5)
+    out = poisoned_like(query)
+    assert kernels.prefill_attention(*args, window, out) is out
+    assert_matches(out, prefill_attention_ref(*args, window), dtype)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,dtype,window", PAIRWISE, ids=map(_case_id, PAIRWISE)
+)
+def test_prefill_matches_reference_over_the_grid(
+    kernels, heads, kv_heads, head_dim, block_size, dtype, window
+):
+    bs = block_size
+    # A fresh token, a prompt ending one short of a block, chunks over a cached prefix,
+    # a sequence with no new tokens, and a long chunk over several query tiles.
+    seqs = [(1, 1), (bs - 1, bs - 1), (bs + 1, 2), (bs, 0), (2 * bs + 3, bs + 2), (5 * bs + 3, 3)]
+    seqs.append((300, 290))
+    _prefill_case(kernels, heads, kv_heads, head_dim, bs, dtype, window, seqs, seed=head_dim + bs)
+
+
+def test_prefill_with_two_threads_and_int64_indices(kernels, threads):
+    threads(2)
+    seqs = [(700, 600), (40, 40), (260, 5)]
+    _prefill_case(kernels, 9, 3, 64, 16, BF16, None, seqs, seed=3, index=torch.int64)
+    _prefill_case(kernels, 8, 2, 128, 32, F32, 100, seqs, seed=4, index=torch.int64)
+
+
+@pytest.mark.parametrize(
+    "src,cache_dtype,slot_dtype",
+    [
+        (F32, F32, torch.int64),
+        (F32, BF16, torch.int64),
+        (BF16, BF16, torch.int32),
+        (F16, F16, torch.int64),
+    ],
+    ids=["f32", "f32-to-bf16", "bf16-int32-slots", "f16"],
+)
+def test_write_matches_reference_bit_for_bit(kernels, threads, src, cache_dtype, slot_dtype):
+    """Keys/values split out of a fused QKV row, padding slots skipped, the rest of
+    the poisoned cache untouched; 300 tokens also take the multi-threaded path."""
+    threads(2)
+    gen = torch.Generator().manual_seed(9)
+    kv_heads, d, bs, tokens = 3, 64, 16, 300
+    batch = make_paged_batch([tokens], kv_heads, d, bs, cache_dtype, gen, spare_blocks=4)
+    qkv = torch.randn(tokens, 9 + 2 * kv_heads, d, generator=gen).to(src)
+    key, value = qkv[:, 9 : 9 + kv_heads], qkv[:, 9 + kv_heads :]
+    slots = torch.randperm(batch.kv_cache.shape[0] * bs, generator=gen)[:tokens]
+    slots[::7] = -1
+    slots = slots.to(slot_dtype)
+    want = batch.kv_cache.clone()
+    write_kv_cache_ref(key, value, want, slots)
+    got = batch.kv_cache
+    kernels.write_kv_cache(key, value, got, slots)
+    bits = torch.int32 if cache_dtype == F32 else torch.int16
+    assert torch.equal(got.contiguous().view(bits), want.contiguous().view(bits))
+
+
+def test_strided_query_and_output_views(kernels):
+    """Query sliced out of a fused QKV tensor; output written into a wider buffer."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, d, bs = 6, 2, 64, 16
+    lens = [5, 40, 17]
+    batch = make_paged_batch(lens, kv_heads, d, bs, BF16, gen)
+    qkv = torch.randn(len(lens), heads + 2 * kv_heads, d, generator=gen).to(BF16)
+    query = qkv[:, :heads]
+    wide = torch.full((len(lens), heads, 2 * d), float("nan"), dtype=BF16)
+    out = wide[:, :, d:]
+    tables, lens_t = batch.block_tables.long(), batch.context_lens.long()
+    kernels.decode_attention(query, batch.kv_cache, tables, lens_t, 0.1, None, out)
+    assert_matches(out, decode_attention_ref(query, batch.kv_cache, tables, lens_t, 0.1), BF16)
+    assert wide[:, :, :d].isnan().all(), "wrote outside the output view"
+
+    starts = torch.tensor([0, 2, 2, 3], dtype=torch.int32)
+    wide.fill_(float("nan"))
+    args = (query, batch.kv_cache, tables, starts, lens_t, 0.1)
+    kernels.prefill_attention(*args, None, out)
+    assert_matches(out, prefill_attention_ref(*args), BF16)
+    assert wide[:, :, :d].isnan().all(), "wrote outside the output view"
+
+
+def test_padding_rows_with_no_context_get_zeros(kernels):
+    gen = torch.Generator().manual_seed(13)
+    batch = make_paged_batch([1, 1, 200], 2, 64, 16, F32, gen)
+    batch.context_lens[:2] = 0
+    query = torch.randn(3, 4, 64, generator=gen)
+    args = (query, batch.kv_cache, batch.block_tables, batch.context_lens, 0.125)
+    out = kernels.decode_attention(*args, None, poisoned_like(query))
+    assert out[:2].eq(0).all()
+    tables, lens = batch.block_tables[2:], batch.context_lens[2:]
+    want = decode_attention_ref(query[2:], batch.kv_cache, tables, lens, 0.125)
+    assert_matches(out[2:], want, F32)
+
+
+def test_bad_inputs_get_one_line_errors(kernels):
+    cache = torch.zeros(4, 2, 2, 16, 64)
+    q = torch.randn(2, 4, 64)
+    tables = torch.zeros(2, 2, dtype=torch.int32)
+    lens = torch.tensor([5, 20], dtype=torch.int32)
+    decode = kernels.decode_attention
+    with pytest.raises(ValueError, match="block outside the KV cache"):
+        decode(q, cache, torch.tensor([[0, 1], [2, 9]], dtype=torch.int32), lens, 1.0)
+    with pytest.raises(ValueError, match=r"context_lens\[1\]"):
+        decode(q, cache, tables, torch.tensor([5, 33], dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="not a multiple"):
+        decode(torch.randn(2, 3, 64), cache, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="head_dim"):
+        decode(q[..., :32], cache, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="block_tables"):
+        decode(q, cache, tables[:1], lens, 1.0)
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        decode(q.double(), cache, tables, lens, 1.0)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        decode(q, cache, tables.float(), lens, 1.0)
+    with pytest.raises(ValueError, match="sliding_window"):
+        decode(q, cache, tables, lens, 1.0, 0)
+    starts = torch.tensor([0, 3, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        kernels.prefill_attention(torch.randn(3, 4, 64), cache, tables, starts, lens, 1.0)
+    with pytest.raises(ValueError, match="more new tokens"):
+        three = torch.tensor([3, 3], dtype=torch.int32)
+        kernels.prefill_attention(
+            torch.randn(9, 4, 64), cache, tables, torch.tensor([0, 6, 9]), three, 1.0
+        )
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\]"):
+        kernels.write_kv_cache(q[:, :2], q[:, :2], cache, torch.tensor([3, 64]))
