@@ -114,6 +114,23 @@ def bench_serve(url: str, args: argparse.Namespace, out: Path, rate: str, num_pr
     return json.loads(out.read_text())
 
 
+def run_loads(server: Server, args: argparse.Namespace, out: Path, mode: str,
+              saturation: float) -> list[dict]:  # fmt: skip
+    rows = []
+    for index, load in enumerate(args.loads):
+        rate = load * saturation
+        result = bench_serve(server.url, args, out / f"{mode}-{load}.json", f"{rate:.6f}",
+                             args.num_prompts, seed_of(args, index))  # fmt: skip
+        rows.append({"mode": mode, "load": load, "rate": rate, "result": result})
+    return rows
+
+
+def seed_of(args: argparse.Namespace, load_index: int) -> int:
+    """Each load gets prompts (and documents) of its own, the same in both modes: a run
+    never starts with its documents already in the prefix cache of an earlier one."""
+    return args.seed + 100 * (load_index + 1)
+
+
 def serve_args(args: argparse.Namespace, mode: str) -> list[str]:
     common = [
         "--launcher", "local", "--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory,
@@ -195,17 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                                  args.saturation_prompts, args.seed + 1)  # fmt: skip
         rate = saturation["request_throughput"]
         print(f"saturation of the disaggregated server: {rate:.4f} req/s", flush=True)
-        for load in args.loads:
-            result = bench_serve(server.url, args, out / f"disaggregated-{load}.json",
-                                 f"{load * rate:.6f}", args.num_prompts, args.seed)  # fmt: skip
-            rows.append({"mode": "disaggregated", "load": load, "rate": load * rate,
-                         "result": result})  # fmt: skip
+        rows += run_loads(server, args, out, "disaggregated", rate)
     with Server(serve_args(args, "colocated"), out / "server-colocated.log") as server:
-        for load in args.loads:
-            result = bench_serve(server.url, args, out / f"colocated-{load}.json",
-                                 f"{load * rate:.6f}", args.num_prompts, args.seed)  # fmt: skip
-            rows.append({"mode": "colocated", "load": load, "rate": load * rate,
-                         "result": result})  # fmt: skip
+        rows += run_loads(server, args, out, "colocated", rate)
     summary = {
         "command": " ".join(["python -m bench.pd_vs_colocated", *(argv or sys.argv[1:])]),
         "saturation_req_s": rate,
