@@ -180,15 +180,15 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--num-prompts", type=int, default=6, help="per load and mode")
-    parser.add_argument("--saturation-prompts", type=int, default=4)
+    parser.add_argument("--num-prompts", type=int, default=10, help="per load and mode")
+    parser.add_argument("--saturation-prompts", type=int, default=6)
     parser.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.8])
     parser.add_argument("--input-len", type=int, default=2250)
     parser.add_argument("--range-ratio", type=float, default=1 / 3)  # 1500..3000
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rag-documents", type=int, default=8)
     parser.add_argument("--warmups", type=int, default=0)
-    parser.add_argument("--goodput", nargs="+", default=["ttft:30000", "tpot:500"],
+    parser.add_argument("--goodput", nargs="+", default=["ttft:20000", "tpot:300"],
                         help="SLOs, as for pdserve bench serve")  # fmt: skip
     parser.add_argument("--num-prefill", type=int, default=1)
     parser.add_argument("--num-decode", type=int, default=1)
@@ -196,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-memory", default="1GiB")
     parser.add_argument("--max-model-len", type=int, default=3300)
-    # The chunked-prefill budget of a step (both modes): a colocated decode waits for
-    # the prefill chunk it shares a step with.
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    # The chunked-prefill budget of a step (both modes; pdserve serve's default): a
+    # colocated decode waits for the prefill chunk it shares a step with.
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-transport", default="ucx")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default=None, help="default: a new temporary folder")
