@@ -4,10 +4,16 @@ Requests arrive on a schedule; the global scheduler sends each to the prefill
 instance with the fewest queued prompt tokens. A prefill instance runs chunked
 prefill: each step takes queued prompt tokens first-come first-served up to its
 token budget and lasts what the prefill latency model says. When a prompt is done
-its first token is out (TTFT); the KV handoff then takes `handoff_base_s +
-handoff_per_token_s * prompt_len` before the request joins the least loaded decode
+its first token is out (TTFT) and the request goes to the least loaded decode
 instance, which runs continuous batching: every step gives each running sequence
 one token and lasts what the decode model says for that batch and its contexts.
+
+The handoff follows the real decode loop, which admits new work only between steps:
+an idle decode instance starts pulling the KV at once, a busy one at the end of the
+step in flight; the pull takes `handoff_base_s + handoff_per_token_s * prompt_len`
+(message, allocation and transfer), and the request joins the first step that starts
+after it is done. Behind a busy decode instance the second token therefore waits out
+the step in flight and one more before its own.
 
 A colocated instance does both in one step, decode tokens first and prompt chunks in
 the remaining budget, so prefill work lengthens the decode steps it shares.
@@ -190,17 +196,62 @@ class PrefillInstance(Instance):
 
 
 class DecodeInstance(Instance):
+    """Continuous batching of handed-off requests, their KV pulled between steps."""
+
+    def __init__(self, loop: EventLoop, config: ClusterConfig) -> None:
+        super().__init__(loop, config)
+        self.pulling: list[tuple[float, SimRequest]] = []  # (KV ready at, request)
+        self.wake_at: float | None = None  # an idle instance steps when a pull is done
+
+    def load(self) -> int:
+        return len(self.queue) + len(self.pulling) + len(self.running)
+
     def submit(self, request: SimRequest) -> None:
         self.queue.append(request)
-        self.wake()
+        if not self.busy:  # an idle loop takes the handoff at once
+            self.begin_pulls()
+            self.plan_wake()
+
+    def pull_seconds(self, request: SimRequest) -> float:
+        config = self.config
+        return config.handoff_base_s + config.handoff_per_token_s * request.prompt_len
+
+    def begin_pulls(self) -> None:
+        seats = self.config.max_num_seqs - len(self.running) - len(self.pulling)
+        while self.queue and seats > 0:
+            request = self.queue.popleft()
+            self.pulling.append((self.loop.now + self.pull_seconds(request), request))
+            seats -= 1
+
+    def join_ready(self) -> None:
+        now = self.loop.now
+        self.running.extend(r for ready, r in self.pulling if ready <= now)
+        self.pulling = [(ready, r) for ready, r in self.pulling if ready > now]
+
+    def plan_wake(self) -> None:
+        if not self.pulling:
+            return
+        at = min(ready for ready, _ in self.pulling)
+        if self.wake_at is None or at < self.wake_at:
+            self.wake_at = at
+            self.loop.schedule(at, self.on_wake)
+
+    def on_wake(self) -> None:
+        if self.busy or self.wake_at is None or self.loop.now < self.wake_at:
+            return  # a step already started, or an earlier wake took its place
+        self.wake_at = None
+        self.start_step()
 
     def start_step(self) -> None:
-        while self.queue and len(self.running) < self.config.max_num_seqs:
-            self.running.append(self.queue.popleft())
+        # A step boundary: settle finished pulls, admit new handoffs, then step.
+        self.join_ready()
+        self.begin_pulls()
         if not self.running:
             self.busy = False
+            self.plan_wake()
             return
         self.busy = True
+        self.wake_at = None
         batch = list(self.running)
         pairs = sum(r.context_len() for r in batch)
         duration = self.config.decode.predict(len(batch), pairs)
@@ -283,16 +334,13 @@ class Simulation:
         if request.output_len == 1:
             request.finish = self.loop.now
             return
-        delay = self.config.handoff_base_s + self.config.handoff_per_token_s * request.prompt_len
-
-        def arrive() -> None:
-            min(self.decoders, key=lambda d: d.load()).submit(request)
-
-        self.loop.schedule(self.loop.now + delay, arrive)
+        min(self.decoders, key=lambda d: d.load()).submit(request)
 
     def arrive(self, request: SimRequest) -> None:
+        # The gateway's load-aware policy: fewest queued prompt tokens, then fewest
+        # requests in flight (colocated).
         if self.config.colocated:
-            target = min(self.front, key=lambda i: i.queued_prompt_tokens() + len(i.running))
+            target = min(self.front, key=lambda i: (i.queued_prompt_tokens(), i.load()))
         else:
             target = min(self.front, key=lambda i: i.queued_prompt_tokens())
         target.submit(request)  # type: ignore[attr-defined]
