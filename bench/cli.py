@@ -268,6 +268,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         decode_tokens=args.decode_tokens,
         repeats=args.repeats,
         seed=args.seed,
+        num_threads=args.num_threads,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     fitted = calibration_from_measurements(data)
     data["fitted"] = fitted.to_json()
@@ -287,6 +289,12 @@ def add_calibrate_parser(bench_sub) -> None:
     parser.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16])
     parser.add_argument("--decode-tokens", type=positive_int, default=32)
     parser.add_argument("--repeats", type=positive_int, default=2)
+    # A served instance computes with its share of the cores (`pdserve serve` gives each
+    # max(1, cores // instances) threads) and the server's token budget: match them.
+    parser.add_argument(
+        "--num-threads", type=positive_int, default=None, help="torch threads (default: all)"
+    )
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="calibration.json")
     parser.set_defaults(handler=guarded("bench calibrate", run_calibrate))

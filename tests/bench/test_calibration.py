@@ -32,3 +32,31 @@ def test_calibration_on_the_embedded_model_fits() -> None:
     assert data["decode"][0]["attention_pairs"] == 8 + 1
     calibration = calibration_from_measurements(data)
     assert calibration.prefill.predict(8, 36) == pytest.approx(data["prefill"][0]["seconds"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(pdserve, "LLM"), reason="the pdserve engine has not landed")
+def test_calibrate_cli_runs_the_engine_with_the_instance_threads(tmp_path, capsys) -> None:
+    import json
+
+    import torch
+
+    from cluster.cli import main
+
+    threads = torch.get_num_threads()
+    output = tmp_path / "calibration.json"
+    try:
+        code = main(
+            [
+                "bench", "calibrate", "--dtype", "float32", "--prompt-lens", "8",
+                "--batch-sizes", "1,2", "--decode-tokens", "2", "--repeats", "1",
+                "--num-threads", "1", "--max-num-batched-tokens", "64", "--output", str(output),
+            ]
+        )  # fmt: skip
+        assert torch.get_num_threads() == 1  # what a one-thread instance computes with
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, capsys.readouterr().err
+    data = json.loads(output.read_text())
+    assert [s["batch_tokens"] for s in data["prefill"]] == [8, 16]
+    assert data["fitted"]["decode_model"]["intercept_s"] >= 0
