@@ -15,6 +15,7 @@ effective GB/s of KV read (keys + values of every visible token, once).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -107,8 +108,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args(argv)
+    cpu_ops.load()  # builds on a first run: not part of the load time below
+    start = time.perf_counter()
     kernels = cpu_ops.load()
-    print(f"CPU kernels: {kernels.describe()}")
+    load_ms = (time.perf_counter() - start) * 1e3
+    print(f"CPU kernels: {kernels.describe()}; loading an existing build {load_ms:.1f} ms")
+    print("load average", " ".join(f"{x:.2f}" for x in os.getloadavg()))
     if not dispatch.load_cpu_kernels():
         print(f"(dispatch would use the references: {dispatch.cpu_kernels_status()})")
     decode = {"reference": reference.decode_attention_ref, "C kernel": kernels.decode_attention}
@@ -122,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
                 print("\n".join(bench_decode(args, decode, num_seqs, context, gen)), flush=True)
         if args.prefill_tokens:
             print("\n".join(bench_prefill(args, prefill, args.prefill_tokens, gen)), flush=True)
+    print("load average", " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
 if __name__ == "__main__":
