@@ -93,6 +93,28 @@ def test_decode_split_k_matches_reference_and_one_thread(kernels, threads, windo
     torch.testing.assert_close(split, single, atol=1e-6, rtol=1e-6)
 
 
+EDGE_SHAPES = [
+    (8, 2, 256, 64, BF16, None),  # blocks longer than a score tile; a wide head
+    (4, 1, 128, 64, F32, 50),
+    (6, 2, 64, 8, F16, None),
+    (3, 3, 8, 1, F32, 5),  # one token per block; head_dim of one vector
+    (16, 1, 64, 16, BF16, None),  # group 16: four chunks
+]
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,dtype,window", EDGE_SHAPES, ids=map(_case_id, EDGE_SHAPES)
+)
+def test_edge_block_sizes_head_dims_and_groups(
+    kernels, heads, kv_heads, head_dim, block_size, dtype, window
+):
+    bs = block_size
+    lens = [bs + 1, 1, bs, 2 * bs + 5, 200]
+    _decode_case(kernels, heads, kv_heads, head_dim, bs, dtype, window, lens, seed=17)
+    seqs = [(1, 1), (bs + 1, 2), (200, 150), (bs, 0)]
+    _prefill_case(kernels, heads, kv_heads, head_dim, bs, dtype, window, seqs, seed=18)
+
+
 def test_decode_batches_enough_work_without_splits(kernels):
     assert kernels.decode_splits([200] * 32, 3, threads=2) == 1
     assert kernels.decode_splits([4000], 3, threads=1) == 1
