@@ -145,8 +145,16 @@ def serve_args(args: argparse.Namespace, mode: str) -> list[str]:
             str(args.num_prefill + args.num_decode)]  # fmt: skip
 
 
+def stalls(result: dict, threshold_s: float = 2.0) -> tuple[float, int]:
+    """The longest gap between streamed chunks (ms) and how many gaps exceed the
+    threshold: a decode that waited for a prefill chunk shows here before p99 moves."""
+    gaps = [gap for request in result.get("itls", []) for gap in request]
+    return (max(gaps) * 1000 if gaps else 0.0), sum(gap > threshold_s for gap in gaps)
+
+
 def table(rows: list[dict]) -> str:
-    header = ["mode", "load", "rate req/s", *(title for _, title in COLUMNS)]
+    header = ["mode", "load", "rate req/s", *(title for _, title in COLUMNS), "ITL max ms",
+              "ITL > 2 s"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         r = row["result"]
@@ -154,6 +162,8 @@ def table(rows: list[dict]) -> str:
         for key, _ in COLUMNS:
             value = r.get(key)
             cells.append("-" if value is None else f"{value:.3f}" if value < 10 else f"{value:.0f}")
+        longest, count = stalls(r)
+        cells += [f"{longest:.0f}", str(count)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -172,6 +182,13 @@ def ratios(rows: list[dict]) -> list[str]:
                 parts.append(f"{key} {pd[key] / co[key]:.2f}x")
         lines.append(f"load {load:.0%}: disaggregated / colocated: " + ", ".join(parts))
     return lines
+
+
+def show(out: Path) -> None:
+    """Prints the table of a finished run from its summary.json."""
+    summary = json.loads((out / "summary.json").read_text())
+    print(table(summary["rows"]))
+    print("\n".join(ratios(summary["rows"])))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-transport", default="ucx")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default=None, help="default: a new temporary folder")
+    parser.add_argument("--show", metavar="DIR", help="print the table of a finished run")
     args = parser.parse_args(argv)
+    if args.show:
+        show(Path(args.show))
+        return 0
     out = Path(args.out_dir or tempfile.mkdtemp(prefix="pd-vs-colocated-"))
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
