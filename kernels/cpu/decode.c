@@ -2,8 +2,10 @@
  *
  * Memory-bound: every K/V byte of a sequence's visible context is read once per call.
  * - A work item is (sequence, kv head, context split). All query heads of the kv head
- *   (the GQA group, in chunks of up to 8) are processed together, so each K and V row
- *   is loaded and converted once for the whole group.
+ *   (the GQA group) are processed together, so each K and V row is read from memory
+ *   and converted once for the whole group; groups over 4 heads go in chunks of 4 that
+ *   reuse the block from L1. Scores of eight tokens are reduced together, and P.V
+ *   keeps each chunk's accumulators in registers over the block.
  * - The context streams block by block straight from the paged cache through the
  *   block table (no gather, no score matrix); an online softmax in base 2 (log2(e)
  *   folded into the query) keeps running max / sum / accumulator per head.
