@@ -92,13 +92,20 @@ def test_capture_sizes_default_requested_and_capped():
 
 
 def test_graph_blockers_name_reference_kernels_on_cpu():
-    # CPU tensors always run the torch references, which synchronise with the host.
-    assert graph_blockers(torch.device("cpu")) == [
-        "write_kv_cache",
-        "decode_attention",
-        "rms_norm",
-        "rotary_embedding",
-    ]
+    # With the CPU C kernels off, CPU tensors run the torch references, which
+    # synchronise with the host; the blockers name exactly those kernels.
+    from kernels import dispatch
+
+    dispatch.set_cpu_kernels_enabled(False)
+    try:
+        assert graph_blockers(torch.device("cpu")) == [
+            "write_kv_cache",
+            "decode_attention",
+            "rms_norm",
+            "rotary_embedding",
+        ]
+    finally:
+        dispatch.set_cpu_kernels_enabled(True)
 
 
 def test_kv_cache_bytes_follows_budget_and_free_memory():
