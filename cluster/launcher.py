@@ -62,9 +62,9 @@ class LoadProgress:
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
-    def mark_ready(self, instance_id: str) -> None:
+    def mark_ready(self, instance_id: str, kernels: str = "") -> None:
         self.ready.append(instance_id)
-        self._print(f"{instance_id} ready")
+        self._print(f"{instance_id} ready" + (f" (kernels: {kernels})" if kernels else ""))
 
     def tick(self) -> None:
         if time.monotonic() - self._last >= PROGRESS_INTERVAL_S:

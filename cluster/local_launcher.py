@@ -55,9 +55,10 @@ class LocalLauncher(Launcher):
             except queue.Empty:
                 continue
             if kind == "ready":
-                on_ready(msgspec.json.decode(payload, type=InstanceInfo))
+                info = msgspec.json.decode(payload, type=InstanceInfo)
+                on_ready(info)
                 pending.discard(instance_id)
-                progress.mark_ready(instance_id)
+                progress.mark_ready(instance_id, info.kernels)
             elif kind == "failed":
                 raise LaunchError(f"{instance_id} failed to start: {payload}")
             elif kind == "eof":

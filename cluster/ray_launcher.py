@@ -104,7 +104,7 @@ class RayLauncher(Launcher):
                 except Exception as exc:
                     raise LaunchError(f"{instance_id} failed to start: {_one_line(exc)}") from None
                 on_ready(info)
-                progress.mark_ready(instance_id)
+                progress.mark_ready(instance_id, info.kernels)
                 self.run_refs[self.actors[instance_id].run.remote()] = instance_id
 
     def watch(self, on_exit: ExitCallback) -> None:

@@ -22,6 +22,7 @@ from engine.loader import load_model
 from engine.outputs import RequestDelta
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
+from kernels import dispatch
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import SchedulerOutput
 from scheduler.request import Request, RequestStatus
@@ -133,6 +134,13 @@ class EngineCore:
     def finish_request(self, request_id: str) -> None:
         """Ends a request whose text matched a stop string (the front end decides)."""
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+
+    def kernels_status(self) -> str:
+        """Which kernels this engine's attention and fused ops run on."""
+        if self.device.type == "cuda":
+            reason = dispatch.triton_unavailable_reason()
+            return "Triton" if reason is None else f"torch references ({reason})"
+        return dispatch.cpu_kernels_status()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -113,6 +113,7 @@ class InstanceRuntime:
             max_num_seqs=self.engine_config.max_num_seqs,
             generation_defaults=dict(engine.generation_config.defaults),
             pid=os.getpid(),
+            kernels=engine.kernels_status(),
         )
 
     def run(self) -> None:

@@ -155,3 +155,6 @@ class InstanceInfo(msgspec.Struct, frozen=True):
     # generation_config.json sampling defaults (its own key names), for the gateway.
     generation_defaults: dict[str, int | float] = {}
     pid: int = 0
+    # Which attention/fused-op implementation runs (C kernels, Triton or the torch
+    # references, and why), so operators see a missing fast path at startup.
+    kernels: str = ""

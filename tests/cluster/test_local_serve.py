@@ -86,6 +86,16 @@ def test_round_robin_uses_both_instances(server) -> None:
     server.assert_blocks_free_or_cached()
 
 
+def test_startup_names_the_kernels_each_instance_runs(server) -> None:
+    from kernels import dispatch
+
+    with open(server.log_path) as log:
+        text = log.read()
+    # Same machine, same compiler: the instances run what this process would.
+    for instance in ("colocated-0", "colocated-1"):
+        assert f"{instance} ready (kernels: {dispatch.cpu_kernels_status()})" in text
+
+
 def test_full_server_answers_503_with_retry_after(server) -> None:
     held = [HeldStream(server), HeldStream(server)]  # one seat per instance, no queue
     try:
