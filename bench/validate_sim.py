@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -217,8 +218,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # stop the server and the running benchmark on the way out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, interrupt)
     out = Path(args.out_dir or tempfile.mkdtemp(prefix="validate-sim-"))
     out.mkdir(parents=True, exist_ok=True)
     try:
