@@ -9,7 +9,7 @@ import torch
 from engine.checkpoint import ModelConfig, check_weights, iter_weights
 from engine.models import model_class
 from engine.models.llama import LlamaForCausalLM
-from engine.models.precision import compute_dtype, round_weights_through
+from engine.models.precision import compute_dtype, store_matrices_narrow
 
 
 def load_model(
@@ -31,5 +31,5 @@ def load_model(
     check_weights(folder, model.expected_weights())
     model.load_weights(iter_weights(folder))
     if compute != dtype:
-        round_weights_through(model, dtype)
+        store_matrices_narrow(model, dtype)
     return model.eval()

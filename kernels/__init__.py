@@ -14,12 +14,13 @@ from kernels.attention import (
     write_kv_cache,
 )
 from kernels.dispatch import cpu_kernels_status, load_triton_kernels, triton_unavailable_reason
-from kernels.ops import rms_norm, rotary_embedding
+from kernels.ops import linear, rms_norm, rotary_embedding
 
 __all__ = [
     "AttentionMetadata",
     "cpu_kernels_status",
     "decode_attention",
+    "linear",
     "load_triton_kernels",
     "paged_attention",
     "prefill_attention",

@@ -1,4 +1,5 @@
-"""CPU C kernels for the paged-attention ops, bound with ctypes.
+"""CPU C kernels for the paged-attention ops and the bf16-weight linear layer, bound
+with ctypes.
 
 Same signatures and semantics as `kernels.reference` (the definition and the test
 oracle). The C sources in `kernels/cpu/` take raw data pointers and element strides,
@@ -23,7 +24,7 @@ import sys
 
 import torch
 
-from kernels import dispatch
+from kernels import dispatch, reference
 from kernels.cpu_build import BuildError, BuiltLibrary, ensure_built
 
 Tensor = torch.Tensor
@@ -50,7 +51,14 @@ _CALLS = {
     "decode": ("pd_decode_attention", struct.Struct("<30qd3q")),
     # query, cache, tables, query_start_loc, lens, out, then shapes; scale; window, threads.
     "prefill": ("pd_prefill_attention", struct.Struct("<34qd3q")),
+    # x, its row stride, weight, its row stride, bias, bias dtype, y, its row stride,
+    # then m, n, k, threads.
+    "linear": ("pd_linear", struct.Struct("<13q")),
 }
+# Up to this many rows the bf16-weight C linear layer streams the weights once and
+# wins (2-3x at decode batch sizes); above it the layer is compute-bound and widening
+# the weight for the BLAS matmul is as fast or faster (measured on AVX2, 2 threads).
+LINEAR_C_MAX_ROWS = 64
 
 
 class CpuKernels:
@@ -77,6 +85,7 @@ class CpuKernels:
         (self._write, self._pack_write, self._WriteArgs) = calls[0]
         (self._decode, self._pack_decode, self._DecodeArgs) = calls[1]
         (self._prefill, self._pack_prefill, self._PrefillArgs) = calls[2]
+        (self._linear, self._pack_linear, self._LinearArgs) = calls[3]
 
     def describe(self) -> str:
         return f"C kernels ({self.build_info}; {self.path.name})"
@@ -183,6 +192,39 @@ class CpuKernels:
         _check(self._prefill(call), call)
         return out
 
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """`reference.linear_ref`; a float32 x against a bfloat16 weight with few rows
+        runs in C, reading the bf16 weight without widening it first."""
+        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+        if (
+            x.dtype != torch.float32
+            or weight.dtype != torch.bfloat16
+            or not 0 < rows <= LINEAR_C_MAX_ROWS
+            or weight.dim() != 2
+            or weight.stride(1) != 1
+            or not weight.is_cpu
+        ):
+            return reference.linear_ref(x, weight, bias)
+        n, k = weight.shape
+        if x.shape[-1] != k:
+            raise ValueError(f"linear: x has {x.shape[-1]} features, weight expects {k}")
+        if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+            raise ValueError(f"linear: bias must be [{n}] and contiguous, got {tuple(bias.shape)}")
+        x2 = x.reshape(rows, k)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        y = torch.empty(rows, n, dtype=torch.float32)
+        call = self._LinearArgs()
+        self._pack_linear(
+            call, 0,
+            x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0),
+            0 if bias is None else bias.data_ptr(),
+            -1 if bias is None else _dtype("bias", bias),
+            y.data_ptr(), y.stride(0), rows, n, k, torch.get_num_threads(), -1,
+        )  # fmt: skip
+        _check(self._linear(call), call)
+        return y.reshape(*x.shape[:-1], n)
+
 
 def _dtype(name: str, t: Tensor) -> int:
     code = _DTYPES.get(t.dtype)
@@ -273,6 +315,7 @@ def register(kernels: CpuKernels) -> None:
     dispatch.register_cpu("write_kv_cache", kernels.write_kv_cache)
     dispatch.register_cpu("decode_attention", kernels.decode_attention)
     dispatch.register_cpu("prefill_attention", kernels.prefill_attention)
+    dispatch.register_cpu("linear", kernels.linear)
 
 
 def main(argv: list[str] | None = None) -> int:

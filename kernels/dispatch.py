@@ -28,6 +28,7 @@ _REFERENCE: dict[str, Callable[..., Any]] = {
     "prefill_attention": reference.prefill_attention_ref,
     "rms_norm": reference.rms_norm_ref,
     "rotary_embedding": reference.rotary_embedding_ref,
+    "linear": reference.linear_ref,
 }
 _TRITON: dict[str, Callable[..., Any]] = {}
 _load_attempted = False

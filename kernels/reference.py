@@ -165,3 +165,12 @@ def rotary_embedding_ref(
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
     return rotate(query), rotate(key)
+
+
+def linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x @ weight.T + bias in x's dtype; a weight stored narrower (bfloat16 weights of a
+    float32-compute model) is widened first."""
+    weight = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    return torch.nn.functional.linear(x, weight, bias)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.rope import cos_sin_cache
-from kernels import AttentionMetadata, paged_attention, rms_norm, rotary_embedding
+from kernels import AttentionMetadata, linear, paged_attention, rms_norm, rotary_embedding
 
 Tensor = torch.Tensor
 
@@ -62,7 +62,7 @@ class Attention(nn.Module):
         cos_sin: Tensor,
     ) -> Tensor:
         n = hidden.shape[0]
-        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)
+        qkv = linear(hidden, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
@@ -71,7 +71,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary_embedding(positions, q, k, cos_sin)
         attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return F.linear(attn.reshape(n, self.q_size), self.o_weight, self.o_bias)
+        return linear(attn.reshape(n, self.q_size), self.o_weight, self.o_bias)
 
 
 class MLP(nn.Module):
@@ -92,9 +92,9 @@ class MLP(nn.Module):
             self.down_bias = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        return linear(F.silu(gate) * up, self.down_weight, self.down_bias)
 
 
 class DecoderLayer(nn.Module):
@@ -150,7 +150,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> Tensor:
         """Hidden states after the final norm: [num_tokens, hidden]."""
-        hidden = F.embedding(token_ids, self.embed)
+        # The table may be stored narrower than the compute dtype (precision.py).
+        hidden = F.embedding(token_ids, self.embed).to(self.norm.weight.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.cos_sin)
@@ -159,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        return linear(hidden, head).float()
 
     # ---- weights -------------------------------------------------------------------
 

@@ -2,10 +2,12 @@
 
 On CPUs without native bfloat16 GEMM instructions (no AVX512-BF16/AMX, e.g. AVX2
 machines), torch's bf16 matmul runs 4-5x slower than float32 once a batch has a few
-rows, and widening bf16 weights per call costs a full pass over them every step.
-There a bfloat16 model keeps its weights rounded to bfloat16 values but stored and
-multiplied in float32; its KV cache stays bfloat16. Everywhere else the model computes
-in the serving dtype.
+rows. There a bfloat16 model computes in float32: its weight matrices stay stored in
+bfloat16 (half the memory, half the bytes a decode step streams) and `kernels.linear`
+multiplies float32 activations by them (a C kernel that widens in registers at decode
+batch sizes, a widened copy for BLAS above); norm weights and biases hold their
+bfloat16 values in float32; the KV cache stays bfloat16. Everywhere else the model
+computes in the serving dtype.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ def compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype
     return dtype
 
 
-def round_weights_through(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Give every parameter exactly the values it would have in `dtype`."""
+def store_matrices_narrow(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Weight matrices (and the embedding table) stored in `dtype`; vectors (norm
+    weights, biases) keep the compute dtype with exactly the values `dtype` holds."""
     for param in model.parameters():
-        param.data.copy_(param.data.to(dtype))
+        if param.dim() == 2:
+            param.data = param.data.to(dtype)
+        else:
+            param.data.copy_(param.data.to(dtype))

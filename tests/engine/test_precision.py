@@ -3,6 +3,7 @@
 import torch
 
 from engine.models import precision
+from kernels import linear
 
 
 def test_compute_dtype_widens_bf16_only_on_cpus_without_native_bf16(monkeypatch):
@@ -14,15 +15,20 @@ def test_compute_dtype_widens_bf16_only_on_cpus_without_native_bf16(monkeypatch)
     assert precision.compute_dtype(torch.bfloat16, "cpu") == torch.bfloat16
 
 
-def test_rounded_weights_hold_exactly_the_bf16_values():
+def test_narrow_storage_keeps_matrices_bf16_and_vectors_exact_in_float32():
     layer = torch.nn.Linear(64, 32)
-    original = layer.weight.detach().clone()
-    precision.round_weights_through(layer, torch.bfloat16)
-    assert layer.weight.dtype == torch.float32
-    assert torch.equal(layer.weight, original.to(torch.bfloat16).float())
-    assert not torch.equal(layer.weight, original)  # random fp32 values do get rounded
-    # A product in float32 of bf16-valued operands equals the bf16 product before rounding.
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    precision.store_matrices_narrow(layer, torch.bfloat16)
+    assert layer.weight.dtype == torch.bfloat16
+    assert torch.equal(layer.weight, weight.to(torch.bfloat16))
+    assert layer.bias.dtype == torch.float32
+    assert torch.equal(layer.bias, bias.to(torch.bfloat16).float())
+    assert not torch.equal(layer.bias, bias)  # random fp32 values do get rounded
+    # float32 activations times the bf16 matrix (kernels.linear, C or widened) agree
+    # with the bf16 product before rounding.
     x = torch.randn(8, 64).to(torch.bfloat16)
-    wide = torch.nn.functional.linear(x.float(), layer.weight, None)
-    narrow = torch.nn.functional.linear(x, layer.weight.to(torch.bfloat16), None)
-    torch.testing.assert_close(wide.to(torch.bfloat16), narrow, atol=2e-2, rtol=2e-2)
+    for rows in (1, 8):
+        wide = linear(x[:rows].float(), layer.weight, layer.bias)
+        assert wide.dtype == torch.float32
+        narrow = torch.nn.functional.linear(x[:rows], layer.weight, layer.bias.bfloat16())
+        torch.testing.assert_close(wide.to(torch.bfloat16), narrow, atol=2e-2, rtol=2e-2)

@@ -46,7 +46,8 @@ def test_loading_registers_every_kernel_and_cpu_never_runs_triton():
     assert dispatch.triton_unavailable_reason() is None
     from kernels.triton_ops import TRITON_KERNELS
 
-    assert set(TRITON_KERNELS) == set(dispatch._REFERENCE)
+    # The linear layer has no Triton kernel: on CUDA its reference is cuBLAS already.
+    assert set(TRITON_KERNELS) == set(dispatch._REFERENCE) - {"linear"}
     for name, fn in TRITON_KERNELS.items():
         assert dispatch._TRITON[name] is fn
         assert dispatch.lookup(name, torch.zeros(1)) is not fn

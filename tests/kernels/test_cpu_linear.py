@@ -1,0 +1,121 @@
+"""The bfloat16-weight linear layer in C against a float64 product of the same values.
+
+The grid walks row counts through every micro-kernel shape (1-4 rows and their
+remainders), weight rows through partial 12-row units and tiles, and K through the
+16-wide vector loop with and without a scalar tail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_build, cpu_ops, dispatch
+from kernels.reference import linear_ref
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def kernels() -> cpu_ops.CpuKernels:
+    try:
+        return cpu_ops.load()
+    except cpu_build.BuildError as exc:
+        if "no C compiler" in str(exc):
+            pytest.skip(f"CPU kernels need a C compiler: {exc}")
+        raise
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def exact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().T
+    return y if bias is None else y + bias.double()
+
+
+def assert_close_to_exact(y: torch.Tensor, expected: torch.Tensor, k: int) -> None:
+    assert y.dtype == torch.float32
+    assert torch.isfinite(y).all()
+    # float32 accumulation over k products of unit-scale values.
+    torch.testing.assert_close(y.double(), expected, atol=1e-5 * k**0.5 + 1e-6, rtol=1e-5)
+
+
+# (rows, weight rows, k, bias dtype, threads)
+GRID = [
+    (1, 12, 16, None, 1),
+    (1, 13, 17, torch.float32, 2),  # one row past a unit; K with a 1-element tail
+    (2, 6, 32, BF16, 1),
+    (3, 25, 40, None, 2),  # 3-row tiles; K tail of 8
+    (4, 100, 576, torch.float32, 2),
+    (5, 11, 48, BF16, 1),  # 4 + 1 rows; fewer weight rows than a unit
+    (7, 37, 1536, None, 2),  # 4 + 3 rows
+    (13, 1, 64, torch.float32, 1),  # a single weight row
+    (32, 960, 576, BF16, 2),  # SmolLM2 fused QKV at decode batch 32
+    (64, 50, 5, None, 2),  # K below one vector
+]
+
+
+@pytest.mark.parametrize("case", GRID, ids=lambda c: f"m{c[0]}n{c[1]}k{c[2]}-{c[3]}-t{c[4]}")
+def test_linear_matches_exact_product(kernels, threads, case):
+    m, n, k, bias_dtype, num_threads = case
+    threads(num_threads)
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen).to(BF16)
+    bias = None if bias_dtype is None else torch.randn(n, generator=gen).to(bias_dtype)
+    y = kernels.linear(x, w, bias)
+    assert y.shape == (m, n)
+    assert_close_to_exact(y, exact(x, w, bias), k)
+
+
+def test_strided_rows_and_leading_dims(kernels):
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(6, 200, generator=gen)
+    x = wide[:, 8:72]  # rows 200 apart: read in place
+    w = torch.randn(30, 64, generator=gen).to(BF16)
+    assert_close_to_exact(kernels.linear(x, w), exact(x, w, None), 64)
+    x3 = torch.randn(2, 3, 64, generator=gen)  # [batch, tokens, features]
+    y3 = kernels.linear(x3, w)
+    assert y3.shape == (2, 3, 30)
+    assert_close_to_exact(y3.reshape(6, 30), exact(x3.reshape(6, 64), w, None), 64)
+
+
+def test_many_rows_and_other_dtypes_take_the_reference(kernels):
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 64, generator=gen).to(BF16)
+    many = torch.randn(cpu_ops.LINEAR_C_MAX_ROWS + 1, 64, generator=gen)
+    assert torch.equal(kernels.linear(many, w), linear_ref(many, w))
+    wf = w.float()
+    few = many[:3]
+    assert torch.equal(kernels.linear(few, wf), linear_ref(few, wf))
+    empty = torch.empty(0, 64)
+    assert kernels.linear(empty, w).shape == (0, 40)
+
+
+def test_dispatch_sends_cpu_linear_to_the_c_kernel(kernels):
+    x = torch.randn(2, 64)
+    w = torch.randn(8, 64).to(BF16)
+    before = dispatch._cpu_enabled
+    dispatch.set_cpu_kernels_enabled(True)
+    try:
+        chosen = dispatch.lookup("linear", x)
+        assert getattr(chosen, "__name__", "") == "linear"
+        assert isinstance(getattr(chosen, "__self__", None), cpu_ops.CpuKernels)
+        assert_close_to_exact(chosen(x, w), exact(x, w, None), 64)
+        dispatch.set_cpu_kernels_enabled(False)
+        assert dispatch.lookup("linear", x) is linear_ref
+    finally:
+        dispatch.set_cpu_kernels_enabled(before)
+
+
+def test_mismatched_shapes_get_one_line_errors(kernels):
+    w = torch.randn(8, 64).to(BF16)
+    with pytest.raises(ValueError, match="x has 32 features, weight expects 64"):
+        kernels.linear(torch.randn(2, 32), w)
+    with pytest.raises(ValueError, match="bias must be"):
+        kernels.linear(torch.randn(2, 64), w, torch.randn(7))
