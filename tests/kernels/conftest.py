@@ -10,6 +10,9 @@ import importlib
 import os
 import sys
 
+import pytest
+import torch
+
 os.environ["TRITON_INTERPRET"] = "1"
 
 _KERNEL_MODULES = [
@@ -24,3 +27,24 @@ _KERNEL_MODULES = [
 for _name in _KERNEL_MODULES:
     if _name in sys.modules:
         importlib.reload(sys.modules[_name])
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The CPU C kernels, built if needed (skips only where no C compiler exists)."""
+    from kernels import cpu_build, cpu_ops
+
+    try:
+        return cpu_ops.load()
+    except cpu_build.BuildError as exc:
+        if "no C compiler" in str(exc):
+            pytest.skip(f"CPU kernels need a C compiler: {exc}")
+        raise
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count for one test, restoring it after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)

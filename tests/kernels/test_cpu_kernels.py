@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_build, cpu_ops
 from kernels.reference import decode_attention_ref, prefill_attention_ref, write_kv_cache_ref
 from tests.kernels.paged import assert_matches, make_paged_batch, poisoned_like
 
@@ -37,24 +36,6 @@ PAIRWISE = [
 def _case_id(case) -> str:
     heads, kv_heads, d, bs, dtype, window = case
     return f"h{heads}kv{kv_heads}-d{d}-bs{bs}-{str(dtype)[6:]}-w{window}"
-
-
-@pytest.fixture(scope="module")
-def kernels() -> cpu_ops.CpuKernels:
-    try:
-        return cpu_ops.load()
-    except cpu_build.BuildError as exc:
-        if "no C compiler" in str(exc):
-            pytest.skip(f"CPU kernels need a C compiler: {exc}")
-        raise
-
-
-@pytest.fixture
-def threads():
-    """Set torch's thread count for one test, restoring it after."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
 
 
 def _decode_case(kernels, heads, kv_heads, head_dim, bs, dtype, window, lens, seed, **kw):

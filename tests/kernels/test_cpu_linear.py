@@ -10,27 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_build, cpu_ops, dispatch
+from kernels import cpu_ops, dispatch
 from kernels.reference import linear_ref
 
 BF16 = torch.bfloat16
-
-
-@pytest.fixture(scope="module")
-def kernels() -> cpu_ops.CpuKernels:
-    try:
-        return cpu_ops.load()
-    except cpu_build.BuildError as exc:
-        if "no C compiler" in str(exc):
-            pytest.skip(f"CPU kernels need a C compiler: {exc}")
-        raise
-
-
-@pytest.fixture
-def threads():
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
 
 
 def exact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
