@@ -23,6 +23,7 @@ from engine.step_inputs import build_step_inputs, contiguous_block_tables
 from engine.synthetic_model import SyntheticLlamaConfig, random_llama
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
+from tests.engine.greedy import greedy_tokens
 
 BS = 16
 BLOCKS_PER_SEQ = 8  # max_model_len 128
@@ -305,16 +306,7 @@ def _write_checkpoint(folder) -> str:
 
 
 def _generate(engine: EngineCore, prompts: list[list[int]]) -> dict[str, list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(engine.make_request(f"r{i}", prompt, params))
-    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    for _ in range(200):
-        if not engine.has_unfinished_requests():
-            break
-        for delta in engine.step():
-            tokens[delta.request_id] += delta.new_token_ids
-    return tokens
+    return greedy_tokens(engine, prompts, max_tokens=6, max_steps=200)
 
 
 def test_engine_runner_hook_gives_the_tokens_of_the_plain_engine(tmp_path):

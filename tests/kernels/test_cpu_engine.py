@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from engine.core import EngineCore
 from engine.synthetic_model import SyntheticLlamaConfig, random_llama
 from kernels import dispatch
-from scheduler.sampling_params import SamplingParams
+from tests.engine.greedy import greedy_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -61,15 +61,7 @@ def _generate(folder: str, prompts: list[list[int]]) -> dict[str, list[int]]:
     engine = EngineCore(
         model=folder, num_kv_blocks=64, max_num_batched_tokens=24, num_threads=2, dtype="float32"
     )
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(engine.make_request(f"r{i}", prompt, params))
-    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    for _ in range(500):
-        if not engine.has_unfinished_requests():
-            break
-        for delta in engine.step():
-            tokens[delta.request_id] += delta.new_token_ids
+    tokens = greedy_tokens(engine, prompts, max_tokens=20)
     assert all(len(t) == 20 for t in tokens.values())
     return tokens
 
