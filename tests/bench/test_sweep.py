@@ -128,7 +128,9 @@ def test_reduced_sweep_stops_on_itl_and_writes_json_and_png(scripted_server, tmp
 
 
 def test_sweep_stops_when_preemptions_appear(scripted_server) -> None:
-    scripted_server.script(ttft_s=0.01, itl_s=0.005, preempt_above=2)
+    # A 0.2 s first token keeps the step's four requests in flight together even when
+    # a busy machine staggers their sends.
+    scripted_server.script(ttft_s=0.2, itl_s=0.005, preempt_above=2)
     config = reduced_config(
         scripted_server.base_url,
         concurrency_steps=[1, 2, 4],
