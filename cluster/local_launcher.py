@@ -65,9 +65,15 @@ class LocalLauncher(Launcher):
                 code = self.processes[instance_id].wait()
                 raise LaunchError(f"{instance_id} exited with code {code} while loading")
 
-    def _spawn(self, spec: InstanceSpec) -> None:
+    def child_env(self, spec: InstanceSpec) -> dict[str, str]:
         env = dict(self.env if self.env is not None else os.environ)
         env["PDSERVE_PARENT_PID"] = str(os.getpid())
+        if spec.gpu is not None:  # the instance sees its GPU as cuda:0
+            env["CUDA_VISIBLE_DEVICES"] = spec.gpu
+        return env
+
+    def _spawn(self, spec: InstanceSpec) -> None:
+        env = self.child_env(spec)
         command = [
             sys.executable,
             "-m",

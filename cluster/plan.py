@@ -11,6 +11,15 @@ import os
 import re
 from dataclasses import dataclass
 
+from cluster.placement import (
+    PlacementError,
+    PlannedInstance,
+    available_cores,
+    available_gpus,
+    place,
+    place_on_gpus,
+    resolve_device,
+)
 from engine.embedded import MODEL_NAME
 from engine.instance_kinds import kind_available
 from scheduler.global_scheduler import GlobalSchedulerConfig
@@ -44,15 +53,6 @@ def parse_size(text: str) -> int:
 
 
 @dataclass(frozen=True)
-class PlannedInstance:
-    instance_id: str
-    role: str
-    num_threads: int
-    cpus: list[int]  # empty: not pinned
-    num_cpus: float  # Ray resource request
-
-
-@dataclass(frozen=True)
 class ServePlan:
     args: argparse.Namespace
     model_path: str | None  # None: the embedded model (resolved at start)
@@ -63,7 +63,13 @@ class ServePlan:
     kv_transfer: dict  # KVTransferConfig fields for the prefill and decode instances
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, cores: list[int] | None = None) -> ServePlan:
+    def from_args(
+        cls,
+        args: argparse.Namespace,
+        cores: list[int] | None = None,
+        gpus: list[str] | None = None,
+    ) -> ServePlan:
+        """`cores` and `gpus` default to what this machine has."""
         check_flags(args)
         if args.mode == "disaggregated" and not (
             kind_available("prefill") and kind_available("decode")
@@ -74,6 +80,13 @@ class ServePlan:
             )
         roles = _roles(args)
         instances = place(roles, cores or available_cores(), args.threads_per_instance)
+        gpus = available_gpus() if gpus is None else gpus
+        try:
+            device = resolve_device(args.device, gpus)
+            if device == "cuda":
+                instances = place_on_gpus(instances, gpus, args.gpu_memory_utilization)
+        except PlacementError as exc:
+            raise ServeError(str(exc)) from None
         names = args.served_model_name or [args.model or MODEL_NAME]
         engine_args = {
             "model": args.model,
@@ -85,6 +98,7 @@ class ServePlan:
             "kv_cache_memory": parse_size(args.kv_cache_memory),
             "enable_prefix_caching": args.enable_prefix_caching,
             "seed": args.seed,
+            "device": device,
         }
         try:
             scheduler = GlobalSchedulerConfig(
@@ -149,27 +163,3 @@ def _roles(args: argparse.Namespace) -> list[str]:
         count = args.num_colocated or args.num_prefill + args.num_decode
         return ["colocated"] * count
     return ["prefill"] * args.num_prefill + ["decode"] * args.num_decode
-
-
-def available_cores() -> list[int]:
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return list(range(os.cpu_count() or 1))
-
-
-def place(roles: list[str], cores: list[int], threads: int = 0) -> list[PlannedInstance]:
-    """Each instance gets max(1, cores // instances) torch threads (or `threads`); with
-    at least two cores each they are pinned to disjoint cores (fewer would starve the
-    gateway)."""
-    count, num_cores = len(roles), len(cores)
-    share = threads or max(1, num_cores // count)
-    pin = not threads and num_cores // count >= 2
-    seen: dict[str, int] = {}
-    planned = []
-    for i, role in enumerate(roles):
-        index = seen[role] = seen.get(role, -1) + 1
-        cpus = cores[i * share : (i + 1) * share] if pin else []
-        num_cpus = min(float(share), num_cores / count)
-        planned.append(PlannedInstance(f"{role}-{index}", role, share, cpus, num_cpus))
-    return planned

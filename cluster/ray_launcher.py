@@ -1,5 +1,6 @@
 """The Ray launcher: instances as named actors in a Ray cluster (started here, or joined
-with `--ray-address`), each asking for its share of the CPUs.
+with `--ray-address`), each asking for its share of the CPUs (and of a GPU: Ray then
+sets the actor's CUDA_VISIBLE_DEVICES).
 
 Readiness: every actor's `load()` is awaited, with progress while weights load. Health:
 each actor's long-running `run()` call finishes only if the step loop ends or the actor
@@ -31,12 +32,14 @@ class RayLauncher(Launcher):
         address: str | None = None,
         namespace: str = "pdserve",
         num_cpus: dict[str, float] | None = None,
+        num_gpus: dict[str, float] | None = None,
         ready_timeout_s: float = 600.0,
     ) -> None:
         super().__init__(ready_timeout_s)
         self.address = address
         self.namespace = namespace
         self.num_cpus = num_cpus or {}
+        self.num_gpus = num_gpus or {}
         self.actors: dict[str, object] = {}
         self.run_refs: dict[object, str] = {}
         self.started_cluster = False
@@ -78,6 +81,7 @@ class RayLauncher(Launcher):
                 actor = actor_class.options(
                     name=spec.instance_id,
                     num_cpus=self.num_cpus.get(spec.instance_id, 1.0),
+                    num_gpus=self.num_gpus.get(spec.instance_id, 0.0),
                     max_concurrency=4,
                     max_restarts=0,
                 ).remote(msgspec.json.encode(spec))
@@ -93,7 +97,7 @@ class RayLauncher(Launcher):
             if time.monotonic() > deadline:
                 raise LaunchError(
                     f"instances not ready after {self.ready_timeout_s:g} s: "
-                    f"{sorted(loads.values())} (not enough CPUs in the cluster?)"
+                    f"{sorted(loads.values())} (not enough CPUs or GPUs in the cluster?)"
                 )
             progress.tick()
             ready, _ = ray.wait(list(loads), num_returns=1, timeout=0.5)

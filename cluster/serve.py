@@ -23,6 +23,7 @@ import uvicorn
 
 from cluster.launcher import Launcher, LaunchError
 from cluster.local_launcher import LocalLauncher
+from cluster.placement import load_waves
 from cluster.plan import ServeError, ServePlan
 from engine.embedded import EmbeddedModelError, embedded_model_path
 from engine.instance_spec import InstanceSpec
@@ -82,24 +83,49 @@ def make_launcher(plan: ServePlan, port: int) -> Launcher:
         address=plan.args.ray_address,
         namespace=f"pdserve-{port}",
         num_cpus={i.instance_id: i.num_cpus for i in plan.instances},
+        num_gpus={i.instance_id: i.num_gpus for i in plan.instances},
     )
 
 
-def instance_specs(plan: ServePlan, model_path: str, gateway_address: str) -> list[InstanceSpec]:
+def instance_specs(
+    plan: ServePlan, model_path: str, gateway_address: str, ray: bool = False
+) -> list[list[InstanceSpec]]:
+    """The instances' specs in load waves (instances sharing a GPU load one at a time).
+    Ray sets each actor's CUDA_VISIBLE_DEVICES itself; the local launcher uses `gpu`."""
     args = plan.args
-    return [
-        InstanceSpec(
-            instance_id=planned.instance_id,
-            role=planned.role,
-            gateway_address=gateway_address,
-            engine={**plan.engine_args, "model": model_path, "num_threads": planned.num_threads},
-            test_hooks=args.enable_test_hooks,
-            kv_transport=args.kv_transport,
-            kv_transfer=plan.kv_transfer,
-            cpus=planned.cpus,
-        )
-        for planned in plan.instances
-    ]
+    waves = []
+    for wave in load_waves(plan.instances):
+        specs = []
+        for planned in wave:
+            engine = {**plan.engine_args, "model": model_path, "num_threads": planned.num_threads}
+            if planned.device == "cuda":
+                engine["gpu_memory_utilization"] = planned.gpu_memory_utilization
+            spec = InstanceSpec(
+                instance_id=planned.instance_id,
+                role=planned.role,
+                gateway_address=gateway_address,
+                engine=engine,
+                test_hooks=args.enable_test_hooks,
+                kv_transport=args.kv_transport,
+                kv_transfer=plan.kv_transfer,
+                cpus=planned.cpus,
+                gpu=None if ray else planned.gpu,
+            )
+            specs.append(spec)
+        waves.append(specs)
+    return waves
+
+
+def describe(plan: ServePlan) -> str:
+    """ "prefill-0 (GPU 0, 0.45 of its memory), decode-0 (GPU 0, ...)" or the ids on CPU."""
+    parts = []
+    for planned in plan.instances:
+        if planned.gpu is None:
+            parts.append(planned.instance_id)
+        else:
+            share = planned.gpu_memory_utilization
+            parts.append(f"{planned.instance_id} (GPU {planned.gpu}, {share:.2f} of its memory)")
+    return ", ".join(parts)
 
 
 async def serve(plan: ServePlan, model_path: str, listener: socket.socket) -> int:
@@ -140,10 +166,11 @@ async def serve(plan: ServePlan, model_path: str, listener: socket.socket) -> in
     serving = loop.create_task(server.serve(sockets=[listener]))
     code = 0
     try:
-        specs = instance_specs(plan, model_path, gateway.output_address)
+        waves = instance_specs(plan, model_path, gateway.output_address, args.launcher == "ray")
+        specs = [spec for wave in waves for spec in wave]
         print(
             f"pdserve: starting {len(specs)} instance(s) ({args.mode}, {args.launcher} "
-            f"launcher): {', '.join(s.instance_id for s in specs)}",
+            f"launcher, {plan.engine_args['device']}): {describe(plan)}",
             file=sys.stderr,
             flush=True,
         )
@@ -151,7 +178,8 @@ async def serve(plan: ServePlan, model_path: str, listener: socket.socket) -> in
         def on_ready(info) -> None:
             loop.call_soon_threadsafe(gateway.register, info)
 
-        await loop.run_in_executor(None, launcher.launch, specs, on_ready)
+        for wave in waves:
+            await loop.run_in_executor(None, launcher.launch, wave, on_ready)
         launcher.watch(lambda i, why: loop.call_soon_threadsafe(gateway.instance_lost, i, why))
         print(f"pdserve: serving {gateway.model_name} on http://{host}:{port}", flush=True)
         waiter = loop.create_task(stop.wait())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from cluster.placement import DEVICES
 from cluster.plan import FAILURE_POLICIES, KV_TRANSPORTS, LAUNCHERS, MODES
 from scheduler.routing import POLICIES
 
@@ -41,10 +42,17 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         "--kv-cache-memory", default="2GiB", help="KV cache per instance on CPU, e.g. 2GiB, 512MiB"
     )
     model.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="auto: cuda when a GPU is visible, else cpu",
+    )
+    model.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
-        help="fraction of GPU memory per instance (GPU only)",
+        help="fraction of a GPU's memory for the instances on it, split evenly when several "
+        "share one (GPU only)",
     )
     model.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True

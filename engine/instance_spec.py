@@ -25,3 +25,4 @@ class InstanceSpec(msgspec.Struct, kw_only=True):
     # transfer_timeout_s, heartbeat_interval_s, handshake_timeout_s, ucx_tls).
     kv_transfer: dict[str, Any] = {}
     cpus: list[int] = []  # cores to pin to (empty: no pinning)
+    gpu: str | None = None  # CUDA_VISIBLE_DEVICES for a local process (None: leave as is)

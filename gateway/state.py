@@ -89,6 +89,23 @@ class Gateway:
     def ready(self) -> bool:
         return bool(self.scheduler.live(ROLES_THAT_DECODE))
 
+    def health(self) -> dict:
+        """/health's body: overall status and each instance as the scheduler sees it
+        (alive, load, and which kernels it runs, so a missing fast path shows)."""
+        instances = [
+            {
+                "id": view.instance_id,
+                "role": view.role,
+                "alive": view.alive,
+                "num_running": view.stats.num_running,
+                "num_waiting": view.stats.num_waiting,
+                "kv_cache_usage_perc": view.stats.kv_cache_usage_perc,
+                "kernels": view.info.kernels,
+            }
+            for view in self.scheduler.views.values()
+        ]
+        return {"status": "ok" if self.ready() else "unavailable", "instances": instances}
+
     # ---- request helpers --------------------------------------------------------------
 
     def check_model(self, name: str | None) -> str:

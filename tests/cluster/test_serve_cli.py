@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -16,10 +17,10 @@ def parse(*argv: str):
     return build_parser().parse_args(["serve", *argv])
 
 
-def run_cli(*argv: str) -> subprocess.CompletedProcess:
+def run_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "cluster.cli", "serve", *argv],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
 
 
@@ -121,3 +122,12 @@ def test_a_taken_port_fails_before_anything_loads() -> None:
     assert result.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_asking_for_a_gpu_where_none_is_visible_fails_with_one_line() -> None:
+    result = run_cli("--device", "cuda", env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "pdserve serve: error: --device cuda: no GPU visible (CUDA_VISIBLE_DEVICES, "
+        "nvidia-smi); use --device cpu"
+    ]

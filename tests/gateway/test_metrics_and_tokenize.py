@@ -70,7 +70,11 @@ def test_tokenize_detokenize_round_trip(server) -> None:
 
 
 def test_health_and_models(server) -> None:
-    assert server.get("/health").json() == {"status": "ok"}
+    health = server.get("/health").json()
+    assert health["status"] == "ok"
+    (instance,) = health["instances"]
+    assert (instance["role"], instance["alive"]) == ("colocated", True)
+    assert instance["kernels"]  # which attention/fused-op path runs, never blank
     models = server.get("/v1/models").json()
     assert models["object"] == "list"
     assert [m["id"] for m in models["data"]] == [MODEL]

@@ -1,0 +1,122 @@
+"""Placing instances on cores and GPUs, and the specs and load waves that follow."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import build_parser
+from cluster.local_launcher import LocalLauncher
+from cluster.placement import (
+    PlacementError,
+    available_gpus,
+    load_waves,
+    place,
+    place_on_gpus,
+    resolve_device,
+)
+from cluster.plan import ServeError, ServePlan
+from cluster.serve import describe, instance_specs
+
+TWO_GPUS = "GPU 0: NVIDIA H200 (UUID: GPU-a)\nGPU 1: NVIDIA H200 (UUID: GPU-b)\n"
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize(
+    ("visible", "ids"),
+    [("0,1", ["0", "1"]), ("3", ["3"]), ("", []), ("-1", []), ("2,-1,3", ["2"]),
+     ("GPU-a, GPU-b", ["GPU-a", "GPU-b"])],
+)  # fmt: skip
+def test_visible_devices_decide_the_gpus(visible: str, ids: list[str]) -> None:
+    assert available_gpus({"CUDA_VISIBLE_DEVICES": visible}) == ids
+
+
+def test_without_visible_devices_nvidia_smi_lists_the_gpus(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert available_gpus({}) == []  # no nvidia-smi: a CPU machine
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nprintf '{TWO_GPUS}'\n")
+    smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
+    assert available_gpus({}) == ["0", "1"]
+    smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    assert available_gpus({}) == []
+
+
+def test_the_device_follows_the_hardware_unless_asked() -> None:
+    assert resolve_device("auto", []) == "cpu"
+    assert resolve_device("auto", ["0"]) == "cuda"
+    assert resolve_device("cpu", ["0"]) == "cpu"
+    with pytest.raises(PlacementError, match="--device cuda: no GPU visible"):
+        resolve_device("cuda", [])
+
+
+def test_one_gpu_is_shared_with_a_memory_budget_each() -> None:
+    planned = place_on_gpus(place(["prefill", "decode"], [0, 1]), ["0"], 0.9)
+    assert [(p.device, p.gpu, p.num_gpus) for p in planned] == [
+        ("cuda", "0", 0.5), ("cuda", "0", 0.5)]  # fmt: skip
+    assert [p.gpu_memory_utilization for p in planned] == pytest.approx([0.45, 0.45])
+    # They load one after the other: each sizes its KV cache from the free memory.
+    assert [[p.instance_id for p in wave] for wave in load_waves(planned)] == [
+        ["prefill-0"], ["decode-0"]]  # fmt: skip
+
+
+def test_enough_gpus_give_one_instance_each() -> None:
+    planned = place_on_gpus(place(["prefill", "decode"], list(range(16))), ["4", "5", "6"], 0.8)
+    assert [(p.gpu, p.num_gpus, p.gpu_memory_utilization) for p in planned] == [
+        ("4", 1.0, 0.8), ("5", 1.0, 0.8)]  # fmt: skip
+    assert [len(wave) for wave in load_waves(planned)] == [2]
+    assert [p.cpus for p in planned] == [list(range(8)), list(range(8, 16))]
+
+
+def test_more_instances_than_gpus_share_round_robin() -> None:
+    roles = ["prefill", "prefill", "decode"]
+    planned = place_on_gpus(place(roles, [0, 1, 2]), ["0", "1"], 0.9)
+    assert [(p.instance_id, p.gpu, p.num_gpus) for p in planned] == [
+        ("prefill-0", "0", 0.5), ("prefill-1", "1", 1.0), ("decode-0", "0", 0.5)]  # fmt: skip
+    assert sum(p.num_gpus for p in planned) == pytest.approx(2.0)  # Ray can place them all
+    assert [[p.instance_id for p in w] for w in load_waves(planned)] == [
+        ["prefill-0", "prefill-1"], ["decode-0"]]  # fmt: skip
+
+
+def test_cpu_instances_load_together() -> None:
+    planned = place(["colocated"] * 3, [0, 1])
+    assert [len(wave) for wave in load_waves(planned)] == [3]
+    assert all(p.device == "cpu" and p.gpu is None and p.num_gpus == 0 for p in planned)
+
+
+def test_the_plan_puts_instances_on_the_gpus_it_is_given() -> None:
+    plan = ServePlan.from_args(parse("--gpu-memory-utilization", "0.8"), [0, 1], gpus=["0"])
+    assert plan.engine_args["device"] == "cuda"
+    assert [p.gpu_memory_utilization for p in plan.instances] == pytest.approx([0.4, 0.4])
+    assert "prefill-0 (GPU 0, 0.40 of its memory)" in describe(plan)
+    on_cpu = ServePlan.from_args(parse("--device", "cpu"), [0, 1], gpus=["0"])
+    assert on_cpu.engine_args["device"] == "cpu"
+    assert all(p.gpu is None for p in on_cpu.instances)
+    assert ServePlan.from_args(parse(), [0, 1], gpus=[]).engine_args["device"] == "cpu"
+    with pytest.raises(ServeError, match="no GPU visible"):
+        ServePlan.from_args(parse("--device", "cuda"), [0, 1], gpus=[])
+
+
+def test_specs_carry_the_device_budget_and_visible_gpu() -> None:
+    plan = ServePlan.from_args(parse(), [0, 1], gpus=["2"])
+    waves = instance_specs(plan, "/model", "tcp://127.0.0.1:1")
+    assert [[s.instance_id for s in wave] for wave in waves] == [["prefill-0"], ["decode-0"]]
+    first = waves[0][0]
+    assert first.gpu == "2"
+    assert first.engine["device"] == "cuda"
+    assert first.engine["gpu_memory_utilization"] == pytest.approx(0.45)
+    env = LocalLauncher(env={"PATH": os.defpath, "CUDA_VISIBLE_DEVICES": "0,1,2"}).child_env(first)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2"
+    # Ray sets an actor's CUDA_VISIBLE_DEVICES from its num_gpus; the spec leaves it alone.
+    ray_waves = instance_specs(plan, "/model", "tcp://127.0.0.1:1", ray=True)
+    assert all(spec.gpu is None for wave in ray_waves for spec in wave)
+    cpu_plan = ServePlan.from_args(parse(), [0, 1], gpus=[])
+    (cpu_wave,) = instance_specs(cpu_plan, "/model", "tcp://127.0.0.1:1")
+    assert all("gpu_memory_utilization" not in s.engine for s in cpu_wave)
+    assert "CUDA_VISIBLE_DEVICES" not in LocalLauncher(env={}).child_env(cpu_wave[0])
