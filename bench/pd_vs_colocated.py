@@ -1,6 +1,6 @@
 """Disaggregated (prefill + decode instances) against colocated serving, side by side.
 
-    python -m bench.pd_vs_colocated --num-prompts 10 --loads 0.5 0.8
+    python -m bench.pd_vs_colocated --num-prompts 24 --max-num-batched-tokens 256
 
 One run does, on this machine, with `pdserve serve --launcher local`:
 1. disaggregated (1 prefill + 1 decode by default): measure the saturation rate (as
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--num-prompts", type=int, default=10, help="per load and mode")
+    parser.add_argument("--num-prompts", type=int, default=24, help="per load and mode")
     # The saturation burst sends as many prompts as a load run by default: RAG documents
     # repeat, so a short burst sees mostly cold prefixes and underestimates the rate
     # the loads actually run at.
