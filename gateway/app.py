@@ -46,7 +46,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if gateway.ready():
-            return gateway.json(gateway.health())
+            return gateway.json({"status": "ok", "instances": gateway.instance_health()})
         return error_response(503, "no instance is ready", code="unavailable")
 
     @app.get("/metrics")

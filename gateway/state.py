@@ -89,10 +89,10 @@ class Gateway:
     def ready(self) -> bool:
         return bool(self.scheduler.live(ROLES_THAT_DECODE))
 
-    def health(self) -> dict:
-        """/health's body: overall status and each instance as the scheduler sees it
-        (alive, load, and which kernels it runs, so a missing fast path shows)."""
-        instances = [
+    def instance_health(self) -> list[dict]:
+        """Each instance as the scheduler sees it (alive, load, and which kernels it runs,
+        so a missing fast path shows), for /health."""
+        return [
             {
                 "id": view.instance_id,
                 "role": view.role,
@@ -104,7 +104,6 @@ class Gateway:
             }
             for view in self.scheduler.views.values()
         ]
-        return {"status": "ok" if self.ready() else "unavailable", "instances": instances}
 
     # ---- request helpers --------------------------------------------------------------
 
