@@ -14,8 +14,8 @@ export UCX_WARN_UNUSED_ENV_VARS := n
 .PHONY: install serve test lint bench clean-model
 
 install: $(STAMP)
-	$(PY) -m engine.embedded --prepare
-	$(PY) -m kernels.cpu_ops --build
+	$(PY) -m pdserve.engine.embedded --prepare
+	$(PY) -m pdserve.kernels.cpu_ops --build
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -1,4 +1,4 @@
-"""Command-line front ends: `pdserve bench serve|sweep|calibrate` and `pdserve plan`.
+"""Command-line front ends: `pdserve bench serve|sweep`.
 
 Flags follow `vllm bench serve` where one exists. Every handler turns bad input into
 a one-line error and exit status 2.
@@ -15,21 +15,23 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
-from bench.datasets import DATASET_NAMES, DatasetSpec
-from bench.metrics import METRIC_NAMES
+from pdserve.bench.datasets import DATASET_NAMES, DatasetSpec
+from pdserve.bench.metrics import METRIC_NAMES
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 
 
-def guarded(name: str, handler: Callable[[argparse.Namespace], int]):
-    """Run a handler; expected failures become one line on stderr."""
+def guarded(
+    name: str,
+    handler: Callable[[argparse.Namespace], int],
+    errors: tuple[type[Exception], ...] = (),
+):
+    """Run a handler; expected failures (and `errors`) become one line on stderr."""
 
     def run(args: argparse.Namespace) -> int:
-        from bench.sim.calibration import CalibrationUnavailable
-
         try:
             return handler(args)
-        except (ValueError, OSError, CalibrationUnavailable) as exc:
+        except (ValueError, OSError, *errors) as exc:
             print(f"pdserve {name}: error: {exc}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
@@ -99,8 +101,8 @@ def dataset_spec(args: argparse.Namespace, num_prompts: int) -> DatasetSpec:
 
 
 def build_dataset(args: argparse.Namespace, num_prompts: int):
-    from bench.datasets import build_samples
-    from bench.tokenizer import ApproximateTokenizer, ServerTokenizer, pick_tokenizer
+    from pdserve.bench.datasets import build_samples
+    from pdserve.bench.tokenizer import ApproximateTokenizer, ServerTokenizer, pick_tokenizer
 
     if args.tokenizer == "approximate":
         tokenizer = ApproximateTokenizer()
@@ -118,8 +120,8 @@ def ignores_eos(args: argparse.Namespace) -> bool:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from bench.metrics import parse_goodput, parse_metric_names, parse_percentiles
-    from bench.runner import RunConfig, format_report, run_benchmark, save_result
+    from pdserve.bench.metrics import parse_goodput, parse_metric_names, parse_percentiles
+    from pdserve.bench.runner import RunConfig, format_report, run_benchmark, save_result
 
     config = RunConfig(
         base_url=args.base_url,
@@ -178,9 +180,9 @@ REDUCED_PROFILE = {"concurrency_steps": [1, 2, 4, 8], "requests_per_step": 20, "
 
 
 def run_sweep_command(args: argparse.Namespace) -> int:
-    from bench.metrics import parse_percentiles
-    from bench.sweep import SweepConfig, format_sweep, run_sweep
-    from bench.sweep_plot import plot_sweep
+    from pdserve.bench.metrics import parse_percentiles
+    from pdserve.bench.sweep import SweepConfig, format_sweep, run_sweep
+    from pdserve.bench.sweep_plot import plot_sweep
 
     settings = dict(
         concurrency_steps=args.concurrency_steps,
@@ -256,63 +258,11 @@ def add_sweep_parser(bench_sub) -> None:
     parser.set_defaults(handler=guarded("bench sweep", run_sweep_command))
 
 
-def run_calibrate(args: argparse.Namespace) -> int:
-    from bench.sim.calibration import collect_step_samples
-    from bench.sim.latency import calibration_from_measurements
-
-    data = collect_step_samples(
-        args.model,
-        dtype=args.dtype,
-        prompt_lens=args.prompt_lens,
-        batch_sizes=args.batch_sizes,
-        decode_tokens=args.decode_tokens,
-        repeats=args.repeats,
-        seed=args.seed,
-        num_threads=args.num_threads,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
-    fitted = calibration_from_measurements(data)
-    data["fitted"] = fitted.to_json()
-    Path(args.output).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    print(json.dumps(data["fitted"], indent=2))
-    print(f"saved {args.output}")
-    return 0
-
-
-def add_calibrate_parser(bench_sub) -> None:
-    parser = bench_sub.add_parser(
-        "calibrate", help="measure step times of the pdserve engine for the simulator"
-    )
-    parser.add_argument("--model", default=None, help="checkpoint (default: the embedded one)")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--prompt-lens", type=int_list, default=[64, 256, 1024])
-    parser.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16])
-    parser.add_argument("--decode-tokens", type=positive_int, default=32)
-    parser.add_argument("--repeats", type=positive_int, default=2)
-    # A served instance computes with its share of the cores (`pdserve serve` gives each
-    # max(1, cores // instances) threads) and the server's token budget: match them.
-    parser.add_argument(
-        "--num-threads", type=positive_int, default=None, help="torch threads (default: all)"
-    )
-    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default="calibration.json")
-    parser.set_defaults(handler=guarded("bench calibrate", run_calibrate))
-
-
-def add_bench_parser(subparsers) -> None:
-    """`pdserve bench ...`: load generation, sweeps and calibration."""
+def add_bench_parser(subparsers) -> argparse._SubParsersAction:
+    """`pdserve bench ...`: load generation and sweeps; returns the subcommands, where
+    the planner adds `calibrate`."""
     bench = subparsers.add_parser("bench", help="benchmark a server or the engine")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     add_serve_parser(bench_sub)
     add_sweep_parser(bench_sub)
-    add_calibrate_parser(bench_sub)
-
-
-def add_plan_parser(subparsers) -> None:
-    """`pdserve plan`: memory, capacity, cost and simulation for a deployment."""
-    from bench.plan_cli import add_plan_arguments, run_plan
-
-    parser = subparsers.add_parser("plan", help="size and price a deployment")
-    add_plan_arguments(parser)
-    parser.set_defaults(handler=guarded("plan", run_plan))
+    return bench_sub

@@ -14,8 +14,8 @@ import time
 
 import httpx
 
-from bench.datasets import SampleRequest
-from bench.metrics import RequestOutcome
+from pdserve.bench.datasets import SampleRequest
+from pdserve.bench.metrics import RequestOutcome
 
 ERROR_TEXT_LIMIT = 200
 

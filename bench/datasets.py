@@ -6,7 +6,7 @@
   turn is the prompt and the reply's length is the output length.
 - `jsonl`: one recorded request per line, `{"prompt": ..., "output_len": N}` with an
   optional `"timestamp"` in seconds for replaying the original arrival times.
-- `rag`: long prompts of shared document chunks plus a question (see `bench.rag`).
+- `rag`: long prompts of shared document chunks plus a question (see `pdserve.bench.rag`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.tokenizer import ApproximateTokenizer, Tokenizer
-from bench.words import WORDS
+from pdserve.bench.tokenizer import ApproximateTokenizer, Tokenizer
+from pdserve.bench.words import WORDS
 
 DATASET_NAMES = ("random", "sharegpt", "jsonl", "rag")
 
@@ -170,7 +170,7 @@ def require_path(spec: DatasetSpec) -> str:
 
 def build_samples(spec: DatasetSpec, tokenizer: Tokenizer | None = None) -> list[SampleRequest]:
     """The requests of a run, deterministic for a given spec and tokenizer."""
-    from bench.rag import rag_samples
+    from pdserve.bench.rag import rag_samples
 
     if spec.num_prompts < 1:
         raise ValueError(f"--num-prompts must be at least 1, got {spec.num_prompts}")

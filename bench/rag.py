@@ -14,8 +14,8 @@ import math
 
 import numpy as np
 
-from bench.datasets import DatasetSpec, SampleRequest, random_text, sample_lengths
-from bench.tokenizer import Tokenizer
+from pdserve.bench.datasets import DatasetSpec, SampleRequest, random_text, sample_lengths
+from pdserve.bench.tokenizer import Tokenizer
 
 # The question is never shorter than this (or a quarter of the prompt, if shorter).
 MIN_QUESTION_TOKENS = 16

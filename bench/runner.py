@@ -18,11 +18,11 @@ from pathlib import Path
 
 import httpx
 
-from bench.arrivals import arrival_offsets
-from bench.client import CompletionsClient
-from bench.datasets import SampleRequest
-from bench.metrics import DEFAULT_PERCENTILES, METRIC_NAMES, RequestOutcome, summarize
-from bench.progress import ProgressBar
+from pdserve.bench.arrivals import arrival_offsets
+from pdserve.bench.client import CompletionsClient
+from pdserve.bench.datasets import SampleRequest
+from pdserve.bench.metrics import DEFAULT_PERCENTILES, METRIC_NAMES, RequestOutcome, summarize
+from pdserve.bench.progress import ProgressBar
 
 
 @dataclass

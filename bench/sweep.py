@@ -17,11 +17,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from bench.client import CompletionsClient
-from bench.datasets import SampleRequest
-from bench.metrics import DEFAULT_PERCENTILES
-from bench.runner import RunConfig, run_benchmark
-from bench.server_metrics import MetricsWatcher
+from pdserve.bench.client import CompletionsClient
+from pdserve.bench.datasets import SampleRequest
+from pdserve.bench.metrics import DEFAULT_PERCENTILES
+from pdserve.bench.runner import RunConfig, run_benchmark
+from pdserve.bench.server_metrics import MetricsWatcher
 
 DEFAULT_STEPS = (1, 4, 8, 16, 32, 64, 128)
 PER_REQUEST_FIELDS = ("input_lens", "output_lens", "ttfts", "itls", "errors")

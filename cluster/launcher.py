@@ -16,8 +16,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TextIO
 
-from engine.instance_spec import InstanceSpec
-from scheduler.messages import InstanceInfo
+from pdserve.instance.spec import InstanceSpec
+from pdserve.scheduler.messages import InstanceInfo
 
 ReadyCallback = Callable[[InstanceInfo], None]
 ExitCallback = Callable[[str, str], None]  # (instance id, reason)

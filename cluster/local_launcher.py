@@ -17,10 +17,16 @@ import time
 
 import msgspec
 
-from cluster.launcher import ExitCallback, Launcher, LaunchError, LoadProgress, ReadyCallback
-from engine.instance_main import FAILED_PREFIX, READY_PREFIX
-from engine.instance_spec import InstanceSpec
-from scheduler.messages import InstanceInfo
+from pdserve.cluster.launcher import (
+    ExitCallback,
+    Launcher,
+    LaunchError,
+    LoadProgress,
+    ReadyCallback,
+)
+from pdserve.instance.main import FAILED_PREFIX, READY_PREFIX
+from pdserve.instance.spec import InstanceSpec
+from pdserve.scheduler.messages import InstanceInfo
 
 STOP_GRACE_S = 10.0
 
@@ -77,7 +83,7 @@ class LocalLauncher(Launcher):
         command = [
             sys.executable,
             "-m",
-            "engine.instance_main",
+            "pdserve.instance.main",
             spec.instance_id,
             "--spec",
             msgspec.json.encode(spec).decode(),

@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from cluster.placement import (
+from pdserve.cluster.placement import (
     PlacementError,
     PlannedInstance,
     available_cores,
@@ -20,9 +20,9 @@ from cluster.placement import (
     place_on_gpus,
     resolve_device,
 )
-from engine.embedded import MODEL_NAME
-from engine.instance_kinds import kind_available
-from scheduler.global_scheduler import GlobalSchedulerConfig
+from pdserve.engine.embedded import MODEL_NAME
+from pdserve.instance.kinds import kind_available
+from pdserve.scheduler.global_scheduler import GlobalSchedulerConfig
 
 MODES = ("disaggregated", "colocated")
 LAUNCHERS = ("ray", "local")
@@ -126,7 +126,7 @@ def kv_transfer_settings(args: argparse.Namespace) -> dict:
         "heartbeat_interval_s": min(2.0, lease / 4),
         "handshake_timeout_s": min(5.0, timeout),
     }
-    from kvtransfer.config import KVTransferConfig  # zmq and numpy, no torch
+    from pdserve.kvtransfer.config import KVTransferConfig  # zmq and numpy, no torch
 
     try:
         KVTransferConfig(instance_id="check", transport=args.kv_transport, **settings)

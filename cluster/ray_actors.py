@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.instance_spec import InstanceSpec
+from pdserve.instance.spec import InstanceSpec
 
 
 class _InstanceActor:
     def __init__(self, spec_json: bytes) -> None:
-        from engine.instance_kinds import runtime_class
+        from pdserve.instance.kinds import runtime_class
 
         spec = msgspec.json.decode(spec_json, type=InstanceSpec)
         self.runtime = runtime_class(spec.role)(spec)

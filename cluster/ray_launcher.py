@@ -18,10 +18,16 @@ import time
 
 import msgspec
 
-from cluster.launcher import ExitCallback, Launcher, LaunchError, LoadProgress, ReadyCallback
-from cluster.ray_actors import ACTOR_CLASSES
-from engine.instance_spec import InstanceSpec
-from scheduler.messages import InstanceInfo
+from pdserve.cluster.launcher import (
+    ExitCallback,
+    Launcher,
+    LaunchError,
+    LoadProgress,
+    ReadyCallback,
+)
+from pdserve.cluster.ray_actors import ACTOR_CLASSES
+from pdserve.instance.spec import InstanceSpec
+from pdserve.scheduler.messages import InstanceInfo
 
 STOP_GRACE_S = 10.0
 

@@ -21,15 +21,15 @@ import sys
 
 import uvicorn
 
-from cluster.launcher import Launcher, LaunchError
-from cluster.local_launcher import LocalLauncher
-from cluster.placement import load_waves
-from cluster.plan import ServeError, ServePlan
-from engine.embedded import EmbeddedModelError, embedded_model_path
-from engine.instance_spec import InstanceSpec
-from engine.tokenizer import TokenizerError
-from gateway.app import create_app
-from gateway.state import Gateway, GatewayConfig
+from pdserve.cluster.launcher import Launcher, LaunchError
+from pdserve.cluster.local_launcher import LocalLauncher
+from pdserve.cluster.placement import load_waves
+from pdserve.cluster.plan import ServeError, ServePlan
+from pdserve.engine.embedded import EmbeddedModelError, embedded_model_path
+from pdserve.gateway.app import create_app
+from pdserve.gateway.state import Gateway, GatewayConfig
+from pdserve.instance.spec import InstanceSpec
+from pdserve.text.tokenizer import TokenizerError
 
 logger = logging.getLogger("pdserve.serve")
 
@@ -77,7 +77,7 @@ def bind_listener(host: str, port: int) -> socket.socket:
 def make_launcher(plan: ServePlan, port: int) -> Launcher:
     if plan.args.launcher == "local":
         return LocalLauncher()
-    from cluster.ray_launcher import RayLauncher  # Ray loads only when asked for
+    from pdserve.cluster.ray_launcher import RayLauncher  # Ray loads only when asked for
 
     return RayLauncher(
         address=plan.args.ray_address,

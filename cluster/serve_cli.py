@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.placement import DEVICES
-from cluster.plan import FAILURE_POLICIES, KV_TRANSPORTS, LAUNCHERS, MODES
-from scheduler.routing import POLICIES
+from pdserve.cluster.placement import DEVICES
+from pdserve.cluster.plan import FAILURE_POLICIES, KV_TRANSPORTS, LAUNCHERS, MODES
+from pdserve.scheduler.routing import POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -158,6 +158,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
 
 
 def _run(args: argparse.Namespace) -> int:
-    from cluster.serve import run_serve  # the serving stack loads only for this command
+    from pdserve.cluster.serve import run_serve  # the serving stack loads only for this command
 
     return run_serve(args)

@@ -27,13 +27,13 @@ import logging
 
 import msgspec
 
-from decode.messages import DecodeTask, KVHandoff
-from decode.pending import DelayedPulls, VoidedHandoffs, injected_delay_s
-from engine.instance import error_delta
-from engine.kv_instance import KVInstanceRuntime
-from kvtransfer import DecodeKVScheduler
-from scheduler.messages import AbortTask, RequestDelta
-from scheduler.request import RequestStatus
+from pdserve.decode.messages import DecodeTask, KVHandoff
+from pdserve.decode.pending import DelayedPulls, VoidedHandoffs, injected_delay_s
+from pdserve.instance.kv_instance import KVInstanceRuntime
+from pdserve.instance.loop import error_delta
+from pdserve.kvtransfer import DecodeKVScheduler
+from pdserve.scheduler.messages import AbortTask, RequestDelta
+from pdserve.scheduler.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 

@@ -12,22 +12,22 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import gpu_memory
-from engine.checkpoint import load_generation_config, load_model_config
-from engine.config import EngineConfig
-from engine.device_executor import DeviceExecutor
-from engine.embedded import embedded_model_path
-from engine.kv_cache import KVCache, KVCacheShape
-from engine.loader import load_model
-from engine.outputs import RequestDelta
-from engine.runner import ModelRunner
-from engine.sampler import Sampler
-from kernels import dispatch
-from scheduler.config import SchedulerConfig
-from scheduler.outputs import SchedulerOutput
-from scheduler.request import Request, RequestStatus
-from scheduler.sampling_params import SamplingParams
-from scheduler.step_scheduler import Scheduler
+from pdserve.engine import gpu_memory
+from pdserve.engine.checkpoint import load_generation_config, load_model_config
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.device_executor import DeviceExecutor
+from pdserve.engine.embedded import embedded_model_path
+from pdserve.engine.kv_cache import KVCache, KVCacheShape
+from pdserve.engine.loader import load_model
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampler import Sampler
+from pdserve.kernels import dispatch
+from pdserve.scheduler.config import SchedulerConfig
+from pdserve.scheduler.messages import RequestDelta
+from pdserve.scheduler.outputs import SchedulerOutput
+from pdserve.scheduler.request import Request, RequestStatus
+from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.step_scheduler import Scheduler
 
 
 @dataclass

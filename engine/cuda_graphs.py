@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 
-from kernels import AttentionMetadata, dispatch, reference
+from pdserve.kernels import AttentionMetadata, dispatch, reference
 
 Tensor = torch.Tensor
 # Kernels one decode step runs; each must be its Triton version (no host syncs) to capture.

@@ -1,7 +1,7 @@
 """Runs the model's steps on a CUDA device.
 
 The runner prepares every step on the host (numpy) as it does on CPU and hands it
-here: pure-decode batches replay a captured CUDA graph (`engine.cuda_graphs`); any
+here: pure-decode batches replay a captured CUDA graph (`pdserve.engine.cuda_graphs`); any
 other batch (prefill chunks, more sequences than the largest graph) runs eagerly on
 inputs staged through pinned memory. Logits come back on the device for the sampler.
 """
@@ -14,11 +14,11 @@ from typing import Protocol
 
 import torch
 
-from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, capture_sizes, graph_blockers
-from engine.device_inputs import HostToDeviceStager
-from engine.kv_cache import KVCache
-from kernels import AttentionMetadata, load_triton_kernels
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, graph_blockers
+from pdserve.engine.device_inputs import HostToDeviceStager
+from pdserve.engine.kv_cache import KVCache
+from pdserve.kernels import AttentionMetadata, load_triton_kernels
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ half-written model; a marker file records the conversion's version, and a later 
 returns at once. Weights are dense float32: the Q4_1/Q8_0 blocks are expanded with the `gguf`
 package, then llama.cpp's interleaving of the Q and K rows is undone.
 
-    python -m engine.embedded --prepare     # prints the folder (the Makefile's `make install`)
+    python -m pdserve.engine.embedded --prepare   # prints the folder (`make install`)
 """
 
 from __future__ import annotations
@@ -339,7 +339,7 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.embedded", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pdserve.engine.embedded", description=__doc__)
     parser.add_argument("--prepare", action="store_true", help="convert once, print the folder")
     args = parser.parse_args(argv)
     if not args.prepare:

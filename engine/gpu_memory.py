@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import KVCache, KVCacheShape
-from engine.step_inputs import build_step_inputs, contiguous_block_tables
+from pdserve.engine.kv_cache import KVCache, KVCacheShape
+from pdserve.engine.step_inputs import build_step_inputs, contiguous_block_tables
 
 GiB = 1 << 30
 # Slack kept free on the device beyond the budget (allocator fragmentation).

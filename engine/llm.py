@@ -18,11 +18,11 @@ from typing import Any
 
 import msgspec
 
-from engine.core import EngineCore
-from engine.detokenizer import TextStream
-from engine.outputs import TokenLogprobs
-from engine.tokenizer import Tokenizer
-from scheduler.sampling_params import SamplingParams, generation_config_defaults
+from pdserve.engine.core import EngineCore
+from pdserve.scheduler.messages import TokenLogprobs
+from pdserve.scheduler.sampling_params import SamplingParams, generation_config_defaults
+from pdserve.text.detokenizer import TextStream
+from pdserve.text.tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
 

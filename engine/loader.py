@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint import ModelConfig, check_weights, iter_weights
-from engine.models import model_class
-from engine.models.llama import LlamaForCausalLM
-from engine.models.precision import compute_dtype, store_matrices_narrow
+from pdserve.engine.checkpoint import ModelConfig, check_weights, iter_weights
+from pdserve.engine.models import model_class
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.precision import compute_dtype, store_matrices_narrow
 
 
 def load_model(

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.kv_cache import KVCache
-from kernels import AttentionMetadata
-from scheduler.outputs import ScheduledChunk, SchedulerOutput
-from scheduler.request import Request
+from pdserve.engine.kv_cache import KVCache
+from pdserve.kernels import AttentionMetadata
+from pdserve.scheduler.outputs import ScheduledChunk, SchedulerOutput
+from pdserve.scheduler.request import Request
 
 Tensor = torch.Tensor
 
@@ -35,7 +35,7 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
-        self.device_executor = None  # set by the engine on CUDA: `engine.device_executor`
+        self.device_executor = None  # set by the engine on CUDA: `pdserve.engine.device_executor`
 
     def prepare(self, output: SchedulerOutput) -> StepBatch:
         # Single-token chunks first: the attention op takes decodes before prefills.

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels import AttentionMetadata
+from pdserve.kernels import AttentionMetadata
 
 Tensor = torch.Tensor
 

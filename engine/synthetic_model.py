@@ -1,9 +1,9 @@
 """Llama-shaped models with random weights, built in-process.
 
-The device check (`bench.gpu_check`) and the engine tests need models of a given
+The device check (`experiments.gpu_check`) and the engine tests need models of a given
 shape without a checkpoint; this module needs nothing beyond torch (no safetensors,
 no scheduler), so it runs with a GPU machine's bare Python. `SyntheticLlamaConfig`
-carries the `engine.checkpoint.ModelConfig` fields the model reads, under the same
+carries the `pdserve.engine.checkpoint.ModelConfig` fields the model reads, under the same
 names.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.llama import LlamaForCausalLM
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,12 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from gateway.chat import create_chat_completion
-from gateway.completions import create_completion
-from gateway.errors import APIError, error_response
-from gateway.state import Gateway
-from gateway.tokenization import detokenize, tokenize
-from scheduler.routing import make_policy
+from pdserve.gateway.chat import create_chat_completion
+from pdserve.gateway.completions import create_completion
+from pdserve.gateway.errors import APIError, error_response
+from pdserve.gateway.state import Gateway
+from pdserve.gateway.tokenization import detokenize, tokenize
+from pdserve.scheduler.routing import make_policy
 
 logger = logging.getLogger(__name__)
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

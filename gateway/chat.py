@@ -8,13 +8,13 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.generation import GenerationRun
-from gateway.logprobs import TokenText, chat_logprobs
-from gateway.prompts import chat_prompt
-from gateway.sampling import build_sampling_params
-from gateway.schemas import ChatCompletionRequest, decode_body
-from gateway.state import Gateway
-from gateway.streaming import SSE_DONE, AbortingStreamingResponse, sse
+from pdserve.gateway.generation import GenerationRun
+from pdserve.gateway.logprobs import TokenText, chat_logprobs
+from pdserve.gateway.prompts import chat_prompt
+from pdserve.gateway.sampling import build_sampling_params
+from pdserve.gateway.schemas import ChatCompletionRequest, decode_body
+from pdserve.gateway.state import Gateway
+from pdserve.gateway.streaming import SSE_DONE, AbortingStreamingResponse, sse
 
 
 async def create_chat_completion(request: Request, gateway: Gateway) -> Response:

@@ -24,11 +24,16 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from gateway.metrics import GatewayMetrics
-from gateway.request_stream import RequestStream, StreamEvent
-from scheduler.block_events import BlockEventBatch
-from scheduler.global_scheduler import AdmissionRejected, GlobalScheduler, Route, handoffs_from
-from scheduler.messages import (
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.request_stream import RequestStream, StreamEvent
+from pdserve.scheduler.block_events import BlockEventBatch
+from pdserve.scheduler.global_scheduler import (
+    AdmissionRejected,
+    GlobalScheduler,
+    Route,
+    handoffs_from,
+)
+from pdserve.scheduler.messages import (
     AbortTask,
     GenerateTask,
     InspectTask,
@@ -40,7 +45,7 @@ from scheduler.messages import (
     SnapshotTask,
     Task,
 )
-from scheduler.routing import RouteRequest
+from pdserve.scheduler.routing import RouteRequest
 
 logger = logging.getLogger(__name__)
 

@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from engine.detokenizer import TextStream
-from engine.tokenizer import Tokenizer
-from gateway.dispatcher import Dispatcher
-from gateway.metrics import GatewayMetrics
-from gateway.prompts import Prompt
-from gateway.request_stream import StreamEvent
-from scheduler.messages import GenerateTask, TokenLogprobs
-from scheduler.sampling_params import SamplingParams
+from pdserve.gateway.dispatcher import Dispatcher
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.prompts import Prompt
+from pdserve.gateway.request_stream import StreamEvent
+from pdserve.scheduler.messages import GenerateTask, TokenLogprobs
+from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.text.detokenizer import TextStream
+from pdserve.text.tokenizer import Tokenizer
 
 _SEEDS = random.SystemRandom()
 

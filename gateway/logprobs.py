@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.tokenizer import Tokenizer
-from scheduler.messages import TokenLogprobs
+from pdserve.scheduler.messages import TokenLogprobs
+from pdserve.text.tokenizer import Tokenizer
 
 
 class TokenText:

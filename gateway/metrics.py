@@ -20,7 +20,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from scheduler.messages import InstanceOutput, InstanceStats
+from pdserve.scheduler.messages import InstanceOutput, InstanceStats
 
 PREFIX = "pdserve:"
 LABELS = ("role", "instance")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.tokenizer import Tokenizer, TokenizerError
-from gateway.errors import bad_request
+from pdserve.gateway.errors import bad_request
+from pdserve.text.tokenizer import Tokenizer, TokenizerError
 
 MAX_PROMPTS = 256  # prompts in one completion request
 

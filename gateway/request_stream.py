@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler.messages import RequestDelta
+from pdserve.scheduler.messages import RequestDelta
 
 
 @dataclass(frozen=True)

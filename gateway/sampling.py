@@ -10,9 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from gateway.errors import bad_request
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from scheduler.sampling_params import MAX_LOGPROBS, SamplingParams, generation_config_defaults
+from pdserve.gateway.errors import bad_request
+from pdserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from pdserve.scheduler.sampling_params import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    generation_config_defaults,
+)
 
 MAX_N = 128  # choices per request: beyond this one request would occupy a whole server
 _INT64 = 1 << 63

@@ -3,7 +3,7 @@
 Unknown fields are ignored (clients send `user`, `service_tier` and the like), but a
 field of the wrong type is an error naming the field: "Expected `int`, got `str` - at
 `$.max_tokens`". Semantic checks (ranges, combinations) happen when the request is
-turned into SamplingParams (`gateway.sampling`).
+turned into SamplingParams (`pdserve.gateway.sampling`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from gateway.errors import APIError, bad_request
+from pdserve.gateway.errors import APIError, bad_request
 
 MAX_BODY_BYTES = 32 << 20
 

@@ -10,17 +10,21 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.tokenizer import Tokenizer
-from gateway.dispatcher import Dispatcher
-from gateway.errors import APIError, error_body
-from gateway.generation import Choice, GenerationFailed, GenerationRun
-from gateway.metrics import GatewayMetrics
-from gateway.prompts import Prompt
-from gateway.streaming import ClientDisconnected, watch_disconnect
-from scheduler.global_scheduler import AdmissionRejected, GlobalScheduler, GlobalSchedulerConfig
-from scheduler.messages import InstanceInfo
-from scheduler.routing import ROLES_THAT_DECODE
-from scheduler.sampling_params import SamplingParams
+from pdserve.gateway.dispatcher import Dispatcher
+from pdserve.gateway.errors import APIError, error_body
+from pdserve.gateway.generation import Choice, GenerationFailed, GenerationRun
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.prompts import Prompt
+from pdserve.gateway.streaming import ClientDisconnected, watch_disconnect
+from pdserve.scheduler.global_scheduler import (
+    AdmissionRejected,
+    GlobalScheduler,
+    GlobalSchedulerConfig,
+)
+from pdserve.scheduler.messages import InstanceInfo
+from pdserve.scheduler.routing import ROLES_THAT_DECODE
+from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

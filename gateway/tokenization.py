@@ -5,11 +5,11 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.errors import bad_request
-from gateway.logprobs import TokenText
-from gateway.prompts import chat_prompt, check_vocabulary
-from gateway.schemas import DetokenizeRequest, TokenizeRequest, decode_body
-from gateway.state import Gateway
+from pdserve.gateway.errors import bad_request
+from pdserve.gateway.logprobs import TokenText
+from pdserve.gateway.prompts import chat_prompt, check_vocabulary
+from pdserve.gateway.schemas import DetokenizeRequest, TokenizeRequest, decode_body
+from pdserve.gateway.state import Gateway
 
 
 async def tokenize(request: Request, gateway: Gateway) -> Response:

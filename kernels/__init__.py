@@ -3,18 +3,22 @@
 Importing `kernels` never imports triton: CUDA calls load the Triton kernels on first
 use (`load_triton_kernels`), and where triton is missing they run the references and
 `triton_unavailable_reason()` says why. CPU calls run C kernels built on first use
-(`kernels.cpu_ops`); `cpu_kernels_status()` says which implementation is active.
+(`pdserve.kernels.cpu_ops`); `cpu_kernels_status()` says which implementation is active.
 """
 
-from kernels.attention import (
+from pdserve.kernels.attention import (
     AttentionMetadata,
     decode_attention,
     paged_attention,
     prefill_attention,
     write_kv_cache,
 )
-from kernels.dispatch import cpu_kernels_status, load_triton_kernels, triton_unavailable_reason
-from kernels.ops import linear, rms_norm, rotary_embedding
+from pdserve.kernels.dispatch import (
+    cpu_kernels_status,
+    load_triton_kernels,
+    triton_unavailable_reason,
+)
+from pdserve.kernels.ops import linear, rms_norm, rotary_embedding
 
 __all__ = [
     "AttentionMetadata",

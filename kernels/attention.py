@@ -1,8 +1,8 @@
 """The attention op every model layer calls, over the paged KV cache.
 
-Signature and layout are a contract (DESIGN.md, "Contracts"): see `kernels.reference`
+Signature and layout are a contract (DESIGN.md, "Contracts"): see `pdserve.kernels.reference`
 for the semantics. CPU tensors run the torch references; CUDA tensors run the Triton
-kernels once they are registered in `kernels.dispatch`.
+kernels once they are registered in `pdserve.kernels.dispatch`.
 
 A batch is ordered decodes first: the first `num_decode_seqs` sequences have exactly
 one new token each; the rest are prefill chunks of any length.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import dispatch
+from pdserve.kernels import dispatch
 
 Tensor = torch.Tensor
 

@@ -1,16 +1,16 @@
 """CPU C kernels for the paged-attention ops and the bf16-weight linear layer, bound
 with ctypes.
 
-Same signatures and semantics as `kernels.reference` (the definition and the test
+Same signatures and semantics as `pdserve.kernels.reference` (the definition and the test
 oracle). The C sources in `kernels/cpu/` take raw data pointers and element strides,
 so strided views (the block-strided per-layer cache, q/k/v split out of a fused QKV
 projection, `out` rows of a wider batch) need no copies. Every call uses
 `torch.get_num_threads()` threads, the instance's share of the cores; the library
 links the OpenMP runtime torch already loaded, so both share one thread pool.
 
-    python -m kernels.cpu_ops --build   # compile into the cache now (make install)
+    python -m pdserve.kernels.cpu_ops --build   # compile into the cache now (make install)
 
-`kernels.dispatch` calls `load` and `register` on the first CPU lookup (building the
+`pdserve.kernels.dispatch` calls `load` and `register` on the first CPU lookup (building the
 library the first time) and keeps the torch references, with the reason logged once,
 when that fails.
 """
@@ -24,8 +24,8 @@ import sys
 
 import torch
 
-from kernels import dispatch, reference
-from kernels.cpu_build import BuildError, BuiltLibrary, ensure_built
+from pdserve.kernels import dispatch, reference
+from pdserve.kernels.cpu_build import BuildError, BuiltLibrary, ensure_built
 
 Tensor = torch.Tensor
 

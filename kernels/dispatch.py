@@ -1,12 +1,12 @@
 """Picks an implementation of a kernel by the device of its input.
 
-CPU → the C kernel registered for that name (`kernels.cpu_ops`, built and loaded on
+CPU → the C kernel registered for that name (`pdserve.kernels.cpu_ops`, built and loaded on
 the first CPU lookup), or the reference when none is registered, when the build
 failed (logged once, with the compiler's error) or when PDSERVE_CPU_KERNELS=0.
 CUDA → the Triton kernel registered for that name, or the reference when none is
 registered (so the GPU path works before every kernel has a Triton version, and
 where triton is not installed). The Triton kernels register themselves when
-`kernels.triton_ops` is imported, which happens on the first CUDA lookup (or
+`pdserve.kernels.triton_ops` is imported, which happens on the first CUDA lookup (or
 explicitly through `load_triton_kernels`), so CPU-only processes never import triton.
 The references stay the definition of every op and the oracle of the tests.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kernels import reference
+from pdserve.kernels import reference
 
 _REFERENCE: dict[str, Callable[..., Any]] = {
     "write_kv_cache": reference.write_kv_cache_ref,
@@ -54,7 +54,7 @@ def load_triton_kernels() -> bool:
     if not _load_attempted:
         _load_attempted = True
         try:
-            import kernels.triton_ops  # noqa: F401  (registers on import)
+            import pdserve.kernels.triton_ops  # noqa: F401  (registers on import)
         except ImportError as exc:
             _unavailable_reason = f"triton kernels unavailable ({exc}); using torch references"
     return _unavailable_reason is None
@@ -84,7 +84,7 @@ def load_cpu_kernels() -> bool:
     global _cpu_load_attempted, _cpu_unavailable_reason, _cpu_description
     if not _cpu_load_attempted:
         _cpu_load_attempted = True
-        from kernels import cpu_build, cpu_ops
+        from pdserve.kernels import cpu_build, cpu_ops
 
         try:
             loaded = cpu_ops.load()

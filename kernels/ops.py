@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import dispatch
+from pdserve.kernels import dispatch
 
 Tensor = torch.Tensor
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (
+from pdserve.kernels.triton_common import (
     PROGRAMS_PER_SM,
     check_float,
     check_heads,

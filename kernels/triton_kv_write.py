@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (
+from pdserve.kernels.triton_common import (
     check_float,
     check_kv_cache,
     check_same_device,

@@ -1,17 +1,17 @@
-"""Registers the Triton kernels with `kernels.dispatch`, so CUDA tensors run them.
+"""Registers the Triton kernels with `pdserve.kernels.dispatch`, so CUDA tensors run them.
 
-Importing this module needs triton; `kernels.dispatch` imports it on the first CUDA
+Importing this module needs triton; `pdserve.kernels.dispatch` imports it on the first CUDA
 lookup and falls back to the references (with the reason kept) where triton is absent.
 """
 
 from __future__ import annotations
 
-from kernels import dispatch
-from kernels.triton_decode import decode_attention_triton
-from kernels.triton_kv_write import write_kv_cache_triton
-from kernels.triton_norm import rms_norm_triton
-from kernels.triton_prefill import prefill_attention_triton
-from kernels.triton_rotary import rotary_embedding_triton
+from pdserve.kernels import dispatch
+from pdserve.kernels.triton_decode import decode_attention_triton
+from pdserve.kernels.triton_kv_write import write_kv_cache_triton
+from pdserve.kernels.triton_norm import rms_norm_triton
+from pdserve.kernels.triton_prefill import prefill_attention_triton
+from pdserve.kernels.triton_rotary import rotary_embedding_triton
 
 TRITON_KERNELS = {
     "write_kv_cache": write_kv_cache_triton,

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (
+from pdserve.kernels.triton_common import (
     check_float,
     check_heads,
     check_kv_cache,

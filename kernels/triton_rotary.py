@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import check_float, check_same_device, next_power_of_2
+from pdserve.kernels.triton_common import check_float, check_same_device, next_power_of_2
 
 Tensor = torch.Tensor
 

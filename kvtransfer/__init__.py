@@ -6,17 +6,17 @@ Scheduler half (one per instance): `PrefillKVScheduler`, `DecodeKVScheduler`,
 (ranks → leader). See README.md in this folder for the protocol.
 """
 
-from kvtransfer.config import FAILURE_POLICIES, KVTransferConfig
-from kvtransfer.layout import KVLayoutMismatch, layout_of
-from kvtransfer.messages import (
+from pdserve.kvtransfer.config import FAILURE_POLICIES, KVTransferConfig
+from pdserve.kvtransfer.layout import KVLayoutMismatch, layout_of
+from pdserve.kvtransfer.messages import (
     KVConnectorMetadata,
     KVHandoff,
     KVLayout,
     KVSource,
     TransferReport,
 )
-from kvtransfer.metrics import SECONDS_BUCKETS, KVTransferStats
-from kvtransfer.scheduler_side import (
+from pdserve.kvtransfer.metrics import SECONDS_BUCKETS, KVTransferStats
+from pdserve.kvtransfer.scheduler_side import (
     DecodeKVScheduler,
     DecodeUpdate,
     PrefillKVScheduler,
@@ -24,7 +24,7 @@ from kvtransfer.scheduler_side import (
     RemoteKVFailure,
     ReportAggregator,
 )
-from kvtransfer.worker import KVTransferWorker
+from pdserve.kvtransfer.worker import KVTransferWorker
 
 __all__ = [
     "FAILURE_POLICIES",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtransfer.transport import TRANSPORTS
+from pdserve.kvtransfer.transport import TRANSPORTS
 
 FAILURE_POLICIES = ("recompute", "fail")
 

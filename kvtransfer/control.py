@@ -13,7 +13,7 @@ import uuid
 import msgspec
 import zmq
 
-from kvtransfer.messages import ControlMessage, decode_control, encode_control
+from pdserve.kvtransfer.messages import ControlMessage, decode_control, encode_control
 
 logger = logging.getLogger(__name__)
 

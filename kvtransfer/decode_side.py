@@ -20,10 +20,10 @@ from typing import Any
 
 import zmq
 
-from kvtransfer.config import KVTransferConfig
-from kvtransfer.control import ControlClient
-from kvtransfer.kv_memory import KVMemory
-from kvtransfer.layout import (
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.control import ControlClient
+from pdserve.kvtransfer.kv_memory import KVMemory
+from pdserve.kvtransfer.layout import (
     KVLayoutMismatch,
     Run,
     check_compatible,
@@ -32,7 +32,7 @@ from kvtransfer.layout import (
     head_range,
     source_slices,
 )
-from kvtransfer.messages import (
+from pdserve.kvtransfer.messages import (
     Abort,
     BlockRun,
     ControlMessage,
@@ -47,8 +47,8 @@ from kvtransfer.messages import (
     PullRejected,
     PullSpec,
 )
-from kvtransfer.metrics import KVTransferStats
-from kvtransfer.transport import TransferOp, Transport
+from pdserve.kvtransfer.metrics import KVTransferStats
+from pdserve.kvtransfer.transport import TransferOp, Transport
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtransfer.layout import KVLayoutMismatch
-from kvtransfer.messages import KVLayout
+from pdserve.kvtransfer.layout import KVLayoutMismatch
+from pdserve.kvtransfer.messages import KVLayout
 
 
 def _is_torch(obj: Any) -> bool:

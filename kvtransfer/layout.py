@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtransfer.messages import DTYPE_SIZES, KVLayout
+from pdserve.kvtransfer.messages import DTYPE_SIZES, KVLayout
 
 
 class KVLayoutMismatch(ValueError):

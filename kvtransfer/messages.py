@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
-from scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.sampling_params import SamplingParams
 
 # Bytes of one element per dtype name (the name is torch's without the "torch." prefix).
 DTYPE_SIZES = {

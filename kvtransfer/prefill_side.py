@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvtransfer.config import KVTransferConfig
-from kvtransfer.control import ControlServer
-from kvtransfer.kv_memory import KVMemory
-from kvtransfer.layout import KVLayoutMismatch, check_compatible, check_tp_split, head_range
-from kvtransfer.messages import (
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.control import ControlServer
+from pdserve.kvtransfer.kv_memory import KVMemory
+from pdserve.kvtransfer.layout import KVLayoutMismatch, check_compatible, check_tp_split, head_range
+from pdserve.kvtransfer.messages import (
     Abort,
     ControlMessage,
     Done,
@@ -38,8 +38,8 @@ from kvtransfer.messages import (
     Pull,
     PullRejected,
 )
-from kvtransfer.metrics import KVTransferStats
-from kvtransfer.transport import TransferOp, Transport
+from pdserve.kvtransfer.metrics import KVTransferStats
+from pdserve.kvtransfer.transport import TransferOp, Transport
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvtransfer.config import FAILURE_POLICIES
-from kvtransfer.layout import check_compatible, check_tp_split
-from kvtransfer.messages import (
+from pdserve.kvtransfer.config import FAILURE_POLICIES
+from pdserve.kvtransfer.layout import check_compatible, check_tp_split
+from pdserve.kvtransfer.messages import (
     HoldSpec,
     KeepaliveSpec,
     KVConnectorMetadata,
@@ -33,7 +33,7 @@ from kvtransfer.messages import (
 )
 
 if TYPE_CHECKING:
-    from scheduler.request import Request
+    from pdserve.scheduler.request import Request
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:

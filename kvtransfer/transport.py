@@ -69,11 +69,11 @@ class Transport(abc.ABC):
 def make_transport(name: str, host: str, tls: str | None, zmq_context: Any) -> Transport:
     """The transport named in the config; never a silent substitute."""
     if name in ("ucx", "ucx-listener"):
-        from kvtransfer.ucx_transport import UcxTransport
+        from pdserve.kvtransfer.ucx_transport import UcxTransport
 
         return UcxTransport(listener=name == "ucx-listener", host=host, tls=tls)
     if name == "zmq":
-        from kvtransfer.zmq_transport import ZmqTransport
+        from pdserve.kvtransfer.zmq_transport import ZmqTransport
 
         return ZmqTransport(zmq_context, host)
     raise ValueError(f"unknown KV transport {name!r}; choose one of {', '.join(TRANSPORTS)}")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvtransfer.transport import TransferOp, Transport
+from pdserve.kvtransfer.transport import TransferOp, Transport
 
 _OK = 0
 _CANCELED = -16  # UCS_ERR_CANCELED

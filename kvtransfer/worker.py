@@ -21,15 +21,15 @@ from typing import Any
 
 import zmq
 
-from kvtransfer.config import KVTransferConfig
-from kvtransfer.control import ControlServer
-from kvtransfer.decode_side import DecodeSide
-from kvtransfer.kv_memory import KVMemory
-from kvtransfer.layout import check_tp_split
-from kvtransfer.messages import KVConnectorMetadata, KVLayout, TransferReport
-from kvtransfer.metrics import KVTransferStats
-from kvtransfer.prefill_side import PrefillSide
-from kvtransfer.transport import Transport, make_transport
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.control import ControlServer
+from pdserve.kvtransfer.decode_side import DecodeSide
+from pdserve.kvtransfer.kv_memory import KVMemory
+from pdserve.kvtransfer.layout import check_tp_split
+from pdserve.kvtransfer.messages import KVConnectorMetadata, KVLayout, TransferReport
+from pdserve.kvtransfer.metrics import KVTransferStats
+from pdserve.kvtransfer.prefill_side import PrefillSide
+from pdserve.kvtransfer.transport import Transport, make_transport
 
 logger = logging.getLogger(__name__)
 

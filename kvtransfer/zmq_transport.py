@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from kvtransfer.transport import TransferOp, Transport
+from pdserve.kvtransfer.transport import TransferOp, Transport
 
 _CHUNK = 4 << 20
 _HEADER = struct.Struct("<QQ")  # tag, byte offset

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import logging
 
-from engine.instance import error_delta
-from engine.kv_instance import KVInstanceRuntime
-from kvtransfer import PrefillKVScheduler
-from scheduler.messages import AbortTask, GenerateTask, InstanceAddress, RequestDelta
+from pdserve.instance.kv_instance import KVInstanceRuntime
+from pdserve.instance.loop import error_delta
+from pdserve.kvtransfer import PrefillKVScheduler
+from pdserve.scheduler.messages import AbortTask, GenerateTask, InstanceAddress, RequestDelta
 
 logger = logging.getLogger(__name__)
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from scheduler.block_events import (
+from pdserve.scheduler.block_events import (
     BlockCacheSnapshot,
     BlockEvent,
     BlockEventBatch,
     BlockRemoved,
     BlockStored,
 )
-from scheduler.block_hash import BlockHash
+from pdserve.scheduler.block_hash import BlockHash
 
 
 @dataclass

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from scheduler.block_events import BlockCacheSnapshot, BlockEventBatch
-from scheduler.messages import InstanceInfo, InstanceStats
-from scheduler.routing import (
+from pdserve.scheduler.block_events import BlockCacheSnapshot, BlockEventBatch
+from pdserve.scheduler.messages import InstanceInfo, InstanceStats
+from pdserve.scheduler.routing import (
     MAX_UNSYNCED_BATCHES,
     ROLES_THAT_DECODE,
     InstanceView,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
-from scheduler.block_events import BlockCacheSnapshot
-from scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.block_events import BlockCacheSnapshot
+from pdserve.scheduler.sampling_params import SamplingParams
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

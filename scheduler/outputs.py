@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.request import Request
+from pdserve.scheduler.request import Request
 
 
 @dataclass

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from scheduler.request import RequestStatus
+from pdserve.scheduler.request import RequestStatus
 
 if TYPE_CHECKING:
-    from scheduler.step_scheduler import Scheduler
+    from pdserve.scheduler.step_scheduler import Scheduler
 
 _STATUSES = {
     "waiting": {RequestStatus.WAITING, RequestStatus.PREEMPTED},

@@ -20,13 +20,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from scheduler.block_events import BlockCacheSnapshot, BlockEventBatch
-from scheduler.block_manager import BlockManager
-from scheduler.config import SchedulerConfig
-from scheduler.outputs import RemoteKVAllocation, ScheduledChunk, SchedulerOutput
-from scheduler.request import Request, RequestStatus
-from scheduler.scheduler_checks import check_scheduler_invariants
-from scheduler.stop_checker import check_stop
+from pdserve.scheduler.block_events import BlockCacheSnapshot, BlockEventBatch
+from pdserve.scheduler.block_manager import BlockManager
+from pdserve.scheduler.config import SchedulerConfig
+from pdserve.scheduler.outputs import RemoteKVAllocation, ScheduledChunk, SchedulerOutput
+from pdserve.scheduler.request import Request, RequestStatus
+from pdserve.scheduler.scheduler_checks import check_scheduler_invariants
+from pdserve.scheduler.stop_checker import check_stop
 
 REMOTE_KV_POLICIES = ("recompute", "fail")
 _TRANSFER_STATUSES = (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.HANDED_OFF)

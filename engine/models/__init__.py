@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.llama import LlamaForCausalLM
 
 # Mistral, Qwen2 and Qwen3 are Llama with config flags (sliding window, qkv bias, q/k norm).
 ARCHITECTURES = {

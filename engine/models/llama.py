@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.rope import cos_sin_cache
-from kernels import AttentionMetadata, linear, paged_attention, rms_norm, rotary_embedding
+from pdserve.engine.models.rope import cos_sin_cache
+from pdserve.kernels import AttentionMetadata, linear, paged_attention, rms_norm, rotary_embedding
 
 Tensor = torch.Tensor
 

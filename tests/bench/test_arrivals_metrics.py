@@ -7,15 +7,15 @@ import math
 import numpy as np
 import pytest
 
-from bench.arrivals import arrival_offsets
-from bench.metrics import (
+from pdserve.bench.arrivals import arrival_offsets
+from pdserve.bench.metrics import (
     RequestOutcome,
     parse_goodput,
     parse_metric_names,
     parse_percentiles,
     summarize,
 )
-from bench.server_metrics import KV_USAGE_NAMES, first_present, parse_samples
+from pdserve.bench.server_metrics import KV_USAGE_NAMES, first_present, parse_samples
 
 
 def gaps(rate: float, burstiness: float, seed: int = 11, n: int = 40_000) -> np.ndarray:

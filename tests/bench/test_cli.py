@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cluster.cli import main
+from pdserve.cli import main
 
 VLLM_FIELDS = (
     "completed",

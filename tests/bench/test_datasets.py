@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from bench.datasets import DatasetSpec, build_samples
-from bench.rag import MIN_QUESTION_TOKENS
-from bench.tokenizer import ApproximateTokenizer, ServerTokenizer
+from pdserve.bench.datasets import DatasetSpec, build_samples
+from pdserve.bench.rag import MIN_QUESTION_TOKENS
+from pdserve.bench.tokenizer import ApproximateTokenizer, ServerTokenizer
 
 
 def test_random_lengths_stay_within_the_range_ratio_and_repeat_by_seed() -> None:

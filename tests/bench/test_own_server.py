@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cluster.cli import main
+from pdserve.cli import main
 from tests.gateway.server import ServeProcess
 
 pytestmark = pytest.mark.slow

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from bench.arrivals import arrival_offsets
-from bench.datasets import DatasetSpec, build_samples
-from bench.runner import RunConfig, run_benchmark
-from bench.tokenizer import pick_tokenizer
+from pdserve.bench.arrivals import arrival_offsets
+from pdserve.bench.datasets import DatasetSpec, build_samples
+from pdserve.bench.runner import RunConfig, run_benchmark
+from pdserve.bench.tokenizer import pick_tokenizer
 
 
 def run(samples, **config) -> dict:

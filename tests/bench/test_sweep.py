@@ -7,9 +7,15 @@ import json
 
 import pytest
 
-from bench.datasets import DatasetSpec, build_samples
-from bench.sweep import SweepConfig, phase_throughputs, run_sweep, stop_reasons, working_point
-from bench.sweep_plot import plot_sweep
+from pdserve.bench.datasets import DatasetSpec, build_samples
+from pdserve.bench.sweep import (
+    SweepConfig,
+    phase_throughputs,
+    run_sweep,
+    stop_reasons,
+    working_point,
+)
+from pdserve.bench.sweep_plot import plot_sweep
 
 
 def step(concurrency: int, throughput: float, **overrides) -> dict:

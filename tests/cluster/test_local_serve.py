@@ -87,7 +87,7 @@ def test_round_robin_uses_both_instances(server) -> None:
 
 
 def test_startup_names_the_kernels_each_instance_runs(server) -> None:
-    from kernels import dispatch
+    from pdserve.kernels import dispatch
 
     with open(server.log_path) as log:
         text = log.read()

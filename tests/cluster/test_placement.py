@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import build_parser
-from cluster.local_launcher import LocalLauncher
-from cluster.placement import (
+from pdserve.cli import build_parser
+from pdserve.cluster.local_launcher import LocalLauncher
+from pdserve.cluster.placement import (
     PlacementError,
     available_gpus,
     load_waves,
@@ -18,8 +18,8 @@ from cluster.placement import (
     place_on_gpus,
     resolve_device,
 )
-from cluster.plan import ServeError, ServePlan
-from cluster.serve import describe, instance_specs
+from pdserve.cluster.plan import ServeError, ServePlan
+from pdserve.cluster.serve import describe, instance_specs
 
 TWO_GPUS = "GPU 0: NVIDIA H200 (UUID: GPU-a)\nGPU 1: NVIDIA H200 (UUID: GPU-b)\n"
 

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from cluster.cli import build_parser
-from cluster.plan import ServeError, ServePlan, parse_size, place
+from pdserve.cli import build_parser
+from pdserve.cluster.plan import ServeError, ServePlan, parse_size, place
 
 
 def parse(*argv: str):
@@ -19,7 +19,7 @@ def parse(*argv: str):
 
 def run_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "serve", *argv],
+        [sys.executable, "-m", "pdserve.cli", "serve", *argv],
         capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
 

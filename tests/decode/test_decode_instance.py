@@ -12,11 +12,11 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from decode.instance import DecodeRuntime
-from kvtransfer import KVHandoff, KVSource
-from prefill.instance import PrefillRuntime
-from scheduler.messages import AbortTask
-from scheduler.sampling_params import SamplingParams
+from pdserve.decode.instance import DecodeRuntime
+from pdserve.kvtransfer import KVHandoff, KVSource
+from pdserve.prefill.instance import PrefillRuntime
+from pdserve.scheduler.messages import AbortTask
+from pdserve.scheduler.sampling_params import SamplingParams
 from tests.prefill.instances import Gateway, Running, reference_tokens, spec, until
 
 pytestmark = pytest.mark.slow

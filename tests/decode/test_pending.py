@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from decode.pending import TEST_DELAY_ENV, DelayedPulls, VoidedHandoffs, injected_delay_s
+from pdserve.decode.pending import TEST_DELAY_ENV, DelayedPulls, VoidedHandoffs, injected_delay_s
 
 
 def test_a_voided_handoff_is_dropped_once_and_only_from_its_prefill_instance() -> None:

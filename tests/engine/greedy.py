@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.core import EngineCore
-from scheduler.sampling_params import SamplingParams
+from pdserve.engine.core import EngineCore
+from pdserve.scheduler.sampling_params import SamplingParams
 
 
 def greedy_tokens(

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.checkpoint import (
+from pdserve.engine.checkpoint import (
     SUPPORTED_ARCHITECTURES,
     CheckpointError,
     GenerationConfig,

@@ -11,18 +11,18 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.cuda_graphs import DecodeInputBuffers, capture_sizes, graph_blockers
-from engine.device_executor import DeviceExecutor
-from engine.device_inputs import HostToDeviceStager
-from engine.gpu_memory import FREE_MEMORY_MARGIN, GiB, MemoryProfile, kv_cache_bytes
-from engine.kv_cache import KVCache, KVCacheShape
-from engine.sampler import Sampler
-from engine.step_inputs import build_step_inputs, contiguous_block_tables
-from engine.synthetic_model import SyntheticLlamaConfig, random_llama
-from scheduler.request import Request
-from scheduler.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.core import EngineCore
+from pdserve.engine.cuda_graphs import DecodeInputBuffers, capture_sizes, graph_blockers
+from pdserve.engine.device_executor import DeviceExecutor
+from pdserve.engine.device_inputs import HostToDeviceStager
+from pdserve.engine.gpu_memory import FREE_MEMORY_MARGIN, GiB, MemoryProfile, kv_cache_bytes
+from pdserve.engine.kv_cache import KVCache, KVCacheShape
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.step_inputs import build_step_inputs, contiguous_block_tables
+from pdserve.engine.synthetic_model import SyntheticLlamaConfig, random_llama
+from pdserve.scheduler.request import Request
+from pdserve.scheduler.sampling_params import SamplingParams
 from tests.engine.greedy import greedy_tokens
 
 BS = 16
@@ -95,7 +95,7 @@ def test_capture_sizes_default_requested_and_capped():
 def test_graph_blockers_name_reference_kernels_on_cpu():
     # With the CPU C kernels off, CPU tensors run the torch references, which
     # synchronise with the host; the blockers name exactly those kernels.
-    from kernels import dispatch
+    from pdserve.kernels import dispatch
 
     dispatch.set_cpu_kernels_enabled(False)
     try:
@@ -335,7 +335,7 @@ def test_engine_runner_hook_gives_the_tokens_of_the_plain_engine(tmp_path):
 
 @needs_cuda
 def test_captured_graphs_replay_the_eager_steps_on_cuda():
-    from kernels import load_triton_kernels
+    from pdserve.kernels import load_triton_kernels
 
     assert load_triton_kernels()
     model = tiny_model("cuda")

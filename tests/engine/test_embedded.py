@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import engine.embedded as embedded
-from engine.checkpoint import ModelConfig
-from engine.embedded import EmbeddedModelError, embedded_model_path, unpermute_rotary_rows
-from engine.tokenizer import Tokenizer
+import pdserve.engine.embedded as embedded
+from pdserve.engine.checkpoint import ModelConfig
+from pdserve.engine.embedded import EmbeddedModelError, embedded_model_path, unpermute_rotary_rows
+from pdserve.text.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -243,7 +243,7 @@ def test_missing_package_is_a_one_line_error(tmp_path: Path, monkeypatch) -> Non
 
 def test_prepare_command_prints_the_folder(folder: Path) -> None:
     env = dict(os.environ, PDSERVE_CACHE=str(folder.parent.parent))
-    command = [sys.executable, "-m", "engine.embedded", "--prepare"]
+    command = [sys.executable, "-m", "pdserve.engine.embedded", "--prepare"]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(folder)

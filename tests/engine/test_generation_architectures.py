@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from engine.embedded import embedded_model_path
 from pdserve import LLM, SamplingParams
+from pdserve.engine.embedded import embedded_model_path
 from tests.engine.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow

@@ -2,8 +2,8 @@
 
 import torch
 
-from engine.models import precision
-from kernels import linear
+from pdserve.engine.models import precision
+from pdserve.kernels import linear
 
 
 def test_compute_dtype_widens_bf16_only_on_cpus_without_native_bf16(monkeypatch):

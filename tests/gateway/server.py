@@ -42,7 +42,7 @@ class ServeProcess:
     def start(
         cls, *args: str, api_key: str | None = API_KEY, env: dict[str, str] | None = None
     ) -> ServeProcess:
-        command = [sys.executable, "-m", "cluster.cli", "serve", "--port", "0", *args]
+        command = [sys.executable, "-m", "pdserve.cli", "serve", "--port", "0", *args]
         if api_key and "--api-key" not in args:
             command += ["--api-key", api_key]
         full_env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}

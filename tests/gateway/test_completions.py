@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("idle_after_module")]
 

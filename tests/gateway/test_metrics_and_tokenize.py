@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from bench.server_metrics import parse_samples
+from pdserve.bench.server_metrics import parse_samples
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("idle_after_module")]
 

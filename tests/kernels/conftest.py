@@ -1,7 +1,7 @@
 """Run the Triton kernels on CPU through Triton's interpreter.
 
 Triton decides between compiling and interpreting when `@triton.jit` runs (it reads
-TRITON_INTERPRET then), so the variable must be set before the `kernels.triton_*`
+TRITON_INTERPRET then), so the variable must be set before the `pdserve.kernels.triton_*`
 modules execute; pytest loads this file before collecting the tests beside it. If
 tests elsewhere in the session imported them first, they are re-executed here.
 """
@@ -16,13 +16,13 @@ import torch
 os.environ["TRITON_INTERPRET"] = "1"
 
 _KERNEL_MODULES = [
-    "kernels.triton_common",
-    "kernels.triton_kv_write",
-    "kernels.triton_decode",
-    "kernels.triton_prefill",
-    "kernels.triton_norm",
-    "kernels.triton_rotary",
-    "kernels.triton_ops",
+    "pdserve.kernels.triton_common",
+    "pdserve.kernels.triton_kv_write",
+    "pdserve.kernels.triton_decode",
+    "pdserve.kernels.triton_prefill",
+    "pdserve.kernels.triton_norm",
+    "pdserve.kernels.triton_rotary",
+    "pdserve.kernels.triton_ops",
 ]
 for _name in _KERNEL_MODULES:
     if _name in sys.modules:
@@ -32,7 +32,7 @@ for _name in _KERNEL_MODULES:
 @pytest.fixture(scope="module")
 def kernels():
     """The CPU C kernels, built if needed (skips only where no C compiler exists)."""
-    from kernels import cpu_build, cpu_ops
+    from pdserve.kernels import cpu_build, cpu_ops
 
     try:
         return cpu_ops.load()

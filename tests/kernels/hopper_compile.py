@@ -20,7 +20,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
-from kernels import (
+from pdserve.kernels import (
     triton_decode,
     triton_kv_write,
     triton_norm,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.reference import write_kv_cache_ref
+from pdserve.kernels.reference import write_kv_cache_ref
 
 # Bounds for |triton - reference| against outputs of magnitude ~1. bf16 allows two
 # ulps: the interpreter truncates fp32 -> bf16 where a GPU rounds to nearest, and
@@ -37,7 +37,7 @@ def require_interpreter(kernel) -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
     if not isinstance(kernel, InterpretedFunction):
-        pytest.fail("kernels.triton_* was imported before TRITON_INTERPRET=1 was set")
+        pytest.fail("pdserve.kernels.triton_* was imported before TRITON_INTERPRET=1 was set")
 
 
 def make_paged_batch(

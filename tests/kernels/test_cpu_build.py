@@ -1,6 +1,6 @@
 """Building, caching and selecting the CPU C kernels.
 
-The build tests drive `kernels.cpu_build` with stand-in compilers (shell scripts that
+The build tests drive `pdserve.kernels.cpu_build` with stand-in compilers (shell scripts that
 log their arguments and copy the real library into place), so the cache key, the
 file lock, the atomic rename and the error reporting are checked in seconds, without
 recompiling. The fallback tests run fresh interpreters, since dispatch decides once.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_build, cpu_ops, dispatch, reference
+from pdserve.kernels import cpu_build, cpu_ops, dispatch, reference
 
 REPO = Path(__file__).resolve().parents[2]
 ATTENTION_OPS = ("write_kv_cache", "decode_attention", "prefill_attention")
@@ -154,7 +154,7 @@ def test_dispatch_routes_cpu_attention_to_the_c_kernels_and_back(real_library):
 PROBE = """
 import logging, torch
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-from kernels import cpu_kernels_status, dispatch, reference
+from pdserve.kernels import cpu_kernels_status, dispatch, reference
 for name in ("decode_attention", "prefill_attention", "write_kv_cache"):
     assert dispatch.lookup(name, torch.zeros(1)) is dispatch._REFERENCE[name], name
 print("STATUS", cpu_kernels_status())

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.core import EngineCore
-from engine.synthetic_model import SyntheticLlamaConfig, random_llama
-from kernels import dispatch
+from pdserve.engine.core import EngineCore
+from pdserve.engine.synthetic_model import SyntheticLlamaConfig, random_llama
+from pdserve.kernels import dispatch
 from tests.engine.greedy import greedy_tokens
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import decode_attention_ref, prefill_attention_ref, write_kv_cache_ref
+from pdserve.kernels.reference import (
+    decode_attention_ref,
+    prefill_attention_ref,
+    write_kv_cache_ref,
+)
 from tests.kernels.paged import assert_matches, make_paged_batch, poisoned_like
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16

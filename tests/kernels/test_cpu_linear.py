@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ops, dispatch
-from kernels.reference import linear_ref
+from pdserve.kernels import cpu_ops, dispatch
+from pdserve.kernels.reference import linear_ref
 
 BF16 = torch.bfloat16
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import dispatch, reference
+from pdserve.kernels import dispatch, reference
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ def test_kernels_import_without_triton_and_fall_back_with_a_reason():
 def test_loading_registers_every_kernel_and_cpu_never_runs_triton():
     assert dispatch.load_triton_kernels()
     assert dispatch.triton_unavailable_reason() is None
-    from kernels.triton_ops import TRITON_KERNELS
+    from pdserve.kernels.triton_ops import TRITON_KERNELS
 
     # The linear layer has no Triton kernel: on CUDA its reference is cuBLAS already.
     assert set(TRITON_KERNELS) == set(dispatch._REFERENCE) - {"linear"}

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels import AttentionMetadata, paged_attention
-from kernels.reference import (
+from pdserve.kernels import AttentionMetadata, paged_attention
+from pdserve.kernels.reference import (
     decode_attention_ref,
     prefill_attention_ref,
     rms_norm_ref,

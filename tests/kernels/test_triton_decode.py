@@ -12,9 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import decode_attention_ref
-from kernels.triton_common import INTERPRETER_NUM_SMS
-from kernels.triton_decode import decode_attention_kernel, decode_attention_triton, plan_decode
+from pdserve.kernels.reference import decode_attention_ref
+from pdserve.kernels.triton_common import INTERPRETER_NUM_SMS
+from pdserve.kernels.triton_decode import (
+    decode_attention_kernel,
+    decode_attention_triton,
+    plan_decode,
+)
 from tests.kernels.paged import assert_matches, make_paged_batch, poisoned_like, require_interpreter
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import rms_norm_ref, rotary_embedding_ref, write_kv_cache_ref
-from kernels.triton_kv_write import write_kv_cache_kernel, write_kv_cache_triton
-from kernels.triton_norm import rms_norm_kernel, rms_norm_triton
-from kernels.triton_rotary import rotary_embedding_kernel, rotary_embedding_triton
+from pdserve.kernels.reference import rms_norm_ref, rotary_embedding_ref, write_kv_cache_ref
+from pdserve.kernels.triton_kv_write import write_kv_cache_kernel, write_kv_cache_triton
+from pdserve.kernels.triton_norm import rms_norm_kernel, rms_norm_triton
+from pdserve.kernels.triton_rotary import rotary_embedding_kernel, rotary_embedding_triton
 from tests.kernels.paged import TOLERANCE, require_interpreter
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import prefill_attention_ref
-from kernels.triton_prefill import (
+from pdserve.kernels.reference import prefill_attention_ref
+from pdserve.kernels.triton_prefill import (
     plan_prefill,
     prefill_attention_kernel,
     prefill_attention_triton,

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from kvtransfer import (
+from pdserve.kvtransfer import (
     DecodeKVScheduler,
     DecodeUpdate,
     KVHandoff,
@@ -25,7 +25,7 @@ from kvtransfer import (
     ReportAggregator,
     TransferReport,
 )
-from scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.sampling_params import SamplingParams
 from tests.kvtransfer.peer import Peer
 
 

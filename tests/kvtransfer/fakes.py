@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from kvtransfer.messages import (
+from pdserve.kvtransfer.messages import (
     ControlMessage,
     Hello,
     HelloReply,

@@ -29,7 +29,7 @@ def logical_kv(layout: dict, num_blocks: int, seed: int) -> Any:
     """The whole model's KV bytes [blocks, layers, 2, all heads, row bytes] for a seed."""
     import numpy as np
 
-    from kvtransfer.messages import KVLayout
+    from pdserve.kvtransfer.messages import KVLayout
 
     lay = KVLayout(**layout)
     row = lay.block_size * lay.head_dim * lay.itemsize
@@ -41,8 +41,8 @@ class _Instance:
     def __init__(self, spec: dict):
         import numpy as np
 
-        from kvtransfer import KVTransferConfig, KVTransferWorker
-        from kvtransfer.messages import KVLayout
+        from pdserve.kvtransfer import KVTransferConfig, KVTransferWorker
+        from pdserve.kvtransfer.messages import KVLayout
 
         layout = KVLayout(**spec["layout"])
         tp_size = spec["tp_size"]
@@ -73,7 +73,7 @@ class _Instance:
         if spec.get("backend") == "torch":
             import torch
 
-            from engine.kv_cache import KVCache, KVCacheShape
+            from pdserve.engine.kv_cache import KVCache, KVCacheShape
 
             dtype = getattr(torch, layout.dtype)
             shape = KVCacheShape(
@@ -122,7 +122,7 @@ def serve(conn: Connection, env: dict[str, str], log_path: str) -> None:
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    from kvtransfer.messages import KVConnectorMetadata
+    from pdserve.kvtransfer.messages import KVConnectorMetadata
 
     instances: dict[str, _Instance] = {}
 

@@ -13,7 +13,7 @@ import time
 import msgspec
 import pytest
 
-from kvtransfer import KVLayout, KVLayoutMismatch
+from pdserve.kvtransfer import KVLayout, KVLayoutMismatch
 from tests.kvtransfer.cluster import Instance, Outcomes, admit_and_pull, hand_off, run_until, step
 from tests.kvtransfer.peer import wait_for
 

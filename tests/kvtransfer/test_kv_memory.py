@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kv_cache import KVCache, KVCacheShape
-from kvtransfer.kv_memory import KVMemory
-from kvtransfer.layout import KVLayoutMismatch, layout_of
+from pdserve.engine.kv_cache import KVCache, KVCacheShape
+from pdserve.kvtransfer.kv_memory import KVMemory
+from pdserve.kvtransfer.layout import KVLayoutMismatch, layout_of
 
 
 def _cache(dtype: torch.dtype = torch.bfloat16, heads: int = 4) -> KVCache:

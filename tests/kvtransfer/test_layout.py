@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_cache import KVCacheShape
-from kvtransfer.layout import (
+from pdserve.engine.kv_cache import KVCacheShape
+from pdserve.kvtransfer.layout import (
     KVLayoutMismatch,
     Run,
     check_compatible,
@@ -14,7 +14,7 @@ from kvtransfer.layout import (
     layout_of,
     source_slices,
 )
-from kvtransfer.messages import KVLayout
+from pdserve.kvtransfer.messages import KVLayout
 
 LAYOUT = KVLayout(block_size=16, num_layers=4, num_kv_heads=8, head_dim=64, dtype="bfloat16")
 

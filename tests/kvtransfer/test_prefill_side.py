@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from kvtransfer import KVLayout, KVTransferConfig, KVTransferStats
-from kvtransfer.kv_memory import KVMemory
-from kvtransfer.messages import BlockRun, Done, Hello, HelloReply, HoldSpec, Pull
-from kvtransfer.prefill_side import PrefillSide
-from kvtransfer.transport import TransferOp, Transport
+from pdserve.kvtransfer import KVLayout, KVTransferConfig, KVTransferStats
+from pdserve.kvtransfer.kv_memory import KVMemory
+from pdserve.kvtransfer.messages import BlockRun, Done, Hello, HelloReply, HoldSpec, Pull
+from pdserve.kvtransfer.prefill_side import PrefillSide
+from pdserve.kvtransfer.transport import TransferOp, Transport
 
 LAYOUT = KVLayout(block_size=4, num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
 PEER = b"decode-rank"

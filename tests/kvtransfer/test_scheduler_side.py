@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
-from kvtransfer import (
+from pdserve.kvtransfer import (
     DecodeKVScheduler,
     KVHandoff,
     KVLayout,
@@ -16,7 +16,7 @@ from kvtransfer import (
     ReportAggregator,
     TransferReport,
 )
-from scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.sampling_params import SamplingParams
 
 LAYOUT = KVLayout(block_size=4, num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16")
 

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from kvtransfer import KVLayout
+from pdserve.kvtransfer import KVLayout
 from tests.kvtransfer.cluster import Instance, admit_and_pull, hand_off, run_until
 from tests.kvtransfer.peer import logical_kv
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtransfer import KVLayout
+from pdserve.kvtransfer import KVLayout
 from tests.kvtransfer.cluster import Instance, admit_and_pull, hand_off, run_until
 from tests.kvtransfer.test_transfer_shm import ucx_lanes
 

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from kvtransfer import (
+from pdserve.kvtransfer import (
     KVConnectorMetadata,
     KVLayout,
     KVSource,
@@ -16,7 +16,7 @@ from kvtransfer import (
     KVTransferWorker,
     TransferReport,
 )
-from kvtransfer.messages import Heartbeat, HoldSpec, KeepaliveSpec, Pull, PullSpec
+from pdserve.kvtransfer.messages import Heartbeat, HoldSpec, KeepaliveSpec, Pull, PullSpec
 from tests.kvtransfer.fakes import FakeDecode, FakePrefill, FakeUcx
 
 LAYOUT = KVLayout(block_size=4, num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32")
@@ -226,12 +226,12 @@ def test_lease_bounds_sends_to_a_decode_side_that_stopped_reading(make_worker):
 
 
 def _run(start: int, count: int, tag: int):
-    from kvtransfer.messages import BlockRun
+    from pdserve.kvtransfer.messages import BlockRun
 
     return BlockRun(start, count, tag)
 
 
 def _abort(request_id: str):
-    from kvtransfer.messages import Abort
+    from pdserve.kvtransfer.messages import Abort
 
     return Abort(request_id, "test")

@@ -18,16 +18,16 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine.instance import InstanceRuntime
-from engine.instance_spec import InstanceSpec
-from scheduler.messages import (
+from pdserve.instance.loop import InstanceRuntime
+from pdserve.instance.spec import InstanceSpec
+from pdserve.scheduler.messages import (
     GenerateTask,
     InspectTask,
     InstanceInspection,
     InstanceOutput,
     RequestDelta,
 )
-from scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.sampling_params import SamplingParams
 
 ENGINE = {"dtype": "float32", "num_threads": 1, "kv_cache_memory": 24 << 20}
 ENCODER = msgspec.msgpack.Encoder()
@@ -184,7 +184,7 @@ def until(condition, timeout_s: float = 10.0, what: str = "condition") -> None:
 
 def reference_tokens(prompt: list[int], max_tokens: int) -> list[int]:
     """Greedy tokens from one colocated engine (fp32), the oracle."""
-    from engine.core import EngineCore
+    from pdserve.engine.core import EngineCore
 
     engine = _reference_engine()
     request = engine.make_request(
@@ -202,7 +202,7 @@ _engines: list[Any] = []
 
 def _reference_engine():
     if not _engines:
-        from engine.core import EngineCore
+        from pdserve.engine.core import EngineCore
 
         _engines.append(EngineCore(**ENGINE))
     return _engines[0]

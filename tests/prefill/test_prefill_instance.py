@@ -11,11 +11,11 @@ import msgspec
 import pytest
 import zmq
 
-from decode.instance import DecodeRuntime
-from kvtransfer import KVHandoff
-from prefill.instance import PrefillRuntime
-from scheduler.messages import AbortTask, GenerateTask, InstanceAddress
-from scheduler.sampling_params import SamplingParams
+from pdserve.decode.instance import DecodeRuntime
+from pdserve.kvtransfer import KVHandoff
+from pdserve.prefill.instance import PrefillRuntime
+from pdserve.scheduler.messages import AbortTask, GenerateTask, InstanceAddress
+from pdserve.scheduler.sampling_params import SamplingParams
 from tests.prefill.instances import Gateway, Running, reference_tokens, spec, until
 
 pytestmark = pytest.mark.slow

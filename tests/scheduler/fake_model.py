@@ -12,10 +12,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
-from scheduler.outputs import SchedulerOutput
-from scheduler.request import Request
-from scheduler.sampling_params import SamplingParams
-from scheduler.step_scheduler import Scheduler
+from pdserve.scheduler.outputs import SchedulerOutput
+from pdserve.scheduler.request import Request
+from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.step_scheduler import Scheduler
 
 
 def make_request(

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from scheduler.block_hash import extra_keys_for, hash_block, hash_full_blocks
+from pdserve.scheduler.block_hash import extra_keys_for, hash_block, hash_full_blocks
 
 REPO = Path(__file__).resolve().parents[2]
 

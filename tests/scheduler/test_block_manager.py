@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.block_events import BlockRemoved, BlockStored, CachedHashMirror
-from scheduler.block_hash import extra_keys_for, hash_full_blocks
-from scheduler.block_manager import BlockManager
+from pdserve.scheduler.block_events import BlockRemoved, BlockStored, CachedHashMirror
+from pdserve.scheduler.block_hash import extra_keys_for, hash_full_blocks
+from pdserve.scheduler.block_manager import BlockManager
 from tests.scheduler.fake_model import make_request
 
 BS = 4

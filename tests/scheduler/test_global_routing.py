@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.block_events import BlockEventBatch, BlockRemoved, BlockStored
-from scheduler.block_hash import extra_keys_for, hash_full_blocks
-from scheduler.messages import InstanceAddress, InstanceInfo, InstanceStats
-from scheduler.routing import (
+from pdserve.scheduler.block_events import BlockEventBatch, BlockRemoved, BlockStored
+from pdserve.scheduler.block_hash import extra_keys_for, hash_full_blocks
+from pdserve.scheduler.messages import InstanceAddress, InstanceInfo, InstanceStats
+from pdserve.scheduler.routing import (
     InstanceView,
     LoadAwarePolicy,
     PrefillSkipDecider,

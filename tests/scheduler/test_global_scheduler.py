@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.block_events import BlockCacheSnapshot, BlockEventBatch, BlockStored
-from scheduler.block_hash import hash_full_blocks
-from scheduler.global_scheduler import AdmissionRejected, GlobalScheduler, GlobalSchedulerConfig
-from scheduler.messages import InstanceAddress, InstanceInfo, InstanceStats
-from scheduler.routing import RouteRequest
+from pdserve.scheduler.block_events import BlockCacheSnapshot, BlockEventBatch, BlockStored
+from pdserve.scheduler.block_hash import hash_full_blocks
+from pdserve.scheduler.global_scheduler import (
+    AdmissionRejected,
+    GlobalScheduler,
+    GlobalSchedulerConfig,
+)
+from pdserve.scheduler.messages import InstanceAddress, InstanceInfo, InstanceStats
+from pdserve.scheduler.routing import RouteRequest
 
 BLOCK = 4
 

@@ -21,10 +21,10 @@ from hypothesis.stateful import (
     rule,
 )
 
-from scheduler.config import SchedulerConfig
-from scheduler.outputs import RemoteKVAllocation
-from scheduler.request import Request, RequestStatus
-from scheduler.step_scheduler import Scheduler
+from pdserve.scheduler.config import SchedulerConfig
+from pdserve.scheduler.outputs import RemoteKVAllocation
+from pdserve.scheduler.request import Request, RequestStatus
+from pdserve.scheduler.step_scheduler import Scheduler
 from tests.scheduler.fake_model import FakeModel, make_request, reference_output
 
 EOS = 0

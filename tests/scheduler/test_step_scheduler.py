@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.config import SchedulerConfig
-from scheduler.request import RequestStatus
-from scheduler.step_scheduler import Scheduler
+from pdserve.scheduler.config import SchedulerConfig
+from pdserve.scheduler.request import RequestStatus
+from pdserve.scheduler.step_scheduler import Scheduler
 from tests.scheduler.fake_model import FakeModel, make_request, reference_output
 
 

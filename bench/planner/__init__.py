@@ -1,1 +1,0 @@
-"""Capacity planning: memory, GPU counts and cost from a model config and a load profile."""

@@ -1,0 +1,1 @@
+"""Experiment scripts behind BENCHMARKS.md and the GPU check; not installed."""

@@ -1,0 +1,1 @@
+"""The instance process: step loop, I/O thread, spec and entry point."""

@@ -1,0 +1,200 @@
+"""An instance's I/O thread: tasks in, outputs and block events out, heartbeats.
+
+Sockets (ZMQ; every one is used by this thread only):
+- task PULL, bound on the instance's host at a free port: the gateway's PUSH connects;
+- output PUSH, connected to the gateway's PULL (one PULL for all instances);
+- block-event PUB, bound at a free port: the gateway's SUB connects; each message is
+  [instance id, msgpack BlockEventBatch];
+- an inproc PAIR fed by the step loop with encoded outputs and event batches.
+
+Running them on a thread of their own means a long model step never delays a task, an
+abort or a heartbeat: the gateway hears from the instance every `heartbeat_interval_s`
+even mid-step (torch releases the GIL while it computes).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from itertools import count
+from typing import Any
+
+import msgspec
+import zmq
+
+from pdserve.scheduler.messages import InstanceAddress, InstanceOutput, InstanceStats, Task
+
+logger = logging.getLogger(__name__)
+
+_KIND_OUTPUT = b"out"
+_KIND_EVENTS = b"events"
+_KIND_PEER = b"peer"
+_OUTPUT_HWM = 100_000  # messages queued for a gateway that is slow or gone
+_CLOSE_LINGER_MS = 500
+_instance_numbers = count()
+
+
+class InstanceIO:
+    def __init__(
+        self,
+        instance_id: str,
+        role: str,
+        gateway_address: str,
+        host: str = "127.0.0.1",
+        heartbeat_interval_s: float = 0.5,
+        task_type: Any = Task,
+    ) -> None:
+        """`task_type`: the union the task socket decodes (a kind may accept more than
+        `pdserve.scheduler.messages.Task`, e.g. the decode kind's handoffs)."""
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.context = zmq.Context()
+        self._task_socket = self.context.socket(zmq.PULL)
+        task_port = self._task_socket.bind_to_random_port(f"tcp://{host}")
+        self._event_socket = self.context.socket(zmq.PUB)
+        event_port = self._event_socket.bind_to_random_port(f"tcp://{host}")
+        self._output_socket = self.context.socket(zmq.PUSH)
+        self._output_socket.setsockopt(zmq.SNDHWM, _OUTPUT_HWM)
+        self._output_socket.connect(gateway_address)
+        inproc = f"inproc://instance-outbox-{next(_instance_numbers)}"
+        self._outbox_rx = self.context.socket(zmq.PAIR)
+        self._outbox_rx.bind(inproc)
+        self._outbox_tx = self.context.socket(zmq.PAIR)  # the step loop's end
+        self._outbox_tx.connect(inproc)
+        self.address = InstanceAddress(instance_id, role, f"tcp://{host}:{task_port}")
+        self.events_address = f"tcp://{host}:{event_port}"
+        # Frame 0 of every event message: one SUB socket at the gateway hears them all.
+        self._topic = instance_id.encode()
+        self._tasks: collections.deque[Any] = collections.deque()
+        self._task_ready = threading.Event()
+        self._stopping = threading.Event()
+        self._decoder = msgspec.msgpack.Decoder(task_type)
+        self._encoder = msgspec.msgpack.Encoder()
+        self.latest_stats: InstanceStats | None = None  # set by the step loop, read here
+        self._peer_sockets: dict[bytes, zmq.Socket] = {}  # the I/O thread's, by task address
+        self._last_sent = 0.0
+        self._thread = threading.Thread(target=self._run, name=f"io-{instance_id}", daemon=True)
+
+    # ---- the step loop's side ---------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def take_tasks(self, timeout_s: float) -> list[Any]:
+        """Every task received so far; waits up to `timeout_s` when there is none."""
+        if not self._tasks:
+            self._task_ready.wait(timeout_s)
+        self._task_ready.clear()
+        tasks = []
+        while self._tasks:
+            tasks.append(self._tasks.popleft())
+        return tasks
+
+    def wake(self) -> None:
+        """Ends a `take_tasks` wait early (shutdown)."""
+        self._task_ready.set()
+
+    def send_output(self, output: InstanceOutput) -> None:
+        if output.stats is not None:
+            self.latest_stats = output.stats
+        self._outbox_tx.send_multipart([_KIND_OUTPUT, self._encoder.encode(output)])
+
+    def publish_events(self, payload: bytes) -> None:
+        self._outbox_tx.send_multipart([_KIND_EVENTS, payload])
+
+    def send_to_peer(self, task_address: str, payload: bytes) -> None:
+        """Sends an encoded task to another instance's task socket (e.g. a prefill
+        instance's handoff to its decode instance); the I/O thread keeps one PUSH per
+        peer, so messages to one peer stay in order."""
+        self._outbox_tx.send_multipart([_KIND_PEER, task_address.encode(), payload])
+
+    def close(self) -> None:
+        """Stops the thread after it forwarded what the step loop queued; frees the ports."""
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        for sock in (
+            self._outbox_tx,
+            self._outbox_rx,
+            self._task_socket,
+            self._event_socket,
+            self._output_socket,
+            *self._peer_sockets.values(),
+        ):
+            sock.close(linger=_CLOSE_LINGER_MS)
+        self.context.term()
+
+    # ---- the I/O thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._task_socket, zmq.POLLIN)
+        poller.register(self._outbox_rx, zmq.POLLIN)
+        while True:
+            timeout_ms = max(1, int(self.heartbeat_interval_s * 1000 / 2))
+            try:
+                ready = dict(poller.poll(timeout_ms))
+            except zmq.ZMQError:
+                return
+            if self._task_socket in ready:
+                self._receive_tasks()
+            if self._outbox_rx in ready:
+                self._forward_outbox()
+            if self._stopping.is_set():
+                self._forward_outbox()
+                return
+            if time.monotonic() - self._last_sent >= self.heartbeat_interval_s:
+                self._send(self._encoder.encode(self._heartbeat()))
+
+    def _heartbeat(self) -> InstanceOutput:
+        return InstanceOutput(instance=self.address, stats=self.latest_stats)
+
+    def _receive_tasks(self) -> None:
+        while True:
+            try:
+                frame = self._task_socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                self._tasks.append(self._decoder.decode(frame))
+            except msgspec.DecodeError as exc:
+                logger.warning("%s: dropping a malformed task: %s", self.address.instance_id, exc)
+        self._task_ready.set()
+
+    def _forward_outbox(self) -> None:
+        while True:
+            try:
+                kind, *frames = self._outbox_rx.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if kind == _KIND_OUTPUT:
+                self._send(frames[0])
+            elif kind == _KIND_PEER:
+                self._send_to_peer(frames[0], frames[1])
+            else:
+                self._event_socket.send_multipart([self._topic, frames[0]])
+
+    def _send_to_peer(self, task_address: bytes, payload: bytes) -> None:
+        sock = self._peer_sockets.get(task_address)
+        if sock is None:
+            sock = self._peer_sockets[task_address] = self.context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, _OUTPUT_HWM)
+            sock.connect(task_address.decode())
+        try:
+            sock.send(payload, zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning(
+                "%s: peer %s is not reading; task dropped",
+                self.address.instance_id,
+                task_address.decode(),
+            )
+
+    def _send(self, payload: bytes) -> None:
+        try:
+            self._output_socket.send(payload, zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning(
+                "%s: the gateway is not reading; output dropped", self.address.instance_id
+            )
+        self._last_sent = time.monotonic()

@@ -1,0 +1,31 @@
+"""The `pdserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pdserve.bench.cli import add_bench_parser
+from pdserve.cluster.serve_cli import add_serve_parser
+from pdserve.planner.cli import add_calibrate_parser, add_plan_parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    add_calibrate_parser(add_bench_parser(sub))
+    add_plan_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if hasattr(args, "handler"):
+        return args.handler(args)
+    print(f"pdserve: '{args.command}' is not available yet", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

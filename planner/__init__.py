@@ -1,0 +1,1 @@
+"""Capacity planning and the simulator: sizes, prices and predicts deployments."""

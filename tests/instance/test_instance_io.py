@@ -1,0 +1,120 @@
+"""An instance's I/O thread over real ZMQ sockets (no model): tasks in, outputs, heartbeats,
+block events and peer messages out, ports freed on close."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from pdserve.instance.io import InstanceIO
+from pdserve.scheduler.messages import (
+    AbortTask,
+    GenerateTask,
+    InstanceOutput,
+    InstanceStats,
+    RequestDelta,
+    Task,
+)
+from pdserve.scheduler.sampling_params import SamplingParams
+
+ENCODER = msgspec.msgpack.Encoder()
+OUTPUTS = msgspec.msgpack.Decoder(InstanceOutput)
+
+
+class Ping(msgspec.Struct, tag="ping"):
+    """A task type only a custom kind knows."""
+
+    note: str
+
+
+@pytest.fixture
+def gateway() -> Iterator[tuple[zmq.Socket, str]]:
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    yield pull, f"tcp://127.0.0.1:{port}"
+    pull.close(linger=0)
+    context.term()
+
+
+@pytest.fixture
+def io(gateway) -> Iterator[InstanceIO]:
+    instance = InstanceIO("i-0", "colocated", gateway[1], heartbeat_interval_s=0.2,
+                          task_type=Task | Ping)  # fmt: skip
+    instance.start()
+    yield instance
+    instance.close()
+
+
+def receive(pull: zmq.Socket, timeout_s: float = 5.0) -> InstanceOutput:
+    assert pull.poll(int(timeout_s * 1000)), "nothing arrived"
+    return OUTPUTS.decode(pull.recv())
+
+
+def take(io: InstanceIO, count: int, timeout_s: float = 5.0) -> list:
+    got: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < count and time.monotonic() < deadline:
+        got.extend(io.take_tasks(0.2))
+    return got
+
+
+def test_tasks_arrive_decoded_and_malformed_frames_are_dropped(io) -> None:
+    context = zmq.Context.instance()
+    push = context.socket(zmq.PUSH)
+    push.connect(io.address.task_address)
+    generate = GenerateTask("r1", [1, 2], SamplingParams(max_tokens=2), seed=3, arrival_time=0.0)
+    push.send(ENCODER.encode(generate))
+    push.send(b"\x93not a task")
+    push.send(ENCODER.encode(AbortTask(["r1"])))
+    push.send(ENCODER.encode(Ping("custom kinds decode their own task types")))
+    tasks = take(io, 3)
+    push.close(linger=0)
+    assert tasks == [generate, AbortTask(["r1"]), Ping("custom kinds decode their own task types")]
+
+
+def test_outputs_go_out_and_heartbeats_fill_the_silence(io, gateway) -> None:
+    pull = gateway[0]
+    stats = InstanceStats(num_running=1)
+    io.send_output(InstanceOutput(io.address, [RequestDelta("r", [5], 0)], stats))
+    first = receive(pull)
+    assert first.deltas[0].new_token_ids == [5] and first.instance == io.address
+    started = time.monotonic()
+    beats = [receive(pull) for _ in range(3)]
+    elapsed = time.monotonic() - started
+    assert all(b.deltas == [] and b.stats == stats for b in beats)  # the latest stats
+    assert 0.3 < elapsed < 3.0  # about one every 0.2 s
+
+
+def test_block_events_carry_the_instance_as_topic_and_peers_get_tasks(io) -> None:
+    context = zmq.Context.instance()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(io.events_address)
+    peer = context.socket(zmq.PULL)
+    peer_port = peer.bind_to_random_port("tcp://127.0.0.1")
+    time.sleep(0.3)  # PUB drops messages until the subscription is up
+    io.publish_events(b"batch-bytes")
+    io.send_to_peer(f"tcp://127.0.0.1:{peer_port}", ENCODER.encode(AbortTask(["x"])))
+    assert sub.poll(5000) and sub.recv_multipart() == [b"i-0", b"batch-bytes"]
+    assert peer.poll(5000)
+    assert msgspec.msgpack.decode(peer.recv(), type=Task) == AbortTask(["x"])
+    sub.close(linger=0)
+    peer.close(linger=0)
+
+
+def test_close_frees_the_ports(gateway) -> None:
+    instance = InstanceIO("i-1", "colocated", gateway[1])
+    instance.start()
+    ports = [int(a.rsplit(":", 1)[1]) for a in (instance.address.task_address,
+                                                instance.events_address)]  # fmt: skip
+    instance.close()
+    for port in ports:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(("127.0.0.1", port))

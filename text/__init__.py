@@ -1,0 +1,1 @@
+"""The torch-free text path: tokenizer, chat templates, detokenizer, stop strings."""
