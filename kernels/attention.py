@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kernels import dispatch
+from pdserve.kernels import dispatch, reference
 
 Tensor = torch.Tensor
 
@@ -42,37 +42,10 @@ class AttentionMetadata:
         return self.num_decode_seqs
 
 
-def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
-    dispatch.lookup("write_kv_cache", key)(key, value, kv_cache, slot_mapping)
-
-
-def decode_attention(
-    query: Tensor,
-    kv_cache: Tensor,
-    block_tables: Tensor,
-    context_lens: Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    out: Tensor | None = None,
-) -> Tensor:
-    fn = dispatch.lookup("decode_attention", query)
-    return fn(query, kv_cache, block_tables, context_lens, scale, sliding_window, out)
-
-
-def prefill_attention(
-    query: Tensor,
-    kv_cache: Tensor,
-    block_tables: Tensor,
-    query_start_loc: Tensor,
-    context_lens: Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    out: Tensor | None = None,
-) -> Tensor:
-    fn = dispatch.lookup("prefill_attention", query)
-    return fn(
-        query, kv_cache, block_tables, query_start_loc, context_lens, scale, sliding_window, out
-    )
+# Each op has its reference's signature and runs what `dispatch` picks for the input's device.
+write_kv_cache = dispatch.dispatched(reference.write_kv_cache_ref)
+decode_attention = dispatch.dispatched(reference.decode_attention_ref)
+prefill_attention = dispatch.dispatched(reference.prefill_attention_ref)
 
 
 def paged_attention(

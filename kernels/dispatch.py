@@ -13,10 +13,12 @@ The references stay the definition of every op and the oracle of the tests.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -40,6 +42,9 @@ _cpu_unavailable_reason: str | None = None
 _cpu_description = ""
 _cpu_enabled = os.environ.get("PDSERVE_CPU_KERNELS", "1") != "0"
 _log = logging.getLogger("pdserve.kernels")
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def register_triton(name: str, fn: Callable[..., Any]) -> None:
@@ -122,3 +127,19 @@ def lookup(name: str, like: torch.Tensor) -> Callable[..., Any]:
     elif _cpu_enabled and like.is_cpu and (_CPU or load_cpu_kernels()) and name in _CPU:
         return _CPU[name]
     return _REFERENCE[name]
+
+
+def dispatched(reference_fn: Callable[P, R], like: int = 0) -> Callable[P, R]:
+    """The public entry point of an op: the signature and documentation of its reference
+    (the definition), the implementation looked up per call by the device of argument
+    number `like` (positional, or by its name)."""
+    name = reference_fn.__name__.removesuffix("_ref")
+    like_name = list(inspect.signature(reference_fn).parameters)[like]
+
+    @functools.wraps(reference_fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        tensor = args[like] if len(args) > like else kwargs[like_name]
+        return lookup(name, tensor)(*args, **kwargs)  # type: ignore[arg-type]
+
+    call.__name__ = call.__qualname__ = name
+    return call

@@ -3,26 +3,11 @@ attention."""
 
 from __future__ import annotations
 
-import torch
+from pdserve.kernels import dispatch, reference
 
-from pdserve.kernels import dispatch
-
-Tensor = torch.Tensor
-
-
-def rms_norm(
-    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
-) -> Tensor | tuple[Tensor, Tensor]:
-    return dispatch.lookup("rms_norm", x)(x, weight, eps, residual)
-
-
-def rotary_embedding(
-    positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor
-) -> tuple[Tensor, Tensor]:
-    return dispatch.lookup("rotary_embedding", query)(positions, query, key, cos_sin_cache)
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x @ weight.T (+ bias) in x's dtype; `weight` may be stored in bfloat16 while x is
-    float32 (CPUs without native bf16 GEMM), which the CPU C kernel reads as is."""
-    return dispatch.lookup("linear", x)(x, weight, bias)
+rms_norm = dispatch.dispatched(reference.rms_norm_ref)
+# Picked by the query's device, the first float tensor of the call.
+rotary_embedding = dispatch.dispatched(reference.rotary_embedding_ref, like=1)
+# `weight` may be stored in bfloat16 while x is float32 (CPUs without native bf16 GEMM),
+# which the CPU C kernel reads as is.
+linear = dispatch.dispatched(reference.linear_ref)
