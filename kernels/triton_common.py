@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -17,6 +18,8 @@ PROGRAMS_PER_SM = 4
 INTERPRETER_NUM_SMS = 8
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# exp2 with log2(e) folded into the softmax scale.
+LOG2_E = 1.4426950408889634
 
 
 def next_power_of_2(n: int) -> int:
@@ -81,3 +84,52 @@ def check_heads(num_heads: int, num_kv_heads: int) -> int:
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     return num_heads // num_kv_heads
+
+
+class AttentionShape(NamedTuple):
+    """The sizes an attention launch reads off its checked query and cache."""
+
+    rows: int  # sequences (decode) or tokens (prefill)
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int
+    block_size: int
+    group: int
+
+
+def check_attention_query(
+    query: Tensor, kv_cache: Tensor, rows: str, **others: Tensor
+) -> AttentionShape:
+    """Checks query [rows, num_heads, head_dim] against the cache layout, the GQA group
+    and one device for all (`others` too)."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [{rows}, num_heads, head_dim], got {tuple(query.shape)}")
+    num_rows, num_heads, head_dim = query.shape
+    check_float("query", query)
+    check_kv_cache(kv_cache, None, head_dim)
+    num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
+    group = check_heads(num_heads, num_kv_heads)
+    check_same_device(query=query, kv_cache=kv_cache, **others)
+    return AttentionShape(num_rows, num_heads, head_dim, num_kv_heads, block_size, group)
+
+
+def check_attention_rest(
+    query: Tensor,
+    block_tables: Tensor,
+    num_seqs: int,
+    sliding_window: int | None,
+    out: Tensor | None,
+) -> Tensor:
+    """Checks the block tables, the window and `out`; returns `out` (allocated if None)."""
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables must be [num_seqs={num_seqs}, max_blocks], "
+            f"got {tuple(block_tables.shape)}"
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if out is None:
+        return torch.empty_like(query)
+    if out.shape != query.shape:
+        raise ValueError(f"out must have the query's shape {tuple(query.shape)}")
+    return out

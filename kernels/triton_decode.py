@@ -24,12 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import triton_flash as flash
 from pdserve.kernels.triton_common import (
+    LOG2_E,
     PROGRAMS_PER_SM,
-    check_float,
-    check_heads,
-    check_kv_cache,
-    check_same_device,
+    check_attention_query,
+    check_attention_rest,
     dot_precision,
     next_power_of_2,
     num_sms,
@@ -38,7 +38,6 @@ from pdserve.kernels.triton_common import (
 
 Tensor = torch.Tensor
 
-LOG2_E = 1.4426950408889634
 # Upper bound on partitions per sequence: bounds the reduction's tile and workspace.
 MAX_SPLITS = 64
 
@@ -162,27 +161,16 @@ def decode_attention_kernel(
         kv_ptrs = head_base + token_offsets[:, None] + dims[None, :] * stride_cd
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        scores = flash.tile_scores(q, k, scale_log2, PRECISION, UPCAST)
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        # A tile starts inside the partition, so every row sees a key: no empty rows.
+        p, alpha, m_i, l_i = flash.softmax_step(scores, m_i, l_i, False)
         v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0)
-        # P is rounded to the cache dtype as the tensor cores take it.
-        p_op = p.to(cache_ptr.dtype.element_ty)
-        if UPCAST:
-            v = v.to(tl.float32)
-            p_op = p_op.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_op, v, input_precision=PRECISION)
-        m_i = m_new
+        acc = flash.accumulate_pv(acc, alpha, p, v, cache_ptr, PRECISION, UPCAST)
 
     # An empty partition (past the end of a short sequence) has l_i == 0: it writes
     # zeros and a log-sum-exp of -inf, which the reduction weighs at zero.
-    safe_l = tl.where(l_i > 0, l_i, 1.0)
-    result = acc / safe_l[:, None]
+    result, safe_l = flash.normalize_rows(acc, l_i)
     out_mask = head_mask[:, None] & dim_mask[None, :]
     if SPLIT:
         row = (seq * NUM_HEADS + heads) * num_splits + split
@@ -257,58 +245,30 @@ def decode_attention_triton(
     step's longest context (and a fixed width under CUDA graphs). A sequence with
     context_len 0 (a padding row) gets zeros, where the reference gives NaN.
     """
-    if query.dim() != 3:
-        raise ValueError(f"query must be [num_seqs, num_heads, head_dim], got {tuple(query.shape)}")
-    num_seqs, num_heads, head_dim = query.shape
-    check_float("query", query)
-    check_kv_cache(kv_cache, None, head_dim)
-    num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
-    group = check_heads(num_heads, num_kv_heads)
-    check_same_device(query=query, kv_cache=kv_cache, block_tables=block_tables)
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(
-            f"block_tables must be [num_seqs={num_seqs}, max_blocks], "
-            f"got {tuple(block_tables.shape)}"
-        )
+    shape = check_attention_query(query, kv_cache, "num_seqs", block_tables=block_tables)
+    num_seqs, num_heads, head_dim, num_kv_heads, block_size, group = shape
     if context_lens.shape != (num_seqs,):
         raise ValueError(
             f"context_lens must be [num_seqs={num_seqs}], got {tuple(context_lens.shape)}"
         )
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    if out is None:
-        out = torch.empty_like(query)
-    elif out.shape != query.shape:
-        raise ValueError(f"out must have the query's shape {tuple(query.shape)}")
+    out = check_attention_rest(query, block_tables, num_seqs, sliding_window, out)
     if num_seqs == 0:
         return out
 
     max_span = block_tables.shape[1] * block_size
     if sliding_window is not None:
         max_span = min(max_span, sliding_window)
-    upcast = upcast_dot(query, kv_cache.dtype)
     plan = plan_decode(num_seqs, num_kv_heads, group, head_dim, max_span, num_sms(query))
-    block_d = next_power_of_2(head_dim)
-    split = plan.num_splits > 1
-    if split:
-        part_out = torch.empty(
-            num_seqs * num_heads * plan.num_splits * block_d,
-            dtype=torch.float32,
-            device=query.device,
-        )
-        part_lse = torch.empty(
-            num_seqs * num_heads * plan.num_splits, dtype=torch.float32, device=query.device
-        )
-    else:
-        part_out = part_lse = out  # unused by the single-pass variant
+    partials = DecodePartials.allocate(query, out, plan.num_splits)
+    upcast = upcast_dot(query, kv_cache.dtype)
     decode_attention_kernel[(num_seqs, num_kv_heads, plan.num_splits)](
         query,
         kv_cache,
         block_tables,
         context_lens,
         out,
-        part_out,
-        part_lse,
+        partials.out,
+        partials.lse,
         scale * LOG2_E,
         sliding_window or 0,
         plan.partition_size,
@@ -323,25 +283,55 @@ def decode_attention_triton(
         BLOCK_SIZE=block_size,
         BLOCK_H=plan.block_h,
         BLOCK_N=plan.block_n,
-        BLOCK_D=block_d,
+        BLOCK_D=partials.block_d,
         HAS_WINDOW=sliding_window is not None,
-        SPLIT=split,
+        SPLIT=partials.split,
         PRECISION=dot_precision(kv_cache.dtype, upcast),
         UPCAST=upcast,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
-    if split:
-        merge_partitions_kernel[(num_seqs, num_heads)](
-            part_out,
-            part_lse,
-            out,
-            plan.num_splits,
-            *out.stride(),
-            NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_SPLITS=next_power_of_2(plan.num_splits),
-            num_warps=4 if head_dim >= 128 else 2,
-        )
+    if partials.split:
+        _merge_partitions(partials, out, num_heads)
     return out
+
+
+@dataclass(frozen=True)
+class DecodePartials:
+    """Split-K workspace: each partition's normalised output and log-sum-exp."""
+
+    out: Tensor
+    lse: Tensor
+    num_splits: int
+    block_d: int
+
+    @property
+    def split(self) -> bool:
+        return self.num_splits > 1
+
+    @classmethod
+    def allocate(cls, query: Tensor, out: Tensor, num_splits: int) -> DecodePartials:
+        num_seqs, num_heads, head_dim = query.shape
+        block_d = next_power_of_2(head_dim)
+        if num_splits == 1:  # the single-pass variant writes `out` and never reads these
+            return cls(out, out, num_splits, block_d)
+        rows = num_seqs * num_heads * num_splits
+        out = torch.empty(rows * block_d, dtype=torch.float32, device=query.device)
+        lse = torch.empty(rows, dtype=torch.float32, device=query.device)
+        return cls(out, lse, num_splits, block_d)
+
+
+def _merge_partitions(partials: DecodePartials, out: Tensor, num_heads: int) -> None:
+    num_seqs, _, head_dim = out.shape
+    merge_partitions_kernel[(num_seqs, num_heads)](
+        partials.out,
+        partials.lse,
+        out,
+        partials.num_splits,
+        *out.stride(),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=partials.block_d,
+        BLOCK_SPLITS=next_power_of_2(partials.num_splits),
+        num_warps=4 if head_dim >= 128 else 2,
+    )

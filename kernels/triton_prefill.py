@@ -23,19 +23,17 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import triton_flash as flash
 from pdserve.kernels.triton_common import (
-    check_float,
-    check_heads,
-    check_kv_cache,
-    check_same_device,
+    LOG2_E,
+    check_attention_query,
+    check_attention_rest,
     dot_precision,
     next_power_of_2,
     upcast_dot,
 )
 
 Tensor = torch.Tensor
-
-LOG2_E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -170,35 +168,21 @@ def prefill_attention_kernel(
                 k = tl.load(kv_ptrs)
             else:
                 k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            scores = flash.tile_scores(q, k, scale_log2, PRECISION, UPCAST)
             if phase == 1:
                 visible = token_mask[None, :] & (tokens[None, :] <= positions[:, None])
                 if HAS_WINDOW:
                     visible = visible & (tokens[None, :] > positions[:, None] - window)
                 scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            # Rows that have seen no key yet (window start, spare rows) keep m = -inf;
-            # shifting by 0 instead keeps exp2 away from (-inf) - (-inf).
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - shift)
-            p = tl.exp2(scores - shift[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            # Rows may have seen no key yet (window start, spare rows).
+            p, alpha, m_i, l_i = flash.softmax_step(scores, m_i, l_i, True)
             if phase == 0 and HEAD_DIM == BLOCK_D:
                 v = tl.load(kv_ptrs + stride_ckv)
             else:
                 v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0)
-            # P is rounded to the cache dtype as the tensor cores take it.
-            p_op = p.to(cache_ptr.dtype.element_ty)
-            if UPCAST:
-                v = v.to(tl.float32)
-                p_op = p_op.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p_op, v, input_precision=PRECISION)
-            m_i = m_new
+            acc = flash.accumulate_pv(acc, alpha, p, v, cache_ptr, PRECISION, UPCAST)
 
-    safe_l = tl.where(l_i > 0, l_i, 1.0)
-    result = acc / safe_l[:, None]
+    result, _ = flash.normalize_rows(acc, l_i)
     tl.store(
         out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :] * stride_od,
         result.to(out_ptr.dtype.element_ty),
@@ -217,35 +201,17 @@ def prefill_attention_triton(
     out: Tensor | None = None,
 ) -> Tensor:
     """Same contract as `reference.prefill_attention_ref`."""
-    if query.dim() != 3:
-        raise ValueError(
-            f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}"
-        )
-    num_tokens, num_heads, head_dim = query.shape
-    check_float("query", query)
-    check_kv_cache(kv_cache, None, head_dim)
-    num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
-    group = check_heads(num_heads, num_kv_heads)
-    check_same_device(
-        query=query, kv_cache=kv_cache, block_tables=block_tables, query_start_loc=query_start_loc
+    shape = check_attention_query(
+        query, kv_cache, "num_tokens", block_tables=block_tables, query_start_loc=query_start_loc
     )
+    num_tokens, num_heads, head_dim, _, block_size, group = shape
     num_seqs = context_lens.shape[0]
     if query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(
             f"query_start_loc must be [num_seqs + 1 = {num_seqs + 1}], "
             f"got {tuple(query_start_loc.shape)}"
         )
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(
-            f"block_tables must be [num_seqs={num_seqs}, max_blocks], "
-            f"got {tuple(block_tables.shape)}"
-        )
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    if out is None:
-        out = torch.empty_like(query)
-    elif out.shape != query.shape:
-        raise ValueError(f"out must have the query's shape {tuple(query.shape)}")
+    out = check_attention_rest(query, block_tables, num_seqs, sliding_window, out)
     if num_seqs == 0 or num_tokens == 0:
         return out
 

@@ -17,6 +17,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 _KERNEL_MODULES = [
     "pdserve.kernels.triton_common",
+    "pdserve.kernels.triton_flash",
     "pdserve.kernels.triton_kv_write",
     "pdserve.kernels.triton_decode",
     "pdserve.kernels.triton_prefill",

@@ -24,6 +24,36 @@ TOLERANCE = {
 }
 NUM_LAYERS = 3  # the tests use layer 1, the middle one
 
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+# (heads, kv_heads, head_dim, block_size, dtype, window): an L9 orthogonal array over
+# group x head_dim x dtype x (block size, window), so every pair of values meets; the
+# decode and prefill kernels both run it.
+PAIRWISE = [
+    (4, 4, 64, 16, F32, None),
+    (4, 4, 128, 32, F16, None),
+    (4, 4, 256, 32, BF16, 7),
+    (4, 2, 64, 32, BF16, None),
+    (4, 2, 128, 32, F32, 7),
+    (4, 2, 256, 16, F16, None),
+    (4, 1, 64, 32, F16, 7),
+    (4, 1, 128, 16, BF16, None),
+    (4, 1, 256, 32, F32, None),
+    # A group of 3 (SmolLM2's 9 heads over 3 kv heads): a padded GQA tile.
+    (6, 2, 64, 16, BF16, 20),
+]
+
+
+def over_attention_cases(cases: list[tuple]) -> pytest.MarkDecorator:
+    """Parametrizes a test over (heads, kv_heads, head_dim, block_size, dtype, window)."""
+    return pytest.mark.parametrize(
+        "heads,kv_heads,head_dim,block_size,dtype,window", cases, ids=map(_case_id, cases)
+    )
+
+
+def _case_id(case: tuple) -> str:
+    heads, kv_heads, d, bs, dtype, window = case
+    return f"h{heads}kv{kv_heads}-d{d}-bs{bs}-{str(dtype)[6:]}-w{window}"
+
 
 @dataclass
 class PagedBatch:

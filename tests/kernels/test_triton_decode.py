@@ -19,25 +19,10 @@ from pdserve.kernels.triton_decode import (
     decode_attention_triton,
     plan_decode,
 )
+from tests.kernels import paged
 from tests.kernels.paged import assert_matches, make_paged_batch, poisoned_like, require_interpreter
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-
-# (heads, kv_heads, head_dim, block_size, dtype, window): an L9 orthogonal array over
-# group x head_dim x dtype x (block size, window), so every pair of values meets.
-PAIRWISE = [
-    (4, 4, 64, 16, F32, None),
-    (4, 4, 128, 32, F16, None),
-    (4, 4, 256, 32, BF16, 7),
-    (4, 2, 64, 32, BF16, None),
-    (4, 2, 128, 32, F32, 7),
-    (4, 2, 256, 16, F16, None),
-    (4, 1, 64, 32, F16, 7),
-    (4, 1, 128, 16, BF16, None),
-    (4, 1, 256, 32, F32, None),
-    # A group of 3 (SmolLM2's 9 heads over 3 kv heads): a padded GQA tile.
-    (6, 2, 64, 16, BF16, 20),
-]
 
 
 def _run_case(heads, kv_heads, head_dim, block_size, dtype, window, lens, seed, **batch_kw):
@@ -58,14 +43,7 @@ def _run_case(heads, kv_heads, head_dim, block_size, dtype, window, lens, seed, 
     return batch
 
 
-def _case_id(case) -> str:
-    heads, kv_heads, d, bs, dtype, window = case
-    return f"h{heads}kv{kv_heads}-d{d}-bs{bs}-{str(dtype)[6:]}-w{window}"
-
-
-@pytest.mark.parametrize(
-    "heads,kv_heads,head_dim,block_size,dtype,window", PAIRWISE, ids=map(_case_id, PAIRWISE)
-)
+@paged.over_attention_cases(paged.PAIRWISE)
 def test_decode_matches_reference_over_the_grid(
     heads, kv_heads, head_dim, block_size, dtype, window
 ):
@@ -85,9 +63,7 @@ SPLIT_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "heads,kv_heads,head_dim,block_size,dtype,window", SPLIT_CASES, ids=map(_case_id, SPLIT_CASES)
-)
+@paged.over_attention_cases(SPLIT_CASES)
 def test_long_contexts_take_the_split_k_path(heads, kv_heads, head_dim, block_size, dtype, window):
     # Lengths at partition boundaries, one sequence shorter than a partition (its later
     # partitions are empty) and one filling the whole table.

@@ -19,27 +19,10 @@ from pdserve.kernels.triton_prefill import (
     prefill_attention_kernel,
     prefill_attention_triton,
 )
+from tests.kernels import paged
 from tests.kernels.paged import assert_matches, make_paged_batch, poisoned_like, require_interpreter
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-
-PAIRWISE = [
-    (4, 4, 64, 16, F32, None),
-    (4, 4, 128, 32, F16, None),
-    (4, 4, 256, 32, BF16, 7),
-    (4, 2, 64, 32, BF16, None),
-    (4, 2, 128, 32, F32, 7),
-    (4, 2, 256, 16, F16, None),
-    (4, 1, 64, 32, F16, 7),
-    (4, 1, 128, 16, BF16, None),
-    (4, 1, 256, 32, F32, None),
-    (6, 2, 64, 16, BF16, 20),
-]
-
-
-def _case_id(case) -> str:
-    heads, kv_heads, d, bs, dtype, window = case
-    return f"h{heads}kv{kv_heads}-d{d}-bs{bs}-{str(dtype)[6:]}-w{window}"
 
 
 def _run_case(heads, kv_heads, head_dim, block_size, dtype, window, seqs, seed):
@@ -62,9 +45,7 @@ def _run_case(heads, kv_heads, head_dim, block_size, dtype, window, seqs, seed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "heads,kv_heads,head_dim,block_size,dtype,window", PAIRWISE, ids=map(_case_id, PAIRWISE)
-)
+@paged.over_attention_cases(paged.PAIRWISE)
 def test_prefill_matches_reference_over_the_grid(
     heads, kv_heads, head_dim, block_size, dtype, window
 ):
