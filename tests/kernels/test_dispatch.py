@@ -28,10 +28,10 @@ def test_kernels_import_without_triton_and_fall_back_with_a_reason():
     # kernels leaves triton alone, and with triton missing CUDA calls keep the references.
     code = (
         "import sys\n"
-        "import kernels\n"
+        "import pdserve.kernels as kernels\n"
         "assert 'triton' not in sys.modules, 'importing kernels imported triton'\n"
         "sys.modules['triton'] = None\n"
-        "from kernels import dispatch\n"
+        "from pdserve.kernels import dispatch\n"
         "assert dispatch.load_triton_kernels() is False\n"
         "print(kernels.triton_unavailable_reason())\n"
     )
