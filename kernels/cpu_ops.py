@@ -47,10 +47,10 @@ _ERRORS = {
 _CALLS = {
     # key, value, cache, slots (pointer, dtype code, strides each), then shapes, threads.
     "write": ("pd_write_kv_cache", struct.Struct("<26q")),
-    # query, cache, tables, lens, out, then shapes; scale; window, threads.
+    # query, cache, tables, lens, out, then shapes; scale; window, threads (pd_attention_call).
     "decode": ("pd_decode_attention", struct.Struct("<30qd3q")),
-    # query, cache, tables, query_start_loc, lens, out, then shapes; scale; window, threads.
-    "prefill": ("pd_prefill_attention", struct.Struct("<34qd3q")),
+    # query_start_loc, num_tokens, then a decode call's fields.
+    "prefill": ("pd_prefill_attention", struct.Struct("<4q30qd3q")),
     # x, its row stride, weight, its row stride, bias, bias dtype, y, its row stride,
     # then m, n, k, threads.
     "linear": ("pd_linear", struct.Struct("<13q")),
@@ -129,23 +129,14 @@ class CpuKernels:
     ) -> Tensor:
         if out is None:
             out = torch.empty_like(query)
-        num_seqs, num_heads, d = _query_shape(query, out)
+        num_seqs = _query_shape(query, out)[0]
         if num_seqs == 0:
             return out
-        cache = _cache_fields(kv_cache, d)
-        _check_heads(num_heads, cache[1])
-        tables = _table_fields(num_seqs, block_tables, context_lens)
-        q, o = query.stride(), out.stride()
+        fields = _attention_fields(query, kv_cache, block_tables, context_lens, out, num_seqs)
         call = self._DecodeArgs()
         self._pack_decode(
-            call, 0,
-            query.data_ptr(), _dtype("query", query), q[0], q[1], q[2],
-            *cache[3:],
-            *tables,
-            out.data_ptr(), _dtype("out", out), o[0], o[1], o[2],
-            num_seqs, num_heads, cache[1], cache[2], d, cache[0], block_tables.shape[1],
-            scale, _window(sliding_window), torch.get_num_threads(), -1,
-        )  # fmt: skip
+            call, 0, *fields, scale, _window(sliding_window), torch.get_num_threads(), -1
+        )
         _check(self._decode(call), call)
         return out
 
@@ -162,7 +153,7 @@ class CpuKernels:
     ) -> Tensor:
         if out is None:
             out = torch.empty_like(query)
-        num_tokens, num_heads, d = _query_shape(query, out)
+        num_tokens = _query_shape(query, out)[0]
         num_seqs = context_lens.shape[0]
         starts = query_start_loc
         if starts.dim() != 1 or starts.shape[0] != num_seqs + 1:
@@ -172,22 +163,12 @@ class CpuKernels:
             )
         if num_seqs == 0:
             return out
-        cache = _cache_fields(kv_cache, d)
-        _check_heads(num_heads, cache[1])
-        tables = _table_fields(num_seqs, block_tables, context_lens)
-        q, o = query.stride(), out.stride()
+        fields = _attention_fields(query, kv_cache, block_tables, context_lens, out, num_seqs)
         call = self._PrefillArgs()
         self._pack_prefill(
             call, 0,
-            query.data_ptr(), _dtype("query", query), q[0], q[1], q[2],
-            *cache[3:],
-            *tables[:4],
-            starts.data_ptr(), _index("query_start_loc", starts), starts.stride(0),
-            *tables[4:],
-            out.data_ptr(), _dtype("out", out), o[0], o[1], o[2],
-            num_seqs, num_tokens, num_heads, cache[1], cache[2], d, cache[0],
-            block_tables.shape[1],
-            scale, _window(sliding_window), torch.get_num_threads(), -1,
+            starts.data_ptr(), _index("query_start_loc", starts), starts.stride(0), num_tokens,
+            *fields, scale, _window(sliding_window), torch.get_num_threads(), -1,
         )  # fmt: skip
         _check(self._prefill(call), call)
         return out
@@ -280,6 +261,30 @@ def _table_fields(num_seqs: int, block_tables: Tensor, context_lens: Tensor) -> 
     return (
         block_tables.data_ptr(), _index("block_tables", block_tables), t[0], t[1],
         context_lens.data_ptr(), _index("context_lens", context_lens), context_lens.stride(0),
+    )  # fmt: skip
+
+
+def _attention_fields(
+    query: Tensor,
+    kv_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    out: Tensor,
+    num_seqs: int,
+) -> tuple[int, ...]:
+    """The tensor and shape fields of a decode call (pd_attention_call in
+    kernels/cpu/common.h, up to the scale), after checking the inputs."""
+    num_heads, d = query.shape[1], query.shape[2]
+    cache = _cache_fields(kv_cache, d)
+    _check_heads(num_heads, cache[1])
+    tables = _table_fields(num_seqs, block_tables, context_lens)
+    q, o = query.stride(), out.stride()
+    return (
+        query.data_ptr(), _dtype("query", query), q[0], q[1], q[2],
+        *cache[3:],
+        *tables,
+        out.data_ptr(), _dtype("out", out), o[0], o[1], o[2],
+        num_seqs, num_heads, cache[1], cache[2], d, cache[0], block_tables.shape[1],
     )  # fmt: skip
 
 

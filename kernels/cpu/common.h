@@ -192,12 +192,27 @@ ALWAYS_INLINE v8f v8_load_as(const void *base, int dt, int64_t i) {
     return v8_load_f16((const uint16_t *)base + i);
 }
 
+#ifdef __AVX__
+/* Lane-wise sum or max of two 4-lane vectors, or of lane 0 only (`low`); `max` and
+ * `low` are compile-time constants. */
+ALWAYS_INLINE __m128 v4_combine(__m128 a, __m128 b, const int max, const int low) {
+    if (low) return max ? _mm_max_ss(a, b) : _mm_add_ss(a, b);
+    return max ? _mm_max_ps(a, b) : _mm_add_ps(a, b);
+}
+
+/* The 8 lanes of v folded into lane 0 by halves (sum or max, see v4_combine). */
+ALWAYS_INLINE float v8_fold(v8f v, const int max) {
+    __m128 x = v4_combine(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1),
+                          max, 0);
+    x = v4_combine(x, _mm_movehl_ps(x, x), max, 0);
+    x = v4_combine(x, _mm_movehdup_ps(x), max, 1);
+    return _mm_cvtss_f32(x);
+}
+#endif
+
 ALWAYS_INLINE float v8_hsum(v8f v) {
 #ifdef __AVX__
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+    return v8_fold(v, 0);
 #else
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 #endif
@@ -277,10 +292,7 @@ ALWAYS_INLINE v8f v8_min(v8f a, v8f b) {
 
 ALWAYS_INLINE float v8_hmax(v8f v) {
 #ifdef __AVX__
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
+    return v8_fold(v, 1);
 #else
     float m = v[0];
     for (int k = 1; k < 8; k++) m = v[k] > m ? v[k] : m;
@@ -350,6 +362,75 @@ static inline int threads_for(int requested, int64_t work, int64_t min_work_per_
     int64_t useful = work / (min_work_per_thread > 0 ? min_work_per_thread : 1);
     if (useful < requested) requested = useful < 1 ? 1 : (int)useful;
     return requested;
+}
+
+/* Records the index of a bad input for the caller and returns the error code. */
+static inline int fail_at(int64_t *bad, int64_t index, int code) {
+    *bad = index;
+    return code;
+}
+
+/* Runs worker(job) on `threads` threads: in this one for a single thread, else as one
+ * OpenMP team (a worker may use `omp barrier`). */
+static inline void run_workers(void (*worker)(void *job), void *job, int threads) {
+    if (threads == 1) {
+        worker(job);
+    } else {
+#pragma omp parallel num_threads(threads)
+        worker(job);
+    }
+}
+
+/* ---- the paged-attention calls ---- */
+
+/* A decode call's arguments, and the tail of a prefill call's: one struct of 8-byte
+ * fields, packed by kernels/cpu_ops.py. The last receives the index of a bad input. */
+typedef struct {
+    int64_t q, q_dt, q_ss, q_sh, q_sd;
+    int64_t cache, c_dt, c_sb, c_skv, c_sh, c_st;
+    int64_t tables, t_ix, t_ss, t_sb;
+    int64_t lens, l_ix, l_s;
+    int64_t out, o_dt, o_ss, o_sh, o_sd;
+    int64_t num_seqs, num_heads, num_kv_heads, block_size, head_dim, num_blocks, table_width;
+    double scale;
+    int64_t window, num_threads, bad;
+} pd_attention_call;
+
+/* The same, typed, with what the attention loops derive from it. */
+typedef struct {
+    const void *q;
+    int q_dt;
+    int64_t q_ss, q_sh, q_sd;
+    const char *cache;
+    int c_dt;
+    int64_t c_sb, c_skv, c_sh, c_st;
+    const void *tables;
+    int t_ix;
+    int64_t t_ss, t_sb;
+    const void *lens;
+    int l_ix;
+    int64_t l_s;
+    void *out;
+    int o_dt;
+    int64_t o_ss, o_sh, o_sd;
+    int num_kv_heads, block_size, head_dim, group;
+    int dp; /* head_dim padded to the kernel's vector step */
+    int tile_tokens, rows_pad; /* prefill's query tiles */
+    int64_t window;
+    float qmul; /* scale * log2(e): scores in base 2 */
+} attention_args;
+
+static inline attention_args attention_args_of(const pd_attention_call *c, int dp) {
+    return (attention_args){
+        .q = PTR(c->q), .q_dt = (int)c->q_dt, .q_ss = c->q_ss, .q_sh = c->q_sh, .q_sd = c->q_sd,
+        .cache = PTR(c->cache), .c_dt = (int)c->c_dt, .c_sb = c->c_sb, .c_skv = c->c_skv,
+        .c_sh = c->c_sh, .c_st = c->c_st, .tables = PTR(c->tables), .t_ix = (int)c->t_ix,
+        .t_ss = c->t_ss, .t_sb = c->t_sb, .lens = PTR(c->lens), .l_ix = (int)c->l_ix,
+        .l_s = c->l_s, .out = PTR(c->out), .o_dt = (int)c->o_dt, .o_ss = c->o_ss,
+        .o_sh = c->o_sh, .o_sd = c->o_sd, .num_kv_heads = (int)c->num_kv_heads,
+        .block_size = (int)c->block_size, .head_dim = (int)c->head_dim,
+        .group = (int)(c->num_heads / c->num_kv_heads), .dp = dp, .window = c->window,
+        .qmul = (float)c->scale * LOG2_E};
 }
 
 #endif

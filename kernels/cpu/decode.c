@@ -23,27 +23,6 @@
 #define MIN_SPLIT_TOKENS 256
 #define MIN_TOKENS_PER_THREAD 2048 /* token x kv-head pairs below which one thread runs */
 
-typedef struct {
-    const void *q;
-    int q_dt;
-    int64_t q_ss, q_sh, q_sd;
-    const char *cache;
-    int c_dt;
-    int64_t c_sb, c_skv, c_sh, c_st;
-    const void *tables;
-    int t_ix;
-    int64_t t_ss, t_sb;
-    const void *lens;
-    int l_ix;
-    int64_t l_s;
-    void *out;
-    int o_dt;
-    int64_t o_ss, o_sh, o_sd;
-    int num_kv_heads, block_size, head_dim, group, dp;
-    int64_t window;
-    float qmul;
-} decode_args;
-
 /* Dims per register-blocked pass of P.V: G heads x PV_CHUNKS(G) vectors of 8 stay in
  * registers (with the G broadcast probabilities and one V vector: <= 16 ymm). */
 #define PV_CHUNKS(G) ((G) == 1 ? 8 : (G) == 2 ? 4 : 2)
@@ -161,7 +140,7 @@ ALWAYS_INLINE void attend_tokens(const char *kr, const char *vr, int64_t row, in
 #endif
 
 /* The keys and values of kv head h in block blk of sequence s, towards the cache. */
-ALWAYS_INLINE void prefetch_block(const decode_args *A, int64_t s, int h, int64_t blk,
+ALWAYS_INLINE void prefetch_block(const attention_args *A, int64_t s, int h, int64_t blk,
                                   int64_t row, int row_bytes, int64_t es) {
     int64_t id = load_index(A->tables, A->t_ix, s * A->t_ss + blk * A->t_sb);
     const char *kb = A->cache + (id * A->c_sb + h * A->c_sh) * es;
@@ -171,7 +150,7 @@ ALWAYS_INLINE void prefetch_block(const decode_args *A, int64_t s, int h, int64_
 
 /* Every head of kv head h over tokens [a, b) of sequence s, block by block, updating
  * the running (m, l, acc) of each head. D: head_dim as a constant, or 0 (runtime). */
-ALWAYS_INLINE void attend_range(const decode_args *A, int64_t s, int h, int64_t a, int64_t b,
+ALWAYS_INLINE void attend_range(const attention_args *A, int64_t s, int h, int64_t a, int64_t b,
                                 const float *qf, float *m, float *l, float *acc, float *sc,
                                 const int dt, const int D) {
     /* With D constant, dp (== D, a multiple of 8) is too: row offsets fold into
@@ -213,7 +192,7 @@ ALWAYS_INLINE void attend_range(const decode_args *A, int64_t s, int h, int64_t 
 /* One function per (cache dtype, head_dim) specialisation: small functions keep the
  * compiler's work (and the build) short. */
 #define ATTEND_VARIANT(name, DT, D)                                                            \
-    static __attribute__((noinline)) void name(const decode_args *A, int64_t s, int h,         \
+    static __attribute__((noinline)) void name(const attention_args *A, int64_t s, int h,         \
                                                int64_t a, int64_t b, const float *qf,          \
                                                float *m, float *l, float *acc, float *sc) {    \
         attend_range(A, s, h, a, b, qf, m, l, acc, sc, DT, D);                                 \
@@ -228,7 +207,7 @@ ATTEND_VARIANT(attend_f16_d64, DT_F16, 64)
 ATTEND_VARIANT(attend_f16_d128, DT_F16, 128)
 ATTEND_VARIANT(attend_f16_any, DT_F16, 0)
 
-typedef void (*attend_fn)(const decode_args *, int64_t, int, int64_t, int64_t, const float *,
+typedef void (*attend_fn)(const attention_args *, int64_t, int, int64_t, int64_t, const float *,
                           float *, float *, float *, float *);
 
 static attend_fn attend_variant(int dt, int head_dim) {
@@ -241,7 +220,7 @@ static attend_fn attend_variant(int dt, int head_dim) {
 }
 
 /* Tokens [start, len) a sequence attends to, split k of nsplit. */
-static void split_range(const decode_args *A, int64_t s, int k, int nsplit, int64_t *a,
+static void split_range(const attention_args *A, int64_t s, int k, int nsplit, int64_t *a,
                         int64_t *b) {
     int64_t len = load_index(A->lens, A->l_ix, s * A->l_s);
     int64_t start = A->window > 0 && len > A->window ? len - A->window : 0;
@@ -252,7 +231,7 @@ static void split_range(const decode_args *A, int64_t s, int k, int nsplit, int6
 
 /* One item: every head of kv head h over split k. With one split the result is final
  * and goes to `out`; otherwise (max, sum, acc) rows go to the workspace. */
-static void decode_item(const decode_args *A, int64_t s, int h, int k, int nsplit, float *ws,
+static void decode_item(const attention_args *A, int64_t s, int h, int k, int nsplit, float *ws,
                         float *scratch) {
     const int dp = A->dp, d = A->head_dim, group = A->group;
     float *qf = scratch, *acc = qf + group * dp, *m = acc + group * dp, *l = m + group;
@@ -284,7 +263,7 @@ static void decode_item(const decode_args *A, int64_t s, int h, int k, int nspli
 }
 
 /* Merge the splits of one (sequence, query head). */
-static void merge_splits(const decode_args *A, int64_t s, int head, int nsplit, const float *ws,
+static void merge_splits(const attention_args *A, int64_t s, int head, int nsplit, const float *ws,
                          float *tmp) {
     const int dp = A->dp, d = A->head_dim, h = head / A->group, i = head % A->group;
     const int64_t stride = (int64_t)A->group * (dp + 2);
@@ -320,7 +299,7 @@ int64_t pd_decode_splits(int64_t num_seqs, int64_t num_kv_heads, int64_t tokens,
 }
 
 typedef struct {
-    const decode_args *A;
+    const attention_args *A;
     float *ws;
     int nsplit, num_heads;
     work_queue items, merges;
@@ -329,8 +308,9 @@ typedef struct {
 } decode_job;
 
 /* One thread's share: items from the queue, then (after every item is done) merges. */
-static void decode_worker(decode_job *J) {
-    const decode_args *A = J->A;
+static void decode_worker(void *job) {
+    decode_job *J = job;
+    const attention_args *A = J->A;
     const int nsplit = J->nsplit, kvh = A->num_kv_heads;
     float *scratch = malloc(sizeof(float) * J->scratch_floats);
     if (!scratch) __atomic_store_n(&J->failed, 1, __ATOMIC_RELAXED);
@@ -347,36 +327,22 @@ static void decode_worker(decode_job *J) {
     free(scratch);
 }
 
-static int decode_attention(const void *q, int q_dt, int64_t q_ss, int64_t q_sh, int64_t q_sd,
-                        const void *cache, int c_dt, int64_t c_sb, int64_t c_skv, int64_t c_sh,
-                        int64_t c_st, const void *tables, int t_ix, int64_t t_ss, int64_t t_sb,
-                        const void *lens, int l_ix, int64_t l_s, void *out, int o_dt,
-                        int64_t o_ss, int64_t o_sh, int64_t o_sd, int64_t num_seqs,
-                        int num_heads, int num_kv_heads, int block_size, int head_dim,
-                        int64_t num_blocks, int64_t table_width, float scale, int64_t window,
-                        int num_threads, int64_t *bad) {
-    decode_args A = {.q = q, .q_dt = q_dt, .q_ss = q_ss, .q_sh = q_sh, .q_sd = q_sd,
-                     .cache = (const char *)cache, .c_dt = c_dt, .c_sb = c_sb, .c_skv = c_skv,
-                     .c_sh = c_sh, .c_st = c_st, .tables = tables, .t_ix = t_ix, .t_ss = t_ss,
-                     .t_sb = t_sb, .lens = lens, .l_ix = l_ix, .l_s = l_s, .out = out,
-                     .o_dt = o_dt, .o_ss = o_ss, .o_sh = o_sh, .o_sd = o_sd,
-                     .num_kv_heads = num_kv_heads, .block_size = block_size,
-                     .head_dim = head_dim, .group = num_heads / num_kv_heads,
-                     .dp = (head_dim + 7) & ~7, .window = window, .qmul = scale * LOG2_E};
+int64_t pd_decode_call_size(void) { return sizeof(pd_attention_call); }
+
+int pd_decode_attention(pd_attention_call *c) {
+    const attention_args A = attention_args_of(c, ((int)c->head_dim + 7) & ~7);
+    const int64_t num_seqs = c->num_seqs, window = c->window;
+    const int num_heads = (int)c->num_heads, num_kv_heads = A.num_kv_heads;
+    const int block_size = A.block_size, num_threads = (int)c->num_threads;
     int64_t tokens = 0, max_span = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
-        int64_t len = load_index(lens, l_ix, s * l_s);
-        if (len < 0 || len > table_width * block_size) {
-            *bad = s;
-            return PD_BAD_CONTEXT_LEN;
-        }
+        int64_t len = load_index(A.lens, A.l_ix, s * A.l_s);
+        if (len < 0 || len > c->table_width * block_size)
+            return fail_at(&c->bad, s, PD_BAD_CONTEXT_LEN);
         int64_t start = window > 0 && len > window ? len - window : 0;
         for (int64_t blk = start / block_size; blk * block_size < len; blk++) {
-            int64_t id = load_index(tables, t_ix, s * t_ss + blk * t_sb);
-            if (id < 0 || id >= num_blocks) {
-                *bad = s;
-                return PD_BAD_BLOCK_ID;
-            }
+            int64_t id = load_index(A.tables, A.t_ix, s * A.t_ss + blk * A.t_sb);
+            if (id < 0 || id >= c->num_blocks) return fail_at(&c->bad, s, PD_BAD_BLOCK_ID);
         }
         tokens += len - start;
         max_span = len - start > max_span ? len - start : max_span;
@@ -392,35 +358,7 @@ static int decode_attention(const void *q, int q_dt, int64_t q_ss, int64_t q_sh,
     decode_job job = {.A = &A, .ws = ws, .nsplit = nsplit, .num_heads = num_heads,
                       .items = {0, items * nsplit}, .merges = {0, nsplit > 1 ? num_seqs * num_heads : 0},
                       .scratch_floats = (size_t)A.group * (2 * A.dp + 2) + MAX_CHUNK * SCORE_TILE};
-    if (threads == 1) {
-        decode_worker(&job);
-    } else {
-#pragma omp parallel num_threads(threads)
-        decode_worker(&job);
-    }
+    run_workers(decode_worker, &job, threads);
     free(ws);
     return job.failed ? PD_NO_MEMORY : PD_OK;
-}
-
-/* The call's arguments as one struct of 8-byte fields (kernels/cpu_ops.py packs it). */
-typedef struct {
-    int64_t q, q_dt, q_ss, q_sh, q_sd;
-    int64_t cache, c_dt, c_sb, c_skv, c_sh, c_st;
-    int64_t tables, t_ix, t_ss, t_sb;
-    int64_t lens, l_ix, l_s;
-    int64_t out, o_dt, o_ss, o_sh, o_sd;
-    int64_t num_seqs, num_heads, num_kv_heads, block_size, head_dim, num_blocks, table_width;
-    double scale;
-    int64_t window, num_threads, bad;
-} pd_decode_call;
-
-int64_t pd_decode_call_size(void) { return sizeof(pd_decode_call); }
-
-int pd_decode_attention(pd_decode_call *c) {
-    return decode_attention(PTR(c->q), c->q_dt, c->q_ss, c->q_sh, c->q_sd, PTR(c->cache), c->c_dt,
-                            c->c_sb, c->c_skv, c->c_sh, c->c_st, PTR(c->tables), c->t_ix, c->t_ss,
-                            c->t_sb, PTR(c->lens), c->l_ix, c->l_s, PTR(c->out), c->o_dt,
-                            c->o_ss, c->o_sh, c->o_sd, c->num_seqs, c->num_heads,
-                            c->num_kv_heads, c->block_size, c->head_dim, c->num_blocks,
-                            c->table_width, (float)c->scale, c->window, c->num_threads, &c->bad);
 }

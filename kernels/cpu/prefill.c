@@ -21,24 +21,6 @@
 #define ROWS_TARGET 128
 
 typedef struct {
-    const void *q;
-    int q_dt;
-    int64_t q_ss, q_sh, q_sd;
-    const char *cache;
-    int c_dt;
-    int64_t c_sb, c_skv, c_sh, c_st;
-    const void *tables;
-    int t_ix;
-    int64_t t_ss, t_sb;
-    void *out;
-    int o_dt;
-    int64_t o_ss, o_sh, o_sd;
-    int block_size, head_dim, group, dp, tile_tokens, rows_pad;
-    int64_t window;
-    float qmul;
-} prefill_args;
-
-typedef struct {
     int64_t seq, q_row0;    /* sequence, and its first query row in `q` */
     int64_t pos0;           /* position of the tile's first token */
     int32_t tokens, kv_head;
@@ -48,6 +30,16 @@ typedef struct {
 typedef struct {
     float *qf, *o, *s, *kt, *vf, *m, *l, *corr;
 } tile_scratch;
+
+/* A micro-kernel's accumulators into rows r..r+6, columns c..c+16 of dst. */
+ALWAYS_INLINE void store_row_group(float *dst, int row_stride, int r, int c,
+                                   v8f acc[ROW_GROUP][2]) {
+#pragma GCC unroll 6
+    for (int i = 0; i < ROW_GROUP; i++) {
+        v8_store(dst + (r + i) * row_stride + c, acc[i][0]);
+        v8_store(dst + (r + i) * row_stride + c + 8, acc[i][1]);
+    }
+}
 
 /* S[r..r+6)[cc..cc+16) = Qf rows . KT columns. */
 ALWAYS_INLINE void qk_micro(const float *qf, const float *kt, float *s, int r, int cc, int dp) {
@@ -64,11 +56,7 @@ ALWAYS_INLINE void qk_micro(const float *qf, const float *kt, float *s, int r, i
             acc[i][1] += b * k1;
         }
     }
-#pragma GCC unroll 6
-    for (int i = 0; i < ROW_GROUP; i++) {
-        v8_store(s + (r + i) * KEY_TILE + cc, acc[i][0]);
-        v8_store(s + (r + i) * KEY_TILE + cc + 8, acc[i][1]);
-    }
+    store_row_group(s, KEY_TILE, r, cc, acc);
 }
 
 /* O[r..r+6)[c0..c0+16) = O * corr + P[:, :n] V[:n]. */
@@ -90,16 +78,12 @@ ALWAYS_INLINE void pv_micro(float *o, const float *p, const float *vf, const flo
             acc[i][1] += b * v1;
         }
     }
-#pragma GCC unroll 6
-    for (int i = 0; i < ROW_GROUP; i++) {
-        v8_store(o + (r + i) * dp + c0, acc[i][0]);
-        v8_store(o + (r + i) * dp + c0 + 8, acc[i][1]);
-    }
+    store_row_group(o, dp, r, c0, acc);
 }
 
 /* Keys/values j0..j0+n of the item's sequence and kv head into KT / Vf. Keys go
  * through 8x8 register transposes, eight tokens at a time. */
-ALWAYS_INLINE void load_key_tile(const prefill_args *A, const prefill_item *it, int64_t j0, int n,
+ALWAYS_INLINE void load_key_tile(const attention_args *A, const prefill_item *it, int64_t j0, int n,
                                  const tile_scratch *w, const int dt) {
     const int d = A->head_dim, d8 = d & ~7, dp = A->dp, bs = A->block_size;
     const int64_t es = (int64_t)dtype_size(dt);
@@ -137,7 +121,7 @@ ALWAYS_INLINE void load_key_tile(const prefill_args *A, const prefill_item *it, 
 
 /* Causal / window mask of one key tile, then the online-softmax update of every row:
  * S becomes P, corr holds each row's rescale factor. */
-static void softmax_tile(const prefill_args *A, const prefill_item *it, int64_t j0, int n,
+static void softmax_tile(const attention_args *A, const prefill_item *it, int64_t j0, int n,
                          int rows_pad, const tile_scratch *w) {
     const int g = A->group, rows = it->tokens * g;
     const int64_t W = A->window;
@@ -178,7 +162,7 @@ static void softmax_tile(const prefill_args *A, const prefill_item *it, int64_t 
     }
 }
 
-ALWAYS_INLINE void prefill_item_run(const prefill_args *A, const prefill_item *it,
+ALWAYS_INLINE void prefill_item_run(const attention_args *A, const prefill_item *it,
                                     const tile_scratch *w, const int dt) {
     const int g = A->group, dp = A->dp, d = A->head_dim, rows = it->tokens * g;
     const int rows_pad = (rows + ROW_GROUP - 1) / ROW_GROUP * ROW_GROUP;
@@ -212,7 +196,7 @@ ALWAYS_INLINE void prefill_item_run(const prefill_args *A, const prefill_item *i
     }
 }
 
-static void prefill_item_any(const prefill_args *A, const prefill_item *it, const tile_scratch *w) {
+static void prefill_item_any(const attention_args *A, const prefill_item *it, const tile_scratch *w) {
     if (A->c_dt == DT_BF16)
         prefill_item_run(A, it, w, DT_BF16);
     else if (A->c_dt == DT_F32)
@@ -222,15 +206,16 @@ static void prefill_item_any(const prefill_args *A, const prefill_item *it, cons
 }
 
 typedef struct {
-    const prefill_args *A;
+    const attention_args *A;
     const prefill_item *items;
     work_queue queue;
     size_t scratch_floats;
     int failed;
 } prefill_job;
 
-static void prefill_worker(prefill_job *J) {
-    const prefill_args *A = J->A;
+static void prefill_worker(void *job) {
+    prefill_job *J = job;
+    const attention_args *A = J->A;
     const size_t rows = (size_t)A->rows_pad, dp = (size_t)A->dp;
     float *buf = calloc(J->scratch_floats, sizeof(float));
     if (!buf) {
@@ -258,120 +243,89 @@ static int by_cost_descending(const void *x, const void *y) {
     return a < b ? 1 : a > b ? -1 : 0;
 }
 
-static int prefill_attention(const void *q, int q_dt, int64_t q_ss, int64_t q_sh, int64_t q_sd,
-                         const void *cache, int c_dt, int64_t c_sb, int64_t c_skv, int64_t c_sh,
-                         int64_t c_st, const void *tables, int t_ix, int64_t t_ss, int64_t t_sb,
-                         const void *starts, int s_ix, int64_t s_s, const void *lens, int l_ix,
-                         int64_t l_s, void *out, int o_dt, int64_t o_ss, int64_t o_sh,
-                         int64_t o_sd, int64_t num_seqs, int64_t num_tokens, int num_heads,
-                         int num_kv_heads, int block_size, int head_dim, int64_t num_blocks,
-                         int64_t table_width, float scale, int64_t window, int num_threads,
-                         int64_t *bad) {
-    const int group = num_heads / num_kv_heads;
-    int tile_tokens = ROWS_TARGET / group < 1 ? 1 : ROWS_TARGET / group;
-    int rows_pad = (tile_tokens * group + ROW_GROUP - 1) / ROW_GROUP * ROW_GROUP;
-    int dp = (head_dim + COL_CHUNK - 1) / COL_CHUNK * COL_CHUNK;
-    prefill_args A = {.q = q, .q_dt = q_dt, .q_ss = q_ss, .q_sh = q_sh, .q_sd = q_sd,
-                      .cache = (const char *)cache, .c_dt = c_dt, .c_sb = c_sb, .c_skv = c_skv,
-                      .c_sh = c_sh, .c_st = c_st, .tables = tables, .t_ix = t_ix, .t_ss = t_ss,
-                      .t_sb = t_sb, .out = out, .o_dt = o_dt, .o_ss = o_ss, .o_sh = o_sh,
-                      .o_sd = o_sd, .block_size = block_size, .head_dim = head_dim,
-                      .group = group, .dp = dp, .tile_tokens = tile_tokens,
-                      .rows_pad = rows_pad, .window = window, .qmul = scale * LOG2_E};
-    int64_t num_items = 0, work = 0;
-    int64_t prev = load_index(starts, s_ix, 0);
-    if (prev < 0) {
-        *bad = 0;
-        return PD_BAD_QUERY_START;
-    }
-    for (int64_t s = 0; s < num_seqs; s++) {
-        int64_t next = load_index(starts, s_ix, (s + 1) * s_s);
-        int64_t len = load_index(lens, l_ix, s * l_s), qlen = next - prev;
-        if (qlen < 0 || next > num_tokens) {
-            *bad = s;
-            return PD_BAD_QUERY_START;
-        }
-        if (len < 0 || len > table_width * block_size) {
-            *bad = s;
-            return PD_BAD_CONTEXT_LEN;
-        }
-        if (qlen > len) {
-            *bad = s;
-            return PD_QUERY_LONGER_THAN_CONTEXT;
-        }
+/* A prefill call: the query rows of each sequence, then the decode call's fields. */
+typedef struct {
+    int64_t starts, s_ix, s_s, num_tokens;
+    pd_attention_call a;
+} pd_prefill_call;
+
+int64_t pd_prefill_call_size(void) { return sizeof(pd_prefill_call); }
+
+static int64_t query_start(const pd_prefill_call *call, int64_t s) {
+    return load_index(PTR(call->starts), (int)call->s_ix, s * call->s_s);
+}
+
+/* Checks every sequence's query rows, context length and used block ids; counts the
+ * work items and the (query, key) pairs. PD_OK, or an error with its index in `bad`. */
+static int check_sequences(pd_prefill_call *call, const attention_args *A, int64_t *num_items,
+                           int64_t *work) {
+    pd_attention_call *c = &call->a;
+    const int64_t window = A->window, bs = A->block_size;
+    int64_t prev = query_start(call, 0);
+    if (prev < 0) return fail_at(&c->bad, 0, PD_BAD_QUERY_START);
+    for (int64_t s = 0; s < c->num_seqs; s++) {
+        int64_t next = query_start(call, s + 1);
+        int64_t len = load_index(A->lens, A->l_ix, s * A->l_s), qlen = next - prev;
+        if (qlen < 0 || next > call->num_tokens) return fail_at(&c->bad, s, PD_BAD_QUERY_START);
+        if (len < 0 || len > c->table_width * bs) return fail_at(&c->bad, s, PD_BAD_CONTEXT_LEN);
+        if (qlen > len) return fail_at(&c->bad, s, PD_QUERY_LONGER_THAN_CONTEXT);
         if (qlen > 0) {
             int64_t first = len - qlen; /* first query position */
             int64_t lo = window > 0 && first - window + 1 > 0 ? first - window + 1 : 0;
-            for (int64_t blk = lo / block_size; blk * block_size < len; blk++) {
-                int64_t id = load_index(tables, t_ix, s * t_ss + blk * t_sb);
-                if (id < 0 || id >= num_blocks) {
-                    *bad = s;
-                    return PD_BAD_BLOCK_ID;
-                }
+            for (int64_t blk = lo / bs; blk * bs < len; blk++) {
+                int64_t id = load_index(A->tables, A->t_ix, s * A->t_ss + blk * A->t_sb);
+                if (id < 0 || id >= c->num_blocks) return fail_at(&c->bad, s, PD_BAD_BLOCK_ID);
             }
-            num_items += (qlen + tile_tokens - 1) / tile_tokens * num_kv_heads;
-            work += qlen * (len - lo);
+            *num_items += (qlen + A->tile_tokens - 1) / A->tile_tokens * A->num_kv_heads;
+            *work += qlen * (len - lo);
         }
         prev = next;
     }
-    if (num_items == 0) return PD_OK;
-    prefill_item *items = malloc(sizeof(prefill_item) * num_items);
-    if (!items) return PD_NO_MEMORY;
+    return PD_OK;
+}
+
+/* One item per (sequence, tile of its query rows, kv head), into `items`. */
+static void list_items(const pd_prefill_call *call, const attention_args *A,
+                       prefill_item *items) {
+    const int64_t window = A->window, tile_tokens = A->tile_tokens;
     int64_t n_it = 0;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        int64_t q0 = load_index(starts, s_ix, s * s_s);
-        int64_t qlen = load_index(starts, s_ix, (s + 1) * s_s) - q0;
-        int64_t len = load_index(lens, l_ix, s * l_s);
+    for (int64_t s = 0; s < call->a.num_seqs; s++) {
+        int64_t q0 = query_start(call, s);
+        int64_t qlen = query_start(call, s + 1) - q0;
+        int64_t len = load_index(A->lens, A->l_ix, s * A->l_s);
         for (int64_t r0 = 0; r0 < qlen; r0 += tile_tokens) {
             int tokens = (int)(qlen - r0 < tile_tokens ? qlen - r0 : tile_tokens);
             int64_t pos0 = len - qlen + r0;
             int64_t lo = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
-            for (int h = 0; h < num_kv_heads; h++) {
+            for (int h = 0; h < A->num_kv_heads; h++) {
                 prefill_item it = {.seq = s, .q_row0 = q0 + r0, .pos0 = pos0, .tokens = tokens,
                                    .kv_head = h, .key_lo = lo, .key_hi = pos0 + tokens - 1};
                 items[n_it++] = it;
             }
         }
     }
+}
+
+int pd_prefill_attention(pd_prefill_call *call) {
+    const pd_attention_call *c = &call->a;
+    const int dp = ((int)c->head_dim + COL_CHUNK - 1) / COL_CHUNK * COL_CHUNK;
+    attention_args A = attention_args_of(c, dp);
+    A.tile_tokens = ROWS_TARGET / A.group < 1 ? 1 : ROWS_TARGET / A.group;
+    A.rows_pad = (A.tile_tokens * A.group + ROW_GROUP - 1) / ROW_GROUP * ROW_GROUP;
+    int64_t num_items = 0, work = 0;
+    int rc = check_sequences(call, &A, &num_items, &work);
+    if (rc != PD_OK || num_items == 0) return rc;
+    prefill_item *items = malloc(sizeof(prefill_item) * num_items);
+    if (!items) return PD_NO_MEMORY;
+    list_items(call, &A, items);
     qsort(items, num_items, sizeof(prefill_item), by_cost_descending);
-    int threads = threads_for(num_threads, work * num_heads, 1 << 16);
+    int threads = threads_for((int)c->num_threads, work * (int)c->num_heads, 1 << 16);
     if (threads > num_items) threads = (int)num_items;
-    const size_t rows = (size_t)rows_pad;
+    const size_t rows = (size_t)A.rows_pad;
     prefill_job job = {.A = &A, .items = items, .queue = {0, num_items},
                        .scratch_floats = rows * dp * 2 + rows * KEY_TILE +
                                          (size_t)dp * KEY_TILE * 2 + 3 * rows};
-    if (threads == 1) {
-        prefill_worker(&job);
-    } else {
-#pragma omp parallel num_threads(threads)
-        prefill_worker(&job);
-    }
+    run_workers(prefill_worker, &job, threads);
     free(items);
     return job.failed ? PD_NO_MEMORY : PD_OK;
-}
-
-/* The call's arguments as one struct of 8-byte fields (kernels/cpu_ops.py packs it). */
-typedef struct {
-    int64_t q, q_dt, q_ss, q_sh, q_sd;
-    int64_t cache, c_dt, c_sb, c_skv, c_sh, c_st;
-    int64_t tables, t_ix, t_ss, t_sb;
-    int64_t starts, s_ix, s_s;
-    int64_t lens, l_ix, l_s;
-    int64_t out, o_dt, o_ss, o_sh, o_sd;
-    int64_t num_seqs, num_tokens, num_heads, num_kv_heads, block_size, head_dim, num_blocks;
-    int64_t table_width;
-    double scale;
-    int64_t window, num_threads, bad;
-} pd_prefill_call;
-
-int64_t pd_prefill_call_size(void) { return sizeof(pd_prefill_call); }
-
-int pd_prefill_attention(pd_prefill_call *c) {
-    return prefill_attention(PTR(c->q), c->q_dt, c->q_ss, c->q_sh, c->q_sd, PTR(c->cache),
-                             c->c_dt, c->c_sb, c->c_skv, c->c_sh, c->c_st, PTR(c->tables),
-                             c->t_ix, c->t_ss, c->t_sb, PTR(c->starts), c->s_ix, c->s_s,
-                             PTR(c->lens), c->l_ix, c->l_s, PTR(c->out), c->o_dt, c->o_ss,
-                             c->o_sh, c->o_sd, c->num_seqs, c->num_tokens, c->num_heads,
-                             c->num_kv_heads, c->block_size, c->head_dim, c->num_blocks,
-                             c->table_width, (float)c->scale, c->window, c->num_threads, &c->bad);
 }
