@@ -21,7 +21,6 @@ from pdserve.cluster.placement import (
     resolve_device,
 )
 from pdserve.engine.embedded import MODEL_NAME
-from pdserve.instance.kinds import kind_available
 from pdserve.scheduler.global_scheduler import GlobalSchedulerConfig
 
 MODES = ("disaggregated", "colocated")
@@ -71,13 +70,6 @@ class ServePlan:
     ) -> ServePlan:
         """`cores` and `gpus` default to what this machine has."""
         check_flags(args)
-        if args.mode == "disaggregated" and not (
-            kind_available("prefill") and kind_available("decode")
-        ):
-            raise ServeError(
-                "--mode disaggregated needs the prefill/decode KV handoff, which is not wired "
-                "yet; use --mode colocated"
-            )
         roles = _roles(args)
         instances = place(roles, cores or available_cores(), args.threads_per_instance)
         gpus = available_gpus() if gpus is None else gpus

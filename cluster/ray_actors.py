@@ -2,7 +2,7 @@
 show (Ray titles an actor's process `ray::ColocatedInstance`); each actor is also
 named after its instance id.
 
-The runtime is imported inside the actor, so the driver (the gateway process) never
+The step loop is imported inside the actor, so the driver (the gateway process) never
 loads torch. Ray runs the methods on a small thread pool: `run()` holds one thread for
 the step loop while `stop()` and `ping()` use the others.
 """
@@ -16,20 +16,20 @@ from pdserve.instance.spec import InstanceSpec
 
 class _InstanceActor:
     def __init__(self, spec_json: bytes) -> None:
-        from pdserve.instance.kinds import runtime_class
+        from pdserve.instance.loop import StepLoop
 
         spec = msgspec.json.decode(spec_json, type=InstanceSpec)
-        self.runtime = runtime_class(spec.role)(spec)
+        self.loop = StepLoop(spec)
 
     def load(self) -> bytes:
         """Loads the weights; returns the InstanceInfo as JSON."""
-        return msgspec.json.encode(self.runtime.load())
+        return msgspec.json.encode(self.loop.load())
 
     def run(self) -> None:
-        self.runtime.run()
+        self.loop.run()
 
     def stop(self) -> None:
-        self.runtime.stop()
+        self.loop.stop()
 
     def ping(self) -> str:
         return "ok"

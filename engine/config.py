@@ -1,14 +1,19 @@
-"""Engine arguments: what `LLM(...)`, an instance and the CLI flags configure."""
+"""Engine arguments: what `LLM(...)`, an instance and the CLI flags configure.
+
+Torch-free (dtypes by name), so a driver builds and checks them without loading torch.
+"""
 
 from __future__ import annotations
 
 import os
 import re
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 GiB = 1 << 30
 
 
@@ -56,12 +61,17 @@ class EngineConfig:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
 
-    def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+    def dtype_name(self, checkpoint_dtype: str | None) -> str:
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        dtype = DTYPES.get(checkpoint_dtype or "float32", torch.float32)
+            return self.dtype
+        name = checkpoint_dtype if checkpoint_dtype in DTYPES else "float32"
         # CPUs have no fast float16 path; bfloat16 keeps the range of float32.
-        return torch.bfloat16 if dtype == torch.float16 and self.device == "cpu" else dtype
+        return "bfloat16" if name == "float16" and self.device == "cpu" else name
+
+    def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype_name(checkpoint_dtype))
 
     def resolved_threads(self) -> int:
         return self.num_threads or max(1, os.cpu_count() or 1)

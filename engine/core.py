@@ -1,7 +1,9 @@
-"""One instance's engine: scheduler + model runner + sampler, stepped by its owner.
+"""One instance's engine: the step scheduler driving an executor, stepped by its owner.
 
-The owner (the offline `LLM`, or a prefill/decode instance loop) adds requests and
-calls `step()`, which returns the token deltas of that step.
+The owner (the offline `LLM`, or an instance's step loop) adds requests and calls
+`step()`, which plans a step, runs it through the executor seam and returns the
+step's token deltas. This module is torch-free: the model lives behind the executor
+(`InProcessExecutor` by default), so a driver runs with a fake one and no torch.
 """
 
 from __future__ import annotations
@@ -9,19 +11,11 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
-import torch
-
-from pdserve.engine import gpu_memory
-from pdserve.engine.checkpoint import load_generation_config, load_model_config
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.device_executor import DeviceExecutor
-from pdserve.engine.embedded import embedded_model_path
-from pdserve.engine.kv_cache import KVCache, KVCacheShape
-from pdserve.engine.loader import load_model
-from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampler import Sampler
-from pdserve.kernels import dispatch
+from pdserve.engine.executor import Executor, InProcessExecutor
+from pdserve.engine.plan import NewRequest, PlannedChunk, StepPlan, WorkerInfo
 from pdserve.scheduler.config import SchedulerConfig
 from pdserve.scheduler.messages import RequestDelta
 from pdserve.scheduler.outputs import SchedulerOutput
@@ -39,67 +33,82 @@ class EngineStats:
     model_seconds: float = 0.0
 
 
-class EngineCore:
-    def __init__(self, config: EngineConfig | None = None, **kwargs):
-        self.config = config or EngineConfig.from_kwargs(**kwargs)
-        torch.set_num_threads(self.config.resolved_threads())
-        self.model_path = str(self.config.model or embedded_model_path())
-        self.model_config = load_model_config(self.model_path)
-        self.generation_config = load_generation_config(self.model_path)
-        self.dtype = self.config.torch_dtype(self.model_config.torch_dtype)
-        self.device = torch.device(self.config.device)
-        on_cuda = self.device.type == "cuda"
-        free_before_load = gpu_memory.free_device_memory(self.device) if on_cuda else 0
-        self.model = load_model(self.model_path, self.model_config, self.dtype, self.device)
-        mc = self.model_config
-        self.max_model_len = min(
-            self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
-        )
-        shape = KVCacheShape(
-            num_layers=mc.num_hidden_layers,
-            num_kv_heads=mc.num_key_value_heads,
-            head_dim=mc.head_dim,
-            block_size=self.config.block_size,
-            dtype=self.dtype,
-        )
-        if self.config.num_kv_blocks:
-            num_blocks = self.config.num_kv_blocks
-        elif on_cuda:
-            profile = gpu_memory.profile_memory(
-                self.model,
-                shape,
-                self.device,
-                free_before_load,
-                min(self.config.max_num_batched_tokens, self.max_model_len),
-                self.config.max_num_seqs,
+class StepPlanner:
+    """Turns the scheduler's output into the `StepPlan` the ranks need: a request in
+    full the first time, afterwards only its chunk and the blocks it gained."""
+
+    def __init__(self) -> None:
+        self._blocks_sent: dict[str, int] = {}  # request id → block-table length on the ranks
+
+    def plan(self, output: SchedulerOutput, kv_connector: Any = None) -> StepPlan:
+        finished = [*output.finished_ids, *output.preempted_ids]
+        for request_id in finished:
+            self._blocks_sent.pop(request_id, None)
+        new_requests, chunks = [], []
+        for chunk in output.chunks:
+            request = chunk.request
+            sent = self._blocks_sent.get(request.request_id)
+            if sent is None:
+                sent = 0
+                new_requests.append(
+                    NewRequest(
+                        request.request_id,
+                        request.prompt_token_ids,
+                        list(request.output_token_ids),
+                        request.sampling_params,
+                        request.seed,
+                    )
+                )
+            chunks.append(
+                PlannedChunk(
+                    request.request_id, chunk.start, chunk.num_new_tokens, chunk.block_ids[sent:]
+                )
             )
-            kv_bytes = gpu_memory.kv_cache_bytes(profile, self.config.gpu_memory_utilization)
-            num_blocks = kv_bytes // shape.bytes_per_block
-        else:
-            num_blocks = shape.num_blocks_for(self.config.kv_cache_memory)
-        self.kv_cache = KVCache(shape, num_blocks, self.device)
+            self._blocks_sent[request.request_id] = len(chunk.block_ids)
+        return StepPlan(finished, new_requests, chunks, kv_connector)
+
+
+class EngineCore:
+    def __init__(
+        self, config: EngineConfig | None = None, executor: Executor | None = None, **kwargs
+    ) -> None:
+        self.config = config or EngineConfig.from_kwargs(**kwargs)
+        self.executor = executor or InProcessExecutor(self.config)
+        self.info: WorkerInfo = self.executor.load()
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=self.config.max_num_seqs,
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
+                max_model_len=self.info.max_model_len,
                 block_size=self.config.block_size,
-                num_blocks=num_blocks,
+                num_blocks=self.info.kv.num_blocks,
                 enable_prefix_caching=self.config.enable_prefix_caching,
                 enable_chunked_prefill=self.config.enable_chunked_prefill,
             )
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, self.config.block_size)
-        if on_cuda:  # decode graphs are captured here, once the KV cache exists
-            self.runner.device_executor = DeviceExecutor.for_engine(
-                self.model, self.kv_cache, self.config, self.max_model_len
-            )
-        self.sampler = Sampler()
-        self.eos_token_ids = frozenset(self.generation_config.eos_token_ids) | frozenset(
-            mc.eos_token_ids
-        )
+        self.eos_token_ids = frozenset(self.info.eos_token_ids)
         self.stats = EngineStats()
+        self.planner = StepPlanner()
         self._seeds = random.Random(self.config.seed)
+
+    @property
+    def model_path(self) -> str:
+        return self.info.model_path
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    def kernels_status(self) -> str:
+        """Which kernels this engine's attention and fused ops run on."""
+        return self.info.kernels
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     # ---- requests -------------------------------------------------------------------
 
@@ -111,7 +120,7 @@ class EngineCore:
         cache_salt: str = "",
         arrival_time: float | None = None,
     ) -> Request:
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.info.vocab_size]
         if bad:
             raise ValueError(f"prompt holds token id {bad[0]} outside the vocabulary")
         seed = sampling_params.seed
@@ -135,13 +144,6 @@ class EngineCore:
         """Ends a request whose text matched a stop string (the front end decides)."""
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
 
-    def kernels_status(self) -> str:
-        """Which kernels this engine's attention and fused ops run on."""
-        if self.device.type == "cuda":
-            reason = dispatch.triton_unavailable_reason()
-            return "Triton" if reason is None else f"torch references ({reason})"
-        return dispatch.cpu_kernels_status()
-
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -154,39 +156,53 @@ class EngineCore:
         """Runs a step the scheduler planned. Owners that act on the plan itself (a
         decode instance pulls the KV of `output.remote_kv_allocations`, which a step
         can carry while computing nothing) call `scheduler.schedule()` and then this."""
-        if output.is_empty:
-            return []
-        batch = self.runner.prepare(output)
-        started = time.perf_counter()
-        logits = self.runner.execute(batch)
-        tokens, logprobs = [], []
-        if batch.sampling_requests:  # a step of mid-prompt chunks samples nothing
-            tokens, logprobs = self.sampler.sample(logits, batch.sampling_requests)
-        self.stats.model_seconds += time.perf_counter() - started
-        self._count(batch)
-        sampled = {r.request_id: t for r, t in zip(batch.sampling_requests, tokens, strict=True)}
-        self.scheduler.update_from_output(output, sampled)
-        deltas = []
-        for req, tok, lp in zip(batch.sampling_requests, tokens, logprobs, strict=True):
-            status = req.status
-            deltas.append(
-                RequestDelta(
-                    request_id=req.request_id,
-                    new_token_ids=[tok],
-                    output_index=req.num_output_tokens - 1,
-                    logprobs=None if lp is None else [lp],
-                    finish_reason=status.finish_reason if status.finished else None,
-                    stop_reason=req.stop_reason if status.finished else None,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    num_cached_tokens=req.num_cached_tokens,
-                )
-            )
-        return deltas
+        return self.execute_with_kv(output)[0]
 
-    def _count(self, batch) -> None:
+    def execute_with_kv(
+        self, output: SchedulerOutput, kv_connector: Any = None
+    ) -> tuple[list[RequestDelta], list[Any]]:
+        """`execute`, with the KV connector's metadata for the step going to the ranks;
+        returns the deltas and each rank's KV connector report."""
+        plan = self.planner.plan(output, kv_connector)
+        if plan.is_empty and not plan.finished_ids and kv_connector is None:
+            return [], []
+        started = time.perf_counter()
+        result = self.executor.execute(plan)
+        if plan.is_empty:
+            return [], result.kv_reports
+        self.stats.model_seconds += time.perf_counter() - started
+        self._count(output)
+        sampled = {s.request_id: s.token_id for s in result.sampled}
+        self.scheduler.update_from_output(output, sampled)
+        requests = {c.request.request_id: c.request for c in output.chunks}
+        deltas = [self._delta(requests[s.request_id], s) for s in result.sampled]
+        return deltas, result.kv_reports
+
+    def exchange_kv(self, kv_connector: Any) -> list[Any]:
+        """Hands the ranks' KV connectors their metadata without a model step; returns
+        their reports (e.g. a prefill instance's holds, before its handoff leaves)."""
+        return self.executor.execute(StepPlan(kv_connector=kv_connector)).kv_reports
+
+    @staticmethod
+    def _delta(request: Request, sampled) -> RequestDelta:
+        status = request.status
+        return RequestDelta(
+            request_id=request.request_id,
+            new_token_ids=[sampled.token_id],
+            output_index=request.num_output_tokens - 1,
+            logprobs=None if sampled.logprobs is None else [sampled.logprobs],
+            finish_reason=status.finish_reason if status.finished else None,
+            stop_reason=request.stop_reason if status.finished else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _count(self, output: SchedulerOutput) -> None:
         self.stats.steps += 1
-        self.stats.tokens_computed += batch.num_tokens
-        self.stats.prompt_tokens_computed += batch.num_prompt_tokens
-        decodes = batch.meta.num_decode_seqs
-        if decodes and batch.meta.num_seqs > decodes:
+        self.stats.tokens_computed += output.num_tokens
+        self.stats.prompt_tokens_computed += sum(
+            max(0, min(c.end, c.request.num_prompt_tokens) - c.start) for c in output.chunks
+        )
+        decodes = sum(1 for c in output.chunks if c.num_new_tokens == 1)
+        if decodes and len(output.chunks) > decodes:
             self.stats.mixed_steps += 1

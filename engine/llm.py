@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -21,7 +21,7 @@ import msgspec
 from pdserve.engine.core import EngineCore
 from pdserve.scheduler.messages import TokenLogprobs
 from pdserve.scheduler.sampling_params import SamplingParams, generation_config_defaults
-from pdserve.text.detokenizer import TextStream
+from pdserve.text.choice import ChoiceText, choice_seeds
 from pdserve.text.tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
@@ -61,18 +61,12 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
-@dataclass
-class _Tracked:
+@dataclass(kw_only=True)
+class _Tracked(ChoiceText):
     """Front-end state of one engine request (one of a prompt's n completions)."""
 
     prompt_index: int
     completion_index: int
-    stream: TextStream
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
 
 
 class LLM:
@@ -86,7 +80,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json defaults applied."""
-        return SamplingParams(**generation_config_defaults(self.engine.generation_config.defaults))
+        return SamplingParams(**generation_config_defaults(self.engine.info.generation_defaults))
 
     def generate(
         self,
@@ -151,51 +145,25 @@ class LLM:
         tracked: dict[str, _Tracked] = {}
         try:
             for index, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
-                for completion in range(sp.n):
+                # No seed: None each, and the engine draws them from its own seeded generator.
+                for completion, seed in enumerate(choice_seeds(sp.seed, sp.n)):
                     request_id = f"{next(self._ids)}"
-                    seed = None if sp.seed is None else sp.seed + completion
                     child = sp if seed == sp.seed else _with_seed(sp, seed)
                     request = self.engine.make_request(request_id, ids, child)
                     self.engine.add_request(request)
-                    tracked[request_id] = _Tracked(
-                        index,
-                        completion,
-                        TextStream(
-                            self.tokenizer,
-                            sp.stop,
-                            sp.include_stop_str_in_output,
-                            sp.skip_special_tokens,
-                        ),
-                        logprobs=[] if sp.logprobs is not None else None,
+                    tracked[request_id] = _Tracked.for_params(
+                        self.tokenizer, sp, prompt_index=index, completion_index=completion
                     )
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
-                    self._absorb(tracked[delta.request_id], delta)
+                    if tracked[delta.request_id].absorb(delta).end_request:
+                        self.engine.finish_request(delta.request_id)  # a stop string matched
         except BaseException:
             for request_id, state in tracked.items():
-                if state.finish_reason is None:
+                if not state.finished:
                     self.engine.abort_request(request_id)
             raise
         return self._collect(prompts, encoded, tracked)
-
-    def _absorb(self, state: _Tracked, delta) -> None:
-        if state.finish_reason is not None:
-            return  # already ended by a stop string
-        state.token_ids.extend(delta.new_token_ids)
-        state.num_cached_tokens = delta.num_cached_tokens
-        if state.logprobs is not None and delta.logprobs:
-            state.logprobs.extend(delta.logprobs)
-        text = state.stream.add_tokens(delta.new_token_ids)
-        if text.stopped:
-            state.finish_reason, state.stop_reason = "stop", text.stop_string
-            self.engine.finish_request(delta.request_id)
-        elif delta.finished:
-            # Text held back at the end may still complete a stop string.
-            tail = state.stream.finish()
-            if tail.stopped:
-                state.finish_reason, state.stop_reason = "stop", tail.stop_string
-            else:
-                state.finish_reason, state.stop_reason = delta.finish_reason, delta.stop_reason
 
     def _collect(self, prompts, encoded, tracked: dict[str, _Tracked]) -> list[RequestOutput]:
         results = [

@@ -53,20 +53,42 @@ def build_step_inputs(
     if (lens[num_decodes:] == 1).any():
         raise ValueError("one-token chunks (decodes) must come before longer chunks")
     starts = np.array([start for _, start in chunks], dtype=np.int64)
-    ends = starts + lens
-    width = int(-(-ends.max() // block_size))
+    width = int(-(-(starts + lens).max() // block_size))
     if block_tables.shape[0] < len(chunks) or block_tables.shape[1] < width:
         raise ValueError(
             f"block tables {tuple(block_tables.shape)} cannot hold {len(chunks)} sequences "
-            f"of up to {int(ends.max())} tokens in blocks of {block_size}"
+            f"of up to {int((starts + lens).max())} tokens in blocks of {block_size}"
         )
     tables = block_tables[: len(chunks), :width].numpy().astype(np.int64)
-    query_start = np.zeros(len(chunks) + 1, dtype=np.int64)
+    positions, meta, query_start = attention_inputs(
+        lens, starts, tables, block_size, num_decodes, sliding_window
+    )
+    token_ids = [t for tokens, _ in chunks for t in tokens]
+    return StepInputs(
+        token_ids=torch.tensor(token_ids, dtype=torch.long),
+        positions=torch.from_numpy(positions),
+        meta=meta,
+        logits_indices=torch.from_numpy(query_start[1:] - 1),
+    )
+
+
+def attention_inputs(
+    lens: np.ndarray,
+    starts: np.ndarray,
+    tables: np.ndarray,
+    block_size: int,
+    num_decodes: int,
+    sliding_window: int | None = None,
+) -> tuple[np.ndarray, AttentionMetadata, np.ndarray]:
+    """Positions, attention metadata and query start offsets of a step whose sequence
+    i computes lens[i] tokens from starts[i] in the blocks of tables[i] (int64 rows,
+    wide enough for every chunk's end; decodes first)."""
+    ends = starts + lens
+    query_start = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=query_start[1:])
     positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
-    seq_of_token = np.repeat(np.arange(len(chunks)), lens)
+    seq_of_token = np.repeat(np.arange(len(lens)), lens)
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-    token_ids = [t for tokens, _ in chunks for t in tokens]
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(slots),
         block_tables=torch.from_numpy(tables.astype(np.int32)),
@@ -77,9 +99,4 @@ def build_step_inputs(
         max_context_len=int(ends.max()),
         sliding_window=sliding_window,
     )
-    return StepInputs(
-        token_ids=torch.tensor(token_ids, dtype=torch.long),
-        positions=torch.from_numpy(positions),
-        meta=meta,
-        logits_indices=torch.from_numpy(query_start[1:] - 1),
-    )
+    return positions, meta, query_start

@@ -70,9 +70,10 @@ def main(argv: list[str] | None = None) -> None:
 
     llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads)
     threads = torch.get_num_threads()
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    model = llm.engine.executor.worker.model  # the in-process rank's
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = measure_bandwidth(threads)
-    vocab = llm.engine.model_config.vocab_size
+    vocab = llm.engine.vocab_size
     gen = torch.Generator().manual_seed(0)
     print(
         f"model {llm.engine.model_path} dtype {args.dtype} threads {threads} "
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
             float("nan")
             if args.skip_transformers
             else run_transformers(
-                llm.engine.model_path, DTYPES[args.dtype], prompts, args.output_len
+                llm.engine.model_path, getattr(torch, args.dtype), prompts, args.output_len
             )
         )
         torch.set_num_threads(threads)

@@ -2,7 +2,7 @@
 
 A request is a list of prompts times `n` choices; each choice is one engine request.
 Token deltas (already in order) are detokenized incrementally per choice with stop
-strings applied (`TextStream`): a stop-string match ends the choice here with
+strings applied (`ChoiceText`): a stop-string match ends the choice here with
 finish_reason "stop" and aborts it on its instances. The gateway's latency histograms
 are observed here, labelled by the instance that produced each token.
 """
@@ -13,7 +13,8 @@ import asyncio
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NoReturn
 
 import msgspec
 
@@ -23,7 +24,7 @@ from pdserve.gateway.prompts import Prompt
 from pdserve.gateway.request_stream import StreamEvent
 from pdserve.scheduler.messages import GenerateTask, TokenLogprobs
 from pdserve.scheduler.sampling_params import SamplingParams
-from pdserve.text.detokenizer import TextStream
+from pdserve.text.choice import ChoiceText, choice_seeds
 from pdserve.text.tokenizer import Tokenizer
 
 _SEEDS = random.SystemRandom()
@@ -38,24 +39,14 @@ class GenerationFailed(Exception):
         self.rejected = rejected
 
 
-@dataclass
-class Choice:
+@dataclass(kw_only=True)
+class Choice(ChoiceText):
     index: int
     prompt_index: int
     request_id: str
-    stream: TextStream
     num_prompt_tokens: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
     error: str | None = None
     last_token_at: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass
@@ -99,38 +90,30 @@ class GenerationRun:
         """Admits and sends every choice, all or none (raises AdmissionRejected)."""
         n = self.params.n
         self.dispatcher.scheduler.admit(len(self.prompts) * n)
-        base_seed = self.params.seed
         try:
             for prompt_index, prompt in enumerate(self.prompts):
-                for j in range(n):
-                    seed = base_seed + j if base_seed is not None else _SEEDS.getrandbits(63)
+                # Every seed is resolved here, so P and D of a choice sample the same stream.
+                for j, seed in enumerate(choice_seeds(self.params.seed, n, _SEEDS)):
                     self._submit(prompt_index, prompt, prompt_index * n + j, seed)
         except BaseException:
             self.abort()
             raise
 
     def _submit(self, prompt_index: int, prompt: Prompt, index: int, seed: int) -> None:
-        params = self.params
-        child = msgspec.structs.replace(params, n=1, seed=seed)
+        child = msgspec.structs.replace(self.params, n=1, seed=seed)
         request_id = f"{self.request_id}-{index}"
-        choice = Choice(
+        choice = Choice.for_params(
+            self.tokenizer,
+            self.params,
             index=index,
             prompt_index=prompt_index,
             request_id=request_id,
-            stream=TextStream(
-                self.tokenizer,
-                params.stop,
-                params.include_stop_str_in_output,
-                params.skip_special_tokens,
-            ),
             num_prompt_tokens=len(prompt.token_ids),
-            logprobs=[] if params.logprobs is not None else None,
         )
         task = GenerateTask(
             request_id=request_id,
             prompt_token_ids=prompt.token_ids,
             sampling_params=child,
-            seed=seed,
             arrival_time=time.time(),
             cache_salt=self.cache_salt,
         )
@@ -173,43 +156,29 @@ class GenerationRun:
         if choice is None or choice.finished:
             return None
         if event.error is not None:
-            self._end(choice, "error")
-            choice.error = event.error
-            self.abort()
-            raise GenerationFailed(event.error, rejected=False)
+            self._fail(choice, event.error, rejected=False)
         delta = event.delta
         assert delta is not None
         if delta.finish_reason == "error":
-            self._end(choice, "error")
-            choice.error = delta.error or "the instance failed the request"
-            self.abort()
-            raise GenerationFailed(choice.error, rejected=not choice.token_ids)
+            message = delta.error or "the instance failed the request"
+            self._fail(choice, message, rejected=not choice.token_ids)
         self._observe_timing(choice, event, len(delta.new_token_ids))
-        choice.token_ids.extend(delta.new_token_ids)
-        choice.num_cached_tokens = delta.num_cached_tokens
-        logprobs = list(delta.logprobs or [])
-        if choice.logprobs is not None:
-            choice.logprobs.extend(logprobs)
-        released = choice.stream.add_tokens(delta.new_token_ids)
-        text, finish = released.text, None
-        if released.stopped:
-            finish, choice.stop_reason = "stop", released.stop_string
+        absorbed = choice.absorb(delta)
+        if absorbed.end_request:
             self.dispatcher.abort([choice.request_id])
-        elif delta.finished:
-            tail = choice.stream.finish()  # held-back text, which may complete a stop string
-            text += tail.text
-            if tail.stopped:
-                finish, choice.stop_reason = "stop", tail.stop_string
-            else:
-                finish, choice.stop_reason = delta.finish_reason, delta.stop_reason
-        if finish is not None:
-            self._end(choice, finish)
+        if absorbed.finish_reason is not None:
+            self._unfinished -= 1
             self._observe_end(event)
-        return ChoiceUpdate(choice, text, list(delta.new_token_ids), logprobs, finish)
+        logprobs = list(delta.logprobs or [])
+        return ChoiceUpdate(
+            choice, absorbed.text, list(delta.new_token_ids), logprobs, absorbed.finish_reason
+        )
 
-    def _end(self, choice: Choice, reason: str) -> None:
-        choice.finish_reason = reason
-        self._unfinished -= 1
+    def _fail(self, choice: Choice, message: str, rejected: bool) -> NoReturn:
+        """Ends the choice in an error, and the whole run with it."""
+        choice.finish_reason, choice.error = "error", message
+        self.abort()  # the other choices go too
+        raise GenerationFailed(message, rejected)
 
     def _observe_timing(self, choice: Choice, event: StreamEvent, num_tokens: int) -> None:
         if not num_tokens:

@@ -1,13 +1,70 @@
-"""The colocated instance kind: an ordinary engine that runs each request to the end.
+"""The colocated role: an ordinary engine that runs each request to the end.
 
 It computes the prompt and every output token itself — the baseline disaggregated
-serving is compared against, and the whole of `--mode colocated`.
+serving is compared against, and the whole of `--mode colocated`. It adds nothing to
+the step loop.
 """
 
 from __future__ import annotations
 
-from pdserve.instance.loop import InstanceRuntime
+import logging
+from typing import Any
+
+from pdserve.engine.core import EngineCore
+from pdserve.scheduler.messages import (
+    AbortTask,
+    GenerateTask,
+    InstanceStats,
+    MetricsDelta,
+    RequestDelta,
+    Task,
+)
+
+logger = logging.getLogger(__name__)
 
 
-class ColocatedRuntime(InstanceRuntime):
-    role = "colocated"
+class ColocatedRole:
+    task_type: Any = Task
+
+    def __init__(self, instance_id: str, engine: EngineCore) -> None:
+        self.instance_id = instance_id
+        self.engine = engine
+
+    def admit(self, task: GenerateTask) -> None:
+        self.engine.add_request(
+            self.engine.make_request(
+                task.request_id, task.prompt_token_ids, task.sampling_params, task.cache_salt
+            )
+        )
+
+    def on_task(self, task: Any) -> RequestDelta | None:
+        logger.warning("%s: ignoring a %s task", self.instance_id, type(task).__name__)
+        return None
+
+    def abort(self, task: AbortTask) -> None:
+        for request_id in task.request_ids:
+            self.engine.abort_request(request_id)
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def task_wait_s(self, idle_wait_s: float) -> float:
+        return 0.0 if self.has_work() else idle_wait_s
+
+    def before_step(self) -> None:
+        pass
+
+    def step(self) -> list[RequestDelta]:
+        return self.engine.step()
+
+    def after_step(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
+        return deltas
+
+    def has_news(self) -> bool:
+        return False
+
+    def add_metrics(self, metrics: MetricsDelta) -> None:
+        pass
+
+    def add_stats(self, stats: InstanceStats) -> None:
+        pass

@@ -1,53 +1,120 @@
-"""Instance kinds by role name, imported only when one is started.
+"""The roles an instance can run, by name: a plain mapping, imported by the step loop.
 
-The prefill and decode kinds live in their own rooms (`prefill/`, `decode/`); each is an
-`InstanceRuntime` subclass registered here under its role.
+Each kind says what sits beside the engine's KV cache on every rank (a KV transfer
+worker for the prefill and decode roles, nothing for colocated) and builds its role
+object from the loaded loop. The roles live in their own rooms and know nothing of
+this one: they get the engine, their KV link and the loop's send functions.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pdserve.decode.messages import DecodeTask
+from pdserve.decode.role import DecodeRole
+from pdserve.engine.executor import RankConnector
+from pdserve.instance.colocated import ColocatedRole
+from pdserve.instance.spec import InstanceSpec
+from pdserve.kvtransfer import KVTransferConfig, layout_of
+from pdserve.kvtransfer.connector import TransferConnector
+from pdserve.kvtransfer.link import KVLink
+from pdserve.prefill.role import PrefillRole
+from pdserve.scheduler.messages import (
+    AbortTask,
+    GenerateTask,
+    InstanceStats,
+    MetricsDelta,
+    RequestDelta,
+    Task,
+)
 
 if TYPE_CHECKING:
-    from pdserve.instance.loop import InstanceRuntime
+    from pdserve.instance.loop import StepLoop
 
-INSTANCE_KINDS = {
-    "colocated": "pdserve.instance.colocated:ColocatedRuntime",
-    "prefill": "pdserve.prefill.instance:PrefillRuntime",
-    "decode": "pdserve.decode.instance:DecodeRuntime",
+
+class Role(Protocol):
+    """What the step loop calls on its role, in loop order (see instance/loop.py)."""
+
+    def admit(self, task: GenerateTask) -> None: ...  # ValueError: cannot run here
+
+    def on_task(self, task: Any) -> RequestDelta | None: ...  # a role's own task types
+
+    def abort(self, task: AbortTask) -> None: ...
+
+    def task_wait_s(self, idle_wait_s: float) -> float: ...
+
+    def before_step(self) -> None: ...
+
+    def has_work(self) -> bool: ...
+
+    def step(self) -> list[RequestDelta]: ...
+
+    def after_step(self, deltas: list[RequestDelta]) -> list[RequestDelta]: ...
+
+    def has_news(self) -> bool: ...  # send an output even without deltas
+
+    def add_metrics(self, metrics: MetricsDelta) -> None: ...
+
+    def add_stats(self, stats: InstanceStats) -> None: ...
+
+
+@dataclass(frozen=True)
+class RoleKind:
+    task_type: Any  # the union the task socket decodes
+    connector: Callable[[InstanceSpec], RankConnector | None]
+    build: Callable[[StepLoop], Role]
+
+
+def kv_transfer_config(spec: InstanceSpec) -> KVTransferConfig:
+    return KVTransferConfig(
+        instance_id=spec.instance_id,
+        transport=spec.kv_transport,
+        host=spec.host,
+        **spec.kv_transfer,
+    )
+
+
+def kv_link(loop: StepLoop) -> KVLink:
+    engine = loop.require_engine()
+    return KVLink(
+        kv_transfer_config(loop.spec),
+        layout_of(engine.info.kv),
+        list(engine.info.connector_addresses),
+        engine.exchange_kv,
+    )
+
+
+def _prefill(loop: StepLoop) -> Role:
+    engine = loop.require_engine()
+    return PrefillRole(
+        loop.spec.instance_id, engine, kv_link(loop), loop.send_to_instance, loop.flush
+    )
+
+
+def _decode(loop: StepLoop) -> Role:
+    delayed = loop.hooks.delayed_pulls() if loop.hooks is not None else None
+    return DecodeRole(loop.spec.instance_id, loop.require_engine(), kv_link(loop), delayed)
+
+
+def _transfer_connector(spec: InstanceSpec) -> RankConnector:
+    return TransferConnector(kv_transfer_config(spec))
+
+
+ROLES: dict[str, RoleKind] = {
+    "colocated": RoleKind(
+        Task,
+        lambda spec: None,
+        lambda loop: ColocatedRole(loop.spec.instance_id, loop.require_engine()),
+    ),
+    "prefill": RoleKind(Task, _transfer_connector, _prefill),
+    "decode": RoleKind(DecodeTask, _transfer_connector, _decode),
 }
 
 
-class UnknownInstanceKind(ValueError):
-    """A role with no runtime (or one not built yet); the message is one line."""
-
-
-def kind_available(role: str) -> bool:
-    """Whether the role's module exists, without importing it (nor torch)."""
-    target = INSTANCE_KINDS.get(role)
-    if target is None:
-        return False
-    try:
-        return importlib.util.find_spec(target.partition(":")[0]) is not None
-    except ModuleNotFoundError:
-        return False
-
-
-def runtime_class(role: str) -> type[InstanceRuntime]:
-    target = INSTANCE_KINDS.get(role)
-    if target is None:
-        raise UnknownInstanceKind(
-            f"unknown instance role {role!r}; known: {', '.join(INSTANCE_KINDS)}"
-        )
-    module_name, _, class_name = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and module_name.startswith(exc.name):
-            raise UnknownInstanceKind(
-                f"the {role} instance kind is not available yet ({module_name} is missing)"
-            ) from None
-        raise
-    return getattr(module, class_name)
+def role_kind(role: str) -> RoleKind:
+    kind = ROLES.get(role)
+    if kind is None:
+        raise ValueError(f"unknown instance role {role!r}; known: {', '.join(ROLES)}")
+    return kind

@@ -64,21 +64,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{FAILED_PREFIX}bad instance spec: {exc}", flush=True)
         return 1
     set_title(spec.role, spec.instance_id)
-    runtime = None
+    loop = None
     try:
-        from pdserve.instance.kinds import runtime_class
+        from pdserve.instance.loop import StepLoop
 
-        runtime = runtime_class(spec.role)(spec)
-        info = runtime.load()
+        loop = StepLoop(spec)
+        info = loop.load()
     except Exception as exc:  # whatever stops the load becomes one line for the launcher
         print(f"{FAILED_PREFIX}{type(exc).__name__}: {' '.join(str(exc).split())}", flush=True)
-        if runtime is not None:
-            runtime.close()
+        if loop is not None:
+            loop.close()
         return 1
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: runtime.stop())
+        signal.signal(sig, lambda *_: loop.stop())
     print(READY_PREFIX + msgspec.json.encode(info).decode(), flush=True)
-    runtime.run()
+    loop.run()
     return 0
 
 

@@ -82,7 +82,6 @@ class KVHandoff(msgspec.Struct, tag="kv_handoff", kw_only=True):
     sampling_params: SamplingParams
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     cache_salt: str = ""
-    seed: int = 0
     source: KVSource
 
     @property

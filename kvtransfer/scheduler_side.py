@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from pdserve.kvtransfer.config import FAILURE_POLICIES
 from pdserve.kvtransfer.layout import check_compatible, check_tp_split
 from pdserve.kvtransfer.messages import (
@@ -89,10 +91,10 @@ class PrefillKVScheduler:
             first_token_id=first_token_id,
             first_token_logprob=first_token_logprob,
             first_token_top_logprobs=dict(first_token_top_logprobs or {}),
-            sampling_params=request.sampling_params,
+            # The seed P sampled with (drawn here if the client set none): D continues it.
+            sampling_params=msgspec.structs.replace(request.sampling_params, seed=request.seed),
             eos_token_ids=sorted(request.eos_token_ids),
             cache_salt=request.cache_salt,
-            seed=request.seed,
             source=KVSource(self.instance_id, self.rank_addresses, prompt_blocks, self.layout),
         )
 

@@ -44,18 +44,31 @@ class RequestDelta(msgspec.Struct):
         return self.finish_reason is not None
 
 
+def error_delta(
+    request_id: str, message: str, num_prompt_tokens: int = 0, output_index: int = 0
+) -> RequestDelta:
+    """The last delta of a request an instance could not run or finish."""
+    return RequestDelta(
+        request_id=request_id,
+        new_token_ids=[],
+        output_index=output_index,
+        finish_reason="error",
+        num_prompt_tokens=num_prompt_tokens,
+        error=message,
+    )
+
+
 class InstanceAddress(msgspec.Struct, frozen=True):
     instance_id: str
     role: str  # prefill | decode | colocated
     task_address: str  # ZMQ endpoint the instance pulls tasks from
-    kv_address: str = ""  # the instance's KV-transfer handshake endpoint (P and D)
 
 
 class GenerateTask(msgspec.Struct, tag="generate"):
     request_id: str
     prompt_token_ids: list[int]
+    # Its seed is always set (by the gateway), so P and D sample the same stream.
     sampling_params: SamplingParams
-    seed: int  # resolved by the gateway, so P and D sample the same stream
     arrival_time: float  # time.time() at the gateway
     cache_salt: str = ""
     # Prefill role: the decode instance this request is handed to after its first token.

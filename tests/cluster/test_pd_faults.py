@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from pdserve.decode.pending import TEST_DELAY_ENV
+from pdserve.instance.hooks import TEST_DELAY_ENV
 from tests.gateway.server import ServeProcess
 
 pytestmark = pytest.mark.slow

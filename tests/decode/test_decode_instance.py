@@ -12,9 +12,8 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from pdserve.decode.instance import DecodeRuntime
+from pdserve.instance.loop import StepLoop
 from pdserve.kvtransfer import KVHandoff, KVSource
-from pdserve.prefill.instance import PrefillRuntime
 from pdserve.scheduler.messages import AbortTask
 from pdserve.scheduler.sampling_params import SamplingParams
 from tests.prefill.instances import Gateway, Running, reference_tokens, spec, until
@@ -36,10 +35,10 @@ def gateway() -> Iterator[Gateway]:
 @pytest.fixture(scope="module")
 def instances(gateway) -> Iterator[dict[str, Running]]:
     running = {
-        "prefill": Running(PrefillRuntime(spec(gateway, "p", "prefill", kv_transfer=LIMITS))),
-        "decode": Running(DecodeRuntime(spec(gateway, "d", "decode", kv_transfer=LIMITS))),
+        "prefill": Running(StepLoop(spec(gateway, "p", "prefill", kv_transfer=LIMITS))),
+        "decode": Running(StepLoop(spec(gateway, "d", "decode", kv_transfer=LIMITS))),
         "strict": Running(
-            DecodeRuntime(
+            StepLoop(
                 spec(gateway, "d-fail", "decode", kv_transfer={**LIMITS, "failure_policy": "fail"})
             )
         ),
@@ -55,14 +54,14 @@ def unreachable_address() -> str:
         return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
 
 
-def crafted(decode: DecodeRuntime, request_id: str, prompt: list[int], first: int,
+def crafted(decode: StepLoop, request_id: str, prompt: list[int], first: int,
             source_id: str = "p-gone", **layout_changes) -> KVHandoff:  # fmt: skip
     """A handoff from a prefill instance that is not there."""
-    layout = msgspec.structs.replace(decode.layout, **layout_changes)
+    layout = msgspec.structs.replace(decode.role.link.layout, **layout_changes)
     blocks = list(range(-(-len(prompt) // layout.block_size)))
     source = KVSource(source_id, [unreachable_address()], blocks, layout)
     return KVHandoff(request_id=request_id, prompt_token_ids=prompt, first_token_id=first,
-                     sampling_params=SamplingParams(max_tokens=4, temperature=0.0), seed=7,
+                     sampling_params=SamplingParams(max_tokens=4, temperature=0.0, seed=7),
                      source=source)  # fmt: skip
 
 
@@ -83,7 +82,7 @@ def test_pulls_only_the_blocks_the_local_prefix_cache_lacks(gateway, instances) 
         pulled.append(blocks_pulled(gateway) - before)
     # the two full prompt blocks stayed in D's prefix cache: only the partial one moves again
     assert pulled == [3, 1]
-    moved = 4 * decode.layout.bytes_per_block
+    moved = 4 * decode.role.link.layout.bytes_per_block
     until(lambda: gateway.counter("d", "kv_transfer_bytes_total") == moved, what="bytes")
     assert gateway.counter("d", "prompt_tokens_computed_total") == 0
     assert gateway.counter("d", "kv_transfer_failures_total") == 0

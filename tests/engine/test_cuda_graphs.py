@@ -317,11 +317,12 @@ def test_engine_runner_hook_gives_the_tokens_of_the_plain_engine(tmp_path):
     prompts = random_prompts([3, 30, 12, 50, 7, 21], seed=5)
     want = _generate(EngineCore(**args), prompts)
     hooked = EngineCore(**args)
+    worker = hooked.executor.worker  # the in-process rank behind the executor seam
     executor = DeviceExecutor(
-        hooked.model, hooked.kv_cache, hooked.max_model_len, [1, 2, 4], capture=False
+        worker.model, worker.kv_cache, hooked.max_model_len, [1, 2, 4], capture=False
     )
     executor.prepare()
-    hooked.runner.device_executor = executor
+    worker.runner.device_executor = executor
     seen = []
     run = executor.execute
     executor.execute = lambda step: (seen.append(executor.graphs.can_run(step.meta)), run(step))[1]
@@ -365,10 +366,10 @@ def test_engine_on_cuda_generates_the_cpu_engine_tokens(tmp_path):
     # A budget of about 1.5 GiB: enough blocks, yet a block list the scheduler builds fast.
     utilization = 1.5 * GiB / torch.cuda.mem_get_info()[1]
     gpu = EngineCore(device="cuda", gpu_memory_utilization=utilization, **args)
-    kv = gpu.kv_cache
+    kv = gpu.executor.worker.kv_cache
     assert kv.storage.is_cuda and kv.num_blocks > 48
     assert kv.num_blocks * kv.shape.bytes_per_block <= 1.5 * GiB
-    assert gpu.runner.device_executor.graphs is not None
+    assert gpu.executor.worker.runner.device_executor.graphs is not None
     assert _generate(gpu, prompts) == want
 
 

@@ -147,7 +147,7 @@ def test_cached_blocks_are_really_read(folder):
         second = _with_shared_document(llm, "Who built it?")
         llm.generate([first], SamplingParams(temperature=0, max_tokens=1))
         gen = torch.Generator().manual_seed(0)
-        storage = llm.engine.kv_cache.storage
+        storage = llm.engine.executor.worker.kv_cache.storage
         storage.copy_(torch.randn(storage.shape, generator=gen) * 3)
         outputs[caching] = llm.generate([second], GREEDY_SHORT)[0].token_ids
     expected = hf_greedy(folder, second, SHORT)

@@ -68,7 +68,7 @@ def test_tasks_arrive_decoded_and_malformed_frames_are_dropped(io) -> None:
     context = zmq.Context.instance()
     push = context.socket(zmq.PUSH)
     push.connect(io.address.task_address)
-    generate = GenerateTask("r1", [1, 2], SamplingParams(max_tokens=2), seed=3, arrival_time=0.0)
+    generate = GenerateTask("r1", [1, 2], SamplingParams(max_tokens=2, seed=3), arrival_time=0.0)
     push.send(ENCODER.encode(generate))
     push.send(b"\x93not a task")
     push.send(ENCODER.encode(AbortTask(["r1"])))

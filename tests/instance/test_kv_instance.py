@@ -6,8 +6,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from pdserve.gateway.metrics import TRANSFER_BUCKETS
-from pdserve.instance.kv_instance import transfer_observations
 from pdserve.kvtransfer import SECONDS_BUCKETS, KVTransferStats
+from pdserve.kvtransfer.link import transfer_observations
 
 
 def replay(values: list[float]) -> list[float]:

@@ -43,7 +43,11 @@ def test_hand_off_holds_the_prompt_blocks_and_builds_the_message():
     assert wire == handoff
     assert wire.source.block_ids == [9, 3, 4]  # 10 tokens of block size 4
     assert wire.source.tp_size == 2 and wire.sampling_params.temperature == 0.7
-    assert wire.eos_token_ids == [2, 7] and wire.seed == 1234 and wire.cache_salt == "tenant"
+    assert (
+        wire.eos_token_ids == [2, 7]
+        and wire.sampling_params.seed == 1234
+        and wire.cache_salt == "tenant"
+    )
     assert wire.first_token_top_logprobs == {55: -0.25, 60: -2.0}
     metadata = p.build_metadata()
     assert [(h.request_id, h.block_ids) for h in metadata.holds] == [("r1", [9, 3, 4])]

@@ -1,8 +1,8 @@
-"""Prefill and decode runtimes in this process, wired like a server without the gateway.
+"""Prefill and decode step loops in this process, wired like a server without the gateway.
 
 `Gateway` binds the PULL socket every instance sends its outputs to and collects them
 on a thread (deltas with their arrival time and sender, summed metric counters);
-`Running` starts a runtime's step loop on a thread and stops it. The instances use real
+`Running` starts a step loop on a thread and stops it. The instances use real
 ZMQ sockets and real KV transfer workers (UCX over shared memory); only the gateway's
 routing is played by the test, which sends `GenerateTask`s straight to an instance.
 """
@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from pdserve.instance.loop import InstanceRuntime
+from pdserve.instance.loop import StepLoop
 from pdserve.instance.spec import InstanceSpec
 from pdserve.scheduler.messages import (
     GenerateTask,
@@ -79,7 +79,7 @@ class Gateway:
                     for name, values in output.metrics.histograms.items():
                         self.observations[(instance, name)].extend(values)
 
-    def send(self, runtime: InstanceRuntime, task: Any) -> None:
+    def send(self, runtime: StepLoop, task: Any) -> None:
         address = runtime.address.task_address
         if address not in self._push:
             self._push[address] = self.context.socket(zmq.PUSH)
@@ -88,23 +88,24 @@ class Gateway:
 
     def generate(
         self,
-        runtime: InstanceRuntime,
+        runtime: StepLoop,
         request_id: str,
         prompt: list[int],
         max_tokens: int = 4,
-        decode: InstanceRuntime | None = None,
+        decode: StepLoop | None = None,
         **params: Any,
     ) -> None:
+        params.setdefault("seed", 7)  # the gateway always sets one
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)
         self.send(
             runtime,
             GenerateTask(
-                request_id, prompt, sampling, seed=7, arrival_time=time.time(),
+                request_id, prompt, sampling, arrival_time=time.time(),
                 decode_target=None if decode is None else decode.address,
             ),
         )  # fmt: skip
 
-    def inspect(self, runtime: InstanceRuntime, timeout_s: float = 10.0) -> InstanceInspection:
+    def inspect(self, runtime: StepLoop, timeout_s: float = 10.0) -> InstanceInspection:
         """The instance's books, asked for over its task socket (thread-safe)."""
         query_id = f"q{time.monotonic_ns()}"
         self.send(runtime, InspectTask(query_id))
@@ -112,7 +113,7 @@ class Gateway:
         with self._lock:
             return self.inspections.pop(query_id)
 
-    def idle_books(self, runtime: InstanceRuntime, timeout_s: float = 10.0) -> InstanceInspection:
+    def idle_books(self, runtime: StepLoop, timeout_s: float = 10.0) -> InstanceInspection:
         """Inspections until no request is left on the instance; the last one."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -155,7 +156,7 @@ class Gateway:
 class Running:
     """A loaded runtime whose step loop runs on a thread until `stop()`."""
 
-    def __init__(self, runtime: InstanceRuntime) -> None:
+    def __init__(self, runtime: StepLoop) -> None:
         self.runtime = runtime
         runtime.load()
         self._thread = threading.Thread(target=runtime.run, daemon=True)

@@ -11,9 +11,8 @@ import msgspec
 import pytest
 import zmq
 
-from pdserve.decode.instance import DecodeRuntime
+from pdserve.instance.loop import StepLoop
 from pdserve.kvtransfer import KVHandoff
-from pdserve.prefill.instance import PrefillRuntime
 from pdserve.scheduler.messages import AbortTask, GenerateTask, InstanceAddress
 from pdserve.scheduler.sampling_params import SamplingParams
 from tests.prefill.instances import Gateway, Running, reference_tokens, spec, until
@@ -49,8 +48,8 @@ def gateway() -> Iterator[Gateway]:
 
 @pytest.fixture(scope="module")
 def pair(gateway) -> Iterator[tuple[Running, Running]]:
-    prefill = Running(PrefillRuntime(spec(gateway, "prefill-t", "prefill", kv_transfer=LEASE)))
-    decode = Running(DecodeRuntime(spec(gateway, "decode-t", "decode", kv_transfer=LEASE)))
+    prefill = Running(StepLoop(spec(gateway, "prefill-t", "prefill", kv_transfer=LEASE)))
+    decode = Running(StepLoop(spec(gateway, "decode-t", "decode", kv_transfer=LEASE)))
     yield prefill, decode
     decode.stop()
     prefill.stop()
@@ -66,8 +65,9 @@ def silent(gateway) -> Iterator[SilentDecode]:
 def generate_to(gateway, runtime, request_id, target, prompt=PROMPT, **params) -> None:
     """A GenerateTask whose decode target may be any address (the test's socket too)."""
     max_tokens = params.pop("max_tokens", 4)
+    params.setdefault("seed", 7)  # the gateway always sets one
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)
-    task = GenerateTask(request_id, prompt, sampling, seed=7, arrival_time=time.time(),
+    task = GenerateTask(request_id, prompt, sampling, arrival_time=time.time(),
                         decode_target=target)  # fmt: skip
     gateway.send(runtime, task)
 
@@ -86,7 +86,7 @@ def test_first_token_from_prefill_rest_from_decode_and_the_hold_ends(gateway, pa
     books = gateway.idle_books(prefill.runtime)
     assert books.block_owners == {} and books.invariant_error is None
     assert books.num_cached_blocks >= 2 and books.num_free_blocks == books.num_total_blocks
-    layout = decode.runtime.layout
+    layout = decode.runtime.role.link.layout
     until(lambda: gateway.counter("decode-t", "kv_transfer_blocks_total") == 3, what="counters")
     assert gateway.counter("decode-t", "kv_transfer_bytes_total") == 3 * layout.bytes_per_block
     assert gateway.counter("prefill-t", "prompt_tokens_computed_total") == len(PROMPT)
@@ -107,10 +107,10 @@ def test_the_handoff_carries_what_decode_needs_and_abort_frees_the_hold(
     assert handoff.first_token_id == first.delta.new_token_ids[0]
     assert handoff.first_token_logprob == pytest.approx(first.delta.logprobs[0].logprob)
     assert set(handoff.first_token_top_logprobs) == set(first.delta.logprobs[0].top_ids)
-    assert handoff.seed == 7 and handoff.sampling_params.max_tokens == 4
+    assert handoff.sampling_params.seed == 7 and handoff.sampling_params.max_tokens == 4
     source = handoff.source
-    assert source.instance_id == "prefill-t" and source.layout == prefill.runtime.layout
-    assert source.rank_addresses == [prefill.runtime.worker.control_address]
+    assert source.instance_id == "prefill-t" and source.layout == prefill.runtime.role.link.layout
+    assert source.rank_addresses == prefill.runtime.role.link.rank_addresses
     assert len(source.block_ids) == 3
     books = gateway.inspect(prefill.runtime)
     assert books.unfinished_request_ids == ["held"]
@@ -122,12 +122,12 @@ def test_the_handoff_carries_what_decode_needs_and_abort_frees_the_hold(
 
 def test_a_first_token_that_ends_the_request_is_never_handed_off(gateway, pair, silent) -> None:
     prefill, _ = pair
-    sent = prefill.runtime.handoffs_sent
+    sent = prefill.runtime.role.handoffs_sent
     generate_to(gateway, prefill.runtime, "one", silent.address, max_tokens=1)
     [only] = gateway.wait_finished("one")
     assert only.delta.finish_reason == "length" and only.delta.output_index == 0
     assert silent.receive(timeout_s=0.5) is None
-    assert prefill.runtime.handoffs_sent == sent
+    assert prefill.runtime.role.handoffs_sent == sent
     assert gateway.idle_books(prefill.runtime).block_owners == {}
 
 

@@ -1,0 +1,69 @@
+"""The seam between a driver (an instance's step loop, or the offline `LLM`) and the
+ranks that hold the model: load, run a planned step, shut down.
+
+Only `engine.plan` messages cross it. `InProcessExecutor` runs one rank in this
+process; worker groups (tensor/pipeline parallel ranks in other processes) implement
+the same protocol, so neither the step loop nor the scheduler changes with them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.plan import KVGeometry, StepPlan, StepResult, WorkerInfo
+
+if TYPE_CHECKING:
+    from pdserve.engine.worker import ModelWorker
+
+
+class RankConnector(Protocol):
+    """The worker half of a KV connector, one per rank (e.g. a KV transfer worker):
+    it starts once the rank's KV cache exists, gets each plan's connector metadata
+    before the step runs and reports its finished and failed transfers after."""
+
+    def start(self, storage: Any, geometry: KVGeometry) -> str:
+        """Starts serving the rank's KV storage (a tensor); returns its endpoint."""
+        ...
+
+    def apply(self, metadata: Any) -> None: ...
+
+    def report(self) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class Executor(Protocol):
+    def load(self) -> WorkerInfo:
+        """Loads the weights and the KV cache on every rank (slow)."""
+        ...
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Runs one planned step; a plan without chunks only exchanges KV metadata."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+class InProcessExecutor:
+    """One rank, in the driver's process and thread."""
+
+    def __init__(self, config: EngineConfig, connector: RankConnector | None = None) -> None:
+        self.config = config
+        self.connector = connector
+        self.worker: ModelWorker | None = None
+
+    def load(self) -> WorkerInfo:
+        from pdserve.engine.worker import ModelWorker  # torch loads here, not at import
+
+        self.worker = ModelWorker(self.config, self.connector)
+        return self.worker.load()
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if self.worker is None:
+            raise RuntimeError("the executor is not loaded yet: call load() first")
+        return self.worker.execute(plan)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()

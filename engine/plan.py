@@ -1,0 +1,91 @@
+"""What crosses the executor seam: a step's plan in, its sampled tokens out.
+
+The instance (or the offline `LLM`) keeps the step scheduler; the executor's ranks
+keep the model, the paged KV cache and a mirror of each running request. Per step the
+driver sends one `StepPlan`: requests the ranks have not seen yet in full, every other
+scheduled chunk by id with only the block ids added since, the ids whose state the
+ranks drop, and the KV connector's metadata. One `StepResult` comes back: the sampled
+tokens and each rank's KV-transfer report. Plain msgspec Structs with no tensors, so
+the same messages can go to worker processes; torch-free, so a driver and its tests
+run without torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pdserve.scheduler.messages import TokenLogprobs
+from pdserve.scheduler.sampling_params import SamplingParams
+
+
+class KVGeometry(msgspec.Struct, frozen=True):
+    """One rank's paged KV cache: what the KV-transfer layout is built from."""
+
+    num_layers: int
+    num_kv_heads: int  # on this rank
+    head_dim: int
+    block_size: int
+    dtype: str  # float32 | bfloat16 | float16
+    num_blocks: int
+
+
+class WorkerInfo(msgspec.Struct, frozen=True):
+    """What a loaded executor reports: the model's facts and the KV cache's size."""
+
+    model_path: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    generation_defaults: dict[str, int | float]
+    kernels: str  # which attention/fused-op implementation runs, and why
+    kv: KVGeometry
+    # Each rank's KV connector endpoint (e.g. its transfer worker's control address).
+    connector_addresses: list[str] = []
+
+
+class NewRequest(msgspec.Struct, array_like=True):
+    """A request the ranks do not hold yet (first schedule, or again after preemption
+    or a failed pull): everything its sampling needs, and its whole block table."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # known already (e.g. the prefill instance's first token)
+    sampling_params: SamplingParams
+    seed: int
+
+
+class PlannedChunk(msgspec.Struct, array_like=True):
+    """Compute `num_new_tokens` tokens of a request from position `start`."""
+
+    request_id: str
+    start: int
+    num_new_tokens: int
+    new_block_ids: list[int]  # appended to the request's block table on the ranks
+
+
+class StepPlan(msgspec.Struct):
+    # Dropped first: requests that left the compute set (finished, aborted, handed
+    # off, preempted). An id may come back as a new request in the same plan.
+    finished_ids: list[str] = []
+    new_requests: list[NewRequest] = []
+    chunks: list[PlannedChunk] = []
+    # The KV connector's metadata for this step (opaque to the engine).
+    kv_connector: Any = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class SampledToken(msgspec.Struct, array_like=True):
+    request_id: str
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+class StepResult(msgspec.Struct):
+    sampled: list[SampledToken] = []
+    # One entry per rank: its KV connector's report (opaque to the engine).
+    kv_reports: list[Any] = []

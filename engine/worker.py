@@ -1,0 +1,166 @@
+"""One rank of an executor: the model, its paged KV cache, the runner and the sampler.
+
+The rank mirrors each request the driver's scheduler runs (prompt, output tokens so
+far, sampling parameters, block table) from the `StepPlan`s it receives, appends the
+tokens it samples, and drops a request when the plan lists it as finished. A KV
+connector (the worker half of the KV transfer, given by the instance) sits beside the
+KV cache: it starts once the cache exists, gets each plan's connector metadata before
+the step runs and reports its finished and failed transfers after.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine import gpu_memory
+from pdserve.engine.checkpoint import load_generation_config, load_model_config
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.device_executor import DeviceExecutor
+from pdserve.engine.embedded import embedded_model_path
+from pdserve.engine.executor import RankConnector
+from pdserve.engine.kv_cache import KVCache, KVCacheShape
+from pdserve.engine.loader import load_model
+from pdserve.engine.plan import KVGeometry, SampledToken, StepPlan, StepResult, WorkerInfo
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampler import Sampler
+from pdserve.kernels import dispatch
+from pdserve.scheduler.outputs import ScheduledChunk
+from pdserve.scheduler.request import Request
+
+
+class ModelWorker:
+    def __init__(self, config: EngineConfig, connector: RankConnector | None = None) -> None:
+        self.config = config
+        self.connector = connector
+        self.requests: dict[str, Request] = {}
+        self.block_tables: dict[str, list[int]] = {}
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    def load(self) -> WorkerInfo:
+        """Loads the weights, sizes and allocates the KV cache, starts the connector."""
+        config = self.config
+        torch.set_num_threads(config.resolved_threads())
+        self.model_path = str(config.model or embedded_model_path())
+        self.model_config = mc = load_model_config(self.model_path)
+        generation_config = load_generation_config(self.model_path)
+        self.dtype = config.torch_dtype(mc.torch_dtype)
+        self.device = torch.device(config.device)
+        on_cuda = self.device.type == "cuda"
+        free_before_load = gpu_memory.free_device_memory(self.device) if on_cuda else 0
+        self.model = load_model(self.model_path, mc, self.dtype, self.device)
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        shape = KVCacheShape(
+            num_layers=mc.num_hidden_layers,
+            num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+            block_size=config.block_size,
+            dtype=self.dtype,
+        )
+        self.kv_cache = KVCache(shape, self._num_blocks(shape, free_before_load), self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
+        if on_cuda:  # decode graphs are captured here, once the KV cache exists
+            self.runner.device_executor = DeviceExecutor.for_engine(
+                self.model, self.kv_cache, config, self.max_model_len
+            )
+        self.sampler = Sampler()
+        self.eos_token_ids = frozenset(generation_config.eos_token_ids) | frozenset(
+            mc.eos_token_ids
+        )
+        geometry = KVGeometry(
+            num_layers=shape.num_layers,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            block_size=shape.block_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            num_blocks=self.kv_cache.num_blocks,
+        )
+        addresses = []
+        if self.connector is not None:
+            addresses.append(self.connector.start(self.kv_cache.storage, geometry))
+        return WorkerInfo(
+            model_path=self.model_path,
+            vocab_size=mc.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=sorted(self.eos_token_ids),
+            generation_defaults=dict(generation_config.defaults),
+            kernels=self._kernels_status(),
+            kv=geometry,
+            connector_addresses=addresses,
+        )
+
+    def _num_blocks(self, shape: KVCacheShape, free_before_load: int) -> int:
+        config = self.config
+        if config.num_kv_blocks:
+            return config.num_kv_blocks
+        if self.device.type != "cuda":
+            return shape.num_blocks_for(config.kv_cache_memory)
+        profile = gpu_memory.profile_memory(
+            self.model,
+            shape,
+            self.device,
+            free_before_load,
+            min(config.max_num_batched_tokens, self.max_model_len),
+            config.max_num_seqs,
+        )
+        return gpu_memory.kv_cache_bytes(profile, config.gpu_memory_utilization) // (
+            shape.bytes_per_block
+        )
+
+    def _kernels_status(self) -> str:
+        if self.device.type == "cuda":
+            reason = dispatch.triton_unavailable_reason()
+            return "Triton" if reason is None else f"torch references ({reason})"
+        return dispatch.cpu_kernels_status()
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
+
+    # ---- stepping ---------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """A plan that carries connector metadata gets the connector's report back; one
+        without it leaves the report for the next plan that does."""
+        self._update_requests(plan)
+        exchange = self.connector is not None and plan.kv_connector is not None
+        if exchange:
+            self.connector.apply(plan.kv_connector)
+        sampled = self._run(plan) if plan.chunks else []
+        reports = [self.connector.report()] if exchange else []
+        return StepResult(sampled=sampled, kv_reports=reports)
+
+    def _update_requests(self, plan: StepPlan) -> None:
+        for request_id in plan.finished_ids:
+            self.requests.pop(request_id, None)
+            self.block_tables.pop(request_id, None)
+        for new in plan.new_requests:
+            self.requests[new.request_id] = Request(
+                request_id=new.request_id,
+                prompt_token_ids=new.prompt_token_ids,
+                sampling_params=new.sampling_params,
+                eos_token_ids=self.eos_token_ids,
+                seed=new.seed,
+                output_token_ids=list(new.output_token_ids),
+            )
+            self.block_tables[new.request_id] = []
+
+    def _run(self, plan: StepPlan) -> list[SampledToken]:
+        chunks = []
+        for planned in plan.chunks:
+            table = self.block_tables[planned.request_id]
+            table.extend(planned.new_block_ids)
+            request = self.requests[planned.request_id]
+            chunks.append(ScheduledChunk(request, planned.start, planned.num_new_tokens, table))
+        batch = self.runner.prepare(chunks)
+        logits = self.runner.execute(batch)
+        if not batch.sampling_requests:  # a step of mid-prompt chunks samples nothing
+            return []
+        tokens, logprobs = self.sampler.sample(logits, batch.sampling_requests)
+        sampled = []
+        for request, token, lp in zip(batch.sampling_requests, tokens, logprobs, strict=True):
+            request.output_token_ids.append(token)
+            sampled.append(SampledToken(request.request_id, token, lp))
+        return sampled
