@@ -15,21 +15,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import zmq
 
-from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.control import ControlClient
-from pdserve.kvtransfer.kv_memory import KVMemory
 from pdserve.kvtransfer.layout import (
     KVLayoutMismatch,
-    Run,
     check_compatible,
     check_tp_split,
     coalesce,
-    head_range,
     source_slices,
 )
 from pdserve.kvtransfer.messages import (
@@ -41,14 +35,13 @@ from pdserve.kvtransfer.messages import (
     Hello,
     HelloReply,
     KeepaliveSpec,
-    KVLayout,
     KVSource,
     Pull,
     PullRejected,
     PullSpec,
 )
-from pdserve.kvtransfer.metrics import KVTransferStats
-from pdserve.kvtransfer.transport import TransferOp, Transport
+from pdserve.kvtransfer.pull_state import PrefillRank, PullRequest, PullSlice
+from pdserve.kvtransfer.rank_io import RankIO, RankSide
 
 logger = logging.getLogger(__name__)
 
@@ -56,84 +49,18 @@ Report = Callable[[str, str, str], None]  # (kind, request_id, reason)
 _TAG_BITS = 20  # message index bits inside a tag; the rest is the transfer id
 
 
-@dataclass
-class _Slice:
-    request: _Request
-    address: str
-    src_rank: int
-    head_start: int
-    head_end: int
-    runs: list[Run]
-    transfer_id: int = -1
-    ops: list[TransferOp] = field(default_factory=list)
-    stagings: list[tuple[Any, int]] = field(default_factory=list)  # (buffer, dst_start)
-    state: str = "new"  # new → waiting (handshake) → receiving → received
-
-    @property
-    def in_flight(self) -> bool:
-        return self.state == "receiving" and not all(op.poll() for op in self.ops)
-
-
-@dataclass
-class _Request:
-    request_id: str
-    source: KVSource
-    addresses: list[str]  # the prefill ranks this rank talks to about it
-    slices: list[_Slice] = field(default_factory=list)
-    deadline: float | None = None  # set when the pull starts
-    started: float | None = None
-    aborted: bool = False
-    failure: str | None = None
-    finalized: bool = False
-
-    @property
-    def in_flight(self) -> bool:
-        return any(s.in_flight for s in self.slices)
-
-
-@dataclass
-class _Source:
-    """One prefill rank, by control address."""
-
-    address: str
-    rank: int
-    tp_size: int
-    instance_id: str
-    client: ControlClient
-    state: str = "idle"  # idle → waiting (Hello sent) → ready
-    hello_deadline: float = 0.0
-    waiting: list[_Slice] = field(default_factory=list)
-
-
-class DecodeSide:
-    def __init__(
-        self,
-        config: KVTransferConfig,
-        layout: KVLayout,
-        tp_rank: int,
-        tp_size: int,
-        memory: KVMemory,
-        transport: Transport,
-        context: zmq.Context,
-        stats: KVTransferStats,
-        report: Report,
-    ):
-        self._config = config
-        self._layout = layout
-        self._tp_rank, self._tp_size = tp_rank, tp_size
-        self._heads = head_range(layout, tp_rank, tp_size)
-        self._memory = memory
-        self._transport = transport
+class DecodeSide(RankSide):
+    def __init__(self, rank: RankIO, context: zmq.Context, report: Report):
+        super().__init__(rank)
         self._context = context
-        self._stats = stats
         self._report = report
-        self._name = f"{config.instance_id}/{tp_rank}"
-        self._requests: dict[str, _Request] = {}
+        self._name = f"{self._config.instance_id}/{self._tp_rank}"
+        self._requests: dict[str, PullRequest] = {}
         # Requests being pulled, failed or aborted: settled each poll. Queued ones
         # (keepalive only) just get heartbeats.
         self._active: set[str] = set()
-        self._sources: dict[str, _Source] = {}
-        self._by_transfer: dict[int, _Slice] = {}
+        self._sources: dict[str, PrefillRank] = {}
+        self._by_transfer: dict[int, PullSlice] = {}
         self._next_transfer_id = 1
         self._next_heartbeat = 0.0
 
@@ -160,7 +87,7 @@ class DecodeSide:
             return
         for piece in source_slices(self._layout, self._tp_rank, self._tp_size, spec.source.tp_size):
             address = spec.source.rank_addresses[piece.src_rank]
-            part = _Slice(request, address, piece.src_rank, piece.start, piece.end, runs)
+            part = PullSlice(request, address, piece.src_rank, piece.start, piece.end, runs)
             request.slices.append(part)
             if not runs:
                 part.state = "received"  # every block was in the local prefix cache
@@ -179,7 +106,7 @@ class DecodeSide:
             request.aborted = True
             self._active.add(request_id)
 
-    def _admit(self, request_id: str, source: KVSource, now: float) -> _Request | None:
+    def _admit(self, request_id: str, source: KVSource, now: float) -> PullRequest | None:
         request = self._requests.get(request_id)
         if request is not None:
             return request
@@ -189,39 +116,28 @@ class DecodeSide:
             check_tp_split(source.layout, source.tp_size, f"prefill instance {source.instance_id}")
             pieces = source_slices(self._layout, self._tp_rank, self._tp_size, source.tp_size)
         except KVLayoutMismatch as exc:
-            request = _Request(request_id, source, [])
+            request = PullRequest(request_id, source, [])
             self._requests[request_id] = request
             self._fail(request, str(exc))
             return request
         addresses = [source.rank_addresses[p.src_rank] for p in pieces]
-        request = _Request(request_id, source, addresses)
+        request = PullRequest(request_id, source, addresses)
         self._requests[request_id] = request
         for piece, address in zip(pieces, addresses, strict=True):
             if address not in self._sources:
                 client = ControlClient(self._context, address, self._name)
-                self._sources[address] = _Source(
+                self._sources[address] = PrefillRank(
                     address, piece.src_rank, source.tp_size, source.instance_id, client
                 )
         return request
 
     # ---- handshake and pull ---------------------------------------------------------
 
-    def _handshake(self, source: _Source, now: float) -> None:
-        if source.state != "idle":
-            return
-        hello = Hello(
-            self._config.instance_id,
-            self._tp_rank,
-            self._tp_size,
-            self._layout,
-            self._transport.name,
-            self._transport.info,
-        )
-        source.client.send(hello)
-        source.state = "waiting"
-        source.hello_deadline = now + self._config.handshake_timeout_s
+    def _handshake(self, source: PrefillRank, now: float) -> None:
+        hello = Hello(*self._rank.introduction(), self._transport.info)
+        source.handshake(hello, now + self._config.handshake_timeout_s)
 
-    def _start(self, part: _Slice) -> None:
+    def _start(self, part: PullSlice) -> None:
         request = part.request
         if request.failure is not None or request.aborted or request.finalized:
             part.state = "received"  # nothing will be posted for it
@@ -263,7 +179,7 @@ class DecodeSide:
             for message in source.client.receive():
                 self._on_message(source, message, now)
 
-    def _on_message(self, source: _Source, message: ControlMessage, now: float) -> None:
+    def _on_message(self, source: PrefillRank, message: ControlMessage, now: float) -> None:
         if isinstance(message, HelloReply):
             self._on_hello_reply(source, message)
         elif isinstance(message, PullRejected):
@@ -271,28 +187,14 @@ class DecodeSide:
             if message.reason.startswith("unknown peer"):
                 self._reset(source)  # the prefill rank restarted: handshake again next time
             if part is not None and part.request.request_id == message.request_id:
-                self._fail(part.request, f"{self._source_name(source)}: {message.reason}")
+                self._fail(part.request, f"{source.name}: {message.reason}")
         else:
             logger.warning("unexpected %s from %s", type(message).__name__, source.address)
 
-    def _source_name(self, source: _Source) -> str:
-        return f"prefill instance {source.instance_id} rank {source.rank}"
-
-    def _on_hello_reply(self, source: _Source, reply: HelloReply) -> None:
+    def _on_hello_reply(self, source: PrefillRank, reply: HelloReply) -> None:
         if source.state != "waiting":
             return
-        name = self._source_name(source)
-        error = reply.error
-        if not error:
-            try:
-                check_compatible(self._layout, reply.layout, name)
-                if (reply.tp_rank, reply.tp_size) != (source.rank, source.tp_size):
-                    error = (
-                        f"{name}: handshake reports TP rank {reply.tp_rank} of {reply.tp_size}, "
-                        f"the handoff said rank {source.rank} of {source.tp_size}"
-                    )
-            except KVLayoutMismatch as exc:
-                error = str(exc)
+        error = source.refusal(reply, self._layout)
         if error:
             self._fail_source(source, f"handshake failed: {error}")
             return
@@ -301,7 +203,7 @@ class DecodeSide:
         for part in waiting:
             self._start(part)
 
-    def _fail_source(self, source: _Source, reason: str) -> None:
+    def _fail_source(self, source: PrefillRank, reason: str) -> None:
         """Every request that needs this prefill rank fails, queued ones included, so a
         request still waiting for blocks is rejected before anything is allocated."""
         self._reset(source)
@@ -309,15 +211,12 @@ class DecodeSide:
             if source.address in request.addresses:
                 self._fail(request, reason)
 
-    def _reset(self, source: _Source) -> None:
-        source.client.close()
-        source.client = ControlClient(self._context, source.address, self._name)
-        source.state = "idle"
-        source.waiting = []
+    def _reset(self, source: PrefillRank) -> None:
+        source.reset(ControlClient(self._context, source.address, self._name))
 
     # ---- failure, completion, timers ------------------------------------------------
 
-    def _fail(self, request: _Request, reason: str) -> None:
+    def _fail(self, request: PullRequest, reason: str) -> None:
         if request.failure is not None:
             return
         request.failure = reason
@@ -331,7 +230,7 @@ class DecodeSide:
             if source.state == "waiting" and now >= source.hello_deadline:
                 self._fail_source(
                     source,
-                    f"no handshake reply from {self._source_name(source)} at "
+                    f"no handshake reply from {source.name} at "
                     f"{source.address} within {self._config.handshake_timeout_s:g}s",
                 )
         for request_id in list(self._active):
@@ -350,7 +249,7 @@ class DecodeSide:
             self._heartbeat()
             self._next_heartbeat = now + self._config.heartbeat_interval_s
 
-    def _settle(self, request: _Request) -> None:
+    def _settle(self, request: PullRequest) -> None:
         for part in request.slices:
             if part.state == "receiving" and not part.in_flight:
                 part.state = "received"
@@ -371,7 +270,7 @@ class DecodeSide:
             return  # still waiting for the pull or the handshake
         self._finalize(request)
 
-    def _finalize(self, request: _Request) -> None:
+    def _finalize(self, request: PullRequest) -> None:
         request.finalized = True
         del self._requests[request.request_id]
         self._active.discard(request.request_id)

@@ -22,10 +22,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.control import ControlServer
-from pdserve.kvtransfer.kv_memory import KVMemory
-from pdserve.kvtransfer.layout import KVLayoutMismatch, check_compatible, check_tp_split, head_range
+from pdserve.kvtransfer.layout import KVLayoutMismatch, check_compatible, check_tp_split
 from pdserve.kvtransfer.messages import (
     Abort,
     ControlMessage,
@@ -34,12 +32,11 @@ from pdserve.kvtransfer.messages import (
     Hello,
     HelloReply,
     HoldSpec,
-    KVLayout,
     Pull,
     PullRejected,
 )
-from pdserve.kvtransfer.metrics import KVTransferStats
-from pdserve.kvtransfer.transport import TransferOp, Transport
+from pdserve.kvtransfer.rank_io import RankIO, RankSide
+from pdserve.kvtransfer.transport import TransferOp
 
 logger = logging.getLogger(__name__)
 
@@ -79,27 +76,10 @@ class _Held:
         return any(s.in_flight for s in self.serving.values())
 
 
-class PrefillSide:
-    def __init__(
-        self,
-        config: KVTransferConfig,
-        layout: KVLayout,
-        tp_rank: int,
-        tp_size: int,
-        memory: KVMemory,
-        transport: Transport,
-        server: ControlServer,
-        stats: KVTransferStats,
-        report: Report,
-    ):
-        self._config = config
-        self._layout = layout
-        self._tp_rank, self._tp_size = tp_rank, tp_size
-        self._heads = head_range(layout, tp_rank, tp_size)
-        self._memory = memory
-        self._transport = transport
+class PrefillSide(RankSide):
+    def __init__(self, rank: RankIO, server: ControlServer, report: Report):
+        super().__init__(rank)
         self._server = server
-        self._stats = stats
         self._report = report
         self._peers: dict[bytes, Hello] = {}
         self._held: dict[str, _Held] = {}
@@ -161,15 +141,7 @@ class PrefillSide:
         if not error:
             self._peers[peer] = hello
             self._transport.add_peer(peer.hex(), hello.transport_info)
-        reply = HelloReply(
-            self._config.instance_id,
-            self._tp_rank,
-            self._tp_size,
-            self._layout,
-            self._transport.name,
-            error,
-        )
-        self._server.send(peer, reply)
+        self._server.send(peer, HelloReply(*self._rank.introduction(), error))
 
     def _reject(self, peer: bytes, pull: Pull, reason: str) -> None:
         self._server.send(peer, PullRejected(pull.request_id, pull.transfer_id, reason))

@@ -29,6 +29,7 @@ from pdserve.kvtransfer.layout import check_tp_split
 from pdserve.kvtransfer.messages import KVConnectorMetadata, KVLayout, TransferReport
 from pdserve.kvtransfer.metrics import KVTransferStats
 from pdserve.kvtransfer.prefill_side import PrefillSide
+from pdserve.kvtransfer.rank_io import RankIO
 from pdserve.kvtransfer.transport import Transport, make_transport
 
 logger = logging.getLogger(__name__)
@@ -169,9 +170,17 @@ class KVTransferWorker:
             )
             server = ControlServer(self._context, self.config.host, self.config.control_port)
             self._address, self._transport_info = server.address, transport.info
-            args = (self.config, self.layout, self.tp_rank, self.tp_size, self._memory, transport)
-            prefill = PrefillSide(*args, server, self._stats, self._record)
-            decode = DecodeSide(*args, self._context, self._stats, self._record)
+            rank = RankIO(
+                self.config,
+                self.layout,
+                self.tp_rank,
+                self.tp_size,
+                self._memory,
+                transport,
+                self._stats,
+            )
+            prefill = PrefillSide(rank, server, self._record)
+            decode = DecodeSide(rank, self._context, self._record)
             self._ready.set()
             self._loop(wake, transport, server, prefill, decode)
         except Exception as exc:

@@ -11,6 +11,7 @@ from pdserve.kvtransfer import KVLayout, KVTransferConfig, KVTransferStats
 from pdserve.kvtransfer.kv_memory import KVMemory
 from pdserve.kvtransfer.messages import BlockRun, Done, Hello, HelloReply, HoldSpec, Pull
 from pdserve.kvtransfer.prefill_side import PrefillSide
+from pdserve.kvtransfer.rank_io import RankIO
 from pdserve.kvtransfer.transport import TransferOp, Transport
 
 LAYOUT = KVLayout(block_size=4, num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
@@ -76,10 +77,10 @@ def test_done_before_the_sends_complete_still_counts_them_once() -> None:
     storage = np.zeros((8, 2, 2, 2, 4, 8), dtype=np.float32)
     transport, server, stats = ManualTransport(), RecordingServer(), KVTransferStats()
     reports: list[tuple[str, str]] = []
-    side = PrefillSide(
-        KVTransferConfig(instance_id="p"), LAYOUT, 0, 1, KVMemory(storage, LAYOUT), transport,
-        server, stats, lambda kind, rid: reports.append((kind, rid)),
-    )  # fmt: skip
+    rank = RankIO(
+        KVTransferConfig(instance_id="p"), LAYOUT, 0, 1, KVMemory(storage, LAYOUT), transport, stats
+    )
+    side = PrefillSide(rank, server, lambda kind, rid: reports.append((kind, rid)))
     side.hold(HoldSpec("r", [2, 3, 5]), now=0.0)
     side.on_message(PEER, Hello("d", 0, 1, LAYOUT, "ucx", b"addr"), now=0.0)
     assert isinstance(server.messages[-1][1], HelloReply) and not server.messages[-1][1].error
