@@ -75,6 +75,11 @@ class EngineCore:
         self.config = config or EngineConfig.from_kwargs(**kwargs)
         self.executor = executor or InProcessExecutor(self.config)
         self.info: WorkerInfo = self.executor.load()
+        if self.info.kv.block_size != self.config.block_size:
+            raise ValueError(
+                f"the executor's KV blocks hold {self.info.kv.block_size} tokens, "
+                f"not block_size {self.config.block_size}"
+            )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=self.config.max_num_seqs,

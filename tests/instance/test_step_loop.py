@@ -1,0 +1,241 @@
+"""The step loop against a fake executor (ranks without a model; torch unimportable):
+what crosses the executor seam, the roles it calls, and its test hooks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from pdserve.engine.plan import KVGeometry, SampledToken, StepPlan, StepResult, WorkerInfo
+from pdserve.instance.loop import StepLoop
+from pdserve.instance.spec import InstanceSpec
+from pdserve.kvtransfer import KVHandoff, KVTransferStats, TransferReport
+from pdserve.kvtransfer.connector import RankReport
+from pdserve.scheduler.messages import (
+    AbortTask,
+    GenerateTask,
+    InspectTask,
+    InstanceAddress,
+    InstanceOutput,
+    LeakBlocksTask,
+    RequestDelta,
+)
+from pdserve.scheduler.sampling_params import SamplingParams
+
+VOCAB = 1000
+ENCODER = msgspec.msgpack.Encoder()
+PLANS = msgspec.msgpack.Decoder(StepPlan)
+
+
+class FakeExecutor:
+    """Ranks without a model: each sampled token is the previous token + 1. It keeps
+    the requests' tokens only from what the plans carry, as real ranks do."""
+
+    def __init__(self) -> None:
+        self.plans: list[tuple[float, StepPlan]] = []
+        self.tokens: dict[str, list[int]] = {}
+        self.next_report = TransferReport()
+        self.shut_down = False
+
+    def load(self) -> WorkerInfo:
+        return WorkerInfo(
+            model_path="fake",
+            vocab_size=VOCAB,
+            max_model_len=256,
+            eos_token_ids=[0],
+            generation_defaults={},
+            kernels="none",
+            kv=KVGeometry(
+                num_layers=2,
+                num_kv_heads=2,
+                head_dim=4,
+                block_size=4,
+                dtype="float32",
+                num_blocks=64,
+            ),  # fmt: skip
+            connector_addresses=["tcp://127.0.0.1:9"],
+        )
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        # What crosses the seam survives the wire: no tensors, no live objects.
+        wire = ENCODER.encode(plan)
+        assert ENCODER.encode(PLANS.decode(wire)) == wire
+        self.plans.append((time.monotonic(), plan))
+        for request_id in plan.finished_ids:
+            self.tokens.pop(request_id, None)
+        for new in plan.new_requests:
+            self.tokens[new.request_id] = new.prompt_token_ids + new.output_token_ids
+        sampled = []
+        for chunk in plan.chunks:
+            tokens = self.tokens[chunk.request_id]
+            if chunk.start + chunk.num_new_tokens == len(tokens):
+                tokens.append((tokens[-1] + 1) % VOCAB)
+                sampled.append(SampledToken(chunk.request_id, tokens[-1]))
+        reports = []
+        if plan.kv_connector is not None:
+            reports = [RankReport(self.next_report, KVTransferStats())]
+            self.next_report = TransferReport()
+        return StepResult(sampled=sampled, kv_reports=reports)
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+class Harness:
+    """A loaded loop stepped by the test, its gateway socket and a peer socket."""
+
+    def __init__(self, role: str, test_hooks: bool = False) -> None:
+        self.context = zmq.Context()
+        self.outputs = self.context.socket(zmq.PULL)
+        port = self.outputs.bind_to_random_port("tcp://127.0.0.1")
+        self.peer = self.context.socket(zmq.PULL)
+        peer_port = self.peer.bind_to_random_port("tcp://127.0.0.1")
+        self.peer_address = InstanceAddress("d-peer", "decode", f"tcp://127.0.0.1:{peer_port}")
+        gateway = f"tcp://127.0.0.1:{port}"
+        spec = InstanceSpec(instance_id=f"{role}-0", role=role, idle_wait_s=0.01,
+                            gateway_address=gateway, test_hooks=test_hooks,
+                            engine={"block_size": 4})  # fmt: skip
+        self.executor = FakeExecutor()
+        self.loop = StepLoop(spec, self.executor)
+        self.loop.load()
+        self.tasks = self.context.socket(zmq.PUSH)
+        self.tasks.connect(self.loop.address.task_address)
+        self.deltas: list[RequestDelta] = []
+        self.inspections: dict[str, Any] = {}
+
+    def send(self, task: Any) -> None:
+        self.tasks.send(ENCODER.encode(task))
+
+    def turn(self, count: int = 1) -> None:
+        for _ in range(count):
+            self.loop.run_once()
+        self.collect()
+
+    def collect(self) -> None:
+        decoder = msgspec.msgpack.Decoder(InstanceOutput)
+        while self.outputs.poll(50):
+            output = decoder.decode(self.outputs.recv())
+            self.deltas.extend(output.deltas)
+            if output.inspection is not None:
+                self.inspections[output.inspection.query_id] = output.inspection
+
+    def until(self, condition, what: str, turns: int = 200) -> None:
+        for _ in range(turns):
+            if condition():
+                return
+            self.turn()
+        raise AssertionError(f"no {what} after {turns} loop turns")
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for d in self.deltas if d.request_id == request_id for t in d.new_token_ids]
+
+    def finished(self, request_id: str) -> bool:
+        return any(d.request_id == request_id and d.finished for d in self.deltas)
+
+    def inspect(self):
+        query = f"q{time.monotonic_ns()}"
+        self.send(InspectTask(query))
+        self.until(lambda: query in self.inspections, "inspection")
+        return self.inspections.pop(query)
+
+    def close(self) -> None:
+        self.loop.close()
+        for sock in (self.outputs, self.peer, self.tasks):
+            sock.close(linger=0)
+        self.context.term()
+
+
+def generate(request_id: str, prompt: list[int], max_tokens: int = 4, target=None) -> GenerateTask:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=1, ignore_eos=True)
+    return GenerateTask(request_id, prompt, params, arrival_time=0.0, decode_target=target)
+
+
+@pytest.fixture
+def colocated() -> Iterator[Harness]:
+    harness = Harness("colocated")
+    yield harness
+    harness.close()
+
+
+def test_the_loop_and_its_roles_import_without_torch() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import pdserve.instance.loop, pdserve.instance.main, pdserve.engine.core\n"
+        "print('torch' in sys.modules and sys.modules['torch'] is not None)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr
+
+
+def test_a_request_crosses_the_seam_once_in_full_then_by_id(colocated) -> None:
+    colocated.send(generate("a", [5, 6, 7, 8, 9, 10, 11], max_tokens=4))
+    colocated.until(lambda: colocated.finished("a"), "finished request")
+    assert colocated.tokens("a") == [12, 13, 14, 15]
+    plans = [plan for _, plan in colocated.executor.plans]
+    assert [n.request_id for p in plans for n in p.new_requests] == ["a"]
+    first, *rest = plans
+    assert first.chunks[0].new_block_ids == [0, 1]  # 7 tokens in blocks of 4
+    assert [len(p.chunks) for p in rest] == [1, 1, 1]
+    # Block 2 joins when the 9th token needs it; blocks are sent once.
+    assert [c.new_block_ids for p in rest for c in p.chunks] == [[], [2], []]
+    # The next plan drops the finished request's state on the ranks.
+    colocated.send(generate("b", [1, 2], max_tokens=1))
+    colocated.until(lambda: colocated.finished("b"), "second request")
+    assert "a" in colocated.executor.plans[-1][1].finished_ids
+    assert "a" not in colocated.executor.tokens
+
+
+def test_an_aborted_request_is_dropped_on_the_ranks(colocated) -> None:
+    colocated.send(generate("long", [3, 4], max_tokens=50))
+    colocated.until(lambda: len(colocated.tokens("long")) >= 2, "first tokens")
+    colocated.send(AbortTask(["long"]))
+    colocated.send(generate("next", [7], max_tokens=1))
+    colocated.until(lambda: colocated.finished("next"), "next request")
+    assert any("long" in p.finished_ids for _, p in colocated.executor.plans)
+    assert not colocated.finished("long")  # the gateway ended it; no more deltas
+    assert colocated.inspect().block_owners == {}
+
+
+def test_a_prefill_role_announces_the_hold_before_the_handoff_leaves() -> None:
+    harness = Harness("prefill")
+    try:
+        prompt = list(range(20, 29))  # 9 tokens: 3 blocks
+        harness.send(generate("p", prompt, max_tokens=8, target=harness.peer_address))
+        harness.until(lambda: harness.peer.poll(0), "handoff")
+        arrived = time.monotonic()
+        handoff = msgspec.msgpack.decode(harness.peer.recv(), type=KVHandoff)
+        assert handoff.first_token_id == 29 and handoff.sampling_params.seed == 1
+        assert harness.tokens("p") == [29]  # the first token went to the gateway too
+        holds = [
+            at
+            for at, plan in harness.executor.plans
+            if plan.kv_connector is not None
+            and any(h.request_id == "p" for h in plan.kv_connector.holds)
+        ]
+        assert holds and holds[0] < arrived
+        assert sorted(harness.inspect().block_owners) == handoff.source.block_ids
+        harness.executor.next_report = TransferReport(finished_sending=["p"])
+        harness.turn(3)
+        assert harness.inspect().block_owners == {}  # released into the prefix cache
+    finally:
+        harness.close()
+    assert harness.executor.shut_down
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+def test_the_leak_hook_acts_only_with_test_hooks(hooks: bool) -> None:
+    harness = Harness("colocated", test_hooks=hooks)
+    try:
+        harness.send(LeakBlocksTask(num_blocks=2))
+        harness.turn()
+        owners = harness.inspect().block_owners
+        assert (owners != {}) == hooks
+    finally:
+        harness.close()
