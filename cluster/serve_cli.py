@@ -19,7 +19,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         "an OpenAI-compatible HTTP API. With no flags: the embedded SmolLM2-135M-Instruct, "
         "one prefill and one decode instance, on 127.0.0.1:8000.",
     )
-    model = parser.add_argument_group("model and engine")
+    _add_model_flags(parser.add_argument_group("model and engine"))
+    _add_http_flags(parser.add_argument_group("HTTP"))
+    _add_topology_flags(parser.add_argument_group("topology"))
+    _add_scheduler_flags(parser.add_argument_group("global scheduler"))
+    _add_debug_flags(parser.add_argument_group("debugging"))
+    parser.set_defaults(handler=_run)
+    return parser
+
+
+def _add_model_flags(model: argparse._ArgumentGroup) -> None:
     model.add_argument("--model", default=None, help="checkpoint folder (default: embedded)")
     model.add_argument(
         "--served-model-name",
@@ -59,12 +68,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     )
     model.add_argument("--seed", type=int, default=0)
 
-    http = parser.add_argument_group("HTTP")
+
+def _add_http_flags(http: argparse._ArgumentGroup) -> None:
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     http.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
 
-    topology = parser.add_argument_group("topology")
+
+def _add_topology_flags(topology: argparse._ArgumentGroup) -> None:
     topology.add_argument("--mode", choices=MODES, default="disaggregated")
     topology.add_argument("--num-prefill", type=int, default=1)
     topology.add_argument("--num-decode", type=int, default=1)
@@ -80,6 +91,19 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         default=0,
         help="torch threads per instance (0: max(1, cores // instances))",
     )
+    _add_kv_transfer_flags(topology)
+    topology.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="ray",
+        help="ray: instances as Ray actors; local: plain processes",
+    )
+    topology.add_argument(
+        "--ray-address", default=None, help="join this Ray cluster (default: start a local one)"
+    )
+
+
+def _add_kv_transfer_flags(topology: argparse._ArgumentGroup) -> None:
     topology.add_argument(
         "--kv-transport",
         choices=KV_TRANSPORTS,
@@ -107,17 +131,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         default=None,
         help="seconds a decode instance waits for one pull (default: min(10, lease / 2))",
     )
-    topology.add_argument(
-        "--launcher",
-        choices=LAUNCHERS,
-        default="ray",
-        help="ray: instances as Ray actors; local: plain processes",
-    )
-    topology.add_argument(
-        "--ray-address", default=None, help="join this Ray cluster (default: start a local one)"
-    )
 
-    scheduling = parser.add_argument_group("global scheduler")
+
+def _add_scheduler_flags(scheduling: argparse._ArgumentGroup) -> None:
     scheduling.add_argument("--routing-policy", choices=sorted(POLICIES), default="prefix_aware")
     scheduling.add_argument(
         "--max-queued-requests",
@@ -144,7 +160,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         help="seconds without a heartbeat before an instance is dead",
     )
 
-    debug = parser.add_argument_group("debugging")
+
+def _add_debug_flags(debug: argparse._ArgumentGroup) -> None:
     debug.add_argument(
         "--log-level", default="warning", choices=("debug", "info", "warning", "error")
     )
@@ -153,8 +170,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         action="store_true",
         help="accept test-only requests that break instances on purpose",
     )
-    parser.set_defaults(handler=_run)
-    return parser
 
 
 def _run(args: argparse.Namespace) -> int:
