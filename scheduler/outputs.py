@@ -69,3 +69,17 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot for metrics (vLLM's names without the prefix)."""
+
+    num_running: int
+    num_waiting: int
+    num_waiting_for_remote_kvs: int
+    num_held: int  # prefill side: handed off, blocks held for the decode side
+    kv_cache_usage_perc: float  # 0..1; cached-unreferenced blocks count as free
+    num_preemptions_total: int
+    prefix_cache_queries_total: int  # tokens
+    prefix_cache_hits_total: int  # tokens

@@ -18,38 +18,23 @@ Disaggregation hooks:
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
+from pdserve.scheduler.admission import check_admissible, max_kv_tokens_of
 from pdserve.scheduler.block_events import BlockCacheSnapshot, BlockEventBatch
 from pdserve.scheduler.block_manager import BlockManager
 from pdserve.scheduler.config import SchedulerConfig
-from pdserve.scheduler.outputs import RemoteKVAllocation, ScheduledChunk, SchedulerOutput
+from pdserve.scheduler.outputs import (
+    RemoteKVAllocation,
+    ScheduledChunk,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from pdserve.scheduler.remote_kv import RemoteKV, finish_remote_kvs
 from pdserve.scheduler.request import Request, RequestStatus
 from pdserve.scheduler.scheduler_checks import check_scheduler_invariants
 from pdserve.scheduler.stop_checker import check_stop
 
-REMOTE_KV_POLICIES = ("recompute", "fail")
 _TRANSFER_STATUSES = (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.HANDED_OFF)
-
-
-@dataclass
-class SchedulerStats:
-    """A snapshot for metrics (vLLM's names without the prefix)."""
-
-    num_running: int
-    num_waiting: int
-    num_waiting_for_remote_kvs: int
-    num_held: int  # prefill side: handed off, blocks held for the decode side
-    kv_cache_usage_perc: float  # 0..1; cached-unreferenced blocks count as free
-    num_preemptions_total: int
-    prefix_cache_queries_total: int  # tokens
-    prefix_cache_hits_total: int  # tokens
-
-
-@dataclass
-class _RemoteKV:
-    num_remote_tokens: int
-    num_local_cached_tokens: int = 0
 
 
 class Scheduler:
@@ -69,9 +54,9 @@ class Scheduler:
         # Ended while a transfer may still touch their blocks (pulling remote KV, or
         # handed off): blocks kept until the transfer's end is reported.
         self.quarantined: dict[str, Request] = {}
-        self._remote: dict[str, _RemoteKV] = {}  # decode side, until the KV has arrived
+        self.remote_kv: dict[str, RemoteKV] = {}  # decode side, until the KV has arrived
         self._hand_off: set[str] = set()  # prefill side, until the first token
-        self._left_ids: list[str] = []  # left the compute set since the last schedule()
+        self.left_ids: list[str] = []  # left the compute set since the last schedule()
         self.num_preemptions_total = 0
 
     # ---- requests in ---------------------------------------------------------------
@@ -79,8 +64,8 @@ class Scheduler:
     def add_request(self, request: Request, hand_off: bool = False) -> None:
         """Queues a request. With `hand_off` (prefill side) it stops after its first
         token and keeps its blocks for a decode instance, unless that token ends it."""
-        max_kv_tokens = request.num_tokens if hand_off else self._max_kv_tokens(request)
-        self._validate(request, max_kv_tokens)
+        max_kv_tokens = request.num_tokens if hand_off else max_kv_tokens_of(request, self.config)
+        check_admissible(request, max_kv_tokens, self)
         if hand_off:
             self._hand_off.add(request.request_id)
         self._enqueue(request)
@@ -99,8 +84,8 @@ class Scheduler:
                 f"request {request.request_id}: num_remote_tokens must be in "
                 f"[1, {request.num_tokens - 1}], got {num_remote_tokens}"
             )
-        self._validate(request, self._max_kv_tokens(request))
-        self._remote[request.request_id] = _RemoteKV(num_remote_tokens)
+        check_admissible(request, max_kv_tokens_of(request, self.config), self)
+        self.remote_kv[request.request_id] = RemoteKV(num_remote_tokens)
         self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
@@ -108,33 +93,6 @@ class Scheduler:
         request.num_computed_tokens = 0
         self.requests[request.request_id] = request
         self.waiting.append(request)
-
-    def _max_kv_tokens(self, request: Request) -> int:
-        """The most tokens whose KV the request can need: the last token sampled is
-        never computed, and generation stops at max_tokens or max_model_len."""
-        max_tokens = request.sampling_params.max_tokens
-        final = self.config.max_model_len
-        if max_tokens is not None:
-            final = min(final, request.num_prompt_tokens + max_tokens)
-        return max(request.num_tokens, final - 1)
-
-    def _validate(self, request: Request, max_kv_tokens: int) -> None:
-        rid, cfg = request.request_id, self.config
-        if rid in self.requests or rid in self.quarantined:
-            raise ValueError(f"request {rid} is already scheduled on this instance")
-        if not request.prompt_token_ids:
-            raise ValueError(f"request {rid}: the prompt is empty")
-        if request.num_tokens > cfg.max_model_len:
-            raise ValueError(
-                f"request {rid}: {request.num_tokens} tokens exceed max_model_len "
-                f"({cfg.max_model_len})"
-            )
-        needed = self.block_manager.blocks_for(max_kv_tokens)
-        if needed > cfg.num_blocks:
-            raise ValueError(
-                f"request {rid}: up to {max_kv_tokens} tokens need {needed} KV blocks, "
-                f"more than the pool's {cfg.num_blocks} (lower max_tokens or grow the cache)"
-            )
 
     # ---- requests out --------------------------------------------------------------
 
@@ -156,11 +114,11 @@ class Scheduler:
             del self.held[request_id]  # reported when it was handed off
         else:
             self._drop_from_queues(request)
-            self._left_ids.append(request_id)
+            self.left_ids.append(request_id)
         if in_transfer:
             self.quarantined[request_id] = request
         else:
-            self._remote.pop(request_id, None)
+            self.remote_kv.pop(request_id, None)
             self.block_manager.free(request_id)
         self._hand_off.discard(request_id)
         request.status = status
@@ -185,7 +143,7 @@ class Scheduler:
         if request_id in self.held:
             del self.held[request_id]
             del self.requests[request_id]
-        elif request_id in self.quarantined and request_id not in self._remote:
+        elif request_id in self.quarantined and request_id not in self.remote_kv:
             del self.quarantined[request_id]
         else:
             return False
@@ -195,8 +153,8 @@ class Scheduler:
     # ---- the step ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        output = SchedulerOutput(finished_ids=self._left_ids)
-        self._left_ids = []
+        output = SchedulerOutput(finished_ids=self.left_ids)
+        self.left_ids = []
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         if not output.preempted_ids:  # blocks are short: admitting more would thrash
             self._admit_waiting(output, budget)
@@ -246,7 +204,7 @@ class Scheduler:
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and self._num_seats_taken() < self.config.max_num_seqs:
             request = self.waiting[0]
-            remote = self._remote.get(request.request_id)
+            remote = self.remote_kv.get(request.request_id)
             if remote is not None:
                 if not self._admit_remote(request, remote, output):
                     return
@@ -266,7 +224,7 @@ class Scheduler:
             self._add_chunk(output, request, num_new)
             budget -= num_new
 
-    def _admit_remote(self, request: Request, remote: _RemoteKV, output: SchedulerOutput) -> bool:
+    def _admit_remote(self, request: Request, remote: RemoteKV, output: SchedulerOutput) -> bool:
         hit = self.block_manager.find_cached_prefix(
             request, remote.num_remote_tokens, must_compute_last=False
         )
@@ -344,82 +302,22 @@ class Scheduler:
         del self.requests[rid]
         self._hand_off.discard(rid)
         self.block_manager.free(rid)
-        self._left_ids.append(rid)
+        self.left_ids.append(rid)
 
     def _hold(self, request: Request) -> None:
         """Prefill side: the first token is out; keep the blocks for the decode side."""
         request.status = RequestStatus.HANDED_OFF
         self._hand_off.discard(request.request_id)
         self.held[request.request_id] = request
-        self._left_ids.append(request.request_id)
+        self.left_ids.append(request.request_id)
 
     # ---- decode side: remote KV ----------------------------------------------------
 
     def finish_remote_kvs(
         self, request_id: str, success: bool, policy: str = "recompute", error: str = ""
     ) -> bool:
-        """The pull of a request's remote KV ended. On success it runs from the first
-        output token; on failure it either prefills the missing part here
-        ("recompute") or ends in FINISHED_ERROR ("fail"). Call it exactly once for
-        every allocation in `remote_kv_allocations`, once no transfer can still write
-        into the request's blocks — also for a request ended meanwhile, whose
-        quarantined blocks it then frees (and returns False).
-
-        A failure may also come while the request is still queued, before any block
-        was allocated (e.g. the prefill instance refused the handshake): "recompute"
-        turns it into an ordinary request that prefills here, "fail" ends it. False
-        for an id that is neither pulling nor queued as remote."""
-        if policy not in REMOTE_KV_POLICIES:
-            raise ValueError(f"policy must be one of {REMOTE_KV_POLICIES}, got {policy!r}")
-        if request_id in self._remote and request_id in self.quarantined:  # ended meanwhile
-            del self.quarantined[request_id]
-            del self._remote[request_id]
-            self.block_manager.free(request_id)
-            return False
-        queued = self.requests.get(request_id)
-        if (
-            queued is not None
-            and queued.status is RequestStatus.WAITING
-            and request_id in self._remote
-        ):
-            return self._fail_queued_remote(queued, success, policy, error)
-        request = self.waiting_for_remote.get(request_id)
-        if request is None:
-            return False
-        remote = self._remote.pop(request_id)
-        del self.waiting_for_remote[request_id]
-        if not success and policy == "fail":
-            self._end_with_error(request, error)
-            self.block_manager.free(request_id)
-            return True
-        if success:
-            request.num_computed_tokens = remote.num_remote_tokens
-            self.block_manager.cache_full_blocks(request, remote.num_remote_tokens)
-        else:
-            request.num_computed_tokens = remote.num_local_cached_tokens
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
-        return True
-
-    def _fail_queued_remote(self, request: Request, success: bool, policy: str, error: str) -> bool:
-        rid = request.request_id
-        if success:
-            raise ValueError(f"request {rid}: no blocks were allocated, so no KV can have arrived")
-        del self._remote[rid]
-        if policy == "fail":
-            self.waiting = deque(r for r in self.waiting if r is not request)
-            self._end_with_error(request, error)
-        # "recompute": it stays queued as an ordinary request (prompt + first token).
-        return True
-
-    def _end_with_error(self, request: Request, error: str) -> None:
-        """A remote request whose KV never came, under the "fail" policy; the caller
-        frees its blocks if it has any."""
-        rid = request.request_id
-        request.error = error or f"KV transfer for request {rid} failed"
-        request.status = RequestStatus.FINISHED_ERROR
-        del self.requests[rid]
-        self._left_ids.append(rid)
+        """The pull of a request's remote KV ended (see `remote_kv.finish_remote_kvs`)."""
+        return finish_remote_kvs(self, request_id, success, policy, error)
 
     # ---- queries -------------------------------------------------------------------
 
