@@ -6,7 +6,7 @@ import argparse
 
 from pdserve.cluster.placement import DEVICES
 from pdserve.cluster.plan import FAILURE_POLICIES, KV_TRANSPORTS, LAUNCHERS, MODES
-from pdserve.scheduler.routing import POLICIES
+from pdserve.scheduler.routing import DEFAULT_POLICY, POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -134,7 +134,7 @@ def _add_kv_transfer_flags(topology: argparse._ArgumentGroup) -> None:
 
 
 def _add_scheduler_flags(scheduling: argparse._ArgumentGroup) -> None:
-    scheduling.add_argument("--routing-policy", choices=sorted(POLICIES), default="prefix_aware")
+    scheduling.add_argument("--routing-policy", choices=sorted(POLICIES), default=DEFAULT_POLICY)
     scheduling.add_argument(
         "--max-queued-requests",
         type=int,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pdserve.scheduler.block_events import BlockCacheSnapshot, BlockEventBatch
 from pdserve.scheduler.messages import InstanceInfo, InstanceStats
 from pdserve.scheduler.routing import (
+    DEFAULT_POLICY,
     MAX_UNSYNCED_BATCHES,
     ROLES_THAT_DECODE,
     InstanceView,
@@ -30,7 +31,7 @@ from pdserve.scheduler.routing import (
 
 @dataclass(frozen=True)
 class GlobalSchedulerConfig:
-    routing_policy: str = "load_aware"
+    routing_policy: str = DEFAULT_POLICY
     # Requests admitted beyond the running seats (max_num_seqs of every instance that
     # decodes); past that, new requests are refused with Retry-After.
     max_queued_requests: int = 256

@@ -197,6 +197,8 @@ class PrefixAwarePolicy(LoadAwarePolicy):
 POLICIES: dict[str, type[RoutingPolicy]] = {
     policy.name: policy for policy in (RoundRobinPolicy, LoadAwarePolicy, PrefixAwarePolicy)
 }
+# `pdserve serve`'s default and the library's: prompts that share a prefix go where it is cached.
+DEFAULT_POLICY = "prefix_aware"
 
 
 def make_policy(name: str) -> RoutingPolicy:
