@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.checkpoint import ModelConfig, check_weights, iter_weights
+from pdserve.engine.checkpoint import ModelConfig
+from pdserve.engine.checkpoint_weights import check_weights, iter_weights
 from pdserve.engine.models import model_class
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.precision import compute_dtype, store_matrices_narrow

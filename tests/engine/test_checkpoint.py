@@ -15,13 +15,10 @@ from pdserve.engine.checkpoint import (
     CheckpointError,
     GenerationConfig,
     ModelConfig,
-    check_shape,
-    check_weights,
-    iter_weights,
     load_generation_config,
     load_model_config,
-    weight_files,
 )
+from pdserve.engine.checkpoint_weights import check_shape, check_weights, iter_weights, weight_files
 
 BASE = {
     "vocab_size": 64,
