@@ -2,30 +2,27 @@
 
 The device check (`experiments.gpu_check`) and the engine tests need models of a given
 shape without a checkpoint; this module needs nothing beyond torch (no safetensors,
-no scheduler), so it runs with a GPU machine's bare Python. `SyntheticLlamaConfig`
-carries the `pdserve.engine.checkpoint.ModelConfig` fields the model reads, under the same
-names.
+no scheduler), so it runs with a GPU machine's bare Python. `SyntheticLlamaConfig` is a
+`pdserve.engine.checkpoint.ModelConfig` with a random Llama's defaults.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.checkpoint import ModelConfig
 from pdserve.engine.models.llama import LlamaForCausalLM
 
 
-@dataclass(frozen=True)
-class SyntheticLlamaConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
+@dataclass(frozen=True, kw_only=True)
+class SyntheticLlamaConfig(ModelConfig):
+    """The shape fields (vocab_size ... max_position_embeddings) are required."""
+
+    architecture: str = "LlamaForCausalLM"
     rms_norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     rope_scaling: dict | None = None
@@ -35,7 +32,21 @@ class SyntheticLlamaConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
-    architecture: str = "LlamaForCausalLM"
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+@contextmanager
+def building_on(device: torch.device | str, dtype: torch.dtype) -> Iterator[None]:
+    """Modules created inside get their parameters in `dtype`, directly on `device`."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def llama_8b_shape(max_position_embeddings: int = 8192) -> SyntheticLlamaConfig:
@@ -62,13 +73,8 @@ def random_llama(
 ) -> LlamaForCausalLM:
     """Matrices ~ N(0, std²), norm weights 1, biases 0, created directly on `device`.
     A larger `std` spreads the logits apart (fewer near-ties in greedy comparisons)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(previous)
+    with building_on(device, dtype):
+        model = LlamaForCausalLM(cfg)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if param.dim() == 2:

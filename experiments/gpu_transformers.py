@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from pdserve.engine.synthetic_model import SyntheticLlamaConfig
+from pdserve.engine.synthetic_model import SyntheticLlamaConfig, building_on
 
 
 def build_hf_llama(model: torch.nn.Module, cfg: SyntheticLlamaConfig, dtype, device):
@@ -33,13 +33,8 @@ def build_hf_llama(model: torch.nn.Module, cfg: SyntheticLlamaConfig, dtype, dev
         eos_token_id=2,
         pad_token_id=0,
     )
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            hf = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
+    with building_on(device, dtype):
+        hf = LlamaForCausalLM(config)
     params = dict(hf.named_parameters())
     with torch.no_grad():
         for name, shape in model.expected_weights():
