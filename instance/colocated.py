@@ -7,7 +7,6 @@ the step loop.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from pdserve.engine.core import EngineCore
@@ -19,8 +18,6 @@ from pdserve.scheduler.messages import (
     RequestDelta,
     Task,
 )
-
-logger = logging.getLogger(__name__)
 
 
 class ColocatedRole:
@@ -38,8 +35,7 @@ class ColocatedRole:
         )
 
     def on_task(self, task: Any) -> RequestDelta | None:
-        logger.warning("%s: ignoring a %s task", self.instance_id, type(task).__name__)
-        return None
+        raise TypeError(f"a colocated instance has no {type(task).__name__} tasks")  # never decoded
 
     def abort(self, task: AbortTask) -> None:
         for request_id in task.request_ids:

@@ -21,14 +21,7 @@ from pdserve.kvtransfer import KVTransferConfig, layout_of
 from pdserve.kvtransfer.connector import TransferConnector
 from pdserve.kvtransfer.link import KVLink
 from pdserve.prefill.role import PrefillRole
-from pdserve.scheduler.messages import (
-    AbortTask,
-    GenerateTask,
-    InstanceStats,
-    MetricsDelta,
-    RequestDelta,
-    Task,
-)
+from pdserve.scheduler import messages as wire
 
 if TYPE_CHECKING:
     from pdserve.instance.loop import StepLoop
@@ -37,11 +30,11 @@ if TYPE_CHECKING:
 class Role(Protocol):
     """What the step loop calls on its role, in loop order (see instance/loop.py)."""
 
-    def admit(self, task: GenerateTask) -> None: ...  # ValueError: cannot run here
+    def admit(self, task: wire.GenerateTask) -> None: ...  # ValueError: cannot run here
 
-    def on_task(self, task: Any) -> RequestDelta | None: ...  # a role's own task types
+    def on_task(self, task: Any) -> wire.RequestDelta | None: ...  # a role's own task types
 
-    def abort(self, task: AbortTask) -> None: ...
+    def abort(self, task: wire.AbortTask) -> None: ...
 
     def task_wait_s(self, idle_wait_s: float) -> float: ...
 
@@ -49,15 +42,15 @@ class Role(Protocol):
 
     def has_work(self) -> bool: ...
 
-    def step(self) -> list[RequestDelta]: ...
+    def step(self) -> list[wire.RequestDelta]: ...
 
-    def after_step(self, deltas: list[RequestDelta]) -> list[RequestDelta]: ...
+    def after_step(self, deltas: list[wire.RequestDelta]) -> list[wire.RequestDelta]: ...
 
     def has_news(self) -> bool: ...  # send an output even without deltas
 
-    def add_metrics(self, metrics: MetricsDelta) -> None: ...
+    def add_metrics(self, metrics: wire.MetricsDelta) -> None: ...
 
-    def add_stats(self, stats: InstanceStats) -> None: ...
+    def add_stats(self, stats: wire.InstanceStats) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -104,11 +97,11 @@ def _transfer_connector(spec: InstanceSpec) -> RankConnector:
 
 ROLES: dict[str, RoleKind] = {
     "colocated": RoleKind(
-        Task,
+        wire.Task,
         lambda spec: None,
         lambda loop: ColocatedRole(loop.spec.instance_id, loop.require_engine()),
     ),
-    "prefill": RoleKind(Task, _transfer_connector, _prefill),
+    "prefill": RoleKind(wire.Task, _transfer_connector, _prefill),
     "decode": RoleKind(DecodeTask, _transfer_connector, _decode),
 }
 

@@ -88,8 +88,7 @@ class PrefillRole:
         self._targets[task.request_id] = task.decode_target
 
     def on_task(self, task: Any) -> RequestDelta | None:
-        logger.warning("%s: ignoring a %s task", self.instance_id, type(task).__name__)
-        return None
+        raise TypeError(f"a prefill instance has no {type(task).__name__} tasks")  # never decoded
 
     def abort(self, task: AbortTask) -> None:
         for request_id in task.request_ids:
