@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import sys
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import Any, TypeVar
 
 from pdserve.bench.datasets import DATASET_NAMES, DatasetSpec
 from pdserve.bench.metrics import METRIC_NAMES
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+T = TypeVar("T")
 
 
 def guarded(
@@ -39,6 +42,17 @@ def guarded(
             return 130
 
     return run
+
+
+def from_flags(cls: type[T], args: argparse.Namespace, **values: Any) -> T:
+    """The dataclass `cls` with `values`, and each other field that a flag of the same
+    name exists for set from that flag (the rest keep their defaults)."""
+    named = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if f.name not in values and hasattr(args, f.name)
+    }
+    return cls(**named, **values)
 
 
 def positive_int(text: str) -> int:
@@ -86,17 +100,8 @@ def add_dataset_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def dataset_spec(args: argparse.Namespace, num_prompts: int) -> DatasetSpec:
-    return DatasetSpec(
-        name=args.dataset_name,
-        path=args.dataset_path,
-        num_prompts=num_prompts,
-        random_input_len=args.random_input_len,
-        random_output_len=args.random_output_len,
-        random_range_ratio=args.random_range_ratio,
-        sharegpt_output_len=args.sharegpt_output_len,
-        rag_num_documents=args.rag_num_documents,
-        rag_chunk_len=args.rag_chunk_len,
-        seed=args.seed,
+    return from_flags(
+        DatasetSpec, args, name=args.dataset_name, path=args.dataset_path, num_prompts=num_prompts
     )
 
 
@@ -123,20 +128,14 @@ def run_serve(args: argparse.Namespace) -> int:
     from pdserve.bench.metrics import parse_goodput, parse_metric_names, parse_percentiles
     from pdserve.bench.runner import RunConfig, format_report, run_benchmark, save_result
 
-    config = RunConfig(
-        base_url=args.base_url,
-        model=args.model,
-        request_rate=args.request_rate,
-        burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency,
-        num_warmups=args.num_warmups,
+    config = from_flags(
+        RunConfig,
+        args,
         ignore_eos=ignores_eos(args),
         timeout_s=args.request_timeout,
         percentiles=parse_percentiles(args.metric_percentiles),
         percentile_metrics=parse_metric_names(args.percentile_metrics),
         goodput_slos_ms=parse_goodput(args.goodput),
-        seed=args.seed,
-        replay_timestamps=args.replay_timestamps,
         show_progress=not args.disable_tqdm,
     )
     samples = build_dataset(args, args.num_prompts)
@@ -184,30 +183,15 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     from pdserve.bench.sweep import SweepConfig, format_sweep, run_sweep
     from pdserve.bench.sweep_plot import plot_sweep
 
-    settings = dict(
-        concurrency_steps=args.concurrency_steps,
-        requests_per_step=args.requests_per_step,
-        num_warmups=args.num_warmups,
-    )
-    if args.reduced:
-        settings.update(REDUCED_PROFILE)
-    config = SweepConfig(
-        base_url=args.base_url,
-        model=args.model,
-        warmup_concurrency=args.warmup_concurrency,
-        ttft_slo_ms=args.ttft_slo_ms,
-        itl_slo_ms=args.itl_slo_ms,
-        plateau_gain=args.plateau_gain,
+    config = from_flags(
+        SweepConfig,
+        args,
         percentiles=parse_percentiles(args.metric_percentiles),
         ignore_eos=ignores_eos(args),
         timeout_s=args.request_timeout,
-        num_gpus=args.num_gpus,
-        num_prefill_gpus=args.num_prefill_gpus,
-        num_decode_gpus=args.num_decode_gpus,
         prefill_probe=not args.no_prefill_probe,
         show_progress=not args.disable_tqdm,
-        seed=args.seed,
-        **settings,
+        **(REDUCED_PROFILE if args.reduced else {}),
     )
     config.validate()
     samples = build_dataset(args, config.requests_needed())

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from pdserve.bench.cli import guarded, int_list, positive_int
+from pdserve.bench.cli import from_flags, guarded, int_list, positive_int
 from pdserve.planner.capacity import LoadProfile, PhaseThroughput, throughput_from_sweep
 from pdserve.planner.cost import CostInputs
 from pdserve.planner.memory import DTYPE_BYTES, KV_DTYPES, MemoryInputs
@@ -101,15 +101,7 @@ def phase_throughput(args: argparse.Namespace) -> PhaseThroughput | None:
 
 def plan_request(args: argparse.Namespace) -> PlanRequest:
     shape = ModelShape.from_config(load_config(args.model))
-    memory = MemoryInputs(
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_gib=args.gpu_memory_gib,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-    )
+    memory = from_flags(MemoryInputs, args)
     costs = None
     if args.gpu_hourly_price is not None:
         costs = CostInputs(
@@ -126,7 +118,9 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
         calibrations[calibration.tp] = calibration
     if calibrations and 1 not in calibrations and args.tensor_parallel_size not in calibrations:
         raise ValueError("give a TP=1 calibration, or one for --tensor-parallel-size")
-    return PlanRequest(
+    return from_flags(
+        PlanRequest,
+        args,
         shape=shape,
         memory=memory,
         load=load_profile(args),
@@ -135,9 +129,6 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
         tp=args.tensor_parallel_size,
         costs=costs,
         calibrations=calibrations,
-        simulate_requests=args.simulate_requests,
-        search_max_gpus=args.search_max_gpus,
-        seed=args.seed,
     )
 
 
