@@ -8,9 +8,13 @@ no scheduler), so it runs with a GPU machine's bare Python. `SyntheticLlamaConfi
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,6 +39,19 @@ class SyntheticLlamaConfig(ModelConfig):
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+
+
+# The shape: the fields without a default, named as a Hugging Face config names them.
+SHAPE_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(SyntheticLlamaConfig)
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+)
+
+
+def hf_fields(cfg: ModelConfig, *more: str) -> dict[str, Any]:
+    """cfg's shape and the `more` fields, for a Hugging Face config (same names)."""
+    return {name: getattr(cfg, name) for name in (*SHAPE_FIELDS, *more)}
 
 
 @contextmanager
@@ -84,3 +101,21 @@ def random_llama(
         else:
             param.fill_(1.0)
     return model.eval()
+
+
+def checkpoint_tensors(model: LlamaForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, a view of the model's parameter) for every checkpoint tensor."""
+    for name, shape in model.expected_weights():
+        param, offset = model.target_of(name)
+        yield name, param[offset : offset + shape[0]]
+
+
+def save_checkpoint(model: LlamaForCausalLM, folder: Path, config: dict[str, Any]) -> str:
+    """A new checkpoint folder holding the model's weights and `config` as config.json."""
+    from safetensors.torch import save_file  # here only: the module itself needs just torch
+
+    folder.mkdir()
+    tensors = {name: tensor.clone() for name, tensor in checkpoint_tensors(model)}
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)

@@ -10,36 +10,26 @@ import time
 
 import torch
 
-from pdserve.engine.synthetic_model import SyntheticLlamaConfig, building_on
+from pdserve.engine.synthetic_model import (
+    SyntheticLlamaConfig,
+    building_on,
+    checkpoint_tensors,
+    hf_fields,
+)
 
 
 def build_hf_llama(model: torch.nn.Module, cfg: SyntheticLlamaConfig, dtype, device):
     """A transformers Llama holding `model`'s weights (Hugging Face tensor names)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    same = hf_fields(cfg, "rms_norm_eps", "rope_theta", "tie_word_embeddings")
+    config = LlamaConfig(**same, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     with building_on(device, dtype):
         hf = LlamaForCausalLM(config)
     params = dict(hf.named_parameters())
     with torch.no_grad():
-        for name, shape in model.expected_weights():
-            source, offset = model.target_of(name)
-            params[name].copy_(source[offset : offset + shape[0]])
+        for name, tensor in checkpoint_tensors(model):
+            params[name].copy_(tensor)
     return hf.eval()
 
 

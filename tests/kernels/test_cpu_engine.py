@@ -4,15 +4,18 @@ window), float32, greedy, prompts chunked over cached prefixes beside batched de
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from pdserve.engine.core import EngineCore
-from pdserve.engine.synthetic_model import SyntheticLlamaConfig, random_llama
+from pdserve.engine.synthetic_model import (
+    SyntheticLlamaConfig,
+    hf_fields,
+    random_llama,
+    save_checkpoint,
+)
 from pdserve.kernels import dispatch
 from tests.engine.greedy import greedy_tokens
 
@@ -33,15 +36,6 @@ CFG = SyntheticLlamaConfig(
 def _write_checkpoint(folder, sliding_window: int | None) -> str:
     # Wide weights spread the logits: greedy never rests on a float near-tie.
     model = random_llama(CFG, torch.float32, "cpu", seed=0, std=0.3)
-    tensors = {}
-    for name, shape in model.expected_weights():
-        param, offset = model.target_of(name)
-        tensors[name] = param[offset : offset + shape[0]].clone()
-    folder.mkdir()
-    save_file(tensors, str(folder / "model.safetensors"))
-    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
-    fields += ("num_attention_heads", "num_key_value_heads", "head_dim")
-    fields += ("max_position_embeddings", "rope_theta", "rms_norm_eps")
     arch = "MistralForCausalLM" if sliding_window else "LlamaForCausalLM"
     config = {
         "architectures": [arch],
@@ -51,10 +45,9 @@ def _write_checkpoint(folder, sliding_window: int | None) -> str:
         "eos_token_id": 2,
         "tie_word_embeddings": False,
         "sliding_window": sliding_window,
-        **{k: getattr(CFG, k) for k in fields},
+        **hf_fields(CFG, "rope_theta", "rms_norm_eps"),
     }
-    (folder / "config.json").write_text(json.dumps(config))
-    return str(folder)
+    return save_checkpoint(model, folder, config)
 
 
 def _generate(folder: str, prompts: list[list[int]]) -> dict[str, list[int]]:
