@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
-import time
-import uuid
+from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pdserve.gateway.generation import GenerationRun
+from pdserve.gateway.generation import Choice, ChoiceUpdate
 from pdserve.gateway.logprobs import TokenText, chat_logprobs
 from pdserve.gateway.prompts import chat_prompt
-from pdserve.gateway.sampling import build_sampling_params
-from pdserve.gateway.schemas import ChatCompletionRequest, decode_body
+from pdserve.gateway.responses import choice_entry, respond
+from pdserve.gateway.schemas import ChatCompletionRequest, read_body
 from pdserve.gateway.state import Gateway
-from pdserve.gateway.streaming import SSE_DONE, AbortingStreamingResponse, sse
 
 
 async def create_chat_completion(request: Request, gateway: Gateway) -> Response:
-    body = decode_body(
-        await request.body(), request.headers.get("content-type"), ChatCompletionRequest
-    )
+    body = await read_body(request, ChatCompletionRequest)
     model = gateway.check_model(body.model)
     card = gateway.require_model_card()
     prompt = chat_prompt(
@@ -31,65 +28,32 @@ async def create_chat_completion(request: Request, gateway: Gateway) -> Response
         tools=body.tools,
         template_kwargs=body.chat_template_kwargs,
     )
-    params = build_sampling_params(
-        body, card.generation_defaults, card.max_model_len, len(prompt.token_ids)
-    )
-    run = gateway.start_run(f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, body.cache_salt)
-    header = {"id": run.request_id, "object": "chat.completion", "created": int(time.time()),
-              "model": model}  # fmt: skip
-    token_text = TokenText(gateway.tokenizer)
-    if body.stream:
-        options = body.stream_options
-        include_usage = bool(options and options.include_usage)
-        chunk_header = {**header, "object": "chat.completion.chunk"}
-        return AbortingStreamingResponse(
-            _stream(run, chunk_header, token_text, include_usage, gateway), run.abort
-        )
-    choices = await gateway.finish_run(request, run)
-    return gateway.json(
-        {
-            **header,
-            "choices": [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.stream.text},
-                    "logprobs": chat_logprobs(c.logprobs, token_text) if c.logprobs else None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                for c in choices
-            ],
-            "usage": run.usage(),
-        }
-    )
+    form = ChatFormat(TokenText(gateway.tokenizer))
+    return await respond(request, gateway, body, model, card, [prompt], form)
 
 
-async def _stream(run: GenerationRun, header: dict, token_text: TokenText, include_usage: bool,
-                  gateway: Gateway):  # fmt: skip
-    usage_field = {"usage": None} if include_usage else {}
-    try:
-        for choice in run.choices:  # the role comes first, as OpenAI sends it
-            first = {"index": choice.index, "delta": {"role": "assistant", "content": ""},
-                     "logprobs": None, "finish_reason": None}  # fmt: skip
-            yield sse({**header, "choices": [first], **usage_field})
-        async for update in run.updates():
-            choice = update.choice
-            if not (update.text or update.finish_reason or update.logprobs):
-                continue
-            logprobs = None
-            if choice.logprobs is not None:
-                logprobs = chat_logprobs(update.logprobs, token_text)
-            delta = {"content": update.text} if update.text else {}
-            entry = {
-                "index": choice.index,
-                "delta": delta,
-                "logprobs": logprobs,
-                "finish_reason": update.finish_reason,
-                "stop_reason": choice.stop_reason if update.finish_reason else None,
-            }
-            yield sse({**header, "choices": [entry], **usage_field})
-        if include_usage:
-            yield sse({**header, "choices": [], "usage": run.usage()})
-    except Exception as exc:  # the stream is under way: report it in the stream, never raise
-        yield sse(gateway.stream_error(exc))
-    yield SSE_DONE
+@dataclass
+class ChatFormat:
+    """Choices as assistant messages, streamed as deltas."""
+
+    token_text: TokenText
+    id_prefix = "chatcmpl"
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def opening(self, choice: Choice) -> dict[str, Any]:
+        # The role comes first, as OpenAI sends it.
+        return {"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}  # fmt: skip
+
+    def final(self, choice: Choice) -> dict[str, Any]:
+        message = {"role": "assistant", "content": choice.stream.text}
+        logprobs = chat_logprobs(choice.logprobs, self.token_text) if choice.logprobs else None
+        return choice_entry(choice, {"message": message}, logprobs, choice.finish_reason)
+
+    def chunk(self, update: ChoiceUpdate) -> dict[str, Any]:
+        logprobs = None
+        if update.choice.logprobs is not None:
+            logprobs = chat_logprobs(update.logprobs, self.token_text)
+        delta = {"content": update.text} if update.text else {}
+        return choice_entry(update.choice, {"delta": delta}, logprobs, update.finish_reason)

@@ -37,7 +37,12 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def response(self) -> Response:
-        return error_response(self.status, self.message, self.param, self.code, self.headers)
+        return Response(
+            msgspec.json.encode(error_body(self.status, self.message, self.param, self.code)),
+            status_code=self.status,
+            media_type="application/json",
+            headers=self.headers,
+        )
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -53,18 +58,3 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
             "code": code,
         }
     }
-
-
-def error_response(
-    status: int,
-    message: str,
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> Response:
-    return Response(
-        msgspec.json.encode(error_body(status, message, param, code)),
-        status_code=status,
-        media_type="application/json",
-        headers=headers,
-    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import msgspec
+from starlette.requests import Request
 
 from pdserve.gateway.errors import APIError, bad_request
 
@@ -90,6 +91,11 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 T = TypeVar("T")
+
+
+async def read_body(request: Request, schema: type[T]) -> T:
+    """The request's body as `schema` (see `decode_body`)."""
+    return decode_body(await request.body(), request.headers.get("content-type"), schema)
 
 
 def decode_body(body: bytes, content_type: str | None, schema: type[T]) -> T:

@@ -8,12 +8,12 @@ from starlette.responses import Response
 from pdserve.gateway.errors import bad_request
 from pdserve.gateway.logprobs import TokenText
 from pdserve.gateway.prompts import chat_prompt, check_vocabulary
-from pdserve.gateway.schemas import DetokenizeRequest, TokenizeRequest, decode_body
+from pdserve.gateway.schemas import DetokenizeRequest, TokenizeRequest, read_body
 from pdserve.gateway.state import Gateway
 
 
 async def tokenize(request: Request, gateway: Gateway) -> Response:
-    body = decode_body(await request.body(), request.headers.get("content-type"), TokenizeRequest)
+    body = await read_body(request, TokenizeRequest)
     gateway.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", param="prompt")
@@ -24,19 +24,21 @@ async def tokenize(request: Request, gateway: Gateway) -> Response:
     else:
         ids = gateway.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     card = gateway.model_card
+    token_strs = None
+    if body.return_token_strs:
+        token_text = TokenText(gateway.tokenizer)  # one cache for the whole prompt
+        token_strs = [token_text(t) for t in ids]
     payload = {
         "count": len(ids),
         "max_model_len": card.max_model_len if card else None,
         "tokens": ids,
-        "token_strs": [TokenText(gateway.tokenizer)(t) for t in ids]
-        if body.return_token_strs
-        else None,
+        "token_strs": token_strs,
     }
     return gateway.json(payload)
 
 
 async def detokenize(request: Request, gateway: Gateway) -> Response:
-    body = decode_body(await request.body(), request.headers.get("content-type"), DetokenizeRequest)
+    body = await read_body(request, DetokenizeRequest)
     gateway.check_model(body.model)
     check_vocabulary(body.tokens, gateway.tokenizer.vocab_size, "tokens")
     return gateway.json({"prompt": gateway.tokenizer.decode(body.tokens)})

@@ -1,0 +1,98 @@
+"""What the chat and completions endpoints share: a request's run answered as one JSON body or
+as a stream of server-sent chunks, with usage, and failures in OpenAI's shape.
+
+Each endpoint parses its own body and prompts, then hands a `ChoiceFormat` that writes its
+choices (a chat message or delta, or a completion's text) to `respond`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pdserve.gateway.generation import Choice, ChoiceUpdate, GenerationRun
+from pdserve.gateway.prompts import Prompt
+from pdserve.gateway.sampling import build_sampling_params
+from pdserve.gateway.schemas import SamplingFields
+from pdserve.gateway.state import Gateway, ModelCard
+from pdserve.gateway.streaming import SSE_DONE, AbortingStreamingResponse, sse
+
+
+class ChoiceFormat(Protocol):
+    id_prefix: str  # of the response id: "cmpl", "chatcmpl"
+    object: str  # the JSON body's `object`
+    chunk_object: str  # each chunk's `object`
+
+    def opening(self, choice: Choice) -> dict[str, Any] | None:
+        """The choice's entry in a chunk sent before any token, where the API has one."""
+        ...
+
+    def final(self, choice: Choice) -> dict[str, Any]:
+        """The finished choice in the JSON body."""
+        ...
+
+    def chunk(self, update: ChoiceUpdate) -> dict[str, Any]:
+        """The update's entry in a chunk."""
+        ...
+
+
+def choice_entry(
+    choice: Choice, content: dict[str, Any], logprobs: Any, finish_reason: str | None
+) -> dict[str, Any]:
+    """One entry of `choices`, in a body or a chunk; `content` holds the API's own fields."""
+    return {
+        "index": choice.index,
+        **content,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": choice.stop_reason if finish_reason else None,
+    }
+
+
+async def respond(
+    request: Request,
+    gateway: Gateway,
+    body: SamplingFields,
+    model: str,
+    card: ModelCard,
+    prompts: list[Prompt],
+    form: ChoiceFormat,
+) -> Response:
+    longest = max(len(p.token_ids) for p in prompts)
+    params = build_sampling_params(body, card.generation_defaults, card.max_model_len, longest)
+    request_id = f"{form.id_prefix}-{uuid.uuid4().hex}"
+    run = gateway.start_run(request_id, prompts, params, body.cache_salt)
+    header = {"id": run.request_id, "object": form.object, "created": int(time.time()),
+              "model": model}  # fmt: skip
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunk_header = {**header, "object": form.chunk_object}
+        chunks = _chunks(run, chunk_header, form, include_usage, gateway)
+        return AbortingStreamingResponse(chunks, run.abort)
+    choices = await gateway.finish_run(request, run)
+    return gateway.json(
+        {**header, "choices": [form.final(c) for c in choices], "usage": run.usage()}
+    )
+
+
+async def _chunks(run: GenerationRun, header: dict[str, Any], form: ChoiceFormat,
+                  include_usage: bool, gateway: Gateway) -> AsyncIterator[bytes]:  # fmt: skip
+    usage_field = {"usage": None} if include_usage else {}
+    try:
+        for choice in run.choices:
+            opening = form.opening(choice)
+            if opening is not None:
+                yield sse({**header, "choices": [opening], **usage_field})
+        async for update in run.updates():
+            if update.text or update.finish_reason or update.logprobs:
+                yield sse({**header, "choices": [form.chunk(update)], **usage_field})
+        if include_usage:
+            yield sse({**header, "choices": [], "usage": run.usage()})
+    except Exception as exc:  # the stream is under way: report it in the stream, never raise
+        yield sse(gateway.stream_error(exc))
+    yield SSE_DONE
