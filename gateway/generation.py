@@ -114,7 +114,6 @@ class GenerationRun:
             request_id=request_id,
             prompt_token_ids=prompt.token_ids,
             sampling_params=child,
-            seed=seed,
             arrival_time=time.time(),
             cache_salt=self.cache_salt,
         )
