@@ -8,6 +8,13 @@ import pytest
 
 from pdserve.cli import main
 
+
+def run(command: str, *more: str) -> int:
+    """`pdserve <command> <more>`: the command split at spaces, then `more` as is (URLs
+    and paths)."""
+    return main([*command.split(), *more])
+
+
 VLLM_FIELDS = (
     "completed",
     "failed",
@@ -53,30 +60,11 @@ def test_bench_serve_help_lists_vllm_flags(capsys) -> None:
 def test_bench_serve_saves_vllm_shaped_json(scripted_server, tmp_path, capsys) -> None:
     scripted_server.script(ttft_s=0.02, itl_s=0.005)
     path = tmp_path / "result.json"
-    code = main(
-        [
-            "bench",
-            "serve",
-            "--base-url",
-            scripted_server.base_url,
-            "--num-prompts",
-            "5",
-            "--random-input-len",
-            "12",
-            "--random-output-len",
-            "6",
-            "--max-concurrency",
-            "2",
-            "--goodput",
-            "ttft:1000",
-            "tpot:500",
-            "--metric-percentiles",
-            "50,99",
-            "--disable-tqdm",
-            "--save-result",
-            "--result-filename",
-            str(path),
-        ]
+    code = run(
+        "bench serve --num-prompts 5 --random-input-len 12 --random-output-len 6 "
+        "--max-concurrency 2 --goodput ttft:1000 tpot:500 --metric-percentiles 50,99 "
+        "--disable-tqdm --save-result",
+        *("--base-url", scripted_server.base_url, "--result-filename", str(path)),
     )
     assert code == 0
     result = json.loads(path.read_text())
@@ -92,20 +80,9 @@ def test_bench_serve_saves_vllm_shaped_json(scripted_server, tmp_path, capsys) -
 
 
 def test_bench_serve_against_nothing_reports_failures(refused_url, capsys) -> None:
-    code = main(
-        [
-            "bench",
-            "serve",
-            "--base-url",
-            refused_url,
-            "--num-prompts",
-            "3",
-            "--random-input-len",
-            "8",
-            "--random-output-len",
-            "2",
-            "--disable-tqdm",
-        ]
+    code = run(
+        "bench serve --num-prompts 3 --random-input-len 8 --random-output-len 2 --disable-tqdm",
+        *("--base-url", refused_url),
     )
     out = capsys.readouterr().out
     assert code == 1
@@ -131,21 +108,9 @@ def test_bad_bench_input_is_one_line(refused_url, capsys, argv, message) -> None
 def test_bench_sweep_reduced_writes_json_and_png(scripted_server, tmp_path, capsys) -> None:
     scripted_server.script(ttft_s=0.005, itl_s=0.002)
     path = tmp_path / "sweep.json"
-    code = main(
-        [
-            "bench",
-            "sweep",
-            "--reduced",
-            "--base-url",
-            scripted_server.base_url,
-            "--random-input-len",
-            "8",
-            "--random-output-len",
-            "4",
-            "--disable-tqdm",
-            "--result-filename",
-            str(path),
-        ]
+    code = run(
+        "bench sweep --reduced --random-input-len 8 --random-output-len 4 --disable-tqdm",
+        *("--base-url", scripted_server.base_url, "--result-filename", str(path)),
     )
     assert code == 0
     result = json.loads(path.read_text())
@@ -172,32 +137,22 @@ def write_config(tmp_path, **overrides) -> str:
     return str(tmp_path / "config.json")
 
 
+# A model small enough for the simulator to step quickly.
+SMALL_MODEL = {
+    "num_hidden_layers": 2,
+    "hidden_size": 512,
+    "num_attention_heads": 8,
+    "intermediate_size": 1024,
+    "vocab_size": 1000,
+}
+
+
 def test_plan_json_carries_memory_capacity_and_cost(tmp_path, capsys) -> None:
-    code = main(
-        [
-            "plan",
-            "--model",
-            write_config(tmp_path),
-            "--json",
-            "--max-num-seqs",
-            "32",
-            "--tensor-parallel-size",
-            "4",
-            "--requests-per-minute",
-            "600",
-            "--prompt-tokens",
-            "2000",
-            "--output-tokens",
-            "200",
-            "--prefill-tokens-per-s",
-            "2500",
-            "--decode-tokens-per-s",
-            "250",
-            "--target-utilization",
-            "0.7",
-            "--gpu-hourly-price",
-            "2",
-        ]
+    code = run(
+        "plan --json --max-num-seqs 32 --tensor-parallel-size 4 --requests-per-minute 600 "
+        "--prompt-tokens 2000 --output-tokens 200 --prefill-tokens-per-s 2500 "
+        "--decode-tokens-per-s 250 --target-utilization 0.7 --gpu-hourly-price 2",
+        *("--model", write_config(tmp_path)),
     )
     plan = json.loads(capsys.readouterr().out)
     assert code == 0
@@ -231,38 +186,12 @@ def test_plan_with_a_calibration_simulates_and_searches(tmp_path, capsys) -> Non
     ]
     calibration = tmp_path / "calibration.json"
     calibration.write_text(json.dumps({"tp": 1, "prefill": prefill, "decode": decode}))
-    code = main(
-        [
-            "plan",
-            "--model",
-            write_config(
-                tmp_path,
-                num_hidden_layers=2,
-                hidden_size=512,
-                num_attention_heads=8,
-                intermediate_size=1024,
-                vocab_size=1000,
-            ),
-            "--json",
-            "--tensor-parallel-size",
-            "1",
-            "--requests-per-minute",
-            "120",
-            "--prompt-tokens",
-            "1000",
-            "--output-tokens",
-            "20",
-            "--ttft-slo-ms",
-            "2000",
-            "--itl-slo-ms",
-            "50",
-            "--calibration",
-            str(calibration),
-            "--simulate-requests",
-            "100",
-            "--search-max-gpus",
-            "2",
-        ]
+    model = write_config(tmp_path, **SMALL_MODEL)
+    code = run(
+        "plan --json --tensor-parallel-size 1 --requests-per-minute 120 --prompt-tokens 1000 "
+        "--output-tokens 20 --ttft-slo-ms 2000 --itl-slo-ms 50 --simulate-requests 100 "
+        "--search-max-gpus 2",
+        *("--model", model, "--calibration", str(calibration)),
     )
     plan = json.loads(capsys.readouterr().out)
     assert code == 0
