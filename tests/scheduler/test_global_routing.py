@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.scheduler.block_events import BlockEventBatch, BlockRemoved, BlockStored
 from pdserve.scheduler.block_hash import extra_keys_for, hash_full_blocks
-from pdserve.scheduler.messages import InstanceAddress, InstanceInfo, InstanceStats
+from pdserve.scheduler.messages import InstanceStats
 from pdserve.scheduler.routing import (
     InstanceView,
     LoadAwarePolicy,
@@ -16,22 +16,11 @@ from pdserve.scheduler.routing import (
     RouteRequest,
     make_policy,
 )
-
-BLOCK = 4
+from tests.scheduler.instances import BLOCK, instance_info
 
 
 def view(instance_id: str, role: str = "prefill", blocks: int = 100, **stats) -> InstanceView:
-    info = InstanceInfo(
-        address=InstanceAddress(instance_id, role, f"tcp://127.0.0.1:{1000 + len(instance_id)}"),
-        events_address="tcp://127.0.0.1:1",
-        model_path="m",
-        max_model_len=4096,
-        vocab_size=1000,
-        block_size=BLOCK,
-        num_blocks=blocks,
-        max_num_seqs=8,
-    )
-    v = InstanceView(info=info, last_seen=0.0)
+    v = InstanceView(info=instance_info(instance_id, role, blocks), last_seen=0.0)
     if stats:
         v.stats = InstanceStats(num_total_blocks=blocks, **stats)
     return v

@@ -11,23 +11,13 @@ from pdserve.scheduler.global_scheduler import (
     GlobalScheduler,
     GlobalSchedulerConfig,
 )
-from pdserve.scheduler.messages import InstanceAddress, InstanceInfo, InstanceStats
+from pdserve.scheduler.messages import InstanceInfo, InstanceStats
 from pdserve.scheduler.routing import RouteRequest
-
-BLOCK = 4
+from tests.scheduler.instances import BLOCK, instance_info
 
 
 def info(instance_id: str, role: str, max_num_seqs: int = 2, blocks: int = 50) -> InstanceInfo:
-    return InstanceInfo(
-        address=InstanceAddress(instance_id, role, "tcp://127.0.0.1:1"),
-        events_address="tcp://127.0.0.1:2",
-        model_path="m",
-        max_model_len=1024,
-        vocab_size=100,
-        block_size=BLOCK,
-        num_blocks=blocks,
-        max_num_seqs=max_num_seqs,
-    )
+    return instance_info(instance_id, role, blocks, max_num_seqs)
 
 
 def scheduler(*infos: InstanceInfo, **config) -> GlobalScheduler:

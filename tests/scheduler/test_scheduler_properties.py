@@ -49,6 +49,28 @@ def assert_books_balance(sched: Scheduler) -> None:
     assert len(free) + len(owners) == bm.num_blocks, "a block is neither free nor owned"
 
 
+def drawn_scheduler(
+    num_blocks: int,
+    block_size: int,
+    max_batched: int,
+    max_num_seqs: int,
+    prefix_caching: bool,
+    chunked: bool,
+    max_model_len: int,
+) -> Scheduler:
+    """A scheduler of drawn limits; without chunking a whole prompt fits one step."""
+    config = SchedulerConfig(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=max_batched if chunked else max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        enable_prefix_caching=prefix_caching,
+        enable_chunked_prefill=chunked,
+    )
+    return Scheduler(config)
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(
         num_blocks=st.integers(4, 12),
@@ -59,17 +81,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         chunked=st.booleans(),
     )
     def start(self, num_blocks, block_size, max_batched, max_num_seqs, prefix_caching, chunked):
-        max_model_len = 24
-        self.sched = Scheduler(
-            SchedulerConfig(
-                num_blocks=num_blocks,
-                block_size=block_size,
-                max_num_batched_tokens=max_batched if chunked else max_model_len,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                enable_prefix_caching=prefix_caching,
-                enable_chunked_prefill=chunked,
-            )
+        self.sched = drawn_scheduler(
+            num_blocks, block_size, max_batched, max_num_seqs, prefix_caching, chunked, 24
         )
         self.model = FakeModel(self.sched, vocab=6)
         self.allocations: dict[str, RemoteKVAllocation] = {}
@@ -283,16 +296,8 @@ def test_any_schedule_generates_what_an_unconstrained_one_would(
 ):
     """Chunking, batching, prefix hits and preemptions never change a single token."""
     max_model_len = 20
-    sched = Scheduler(
-        SchedulerConfig(
-            num_blocks=num_blocks,
-            block_size=block_size,
-            max_num_batched_tokens=max_batched if chunked else max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            enable_prefix_caching=prefix_caching,
-            enable_chunked_prefill=chunked,
-        )
+    sched = drawn_scheduler(
+        num_blocks, block_size, max_batched, max_num_seqs, prefix_caching, chunked, max_model_len
     )
     model = FakeModel(sched)
     accepted: list[Request] = []

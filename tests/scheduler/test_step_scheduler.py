@@ -307,22 +307,19 @@ def test_max_tokens_caps_the_length() -> None:
     assert req.status.finish_reason == "length"
 
 
-def test_max_model_len_caps_the_length() -> None:
+@pytest.mark.parametrize(
+    ("prompt_len", "outputs"),
+    [(9, 3), (12, 1)],
+    ids=["caps-the-length", "a-prompt-of-exactly-max-model-len-gets-one-token"],
+)
+def test_max_model_len(prompt_len: int, outputs: int) -> None:
     sched = make_scheduler(max_model_len=12)
     model = FakeModel(sched)
-    req = make_request("a", prompt_of(9), max_tokens=None)
+    req = make_request("a", prompt_of(prompt_len), max_tokens=None)
     sched.add_request(req)
     model.run_to_completion()
-    assert req.num_tokens == 12 and req.status is RequestStatus.FINISHED_LENGTH_CAPPED
-
-
-def test_a_prompt_of_exactly_max_model_len_gets_one_token() -> None:
-    sched = make_scheduler(max_model_len=12)
-    model = FakeModel(sched)
-    req = make_request("a", prompt_of(12), max_tokens=None)
-    sched.add_request(req)
-    model.run_to_completion()
-    assert req.num_output_tokens == 1 and req.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    assert req.num_output_tokens == outputs and req.num_tokens == prompt_len + outputs
+    assert req.status is RequestStatus.FINISHED_LENGTH_CAPPED
 
 
 # ---- ending requests from outside -----------------------------------------------
