@@ -137,6 +137,12 @@ def write_config(tmp_path, **overrides) -> str:
     return str(tmp_path / "config.json")
 
 
+def plan_json(capsys, flags: str, *more: str) -> dict:
+    """`pdserve plan --json <flags> <more>`, which must succeed: the plan it printed."""
+    assert run(f"plan --json {flags}", *more) == 0
+    return json.loads(capsys.readouterr().out)
+
+
 # A model small enough for the simulator to step quickly.
 SMALL_MODEL = {
     "num_hidden_layers": 2,
@@ -148,14 +154,13 @@ SMALL_MODEL = {
 
 
 def test_plan_json_carries_memory_capacity_and_cost(tmp_path, capsys) -> None:
-    code = run(
-        "plan --json --max-num-seqs 32 --tensor-parallel-size 4 --requests-per-minute 600 "
+    plan = plan_json(
+        capsys,
+        "--max-num-seqs 32 --tensor-parallel-size 4 --requests-per-minute 600 "
         "--prompt-tokens 2000 --output-tokens 200 --prefill-tokens-per-s 2500 "
         "--decode-tokens-per-s 250 --target-utilization 0.7 --gpu-hourly-price 2",
         *("--model", write_config(tmp_path)),
     )
-    plan = json.loads(capsys.readouterr().out)
-    assert code == 0
     assert plan["memory"]["kv_bytes_per_token"] == 320 * 1024
     assert plan["memory"]["tp_needed_for_max_num_seqs"] == 4
     capacity = plan["capacity"]
@@ -187,14 +192,13 @@ def test_plan_with_a_calibration_simulates_and_searches(tmp_path, capsys) -> Non
     calibration = tmp_path / "calibration.json"
     calibration.write_text(json.dumps({"tp": 1, "prefill": prefill, "decode": decode}))
     model = write_config(tmp_path, **SMALL_MODEL)
-    code = run(
-        "plan --json --tensor-parallel-size 1 --requests-per-minute 120 --prompt-tokens 1000 "
+    plan = plan_json(
+        capsys,
+        "--tensor-parallel-size 1 --requests-per-minute 120 --prompt-tokens 1000 "
         "--output-tokens 20 --ttft-slo-ms 2000 --itl-slo-ms 50 --simulate-requests 100 "
         "--search-max-gpus 2",
         *("--model", model, "--calibration", str(calibration)),
     )
-    plan = json.loads(capsys.readouterr().out)
-    assert code == 0
     capacity = plan["capacity"]
     # Prefill: 8192-token steps take 0.01 + 0.8192 s. Decode: the largest batch whose
     # step stays within 50 ms is 40 (0.01 + 0.040 s), giving 800 tok/s.

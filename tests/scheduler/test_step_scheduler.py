@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.scheduler.config import SchedulerConfig
-from pdserve.scheduler.request import RequestStatus
+from pdserve.scheduler.request import Request, RequestStatus
 from pdserve.scheduler.step_scheduler import Scheduler
 from tests.scheduler.fake_model import FakeModel, make_request, reference_output
 
@@ -22,11 +22,19 @@ def prompt_of(length: int, seed: int = 0) -> list[int]:
     return [(seed * 7919 + i * 31) % 997 for i in range(length)]
 
 
-def test_a_request_prefills_then_decodes_to_max_tokens() -> None:
-    sched = make_scheduler()
-    model = FakeModel(sched)
-    req = make_request("a", prompt_of(10), max_tokens=5)
+def with_request(
+    prompt_len: int, scheduler: dict | None = None, **request_args: object
+) -> tuple[Scheduler, FakeModel, Request]:
+    """A scheduler (`make_scheduler(**scheduler)`), its model, and request "a" of a
+    prompt_of(prompt_len) added to it."""
+    sched = make_scheduler(**(scheduler or {}))
+    req = make_request("a", prompt_of(prompt_len), **request_args)  # type: ignore[arg-type]
     sched.add_request(req)
+    return sched, FakeModel(sched), req
+
+
+def test_a_request_prefills_then_decodes_to_max_tokens() -> None:
+    sched, model, req = with_request(10, max_tokens=5)
     first = sched.schedule()
     assert [(c.request.request_id, c.start, c.num_new_tokens) for c in first.chunks] == [
         ("a", 0, 10)
@@ -54,10 +62,7 @@ def test_finished_ids_arrive_with_the_next_schedule() -> None:
 
 
 def test_chunked_prefill_splits_a_long_prompt_across_steps() -> None:
-    sched = make_scheduler(max_num_batched_tokens=8)
-    model = FakeModel(sched)
-    req = make_request("a", prompt_of(20), max_tokens=2)
-    sched.add_request(req)
+    sched, model, req = with_request(20, {"max_num_batched_tokens": 8}, max_tokens=2)
     chunks = []
     for _ in range(3):
         output = sched.schedule()
@@ -259,10 +264,7 @@ def test_no_admission_in_a_step_that_preempted() -> None:
 
 def run_with_tokens(tokens: list[int], **request_args: object):
     """Runs one request whose sampled tokens are `tokens` in order."""
-    sched = make_scheduler()
-    model = FakeModel(sched)
-    req = make_request("a", prompt_of(5), **request_args)  # type: ignore[arg-type]
-    sched.add_request(req)
+    sched, model, req = with_request(5, **request_args)
     feed = iter(tokens)
     for _ in range(len(tokens)):
         output = sched.schedule()
@@ -313,10 +315,7 @@ def test_max_tokens_caps_the_length() -> None:
     ids=["caps-the-length", "a-prompt-of-exactly-max-model-len-gets-one-token"],
 )
 def test_max_model_len(prompt_len: int, outputs: int) -> None:
-    sched = make_scheduler(max_model_len=12)
-    model = FakeModel(sched)
-    req = make_request("a", prompt_of(prompt_len), max_tokens=None)
-    sched.add_request(req)
+    sched, model, req = with_request(prompt_len, {"max_model_len": 12}, max_tokens=None)
     model.run_to_completion()
     assert req.num_output_tokens == outputs and req.num_tokens == prompt_len + outputs
     assert req.status is RequestStatus.FINISHED_LENGTH_CAPPED
@@ -357,10 +356,7 @@ def test_abort_between_schedule_and_update_skips_the_chunk() -> None:
 
 
 def test_finish_request_ends_a_running_request_as_stopped() -> None:
-    sched = make_scheduler()
-    model = FakeModel(sched)
-    req = make_request("a", prompt_of(5), max_tokens=10)
-    sched.add_request(req)
+    sched, model, req = with_request(5, max_tokens=10)
     model.step()
     assert sched.finish_request("a", RequestStatus.FINISHED_STOPPED)
     assert req.status.finish_reason == "stop"
@@ -451,10 +447,7 @@ def test_stats_describe_the_queues_and_the_cache() -> None:
 
 
 def test_check_invariants_catches_a_request_in_the_wrong_queue() -> None:
-    sched = make_scheduler()
-    model = FakeModel(sched)
-    req = make_request("a", prompt_of(5), max_tokens=4)
-    sched.add_request(req)
+    sched, model, req = with_request(5, max_tokens=4)
     model.step()
     req.status = RequestStatus.WAITING
     with pytest.raises(AssertionError, match="running request a has status WAITING"):
