@@ -20,14 +20,12 @@ from collections.abc import Iterator
 import pytest
 
 from pdserve.cli import main
+from tests.cluster.serving import LOCAL, served
 from tests.gateway.server import ServeProcess
 
 pytestmark = pytest.mark.slow
 
-COMMON = (
-    "--launcher", "local", "--dtype", "float32", "--max-model-len", "256",
-    "--threads-per-instance", "1", "--enable-test-hooks",
-)  # fmt: skip
+COMMON = (*LOCAL, "--dtype", "float32", "--max-model-len", "256")
 MODES = {
     # A block: 16 tokens x 30 layers x 2 x 3 heads x 64 x 4 bytes = 0.7 MiB; 4 MiB hold 5.
     "colocated": ("--mode", "colocated", "--num-colocated", "1", "--kv-cache-memory", "4MiB"),
@@ -48,14 +46,9 @@ COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "request_success_t
 
 @pytest.fixture(scope="module", params=list(MODES))
 def server(request) -> Iterator[ServeProcess]:
-    process = ServeProcess.start(*COMMON, *MODES[request.param], api_key=None)
-    process.mode = request.param  # type: ignore[attr-defined]
-    try:
+    with served(*COMMON, *MODES[request.param], api_key=None, clean=True) as process:
+        process.mode = request.param  # type: ignore[attr-defined]
         yield process
-        process.assert_blocks_free_or_cached()
-    finally:
-        code = process.stop()
-        assert code == 0, f"pdserve serve exited with {code}:\n{process.log()}"
 
 
 def counters(server: ServeProcess, role: str | None = None) -> dict[str, float]:

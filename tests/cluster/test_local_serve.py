@@ -17,16 +17,15 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from tests.cluster.serving import LOCAL, MODEL, served
 from tests.gateway.server import ServeProcess
 
 pytestmark = pytest.mark.slow
 
-MODEL = "SmolLM2-135M-Instruct"
 ARGS = (
-    "--mode", "colocated", "--launcher", "local", "--num-colocated", "2",
+    *LOCAL, "--mode", "colocated", "--num-colocated", "2",
     "--max-num-seqs", "1", "--max-queued-requests", "0", "--routing-policy", "round_robin",
-    "--dtype", "float32", "--kv-cache-memory", "64MiB", "--threads-per-instance", "1",
-    "--instance-timeout", "4", "--enable-test-hooks",
+    "--dtype", "float32", "--kv-cache-memory", "64MiB", "--instance-timeout", "4",
 )  # fmt: skip
 LONG = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
         "temperature": 0, "stream": True}  # fmt: skip
@@ -34,13 +33,12 @@ LONG = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServeProcess]:
-    process = ServeProcess.start(*ARGS)
-    try:
-        yield process
-    finally:
-        for pid in getattr(process, "frozen", []):
-            _signal(pid, signal.SIGCONT)
-        process.stop()
+    with served(*ARGS) as process:
+        try:
+            yield process
+        finally:  # frozen instances go on, so that they can stop
+            for pid in getattr(process, "frozen", []):
+                _signal(pid, signal.SIGCONT)
 
 
 def _signal(pid: int, sig: int) -> None:

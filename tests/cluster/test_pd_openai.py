@@ -18,15 +18,14 @@ import pytest
 
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.scheduler.sampling_params import SamplingParams
+from tests.cluster.serving import LOCAL, MODEL, served
 from tests.gateway.server import ServeProcess
 
 pytestmark = pytest.mark.slow
 
-MODEL = "SmolLM2-135M-Instruct"
 ARGS = (
-    "--launcher", "local", "--num-prefill", "1", "--num-decode", "1", "--dtype", "float32",
-    "--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--threads-per-instance", "1",
-    "--enable-test-hooks",
+    *LOCAL, "--num-prefill", "1", "--num-decode", "1", "--dtype", "float32",
+    "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
 )  # fmt: skip
 PROMPTS = [
     "The capital of France is",
@@ -40,13 +39,8 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServeProcess]:
-    process = ServeProcess.start(*ARGS)
-    try:
+    with served(*ARGS, clean=True) as process:
         yield process
-        process.assert_blocks_free_or_cached()
-    finally:
-        code = process.stop()
-        assert code == 0, f"pdserve serve exited with {code}:\n{process.log()}"
 
 
 @pytest.fixture(scope="module")

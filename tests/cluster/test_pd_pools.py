@@ -19,26 +19,22 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.cluster.serving import LOCAL, MODEL, served
 from tests.gateway.server import ServeProcess
 
 pytestmark = pytest.mark.slow
 
-MODEL = "SmolLM2-135M-Instruct"
 ARGS = (
-    "--launcher", "local", "--num-prefill", "2", "--num-decode", "2", "--dtype", "bfloat16",
-    "--kv-cache-memory", "24MiB", "--max-model-len", "1024", "--threads-per-instance", "1",
-    "--enable-test-hooks",
+    *LOCAL, "--num-prefill", "2", "--num-decode", "2", "--dtype", "bfloat16",
+    "--kv-cache-memory", "24MiB", "--max-model-len", "1024",
 )  # fmt: skip
 POLICIES = ["round_robin", "load_aware", "prefix_aware"]
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServeProcess]:
-    process = ServeProcess.start(*ARGS)
-    try:
+    with served(*ARGS) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def use_policy(server: ServeProcess, name: str) -> None:
