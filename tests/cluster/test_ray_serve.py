@@ -39,7 +39,7 @@ def server(ray_cluster: str) -> Iterator[ServeProcess]:
     process = ServeProcess.start(
         "--mode", "colocated", "--launcher", "ray", "--ray-address", ray_cluster,
         "--num-colocated", "2", "--dtype", "float32", "--kv-cache-memory", "64MiB",
-        "--threads-per-instance", "1", env=RAY_ENV,
+        "--threads-per-instance", "1", "--enable-test-hooks", env=RAY_ENV,
     )  # fmt: skip
     try:
         yield process
