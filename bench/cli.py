@@ -147,10 +147,16 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0 if result["completed"] else 1
 
 
-def add_serve_parser(bench_sub) -> None:
-    parser = bench_sub.add_parser("serve", help="load-test a running OpenAI-compatible server")
+def add_load_parser(bench_sub, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand that sends a dataset's requests to a server: its flags for both."""
+    parser = bench_sub.add_parser(name, help=help)
     add_server_flags(parser)
     add_dataset_flags(parser)
+    return parser
+
+
+def add_serve_parser(bench_sub) -> None:
+    parser = add_load_parser(bench_sub, "serve", "load-test a running OpenAI-compatible server")
     parser.add_argument("--num-prompts", type=positive_int, default=1000)
     parser.add_argument("--request-rate", type=float, default=math.inf, help="req/s, or inf")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
@@ -208,9 +214,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
 
 
 def add_sweep_parser(bench_sub) -> None:
-    parser = bench_sub.add_parser("sweep", help="find the working point over concurrency steps")
-    add_server_flags(parser)
-    add_dataset_flags(parser)
+    parser = add_load_parser(bench_sub, "sweep", "find the working point over concurrency steps")
     parser.add_argument("--concurrency-steps", type=int_list, default=[1, 4, 8, 16, 32, 64, 128])
     parser.add_argument("--requests-per-step", type=positive_int, default=300)
     parser.add_argument("--num-warmups", type=int, default=100)

@@ -8,6 +8,11 @@ def span(values: list[float], digits: int = 1) -> str:
     return f"{low:.{digits}f}-{high:.{digits}f}"
 
 
+def section(title: str, *rows: str) -> list[str]:
+    """A table after the first: a blank line, its title, then its rows."""
+    return ["", f"== {title} ==", *rows]
+
+
 def memory_table(memory: dict) -> list[str]:
     lines = [
         "== Memory ==",
@@ -37,9 +42,8 @@ def memory_table(memory: dict) -> list[str]:
 
 
 def capacity_table(capacity: dict) -> list[str]:
-    lines = [
-        "",
-        "== Capacity ==",
+    lines = section(
+        "Capacity",
         f"load                  {capacity['requests_per_s']:.2f} req/s: "
         f"{capacity['input_tokens_per_s']:,.0f} input tok/s, "
         f"{capacity['output_tokens_per_s']:,.0f} output tok/s",
@@ -53,7 +57,7 @@ def capacity_table(capacity: dict) -> list[str]:
         "",
         f"{'target':>7} {'P inst':>7} {'D inst':>7} {'P/D GPUs':>9} {'coloc GPUs':>11} "
         f"{'M/D/1 TTFT':>11}",
-    ]
+    )
     for t in capacity["at_target_utilization"]:
         ttft = t["prefill_mean_ttft_ms"]
         ttft_text = "unstable" if ttft is None else f"{ttft:.0f} ms"
@@ -72,12 +76,11 @@ def capacity_table(capacity: dict) -> list[str]:
 
 
 def cost_table(rows: list[dict]) -> list[str]:
-    lines = [
-        "",
-        "== Cost (per 1M tokens) ==",
+    lines = section(
+        "Cost (per 1M tokens)",
         f"{'target':>7} {'deployment':>14} {'GPUs':>5} {'$/h':>8} {'blended':>9} {'input':>9} "
         f"{'output':>9} {'$/year':>12} {'API break-even':>15}",
-    ]
+    )
     for row in rows:
         for name in ("disaggregated", "colocated"):
             c = row[name]
@@ -96,12 +99,11 @@ def cost_table(rows: list[dict]) -> list[str]:
 
 
 def simulation_table(simulation: dict) -> list[str]:
-    lines = [
-        "",
-        "== Simulation at peak load ==",
+    lines = section(
+        "Simulation at peak load",
         f"{'deployment':>24} {'GPUs':>5} {'p50 TTFT':>9} {'p95 TTFT':>9} {'p50 ITL':>8} "
         f"{'p95 ITL':>8} {'goodput':>8}",
-    ]
+    )
     for name in ("disaggregated", "colocated"):
         s = simulation[name]
         goodput = "-" if s["request_goodput"] is None else f"{s['request_goodput']:.2f}"
