@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.experiments.without_cuda import run_without_cuda
 
 
 @pytest.mark.slow
@@ -19,11 +14,7 @@ def test_gpu_check_reports_no_cuda_in_one_line():
         "import experiments.gpu_kernels, runpy\n"
         "runpy.run_module('experiments.gpu_check', run_name='__main__')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
-    )
+    done = run_without_cuda(code, timeout_s=120)
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [

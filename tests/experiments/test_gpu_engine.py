@@ -4,11 +4,6 @@ baseline holds the same weights as the engine's model."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -18,8 +13,8 @@ from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.step_inputs import build_step_inputs, contiguous_block_tables
 from pdserve.engine.synthetic_model import random_llama
+from tests.experiments.without_cuda import run_without_cuda
 
-REPO = Path(__file__).resolve().parents[2]
 # Absent on the GPU machine: the device check must not need them.
 BLOCKED = ("msgspec", "zmq", "ray", "ucxx", "fastapi", "safetensors", "transformers")
 
@@ -41,11 +36,7 @@ def test_dry_run_executes_the_engine_sections_without_project_dependencies():
         "sys.argv = ['gpu_check', '--dry-run-cpu']\n"
         "runpy.run_module('experiments.gpu_check', run_name='__main__')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
-    )
+    done = run_without_cuda(code, timeout_s=180)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "ok   greedy fp32" in out and "0 token mismatches" in out
