@@ -31,6 +31,8 @@ import threading
 import time
 from pathlib import Path
 
+from experiments.serve_flags import add_server_flags, local_serve_args
+
 SERVING = "pdserve: serving "
 START_TIMEOUT_S = 600.0
 # A gap this long is a stall: several times any decode step of these runs.
@@ -134,12 +136,7 @@ def seed_of(args: argparse.Namespace, load_index: int) -> int:
 
 
 def serve_args(args: argparse.Namespace, mode: str) -> list[str]:
-    common = [
-        "--launcher", "local", "--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory,
-        "--max-model-len", str(args.max_model_len), "--threads-per-instance",
-        str(args.threads_per_instance), "--kv-transport", args.kv_transport,
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-    ]  # fmt: skip
+    common = [*local_serve_args(args), "--kv-transport", args.kv_transport]
     if mode == "disaggregated":
         return [*common, "--num-prefill", str(args.num_prefill), "--num-decode",
                 str(args.num_decode)]  # fmt: skip
@@ -217,14 +214,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="SLOs, as for pdserve bench serve")  # fmt: skip
     parser.add_argument("--num-prefill", type=int, default=1)
     parser.add_argument("--num-decode", type=int, default=1)
-    parser.add_argument("--threads-per-instance", type=int, default=1)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--kv-cache-memory", default="1GiB")
-    parser.add_argument("--max-model-len", type=int, default=3300)
-    # The chunked-prefill budget of a step (both modes; pdserve serve's default): a
-    # colocated decode waits for the prefill chunk it shares a step with.
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--kv-transport", default="ucx")
+    # 2048 batched tokens: pdserve serve's default.
+    add_server_flags(
+        parser, kv_cache_memory="1GiB", max_model_len=3300, max_num_batched_tokens=2048
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default=None, help="default: a new temporary folder")
     parser.add_argument("--show", metavar="DIR", help="print the table of a finished run")

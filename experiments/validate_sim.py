@@ -36,6 +36,7 @@ from pathlib import Path
 
 from experiments.machine_load import CpuAccount, wait_for_quiet
 from experiments.pd_vs_colocated import Server
+from experiments.serve_flags import add_server_flags, local_serve_args
 from pdserve.planner.sim.compare import (
     Tolerances,
     compare,
@@ -52,12 +53,7 @@ MODES = ("disaggregated", "colocated")
 
 
 def serve_args(args: argparse.Namespace, mode: str) -> list[str]:
-    common = [
-        "--launcher", "local", "--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory,
-        "--max-model-len", str(args.max_model_len), "--threads-per-instance",
-        str(args.threads_per_instance), "--max-num-batched-tokens",
-        str(args.max_num_batched_tokens),
-    ]  # fmt: skip
+    common = local_serve_args(args)
     if mode == "disaggregated":
         return [*common, "--num-prefill", "1", "--num-decode", "1",
                 "--kv-transport", args.kv_transport]  # fmt: skip
@@ -206,12 +202,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--range-ratio", type=float, default=0.25)
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--num-colocated", type=int, default=2, help="colocated instances")
-    parser.add_argument("--threads-per-instance", type=int, default=1)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--kv-cache-memory", default="512MiB")
-    parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--kv-transport", default="ucx")
+    add_server_flags(
+        parser, kv_cache_memory="512MiB", max_model_len=1024, max_num_batched_tokens=512
+    )
     parser.add_argument("--median-tolerance", type=float, default=0.25)
     parser.add_argument("--p95-tolerance", type=float, default=0.40)
     parser.add_argument("--offline-calibration", action="store_true",
