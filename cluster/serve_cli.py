@@ -168,7 +168,8 @@ def _add_debug_flags(debug: argparse._ArgumentGroup) -> None:
     debug.add_argument(
         "--enable-test-hooks",
         action="store_true",
-        help="accept test-only requests that break instances on purpose",
+        help="tests only: the /debug/* routes, the instances' leak task and the "
+        "PDSERVE_TEST_KV_DELAY_S pull delay (all absent without it)",
     )
 
 
