@@ -17,16 +17,22 @@ from pdserve.planner.sim.server_calibration import ProbePlan, calibrate_server_s
 from pdserve.planner.sim.simulator import ClusterConfig, Workload, simulate
 
 
+def fixed_steps(prefill_s: float, max_num_batched_tokens: int, **more: float) -> ClusterConfig:
+    """Steps of a fixed length (decode 1 s) and a 0.1 s handoff, plus `more` settings."""
+    return ClusterConfig(
+        prefill=StepLatencyModel(prefill_s),
+        decode=StepLatencyModel(1.0),
+        max_num_batched_tokens=max_num_batched_tokens,
+        handoff_base_s=0.1,
+        **more,
+    )
+
+
 def test_a_busy_decode_instance_pulls_between_steps() -> None:
     # Request 0 decodes alone in 1 s steps from 0.6 s; request 1's handoff arrives in
     # the middle of step 1.6-2.6 (its prefill ends at 2.5 s): the pull starts at the
     # boundary, step 2.6-3.6 runs without it, and its second token ends step 3.6-4.6.
-    config = ClusterConfig(
-        prefill=StepLatencyModel(0.5),
-        decode=StepLatencyModel(1.0),
-        max_num_batched_tokens=100,
-        handoff_base_s=0.1,
-    )
+    config = fixed_steps(prefill_s=0.5, max_num_batched_tokens=100)
     workload = Workload(arrivals=[0.0, 2.0], prompt_lens=[10, 10], output_lens=[10, 3])
     first, second = simulate(config, workload)
     # Idle decode instance: pull at once (0.5 -> 0.6), then steps of 1 s.
@@ -38,13 +44,8 @@ def test_a_busy_decode_instance_pulls_between_steps() -> None:
 
 
 def test_an_idle_decode_instance_steps_when_the_first_pull_is_done() -> None:
-    config = ClusterConfig(
-        prefill=StepLatencyModel(0.1),
-        decode=StepLatencyModel(1.0),
-        max_num_batched_tokens=1000,
-        handoff_base_s=0.1,
-        handoff_per_token_s=0.001,  # 100 tokens: 0.2 s, 900 tokens: 1.0 s
-    )
+    # A handoff of 100 tokens takes 0.2 s, of 900 tokens 1.0 s.
+    config = fixed_steps(prefill_s=0.1, max_num_batched_tokens=1000, handoff_per_token_s=0.001)
     short, long = simulate(config, Workload([0.0, 0.0], [100, 900], [2, 2]))
     assert short.token_times == pytest.approx([0.1, 1.3])  # pulled at 0.3, stepped alone
     assert long.token_times == pytest.approx([0.1, 2.3])  # ready at 1.1, joins at 1.3
