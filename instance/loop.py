@@ -35,20 +35,7 @@ from pdserve.instance.io import InstanceIO
 from pdserve.instance.kinds import Role, role_kind
 from pdserve.instance.reporting import CounterBaseline, inspect_scheduler, instance_stats
 from pdserve.instance.spec import InstanceSpec
-from pdserve.scheduler.messages import (
-    AbortTask,
-    GenerateTask,
-    InspectTask,
-    InstanceAddress,
-    InstanceInfo,
-    InstanceInspection,
-    InstanceOutput,
-    LeakBlocksTask,
-    RequestDelta,
-    SnapshotTask,
-    Task,
-    error_delta,
-)
+from pdserve.scheduler import messages as wire
 
 logger = logging.getLogger(__name__)
 
@@ -75,16 +62,16 @@ class StepLoop:
         self._stopped = threading.Event()
         self._encoder = msgspec.msgpack.Encoder()
         self._counted = CounterBaseline()
-        self._pending_inspection: InstanceInspection | None = None
+        self._pending_inspection: wire.InstanceInspection | None = None
         self._pending_snapshot = None
 
     @property
-    def address(self) -> InstanceAddress:
+    def address(self) -> wire.InstanceAddress:
         return self.io.address
 
     # ---- lifecycle --------------------------------------------------------------------
 
-    def load(self) -> InstanceInfo:
+    def load(self) -> wire.InstanceInfo:
         """Loads the model and starts the I/O thread; returns what the gateway needs."""
         if self.spec.cpus:
             # Threads started from here on (torch's pool included) inherit the pinning.
@@ -95,9 +82,9 @@ class StepLoop:
         self.io.start()
         return self.info()
 
-    def info(self) -> InstanceInfo:
+    def info(self) -> wire.InstanceInfo:
         engine = self.require_engine()
-        return InstanceInfo(
+        return wire.InstanceInfo(
             address=self.io.address,
             events_address=self.io.events_address,
             model_path=engine.model_path,
@@ -146,12 +133,12 @@ class StepLoop:
 
     # ---- what roles get from the loop -------------------------------------------------
 
-    def send_to_instance(self, address: InstanceAddress, message: msgspec.Struct) -> None:
+    def send_to_instance(self, address: wire.InstanceAddress, message: msgspec.Struct) -> None:
         """A message to another instance's task socket, through the I/O thread (e.g. a
         prefill role's KVHandoff to `GenerateTask.decode_target`)."""
         self.io.send_to_peer(address.task_address, self._encoder.encode(message))
 
-    def flush(self, deltas: list[RequestDelta]) -> None:
+    def flush(self, deltas: list[wire.RequestDelta]) -> None:
         """Sends one output now: the deltas, the instance's stats and metric deltas."""
         engine = self.require_engine()
         role = self.require_role()
@@ -159,7 +146,7 @@ class StepLoop:
         role.add_metrics(metrics)
         stats = instance_stats(engine.scheduler)
         role.add_stats(stats)
-        output = InstanceOutput(
+        output = wire.InstanceOutput(
             instance=self.io.address,
             deltas=deltas,
             stats=stats,
@@ -182,19 +169,19 @@ class StepLoop:
 
     # ---- tasks ------------------------------------------------------------------------
 
-    def _apply(self, task: Task) -> RequestDelta | None:
+    def _apply(self, task: wire.Task) -> wire.RequestDelta | None:
         role = self.require_role()
-        if isinstance(task, GenerateTask):
+        if isinstance(task, wire.GenerateTask):
             return self._admit(role, task)
-        if isinstance(task, AbortTask):
+        if isinstance(task, wire.AbortTask):
             role.abort(task)
-        elif isinstance(task, SnapshotTask):
+        elif isinstance(task, wire.SnapshotTask):
             self._pending_snapshot = self.require_engine().scheduler.block_cache_snapshot()
-        elif isinstance(task, InspectTask):
+        elif isinstance(task, wire.InspectTask):
             self._pending_inspection = inspect_scheduler(
                 self.require_engine().scheduler, task.query_id
             )
-        elif isinstance(task, LeakBlocksTask):
+        elif isinstance(task, wire.LeakBlocksTask):
             if self.hooks is None:
                 logger.warning(
                     "%s: LeakBlocksTask needs test hooks; ignored", self.spec.instance_id
@@ -205,33 +192,33 @@ class StepLoop:
             return role.on_task(task)
         return None
 
-    def _admit(self, role: Role, task: GenerateTask) -> RequestDelta | None:
+    def _admit(self, role: Role, task: wire.GenerateTask) -> wire.RequestDelta | None:
         try:
             role.admit(task)
         except ValueError as exc:  # a request this instance cannot run
-            return error_delta(task.request_id, str(exc), len(task.prompt_token_ids))
+            return wire.error_delta(task.request_id, str(exc), len(task.prompt_token_ids))
         except Exception as exc:  # a bug: fail the request, keep the instance serving
             logger.exception("%s: admitting %s failed", self.spec.instance_id, task.request_id)
             message = f"internal error: {type(exc).__name__}: {exc}"
-            return error_delta(task.request_id, message, len(task.prompt_token_ids))
+            return wire.error_delta(task.request_id, message, len(task.prompt_token_ids))
         return None
 
     # ---- stepping ---------------------------------------------------------------------
 
-    def _step(self, role: Role) -> list[RequestDelta]:
+    def _step(self, role: Role) -> list[wire.RequestDelta]:
         try:
             return role.step()
         except Exception as exc:  # a broken step must not take the instance down
             logger.exception("%s: engine step failed", self.spec.instance_id)
             return self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
 
-    def _fail_all(self, message: str) -> list[RequestDelta]:
+    def _fail_all(self, message: str) -> list[wire.RequestDelta]:
         engine = self.require_engine()
         deltas = []
         for request_id, request in list(engine.scheduler.requests.items()):
             engine.abort_request(request_id)
             deltas.append(
-                error_delta(
+                wire.error_delta(
                     request_id, message, request.num_prompt_tokens, request.num_output_tokens
                 )
             )

@@ -26,13 +26,6 @@ PROMPT = list(range(300, 340))  # two full blocks and a partial one
 
 
 @pytest.fixture(scope="module")
-def gateway() -> Iterator[Gateway]:
-    gateway = Gateway()
-    yield gateway
-    gateway.close()
-
-
-@pytest.fixture(scope="module")
 def instances(gateway) -> Iterator[dict[str, Running]]:
     running = {
         "prefill": Running(StepLoop(spec(gateway, "p", "prefill", kv_transfer=LIMITS))),

@@ -40,13 +40,6 @@ class SilentDecode:
 
 
 @pytest.fixture(scope="module")
-def gateway() -> Iterator[Gateway]:
-    gateway = Gateway()
-    yield gateway
-    gateway.close()
-
-
-@pytest.fixture(scope="module")
 def pair(gateway) -> Iterator[tuple[Running, Running]]:
     prefill = Running(StepLoop(spec(gateway, "prefill-t", "prefill", kv_transfer=LEASE)))
     decode = Running(StepLoop(spec(gateway, "decode-t", "decode", kv_transfer=LEASE)))
