@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from experiments.serve_flags import add_server_flags, local_serve_args
+from experiments.server_runs import add_server_flags, local_serve_args, run_bench_serve
 
 SERVING = "pdserve: serving "
 START_TIMEOUT_S = 600.0
@@ -101,21 +101,14 @@ class Server:
 def bench_serve(url: str, args: argparse.Namespace, out: Path, rate: str, num_prompts: int,
                 seed: int) -> dict:  # fmt: skip
     """One `pdserve bench serve` run; its saved JSON."""
-    command = [
-        sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", url,
-        "--dataset-name", "rag", "--random-input-len", str(args.input_len),
-        "--random-range-ratio", str(args.range_ratio), "--random-output-len",
-        str(args.output_len), "--rag-num-documents", str(args.rag_documents), "--ignore-eos",
-        "--num-prompts", str(num_prompts), "--request-rate", rate, "--seed", str(seed),
-        "--num-warmups", str(args.warmups), "--percentile-metrics", "ttft,tpot,itl,e2el",
-        "--metric-percentiles", "50,95,99", "--goodput", *args.goodput, "--disable-tqdm",
-        "--request-timeout", "3600", "--save-result", "--result-filename", str(out),
-    ]  # fmt: skip
-    completed = subprocess.run(command, capture_output=True, text=True)
-    if completed.returncode != 0:
-        raise RuntimeError(f"bench serve failed:\n{completed.stderr[-2000:]}")
-    print(completed.stdout, flush=True)
-    return json.loads(out.read_text())
+    result, printed = run_bench_serve(
+        url, args, out, rate, num_prompts, seed,
+        "--dataset-name", "rag", "--rag-num-documents", str(args.rag_documents), "--ignore-eos",
+        "--num-warmups", str(args.warmups), "--goodput", *args.goodput,
+        "--request-timeout", "3600", "--save-result",
+    )  # fmt: skip
+    print(printed, flush=True)
+    return result
 
 
 def run_loads(server: Server, args: argparse.Namespace, out: Path, mode: str,

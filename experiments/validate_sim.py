@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 
 from experiments.machine_load import CpuAccount, wait_for_quiet
 from experiments.pd_vs_colocated import Server
-from experiments.serve_flags import add_server_flags, local_serve_args
+from experiments.server_runs import add_server_flags, local_serve_args, run_bench_serve
 from pdserve.planner.sim.compare import (
     Tolerances,
     compare,
@@ -63,19 +62,9 @@ def serve_args(args: argparse.Namespace, mode: str) -> list[str]:
 def bench_serve(url: str, args: argparse.Namespace, out: Path, rate: str, count: int,
                 seed: int) -> dict:  # fmt: skip
     """One `pdserve bench serve` run in its own process; its saved JSON."""
-    command = [
-        sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", url,
-        "--dataset-name", "random", "--random-input-len", str(args.input_len),
-        "--random-output-len", str(args.output_len), "--random-range-ratio",
-        str(args.range_ratio), "--num-prompts", str(count), "--request-rate", rate,
-        "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
-        "--metric-percentiles", "50,95,99", "--disable-tqdm", "--request-timeout", "900",
-        "--result-filename", str(out),
-    ]  # fmt: skip
-    completed = subprocess.run(command, capture_output=True, text=True)
-    if completed.returncode != 0:
-        raise RuntimeError(f"bench serve failed:\n{completed.stderr[-2000:]}")
-    result = json.loads(out.read_text())
+    result, _ = run_bench_serve(
+        url, args, out, rate, count, seed, "--dataset-name", "random", "--request-timeout", "900"
+    )
     if result["failed"]:
         raise RuntimeError(f"bench serve: {result['failed']} requests failed: {result['errors']}")
     return result

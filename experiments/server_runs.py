@@ -1,8 +1,13 @@
-"""The `pdserve serve` flags the experiments that start their own server share."""
+"""What the experiments that benchmark a server they start share: its flags, its
+`pdserve serve` arguments, and one `pdserve bench serve` run against it."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 
 def add_server_flags(
@@ -31,3 +36,28 @@ def local_serve_args(args: argparse.Namespace) -> list[str]:
         str(args.threads_per_instance), "--max-num-batched-tokens",
         str(args.max_num_batched_tokens),
     ]  # fmt: skip
+
+
+def run_bench_serve(
+    url: str,
+    args: argparse.Namespace,
+    out: Path,
+    rate: str,
+    num_prompts: int,
+    seed: int,
+    *extra: str,
+) -> tuple[dict, str]:
+    """One `pdserve bench serve` run in its own process (prompt and output lengths from
+    `args`, then `extra` flags): its saved JSON and what it printed."""
+    command = [
+        sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", url,
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--random-range-ratio", str(args.range_ratio), "--num-prompts", str(num_prompts),
+        "--request-rate", rate, "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", "50,95,99", "--disable-tqdm", "--result-filename", str(out),
+        *extra,
+    ]  # fmt: skip
+    completed = subprocess.run(command, capture_output=True, text=True)
+    if completed.returncode != 0:
+        raise RuntimeError(f"bench serve failed:\n{completed.stderr[-2000:]}")
+    return json.loads(out.read_text()), completed.stdout
