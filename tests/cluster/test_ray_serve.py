@@ -14,12 +14,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.cluster.serving import MODEL, served
 from tests.gateway.server import ServeProcess
 
 pytestmark = pytest.mark.slow
 
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="session")
@@ -36,15 +36,12 @@ def ray_cluster() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def server(ray_cluster: str) -> Iterator[ServeProcess]:
-    process = ServeProcess.start(
+    with served(
         "--mode", "colocated", "--launcher", "ray", "--ray-address", ray_cluster,
         "--num-colocated", "2", "--dtype", "float32", "--kv-cache-memory", "64MiB",
         "--threads-per-instance", "1", "--enable-test-hooks", env=RAY_ENV,
-    )  # fmt: skip
-    try:
+    ) as process:  # fmt: skip
         yield process
-    finally:
-        process.stop()
 
 
 def ray_actors(address: str) -> list[dict]:
@@ -105,15 +102,13 @@ def test_sigterm_shuts_down_and_leaves_the_joined_cluster_running(server, ray_cl
 
 @pytest.fixture(scope="module")
 def pd_server(ray_cluster: str) -> Iterator[ServeProcess]:
-    process = ServeProcess.start(
+    with served(
         "--launcher", "ray", "--ray-address", ray_cluster, "--num-prefill", "1",
         "--num-decode", "1", "--dtype", "bfloat16", "--kv-cache-memory", "64MiB",
         "--threads-per-instance", "1", "--enable-test-hooks", env=RAY_ENV,
-    )  # fmt: skip
-    try:
+        exit_zero=True, stop_timeout_s=60,
+    ) as process:  # fmt: skip
         yield process
-    finally:
-        assert process.stop(timeout_s=60) == 0, process.log()
 
 
 def test_prefill_and_decode_instances_are_ray_actors(pd_server, ray_cluster) -> None:
