@@ -49,14 +49,25 @@ class PrefillUpdate:
     aborted: list[str] = field(default_factory=list)  # aborted: free the blocks
 
 
-class PrefillKVScheduler:
+class _WorkerCommands:
+    """The commands queued for the ranks' workers until the next step's metadata."""
+
+    def __init__(self) -> None:
+        self._pending = KVConnectorMetadata()
+
+    def build_metadata(self) -> KVConnectorMetadata:
+        metadata, self._pending = self._pending, KVConnectorMetadata()
+        return metadata
+
+
+class PrefillKVScheduler(_WorkerCommands):
     def __init__(self, instance_id: str, layout: KVLayout, rank_addresses: list[str]):
+        super().__init__()
         check_tp_split(layout, len(rank_addresses), f"instance {instance_id}")
         self.instance_id = instance_id
         self.layout = layout
         self.rank_addresses = list(rank_addresses)
         self._held: set[str] = set()
-        self._pending = KVConnectorMetadata()
         self.lease_expiries = 0
 
     @property
@@ -102,10 +113,6 @@ class PrefillKVScheduler:
         if request_id in self._held:
             self._pending.aborts.append(request_id)
 
-    def build_metadata(self) -> KVConnectorMetadata:
-        metadata, self._pending = self._pending, KVConnectorMetadata()
-        return metadata
-
     def update(self, report: TransferReport) -> PrefillUpdate:
         """Each returned id is free to release now (no send reads its blocks)."""
         update = PrefillUpdate()
@@ -136,8 +143,9 @@ class DecodeUpdate:
     aborted: list[str] = field(default_factory=list)  # no transfer touches them: free
 
 
-class DecodeKVScheduler:
+class DecodeKVScheduler(_WorkerCommands):
     def __init__(self, layout: KVLayout, tp_size: int = 1, failure_policy: str = "recompute"):
+        super().__init__()
         if failure_policy not in FAILURE_POLICIES:
             raise ValueError(
                 f"failure_policy must be one of {FAILURE_POLICIES}, got {failure_policy!r}"
@@ -148,7 +156,6 @@ class DecodeKVScheduler:
         self.failure_policy = failure_policy
         self._handoffs: dict[str, KVHandoff] = {}
         self._no_pull: list[str] = []  # allocated with every block cached locally
-        self._pending = KVConnectorMetadata()
 
     def admit(self, handoff: KVHandoff) -> int:
         """Check the handoff before anything is allocated; returns how many tokens'
@@ -195,10 +202,6 @@ class DecodeKVScheduler:
     def abort(self, request_id: str) -> None:
         if request_id in self._handoffs:
             self._pending.aborts.append(request_id)
-
-    def build_metadata(self) -> KVConnectorMetadata:
-        metadata, self._pending = self._pending, KVConnectorMetadata()
-        return metadata
 
     def handoff(self, request_id: str) -> KVHandoff | None:
         return self._handoffs.get(request_id)
