@@ -23,7 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
-SOURCES = ("common.h", "info.c", "kv_write.c", "decode.c", "prefill.c", "linear.c")
+SOURCES = (
+    "common.h",
+    "attention.h",
+    "info.c",
+    "kv_write.c",
+    "decode.c",
+    "prefill.c",
+    "linear.c",
+)
 # Tried in order: the first that compiles wins. -march=native auto-vectorises for
 # this CPU (AVX2/FMA/F16C where present); a compiler that refuses it still builds.
 FLAG_SETS = (

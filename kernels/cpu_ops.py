@@ -273,7 +273,7 @@ def _attention_fields(
     num_seqs: int,
 ) -> tuple[int, ...]:
     """The tensor and shape fields of a decode call (pd_attention_call in
-    kernels/cpu/common.h, up to the scale), after checking the inputs."""
+    kernels/cpu/attention.h, up to the scale), after checking the inputs."""
     num_heads, d = query.shape[1], query.shape[2]
     cache = _cache_fields(kv_cache, d)
     _check_heads(num_heads, cache[1])

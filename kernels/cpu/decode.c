@@ -16,7 +16,7 @@
  *   sequence's end or unused table entries (which may hold NaN) are never read.
  * A sequence with context_len 0 (a padding row) gets zeros.
  */
-#include "common.h"
+#include "attention.h"
 
 #define MAX_CHUNK 4 /* query heads per pass over a block */
 #define SCORE_TILE 32

@@ -13,7 +13,7 @@
  *   window; masking runs only on tiles that straddle the diagonal or a window edge.
  * - Items are sorted by cost (longest key range first) and scheduled dynamically.
  */
-#include "common.h"
+#include "attention.h"
 
 #define KEY_TILE 32
 #define ROW_GROUP 6
