@@ -17,6 +17,7 @@ import functools
 import inspect
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
@@ -142,4 +143,7 @@ def dispatched(reference_fn: Callable[P, R], like: int = 0) -> Callable[P, R]:
         return lookup(name, tensor)(*args, **kwargs)  # type: ignore[arg-type]
 
     call.__name__ = call.__qualname__ = name
+    # Named after the module that defines it (as collections.namedtuple does), so that
+    # pickle and introspection find it there.
+    call.__module__ = sys._getframe(1).f_globals.get("__name__", call.__module__)
     return call
