@@ -8,6 +8,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pdserve.gateway.errors import bad_request
 from pdserve.gateway.generation import Choice, ChoiceUpdate
 from pdserve.gateway.logprobs import TokenText, chat_logprobs
 from pdserve.gateway.prompts import chat_prompt
@@ -18,6 +19,12 @@ from pdserve.gateway.state import Gateway
 
 async def create_chat_completion(request: Request, gateway: Gateway) -> Response:
     body = await read_body(request, ChatCompletionRequest)
+    if body.tools and body.tool_choice != "none":
+        # Tool calls are not parsed nor forced yet: free text would be a silent no.
+        raise bad_request(
+            'tool calling is not supported yet: `tools` are taken only with `tool_choice: "none"`',
+            param="tool_choice",
+        )
     model = gateway.check_model(body.model)
     card = gateway.require_model_card()
     prompt = chat_prompt(

@@ -1,6 +1,8 @@
 """Request bodies of the OpenAI API (and vLLM's extras), decoded strictly with msgspec.
 
-Unknown fields are ignored (clients send `user`, `service_tier` and the like), but a
+A completion or chat request may hold only the fields below (README: "Request fields"):
+one pdserve does not implement is a 400 naming it, never silently dropped. `user`,
+`store`, `metadata` and `service_tier`, which SDKs send, are accepted and do nothing. A
 field of the wrong type is an error naming the field: "Expected `int`, got `str` - at
 `$.max_tokens`". Semantic checks (ranges, combinations) happen when the request is
 turned into SamplingParams (`pdserve.gateway.sampling`).
@@ -23,7 +25,7 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
+class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields the completion and chat requests share."""
 
     model: str | None = None
@@ -37,7 +39,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # Accepted and ignored, as documented: they describe the caller, not the generation.
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -69,6 +75,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     # vLLM's extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -112,9 +119,24 @@ def decode_body(body: bytes, content_type: str | None, schema: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as exc:
+        unknown = _unknown_field(str(exc))
+        if unknown is not None:
+            raise bad_request(
+                f"unsupported field `{unknown}`: pdserve does not implement it "
+                "(the README's table lists the request fields it takes)",
+                param=unknown,
+            ) from None
         raise bad_request(f"invalid request: {exc}", param=_param_of(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"malformed JSON: {exc}") from None
+
+
+def _unknown_field(message: str) -> str | None:
+    """msgspec's "Object contains unknown field `x`" (top level only) → "x"."""
+    marker = "Object contains unknown field `"
+    if not message.startswith(marker) or " - at `$." in message:
+        return None
+    return message[len(marker) :].split("`", 1)[0]
 
 
 def _param_of(message: str) -> str | None:

@@ -30,6 +30,10 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stop": [""]}, 400, None),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"max_tokens": 3}, 400, None),
+    # Fields pdserve does not implement are refused by name, never silently dropped.
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"prompt": "x", "guided_choice": ["a", "b"]}, 400, "guided_choice"),
+    ({"prompt": "x", "no_such_field": 1}, 400, "no_such_field"),
 ]
 BAD_CHATS = [
     ({"messages": []}, 400, "messages"),
@@ -39,7 +43,13 @@ BAD_CHATS = [
     ({"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ({"messages": CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ({"messages": CHAT, "model": "nope"}, 404, "model"),
-]
+    ({"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"messages": CHAT, "parallel_tool_calls": True}, 400, "parallel_tool_calls"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "tool_choice"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": "required"}, 400, "tool_choice"),
+]  # fmt: skip
 
 
 def assert_openai_error(response, status: int, param: str | None = None) -> dict:
@@ -62,6 +72,14 @@ def test_bad_completion_requests(server, body, status, param) -> None:
 @pytest.mark.parametrize(("body", "status", "param"), BAD_CHATS)
 def test_bad_chat_requests(server, body, status, param) -> None:
     assert_openai_error(server.post("/v1/chat/completions", json=body), status, param)
+
+
+def test_documented_no_op_fields_are_accepted(server) -> None:
+    no_ops = {"user": "u-1", "store": False, "metadata": {"k": "v"}, "service_tier": "auto"}
+    body = {"prompt": "x", "max_tokens": 1, **no_ops}
+    assert server.post("/v1/completions", json=body).status_code == 200
+    chat = {"messages": CHAT, "max_tokens": 1, "tools": [], "tool_choice": "none", **no_ops}
+    assert server.post("/v1/chat/completions", json=chat).status_code == 200
 
 
 def test_prompt_over_max_model_len(server) -> None:
