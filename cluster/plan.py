@@ -69,6 +69,7 @@ class ServePlan:
         gpus: list[str] | None = None,
     ) -> ServePlan:
         """`cores` and `gpus` default to what this machine has."""
+        resolve_model(args)
         check_flags(args)
         roles = _roles(args)
         instances = place(roles, cores or available_cores(), args.threads_per_instance)
@@ -125,6 +126,21 @@ def kv_transfer_settings(args: argparse.Namespace) -> dict:
     except ValueError as exc:
         raise ServeError(f"--kv-lease-seconds / --kv-transfer-timeout: {exc}") from None
     return settings
+
+
+def resolve_model(args: argparse.Namespace) -> None:
+    """`pdserve serve MODEL` (as `vllm serve MODEL`) and `--model MODEL` are one setting:
+    the positional one lands in `args.model`, which everything downstream reads."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and _real(args.model) != _real(tag):
+        raise ServeError(f"two models given: {tag} and --model {args.model}; give one of them")
+    args.model = tag
+
+
+def _real(path: str) -> str:
+    return os.path.realpath(os.path.expanduser(path))
 
 
 def check_flags(args: argparse.Namespace) -> None:

@@ -3,12 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import copy
 
 from pdserve.cluster.placement import DEVICES
 from pdserve.cluster.plan import FAILURE_POLICIES, KV_TRANSPORTS, LAUNCHERS, MODES
 from pdserve.scheduler.routing import DEFAULT_POLICY, POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to each flag's help, as vLLM's --help shows it, where X says
+    something: not for unset (None) or off (False) flags, nor where the help already
+    explains its default."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and _shows_default(action):
+            action = copy.copy(action)  # argparse prints no help line for a help-less flag
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if _shows_default(action) and "default" not in text:
+            text = f"{text} (default: %(default)s)"
+        return text
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    default = action.default
+    worth = default is not None and default is not False and default is not argparse.SUPPRESS
+    return worth and bool(action.option_strings)
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -18,6 +43,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         description="Serve a model: prefill and decode pools (or colocated instances) behind "
         "an OpenAI-compatible HTTP API. With no flags: the embedded SmolLM2-135M-Instruct, "
         "one prefill and one decode instance, on 127.0.0.1:8000.",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="checkpoint folder, as in `vllm serve MODEL` (the same as --model)",
     )
     _add_model_flags(parser.add_argument_group("model and engine"))
     _add_http_flags(parser.add_argument_group("HTTP"))

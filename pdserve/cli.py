@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdserve import __version__
 from pdserve.bench.cli import add_bench_parser
 from pdserve.cluster.serve_cli import add_serve_parser
 from pdserve.planner.cli import add_calibrate_parser, add_plan_parser
@@ -12,6 +13,7 @@ from pdserve.planner.cli import add_calibrate_parser, add_plan_parser
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving")
+    parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
     add_calibrate_parser(add_bench_parser(sub))

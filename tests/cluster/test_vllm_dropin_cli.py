@@ -1,0 +1,76 @@
+"""`pdserve` as a drop-in for `vllm serve`: the model as a positional argument, --version,
+and defaults in --help. Parsing only; nothing starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pdserve
+from pdserve.cli import build_parser, main
+from pdserve.cluster.plan import ServeError, ServePlan
+
+
+def plan_of(*argv: str) -> ServePlan:
+    return ServePlan.from_args(build_parser().parse_args(["serve", *argv]), cores=[0, 1])
+
+
+def test_the_model_may_be_given_positionally_as_in_vllm_serve(tmp_path: Path) -> None:
+    assert plan_of(str(tmp_path)).model_path == str(tmp_path)
+    assert plan_of(str(tmp_path)).served_model_names == [str(tmp_path)]
+    assert plan_of("--model", str(tmp_path)).model_path == str(tmp_path)
+    assert plan_of(str(tmp_path), "--model", str(tmp_path)).model_path == str(tmp_path)
+    assert plan_of().model_path is None  # the embedded model
+
+
+def test_two_different_models_are_refused(tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(ServeError, match="two models"):
+        plan_of(str(tmp_path), "--model", str(other))
+
+
+def test_two_different_models_fail_with_one_line(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "serve", str(tmp_path), "--model", "/elsewhere"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pdserve serve: error: "), result.stderr
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"pdserve {pdserve.__version__}"
+
+
+@pytest.mark.parametrize(
+    ("flag", "shown"),
+    [("--max-num-seqs", "(default: 256)"), ("--kv-cache-memory", "(default: 2GiB)"),
+     ("--gpu-memory-utilization", "(default: 0.9)"), ("--port", "(default: 8000)"),
+     ("--launcher", "(default: ray)")],
+)  # fmt: skip
+def test_serve_help_shows_defaults(
+    flag: str, shown: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    listing = text[text.index("positional arguments:") :]  # past the usage line
+    after = listing[listing.index(flag) :]
+    next_flag = after.find(" --", len(flag))
+    assert shown in after[: next_flag if next_flag > 0 else None]
+
+
+def test_help_shows_no_default_for_unset_or_false_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert text.count("(default: ") == text.count("default")  # never twice for one flag
