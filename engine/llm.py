@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from pdserve.engine.core import EngineCore
+from pdserve.engine.model_source import resolve_model
 from pdserve.scheduler.messages import TokenLogprobs
 from pdserve.scheduler.sampling_params import SamplingParams, generation_config_defaults
 from pdserve.text.choice import ChoiceText, choice_seeds
@@ -70,7 +71,19 @@ class _Tracked(ChoiceText):
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "auto", seed: int = 0, **engine_args):
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        seed: int = 0,
+        revision: str | None = None,
+        download_dir: str | None = None,
+        **engine_args,
+    ):
+        """`model`: a checkpoint folder or a Hugging Face id (from its cache; see
+        `engine.model_source`); None: the embedded model."""
+        if model is not None:
+            model = str(resolve_model(model, revision, download_dir))
         self.engine = EngineCore(model=model, dtype=dtype, seed=seed, **engine_args)
         self.tokenizer = Tokenizer.from_folder(self.engine.model_path)
         self._ids = itertools.count()
