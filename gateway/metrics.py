@@ -1,6 +1,9 @@
 """`/metrics`: Prometheus text built from instance outputs and the gateway's own timings.
 
 Names are DESIGN.md's with the `pdserve:` prefix, labelled by `role` and `instance`.
+Beside them every series vLLM's Grafana dashboard reads goes out under vLLM's name
+(`vllm:*`, vLLM's buckets) with `model_name` added, so that dashboard works unchanged;
+the disaggregation series get vLLM-style names too (`vllm:kv_transfer_*`).
 Gauges take each instance's latest `InstanceStats`; counters and histograms add the
 `MetricsDelta` every output carries (names as sent, e.g. "prompt_tokens_total"); the
 gateway observes TTFT, inter-token latency and end-to-end latency itself, labelled by
@@ -30,6 +33,16 @@ LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
+# vLLM's buckets (vllm/v1/metrics/loggers.py), for its series and the per-request phases.
+VLLM_TTFT_BUCKETS = (*LATENCY_BUCKETS, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+VLLM_REQUEST_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 GAUGES = {
@@ -56,7 +69,41 @@ HISTOGRAMS = {
     "inter_token_latency_seconds": ("Gaps between streamed tokens", LATENCY_BUCKETS),
     "e2e_request_latency_seconds": ("Arrival at the gateway to the last token", LATENCY_BUCKETS),
     "kv_transfer_seconds": ("Duration of one KV pull", TRANSFER_BUCKETS),
+    # Per-request phases, measured on the instances (instance/reporting.py).
+    "request_queue_time_seconds": ("Queued here until first scheduled", VLLM_REQUEST_BUCKETS),
+    "request_prefill_time_seconds": ("First scheduled to first token", VLLM_REQUEST_BUCKETS),
+    "request_decode_time_seconds": ("First token to last token", VLLM_REQUEST_BUCKETS),
 }
+VLLM_PREFIX = "vllm:"
+VLLM_LABELS = ("model_name", *LABELS)
+FINISHED_REASONS = ("stop", "length", "abort")  # shown at zero from the start, as in vLLM
+# Counters kept under the same name in both namespaces (names as instances send them).
+VLLM_COUNTERS = (
+    "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
+    "prefix_cache_hits_total", "num_preemptions_total", "kv_transfer_bytes_total",
+    "kv_transfer_failures_total", "kv_transfer_lease_expiries_total",
+)  # fmt: skip
+# pdserve histogram -> (vLLM names observing the same values, vLLM's buckets).
+VLLM_HISTOGRAMS = {
+    "time_to_first_token_seconds": (("time_to_first_token_seconds",), VLLM_TTFT_BUCKETS),
+    # time_per_output_token_seconds: vLLM's older name of the same gaps, still plotted.
+    "inter_token_latency_seconds": (
+        ("inter_token_latency_seconds", "time_per_output_token_seconds"),
+        VLLM_ITL_BUCKETS,
+    ),
+    "e2e_request_latency_seconds": (("e2e_request_latency_seconds",), VLLM_REQUEST_BUCKETS),
+    "request_queue_time_seconds": (("request_queue_time_seconds",), VLLM_REQUEST_BUCKETS),
+    "request_prefill_time_seconds": (("request_prefill_time_seconds",), VLLM_REQUEST_BUCKETS),
+    "request_decode_time_seconds": (("request_decode_time_seconds",), VLLM_REQUEST_BUCKETS),
+    "kv_transfer_seconds": (("kv_transfer_time_seconds",), TRANSFER_BUCKETS),
+}
+_VLLM_STAT_GAUGES = {
+    "num_requests_running": lambda s: s.num_running,
+    # vLLM's waiting queue also holds the requests whose KV is being pulled.
+    "num_requests_waiting": lambda s: s.num_waiting + s.num_waiting_for_remote_kvs,
+    "kv_cache_usage_perc": lambda s: s.kv_cache_usage_perc,
+}
+
 _STAT_GAUGES = {
     "num_requests_running": lambda s: s.num_running,
     "num_requests_waiting": lambda s: s.num_waiting,
@@ -66,8 +113,71 @@ _STAT_GAUGES = {
 }
 
 
+class VLLMSeries:
+    """The `vllm:*` twins of the pdserve series, labelled `model_name`, `role`, `instance`."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        self.gauges = {
+            n: Gauge(VLLM_PREFIX + n, GAUGES[n], VLLM_LABELS, registry=registry)
+            for n in _VLLM_STAT_GAUGES
+        }
+        self.counters = {
+            n: Counter(
+                VLLM_PREFIX + n.removesuffix("_total"),
+                COUNTERS.get(n, "KV transfers whose lease ran out on the prefill side"),
+                VLLM_LABELS,
+                registry=registry,
+            )
+            for n in VLLM_COUNTERS
+        }
+        self.histograms: dict[str, list[Histogram]] = {
+            n: [
+                Histogram(
+                    VLLM_PREFIX + v, HISTOGRAMS[n][0], VLLM_LABELS, buckets=b, registry=registry
+                )
+                for v in names
+            ]
+            for n, (names, b) in VLLM_HISTOGRAMS.items()
+        }
+        self.success = Counter(
+            VLLM_PREFIX + "request_success",
+            "Requests that finished, by finish reason",
+            (*VLLM_LABELS, "finished_reason"),
+            registry=registry,
+        )
+
+    def add_instance(self, role: str, instance: str) -> None:
+        for metric in (*self.gauges.values(), *self.counters.values()):
+            metric.labels(self.model_name, role, instance)
+        for histograms in self.histograms.values():
+            for histogram in histograms:
+                histogram.labels(self.model_name, role, instance)
+        for reason in FINISHED_REASONS:
+            self.success.labels(self.model_name, role, instance, reason)
+
+    def record_stats(self, role: str, instance: str, stats: InstanceStats) -> None:
+        for name, read in _VLLM_STAT_GAUGES.items():
+            self.gauges[name].labels(self.model_name, role, instance).set(read(stats))
+
+    def count(self, name: str, role: str, instance: str, value: float) -> None:
+        counter = self.counters.get(name)
+        if counter is not None:
+            counter.labels(self.model_name, role, instance).inc(value)
+
+    def observe(self, name: str, role: str, instance: str, values: list[float]) -> None:
+        for histogram in self.histograms.get(name, ()):
+            child = histogram.labels(self.model_name, role, instance)
+            for value in values:
+                child.observe(value)
+
+    def count_success(self, role: str, instance: str, finished_reason: str) -> None:
+        self.success.labels(self.model_name, role, instance, finished_reason).inc()
+
+
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        """`model_name`: the served model name, the `model_name` label of `vllm:*`."""
         disable_created_metrics()  # the *_created series only double the page
         self.registry = CollectorRegistry(auto_describe=True)
         self.gauges = {
@@ -78,6 +188,7 @@ class GatewayMetrics:
             n: Histogram(PREFIX + n, d, LABELS, buckets=b, registry=self.registry)
             for n, (d, b) in HISTOGRAMS.items()
         }
+        self.vllm = VLLMSeries(self.registry, model_name)
         self.rejected = Counter(
             PREFIX + "num_requests_rejected",
             "Requests refused by admission control (503)",
@@ -99,6 +210,7 @@ class GatewayMetrics:
         """Every series of the instance shows from the start, at zero."""
         for metric in (*self.gauges.values(), *self.counters.values(), *self.histograms.values()):
             metric.labels(role, instance_id)
+        self.vllm.add_instance(role, instance_id)
         self.gauges["instance_up"].labels(role, instance_id).set(1)
 
     def mark_down(self, role: str, instance_id: str) -> None:
@@ -114,22 +226,32 @@ class GatewayMetrics:
             counter = self.counters.get(name) or self._dynamic_counter(name)
             if counter is not None and value > 0:
                 counter.labels(role, instance).inc(value)
+                self.vllm.count(name, role, instance, value)
         for name, values in output.metrics.histograms.items():
             histogram = self.histograms.get(name) or self._dynamic_histogram(name)
             if histogram is not None:
                 child = histogram.labels(role, instance)
                 for value in values:
                     child.observe(value)
+                self.vllm.observe(name, role, instance, values)
 
     def record_stats(self, role: str, instance: str, stats: InstanceStats) -> None:
         for name, read in _STAT_GAUGES.items():
             self.gauges[name].labels(role, instance).set(read(stats))
+        self.vllm.record_stats(role, instance, stats)
 
     def observe(self, name: str, role: str, instance: str, seconds: float) -> None:
         self.histograms[name].labels(role, instance).observe(seconds)
+        self.vllm.observe(name, role, instance, [seconds])
 
     def count(self, name: str, role: str, instance: str, value: float = 1.0) -> None:
         self.counters[name].labels(role, instance).inc(value)
+        self.vllm.count(name, role, instance, value)
+
+    def count_success(self, role: str, instance: str, finished_reason: str) -> None:
+        """A request finished: pdserve's counter per instance, vLLM's per reason too."""
+        self.counters["request_success_total"].labels(role, instance).inc()
+        self.vllm.count_success(role, instance, finished_reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
