@@ -2,10 +2,10 @@
 
 Order of events: check the flags; bind the HTTP port (a taken port fails at once, not
 after the weights load); start the gateway (its ZMQ output socket) and the HTTP server
-(/health answers 503 until an instance is ready); launch the instances, registering
-each with the gateway as it becomes ready; print one "serving" line; serve until
-SIGINT/SIGTERM; then stop the HTTP server, the instances and the gateway, in that
-order. A second Ctrl-C skips the graceful wait.
+(/health and /v1/models answer 503 until every instance is ready); launch the
+instances, registering each with the gateway as it becomes ready; print one "serving"
+line; serve until SIGINT/SIGTERM; then stop the HTTP server, the instances and the
+gateway, in that order. A second Ctrl-C skips the graceful wait.
 """
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ async def serve(plan: ServePlan, model_path: str, listener: socket.socket) -> in
             api_key=args.api_key,
             enable_test_hooks=args.enable_test_hooks,
             scheduler=plan.scheduler,
+            expected_instances=len(plan.instances),
         )
     )
     gateway.start()

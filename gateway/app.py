@@ -41,9 +41,8 @@ def require_api_key(request: Request) -> None:
 
 
 async def health(request: Request, gateway: Gateway) -> Response:
-    if gateway.ready():
-        return gateway.json({"status": "ok", "instances": gateway.instance_health()})
-    return APIError(503, "no instance is ready", code="unavailable").response()
+    gateway.require_ready()
+    return gateway.json({"status": "ok", "instances": gateway.instance_health()})
 
 
 async def metrics(request: Request, gateway: Gateway) -> Response:
@@ -51,6 +50,7 @@ async def metrics(request: Request, gateway: Gateway) -> Response:
 
 
 async def models(request: Request, gateway: Gateway) -> Response:
+    gateway.require_ready()  # as /health: clients poll /v1/models to wait for a server
     card = gateway.model_card
     data = [
         {

@@ -40,6 +40,9 @@ class GatewayConfig:
     enable_test_hooks: bool = False
     zmq_host: str = "127.0.0.1"  # where the output PULL socket binds
     scheduler: GlobalSchedulerConfig = field(default_factory=GlobalSchedulerConfig)
+    # Instances the launch brings up: not ready until all have registered, so a client
+    # or load balancer that waits on /health meets the whole deployment (0: no wait).
+    expected_instances: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class Gateway:
         self.scheduler = GlobalScheduler(config.scheduler)
         self.dispatcher = Dispatcher(self.scheduler, self.metrics, config.zmq_host)
         self.model_card: ModelCard | None = None
+        self._registered = 0
 
     @property
     def model_name(self) -> str:
@@ -86,12 +90,29 @@ class Gateway:
             limit = min(limit, self.model_card.max_model_len)
         self.model_card = ModelCard(limit, info.vocab_size, dict(info.generation_defaults))
         self.dispatcher.register(info)
+        self._registered += 1
 
     def instance_lost(self, instance_id: str, reason: str) -> None:
         self.dispatcher.instance_lost(instance_id, reason)
 
     def ready(self) -> bool:
-        return bool(self.scheduler.live(ROLES_THAT_DECODE))
+        """Whether a request can be finished: startup is over and a decode or colocated
+        instance is alive (a prefill pool alone hands off to nobody)."""
+        return self.not_ready_reason() is None
+
+    def not_ready_reason(self) -> str | None:
+        expected = self.config.expected_instances
+        if self._registered < expected:
+            return f"starting: {self._registered}/{expected} instances ready"
+        if not self.scheduler.live(ROLES_THAT_DECODE):
+            return "no decode or colocated instance is ready"
+        return None
+
+    def require_ready(self) -> None:
+        """503 with Retry-After while `ready()` is false (/health, /v1/models)."""
+        reason = self.not_ready_reason()
+        if reason is not None:
+            raise APIError(503, reason, code="unavailable", headers={"Retry-After": "1"})
 
     def instance_health(self) -> list[dict]:
         """Each instance as the scheduler sees it (alive, load, and which kernels it runs,
