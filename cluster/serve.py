@@ -29,6 +29,7 @@ from pdserve.engine.embedded import EmbeddedModelError, embedded_model_path
 from pdserve.gateway.app import create_app
 from pdserve.gateway.state import Gateway, GatewayConfig
 from pdserve.instance.spec import InstanceSpec
+from pdserve.scheduler.messages import InstanceInfo
 from pdserve.text.tokenizer import TokenizerError
 
 logger = logging.getLogger("pdserve.serve")
@@ -116,6 +117,20 @@ def instance_specs(
     return waves
 
 
+def instance_summary(info: InstanceInfo) -> str:
+    """One line per ready instance: what it runs, its KV cache, and how many requests
+    of full length (`max_model_len`) its blocks hold at once."""
+    blocks_per_request = -(-info.max_model_len // info.block_size)
+    fit = info.num_blocks // blocks_per_request
+    model = os.path.basename(info.model_path.rstrip("/")) or info.model_path
+    return (
+        f"pdserve: {info.address.instance_id}: {model}, {info.dtype or '?'} on "
+        f"{info.device or '?'}, {info.num_blocks} KV blocks x {info.block_size} = "
+        f"{info.num_blocks * info.block_size} tokens, {fit} requests of "
+        f"{info.max_model_len} tokens (max_model_len) fit at once"
+    )
+
+
 def describe(plan: ServePlan) -> str:
     """ "prefill-0 (GPU 0, 0.45 of its memory), decode-0 (GPU 0, ...)" or the ids on CPU."""
     parts = []
@@ -176,7 +191,8 @@ async def serve(plan: ServePlan, model_path: str, listener: socket.socket) -> in
             flush=True,
         )
 
-        def on_ready(info) -> None:
+        def on_ready(info: InstanceInfo) -> None:
+            print(instance_summary(info), file=sys.stderr, flush=True)
             loop.call_soon_threadsafe(gateway.register, info)
 
         for wave in waves:

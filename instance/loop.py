@@ -96,6 +96,8 @@ class StepLoop:
             generation_defaults=dict(engine.info.generation_defaults),
             pid=os.getpid(),
             kernels=engine.kernels_status(),
+            dtype=engine.info.kv.dtype,
+            device=self.engine_config.device,
         )
 
     def run(self) -> None:

@@ -171,3 +171,6 @@ class InstanceInfo(msgspec.Struct, frozen=True):
     # Which attention/fused-op implementation runs (C kernels, Triton or the torch
     # references, and why), so operators see a missing fast path at startup.
     kernels: str = ""
+    # What the startup summary names: the KV cache's dtype and the engine's device.
+    dtype: str = ""
+    device: str = ""

@@ -1,0 +1,33 @@
+"""The line `pdserve serve` prints per instance when it is ready: model, dtype, device,
+KV blocks and tokens, and how many requests of full length fit at once. The facts come
+in the instance's InstanceInfo (a step loop over a fake executor here; no model)."""
+
+from __future__ import annotations
+
+from pdserve.cluster.serve import instance_summary
+from pdserve.scheduler.messages import InstanceAddress, InstanceInfo
+from tests.instance.test_step_loop import Harness
+
+
+def test_a_loaded_instance_reports_dtype_and_device() -> None:
+    harness = Harness("colocated")
+    try:
+        info = harness.loop.info()
+    finally:
+        harness.close()
+    assert (info.dtype, info.device) == ("float32", "cpu")
+    assert (info.num_blocks, info.block_size, info.max_model_len) == (64, 4, 256)
+
+
+def test_the_summary_names_the_kv_cache_and_how_many_full_requests_fit() -> None:
+    address = InstanceAddress("decode-0", "decode", "tcp://127.0.0.1:1")
+    info = InstanceInfo(
+        address, "tcp://127.0.0.1:2", "/models/SmolLM2-135M-Instruct", max_model_len=1024,
+        vocab_size=49152, block_size=16, num_blocks=200, max_num_seqs=8,
+        dtype="bfloat16", device="cuda",
+    )  # fmt: skip
+    line = instance_summary(info)
+    assert "\n" not in line
+    assert line.startswith("pdserve: decode-0: SmolLM2-135M-Instruct, bfloat16 on cuda")
+    assert "200 KV blocks x 16 = 3200 tokens" in line
+    assert "3 requests of 1024 tokens (max_model_len) fit at once" in line
