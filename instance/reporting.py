@@ -10,7 +10,15 @@ from pdserve.scheduler.messages import (
     MetricsDelta,
     RequestDelta,
 )
+from pdserve.scheduler.request import PhaseTimes
 from pdserve.scheduler.step_scheduler import Scheduler
+
+# PhaseTimes field -> the histogram it is observed in (vLLM's names).
+PHASE_HISTOGRAMS = {
+    "queue": "request_queue_time_seconds",
+    "prefill": "request_prefill_time_seconds",
+    "decode": "request_decode_time_seconds",
+}
 
 
 def instance_stats(scheduler: Scheduler) -> InstanceStats:
@@ -79,7 +87,23 @@ class CounterBaseline:
         counters["prompt_tokens_total"] = float(
             sum(d.num_prompt_tokens for d in deltas if d.output_index == 0 and d.new_token_ids)
         )
-        return MetricsDelta(counters={k: v for k, v in counters.items() if v})
+        return MetricsDelta(
+            counters={k: v for k, v in counters.items() if v},
+            histograms=phase_observations(engine.scheduler.take_phase_times()),
+        )
+
+
+def phase_observations(times: list[PhaseTimes]) -> dict[str, list[float]]:
+    """Each request's phase durations, measured here when it left this instance: the
+    prefill instance of a disaggregated request ships queue and prefill, the decode
+    instance decode, a colocated one all three (see `Request.phase_times`)."""
+    observed: dict[str, list[float]] = {}
+    for t in times:
+        for field, name in PHASE_HISTOGRAMS.items():
+            seconds = getattr(t, field)
+            if seconds is not None:
+                observed.setdefault(name, []).append(max(0.0, seconds))
+    return observed
 
 
 def _cumulative(engine: EngineCore) -> dict[str, float]:

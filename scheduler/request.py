@@ -53,6 +53,15 @@ _FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True)
+class PhaseTimes:
+    """Seconds one request spent in each phase on one instance; None: not here."""
+
+    queue: float | None = None
+    prefill: float | None = None
+    decode: float | None = None
+
+
 @dataclass
 class Request:
     """One sequence being generated. `n > 1` is expanded into n requests upstream."""
@@ -76,6 +85,14 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     error: str | None = None
+    # When things happened to it on this instance (the scheduler's monotonic clock), for
+    # vLLM's queue / prefill / decode histograms (`phase_times`).
+    queued_time: float | None = None  # entered this instance's waiting queue
+    first_scheduled_time: float | None = None  # first given a chunk (or its remote blocks)
+    first_token_time: float | None = None  # first token sampled here
+    last_token_time: float | None = None  # latest token sampled here
+    # Decode side: its prompt was computed on a prefill instance (a handoff).
+    prefilled_elsewhere: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -96,6 +113,26 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    def phase_times(self, handed_off: bool = False) -> PhaseTimes:
+        """vLLM's phases of a request that leaves this instance: queue = queued until
+        first scheduled, prefill = first scheduled until the first token, decode = first
+        token until the last. A prefill instance that hands it off has no decode part;
+        a decode instance has only decode, measured from its arrival here (the handoff
+        leaves the prefill instance with the first token: the gap is its transit)."""
+        if self.prefilled_elsewhere:
+            if self.queued_time is None or self.last_token_time is None:
+                return PhaseTimes()
+            return PhaseTimes(decode=self.last_token_time - self.queued_time)
+        if self.queued_time is None or self.first_scheduled_time is None:
+            return PhaseTimes()  # never ran here
+        queue = self.first_scheduled_time - self.queued_time
+        if self.first_token_time is None:
+            return PhaseTimes(queue=queue)
+        prefill = self.first_token_time - self.first_scheduled_time
+        if handed_off or self.last_token_time is None:
+            return PhaseTimes(queue=queue, prefill=prefill)
+        return PhaseTimes(queue, prefill, self.last_token_time - self.first_token_time)
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)

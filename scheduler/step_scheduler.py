@@ -17,6 +17,7 @@ Disaggregation hooks:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from pdserve.scheduler.admission import check_admissible, max_kv_tokens_of
@@ -30,11 +31,14 @@ from pdserve.scheduler.outputs import (
     SchedulerStats,
 )
 from pdserve.scheduler.remote_kv import RemoteKV, finish_remote_kvs
-from pdserve.scheduler.request import Request, RequestStatus
+from pdserve.scheduler.request import PhaseTimes, Request, RequestStatus
 from pdserve.scheduler.scheduler_checks import check_scheduler_invariants
 from pdserve.scheduler.stop_checker import check_stop
 
 _TRANSFER_STATUSES = (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.HANDED_OFF)
+# Phase times kept for `take_phase_times`: an instance takes them every output; the
+# offline engine never does, so only the latest are kept.
+PHASE_TIMES_KEPT = 4096
 
 
 class Scheduler:
@@ -58,6 +62,8 @@ class Scheduler:
         self._hand_off: set[str] = set()  # prefill side, until the first token
         self.left_ids: list[str] = []  # left the compute set since the last schedule()
         self.num_preemptions_total = 0
+        self.clock = time.monotonic  # the requests' timestamps (tests substitute it)
+        self.phase_times: deque[PhaseTimes] = deque(maxlen=PHASE_TIMES_KEPT)
 
     # ---- requests in ---------------------------------------------------------------
 
@@ -86,11 +92,13 @@ class Scheduler:
             )
         check_admissible(request, max_kv_tokens_of(request, self.config), self)
         self.remote_kv[request.request_id] = RemoteKV(num_remote_tokens)
+        request.prefilled_elsewhere = True
         self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.queued_time = self.clock()
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -113,6 +121,7 @@ class Scheduler:
         if request.status is RequestStatus.HANDED_OFF:
             del self.held[request_id]  # reported when it was handed off
         else:
+            self.phase_times.append(request.phase_times())
             self._drop_from_queues(request)
             self.left_ids.append(request_id)
         if in_transfer:
@@ -218,6 +227,7 @@ class Scheduler:
             if not self.block_manager.allocate_slots(request, hit.num_tokens + num_new, hit):
                 return
             self.waiting.popleft()
+            self._mark_scheduled(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = request.num_cached_tokens = hit.num_tokens
             self.running.append(request)
@@ -231,6 +241,7 @@ class Scheduler:
         if not self.block_manager.allocate_slots(request, remote.num_remote_tokens, hit):
             return False
         self.waiting.popleft()
+        self._mark_scheduled(request)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         request.num_computed_tokens = request.num_cached_tokens = hit.num_tokens
         remote.num_local_cached_tokens = hit.num_tokens
@@ -245,6 +256,10 @@ class Scheduler:
             )
         )
         return True
+
+    def _mark_scheduled(self, request: Request) -> None:
+        if request.first_scheduled_time is None:  # a preempted one keeps its first
+            request.first_scheduled_time = self.clock()
 
     def _num_seats_taken(self) -> int:
         return len(self.running) + len(self.waiting_for_remote)
@@ -284,6 +299,7 @@ class Scheduler:
             if rid not in sampled:
                 raise ValueError(f"request {rid}: its chunk samples but no token came back")
             request.output_token_ids.append(sampled[rid])
+            self._mark_token(request)
             status = check_stop(request, self.config.max_model_len)
             if status is not None:
                 self._finish(request, status)
@@ -295,9 +311,15 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return left
 
+    def _mark_token(self, request: Request) -> None:
+        request.last_token_time = self.clock()
+        if request.first_token_time is None:
+            request.first_token_time = request.last_token_time
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Ends a running request; the caller removes it from `running`."""
         rid = request.request_id
+        self.phase_times.append(request.phase_times())
         request.status = status
         del self.requests[rid]
         self._hand_off.discard(rid)
@@ -307,6 +329,7 @@ class Scheduler:
     def _hold(self, request: Request) -> None:
         """Prefill side: the first token is out; keep the blocks for the decode side."""
         request.status = RequestStatus.HANDED_OFF
+        self.phase_times.append(request.phase_times(handed_off=True))
         self._hand_off.discard(request.request_id)
         self.held[request.request_id] = request
         self.left_ids.append(request.request_id)
@@ -343,6 +366,12 @@ class Scheduler:
             prefix_cache_queries_total=bm.prefix_cache_queries,
             prefix_cache_hits_total=bm.prefix_cache_hits,
         )
+
+    def take_phase_times(self) -> list[PhaseTimes]:
+        """The phase times of the requests that left since the last call."""
+        taken = list(self.phase_times)
+        self.phase_times.clear()
+        return taken
 
     def drain_block_events(self) -> BlockEventBatch | None:
         return self.block_manager.drain_events()

@@ -109,6 +109,7 @@ class Harness:
         self.tasks.connect(self.loop.address.task_address)
         self.deltas: list[RequestDelta] = []
         self.inspections: dict[str, Any] = {}
+        self.histograms: dict[str, list[float]] = {}  # every observation shipped
 
     def send(self, task: Any) -> None:
         self.tasks.send(ENCODER.encode(task))
@@ -123,6 +124,8 @@ class Harness:
         while self.outputs.poll(50):
             output = decoder.decode(self.outputs.recv())
             self.deltas.extend(output.deltas)
+            for name, values in (output.metrics.histograms if output.metrics else {}).items():
+                self.histograms.setdefault(name, []).extend(values)
             if output.inspection is not None:
                 self.inspections[output.inspection.query_id] = output.inspection
 
@@ -192,6 +195,16 @@ def test_a_request_crosses_the_seam_once_in_full_then_by_id(colocated) -> None:
     assert "a" not in colocated.executor.tokens
 
 
+def test_a_finished_request_ships_its_phase_times(colocated) -> None:
+    colocated.send(generate("a", [5, 6, 7], max_tokens=3))
+    colocated.until(lambda: colocated.finished("a"), "finished request")
+    colocated.turn()  # its output may trail the delta by a turn
+    phases = ["request_decode_time_seconds", "request_prefill_time_seconds",
+              "request_queue_time_seconds"]  # fmt: skip
+    assert sorted(colocated.histograms) == phases
+    assert all(len(v) == 1 and v[0] >= 0 for v in colocated.histograms.values())
+
+
 def test_an_aborted_request_is_dropped_on_the_ranks(colocated) -> None:
     colocated.send(generate("long", [3, 4], max_tokens=50))
     colocated.until(lambda: len(colocated.tokens("long")) >= 2, "first tokens")
@@ -220,6 +233,11 @@ def test_a_prefill_role_announces_the_hold_before_the_handoff_leaves() -> None:
             and any(h.request_id == "p" for h in plan.kv_connector.holds)
         ]
         assert holds and holds[0] < arrived
+        # vLLM's phases: the prefill side ships queue and prefill; decode is D's to report.
+        assert sorted(harness.histograms) == [
+            "request_prefill_time_seconds", "request_queue_time_seconds",
+        ]  # fmt: skip
+        assert all(len(v) == 1 and v[0] >= 0 for v in harness.histograms.values())
         assert sorted(harness.inspect().block_owners) == handoff.source.block_ids
         harness.executor.next_report = TransferReport(finished_sending=["p"])
         harness.turn(3)
