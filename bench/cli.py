@@ -71,9 +71,50 @@ def int_list(text: str) -> list[int]:
         ) from None
 
 
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}): {text}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object: {text}")
+    return value
+
+
+def parse_metadata(pairs: list[str] | None) -> dict[str, str]:
+    """`["site=lab", "run=3"]` -> {"site": "lab", "run": "3"}, as vLLM's `--metadata`."""
+    metadata: dict[str, str] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--metadata '{pair}' must look like KEY=VALUE")
+        metadata[key.strip()] = value.strip()
+    return metadata
+
+
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    from pdserve.bench.client import BACKENDS
+
     group = parser.add_argument_group("server")
     group.add_argument("--base-url", default=DEFAULT_BASE_URL, help="OpenAI-compatible server")
+    group.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="openai",
+        help="openai: /v1/completions; openai-chat: /v1/chat/completions (API key from "
+        "OPENAI_API_KEY)",
+    )
+    group.add_argument("--endpoint", default=None, help="path (default: the backend's)")
+    group.add_argument("--temperature", type=float, default=0.0, help="0: greedy, as vLLM")
+    group.add_argument(
+        "--extra-body", type=json_object, default=None, help="JSON merged into every request"
+    )
+    group.add_argument(
+        "--ready-check-timeout-sec",
+        type=float,
+        default=0.0,
+        help="wait up to this long for /v1/models to answer 200 (0: no wait)",
+    )
     group.add_argument("--model", default=None, help="model name (default: the server's only one)")
     group.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     group.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens")
@@ -92,36 +133,69 @@ def add_dataset_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rag-num-documents", type=positive_int, default=8)
     group.add_argument("--rag-chunk-len", type=positive_int, default=256)
     group.add_argument(
+        "--prefix-repetition-prefix-len", type=positive_int, default=256, help="tokens"
+    )
+    group.add_argument("--prefix-repetition-suffix-len", type=positive_int, default=256)
+    group.add_argument("--prefix-repetition-num-prefixes", type=positive_int, default=10)
+    group.add_argument("--prefix-repetition-output-len", type=positive_int, default=128)
+    group.add_argument(
         "--tokenizer",
+        default=None,
+        help="local tokenizer folder (with tokenizer.json) to count tokens with",
+    )
+    group.add_argument(
+        "--token-counting",
         choices=("auto", "server", "approximate"),
         default="auto",
-        help="count prompt tokens with the server's /tokenize (auto: if it answers)",
+        help="without --tokenizer: the server's /tokenize (auto: if it answers) or words",
     )
 
 
 def dataset_spec(args: argparse.Namespace, num_prompts: int) -> DatasetSpec:
     return from_flags(
-        DatasetSpec, args, name=args.dataset_name, path=args.dataset_path, num_prompts=num_prompts
+        DatasetSpec,
+        args,
+        name=args.dataset_name,
+        path=args.dataset_path,
+        num_prompts=num_prompts,
+        text_prompts=args.backend == "openai-chat",
     )
 
 
-def build_dataset(args: argparse.Namespace, num_prompts: int):
-    from pdserve.bench.datasets import build_samples
-    from pdserve.bench.tokenizer import ApproximateTokenizer, ServerTokenizer, pick_tokenizer
+def pick_counting(args: argparse.Namespace):
+    """The tokenizer that counts (and, when exact, makes) prompt tokens."""
+    from pdserve.bench.tokenizer import (
+        ApproximateTokenizer,
+        LocalTokenizer,
+        ServerTokenizer,
+        pick_tokenizer,
+    )
 
-    if args.tokenizer == "approximate":
-        tokenizer = ApproximateTokenizer()
-    elif args.tokenizer == "server":
-        tokenizer = ServerTokenizer(args.base_url, args.model)
-    else:
-        tokenizer = pick_tokenizer(args.base_url, args.model)
-    return build_samples(dataset_spec(args, num_prompts), tokenizer)
+    if args.tokenizer:
+        if args.token_counting != "auto":
+            raise ValueError(f"--tokenizer and --token-counting {args.token_counting} conflict")
+        return LocalTokenizer(args.tokenizer)
+    if args.token_counting == "approximate":
+        return ApproximateTokenizer()
+    if args.token_counting == "server":
+        return ServerTokenizer(args.base_url, args.model)
+    return pick_tokenizer(args.base_url, args.model)
+
+
+def build_dataset(args: argparse.Namespace, num_prompts: int):
+    from pdserve.bench.client import wait_until_ready
+    from pdserve.bench.datasets import build_samples
+
+    # Before the dataset: counting tokens may already ask the server.
+    if args.ready_check_timeout_sec > 0:
+        wait_until_ready(args.base_url, args.ready_check_timeout_sec)
+    return build_samples(dataset_spec(args, num_prompts), pick_counting(args))
 
 
 def ignores_eos(args: argparse.Namespace) -> bool:
     # Synthetic prompts would stop at random EOS tokens: run them to their lengths,
     # as vLLM does for its random dataset.
-    return args.ignore_eos or args.dataset_name in ("random", "rag")
+    return args.ignore_eos or args.dataset_name in ("random", "rag", "prefix_repetition")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -137,12 +211,14 @@ def run_serve(args: argparse.Namespace) -> int:
         percentile_metrics=parse_metric_names(args.percentile_metrics),
         goodput_slos_ms=parse_goodput(args.goodput),
         show_progress=not args.disable_tqdm,
+        tokenizer_id=args.tokenizer,
+        metadata=parse_metadata(args.metadata),
     )
     samples = build_dataset(args, args.num_prompts)
     result = asyncio.run(run_benchmark(samples, config))
     print(format_report(result))
     if args.save_result or args.result_filename:
-        path = save_result(result, args.result_filename)
+        path = save_result(result, args.result_filename, args.result_dir)
         print(f"saved {path}")
     return 0 if result["completed"] else 1
 
@@ -177,7 +253,17 @@ def add_serve_parser(bench_sub) -> None:
         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000",
     )
     parser.add_argument("--save-result", action="store_true")
+    parser.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="also save each request's generated text (generated_texts)",
+    )
+    parser.add_argument("--result-dir", default=None, help="folder of the result file")
     parser.add_argument("--result-filename", default=None)
+    parser.add_argument("--label", default=None, help="prefix of the default result filename")
+    parser.add_argument(
+        "--metadata", nargs="*", default=None, metavar="KEY=VALUE", help="saved in the result"
+    )
     parser.set_defaults(handler=guarded("bench serve", run_serve))
 
 

@@ -1,5 +1,9 @@
 """The HTTP side of `pdserve bench`: streamed OpenAI completions, timed per chunk.
 
+Two backends, named as `vllm bench serve` names them: `openai` posts `/v1/completions`,
+`openai-chat` posts `/v1/chat/completions` with the prompt as one user message. The key
+in `OPENAI_API_KEY`, when set, goes on every request as `Authorization: Bearer`.
+
 Talks to any OpenAI-compatible server (ours, vLLM, SGLang). Every request is bounded by
 a timeout and every failure (refused connection, HTTP error status, error event in the
 stream, malformed data, timeout) becomes a failed outcome with a one-line reason, so a
@@ -14,10 +18,13 @@ import time
 
 import httpx
 
+from pdserve.bench.auth import auth_headers
 from pdserve.bench.datasets import SampleRequest
 from pdserve.bench.metrics import RequestOutcome
 
 ERROR_TEXT_LIMIT = 200
+BACKENDS = ("openai", "openai-chat")
+DEFAULT_ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 
 
 def short(text: str) -> str:
@@ -31,7 +38,7 @@ def describe_exception(exc: BaseException) -> str:
 
 
 class CompletionsClient:
-    """Sends `/v1/completions` requests with `stream: true` and times their chunks."""
+    """Sends streamed completion (or chat) requests and times their chunks."""
 
     def __init__(
         self,
@@ -39,11 +46,21 @@ class CompletionsClient:
         timeout_s: float = 600.0,
         max_connections: int = 1000,
         extra_body: dict | None = None,
+        backend: str = "openai",
+        endpoint: str | None = None,
+        temperature: float = 0.0,
+        api_key: str | None = None,
     ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend '{backend}': choose {', '.join(BACKENDS)}")
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.extra_body = extra_body or {}
+        self.backend = backend
+        self.endpoint = endpoint or DEFAULT_ENDPOINTS[backend]
+        self.temperature = temperature
         self.http = httpx.AsyncClient(
+            headers=auth_headers(api_key),
             timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
             limits=httpx.Limits(
                 max_connections=max_connections, max_keepalive_connections=max_connections
@@ -60,12 +77,19 @@ class CompletionsClient:
 
     def request_body(self, sample: SampleRequest, model: str | None, ignore_eos: bool) -> dict:
         body: dict = {
-            "prompt": sample.prompt,
-            "max_tokens": sample.expected_output_len,
-            "temperature": 0.0,
+            "temperature": self.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self.backend == "openai-chat":
+            # As vLLM's chat backend: one user message, max_completion_tokens.
+            if not isinstance(sample.prompt, str):
+                raise ValueError("the openai-chat backend needs text prompts, not token ids")
+            body["messages"] = [{"role": "user", "content": sample.prompt}]
+            body["max_completion_tokens"] = sample.expected_output_len
+        else:
+            body["prompt"] = sample.prompt
+            body["max_tokens"] = sample.expected_output_len
         if model:
             body["model"] = model
         if ignore_eos:
@@ -81,7 +105,7 @@ class CompletionsClient:
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self.http.stream(
-                    "POST", f"{self.base_url}/v1/completions", json=body
+                    "POST", f"{self.base_url}{self.endpoint}", json=body
                 ) as response:
                     if response.status_code != 200:
                         text = (await response.aread()).decode(errors="replace")
@@ -155,3 +179,24 @@ def chunk_text(payload: dict) -> str:
     if "text" in choice:
         return choice.get("text") or ""
     return (choice.get("delta") or {}).get("content") or ""
+
+
+def wait_until_ready(base_url: str, timeout_s: float, poll_s: float = 0.5) -> None:
+    """Block until `/v1/models` answers 200, or raise after `timeout_s` seconds (vLLM's
+    `--ready-check-timeout-sec`: a server still loading its model is waited for)."""
+    url = f"{base_url.rstrip('/')}/v1/models"
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    with httpx.Client(headers=auth_headers(), timeout=min(5.0, max(timeout_s, 0.1))) as http:
+        while True:
+            try:
+                status = http.get(url).status_code
+                if status == 200:
+                    return
+                last = f"HTTP {status}"
+            except httpx.HTTPError as exc:
+                last = describe_exception(exc)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ValueError(f"server not ready after {timeout_s:g} s: {url} gave {last}")
+            time.sleep(min(poll_s, left))

@@ -7,6 +7,9 @@
 - `jsonl`: one recorded request per line, `{"prompt": ..., "output_len": N}` with an
   optional `"timestamp"` in seconds for replaying the original arrival times.
 - `rag`: long prompts of shared document chunks plus a question (see `pdserve.bench.rag`).
+- `prefix_repetition`: vLLM's dataset of the same name: `num_prefixes` random prefixes
+  of `prefix_len` tokens, each request one of them plus its own random suffix of
+  `suffix_len` tokens, asking for `output_len` tokens; requests shuffled.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 from pdserve.bench.tokenizer import ApproximateTokenizer, Tokenizer
 from pdserve.bench.words import WORDS
 
-DATASET_NAMES = ("random", "sharegpt", "jsonl", "rag")
+DATASET_NAMES = ("random", "sharegpt", "jsonl", "rag", "prefix_repetition")
 
 
 @dataclass
@@ -44,7 +47,13 @@ class DatasetSpec:
     sharegpt_output_len: int | None = None
     rag_num_documents: int = 8
     rag_chunk_len: int = 256
+    prefix_repetition_prefix_len: int = 256
+    prefix_repetition_suffix_len: int = 256
+    prefix_repetition_num_prefixes: int = 10
+    prefix_repetition_output_len: int = 128
     seed: int = 0
+    # Synthetic prompts as words even when the tokenizer is exact (chat sends text).
+    text_prompts: bool = False
 
 
 def sample_lengths(rng: np.random.Generator, mean: int, range_ratio: float, n: int) -> np.ndarray:
@@ -76,7 +85,7 @@ def random_samples(spec: DatasetSpec, tokenizer: Tokenizer) -> list[SampleReques
         rng, spec.random_output_len, spec.random_range_ratio, spec.num_prompts
     )
     samples = []
-    pool = vocabulary_ids(tokenizer) if tokenizer.exact else None
+    pool = vocabulary_ids(tokenizer) if tokenizer.exact and not spec.text_prompts else None
     for in_len, out_len in zip(input_lens, output_lens, strict=True):
         if pool is not None:
             prompt: str | list[int] = [int(t) for t in rng.choice(pool, size=int(in_len))]
@@ -87,6 +96,34 @@ def random_samples(spec: DatasetSpec, tokenizer: Tokenizer) -> list[SampleReques
             prompt_len = tokenizer.count(prompt)
         samples.append(SampleRequest(prompt, prompt_len, int(out_len)))
     return samples
+
+
+def prefix_repetition_samples(spec: DatasetSpec, tokenizer: Tokenizer) -> list[SampleRequest]:
+    rng = np.random.default_rng(spec.seed)
+    prefix_len, suffix_len = spec.prefix_repetition_prefix_len, spec.prefix_repetition_suffix_len
+    if spec.prefix_repetition_num_prefixes < 1 or prefix_len < 0 or suffix_len < 0:
+        raise ValueError("prefix repetition needs at least 1 prefix and non-negative lengths")
+    pool = vocabulary_ids(tokenizer) if tokenizer.exact and not spec.text_prompts else None
+
+    def piece(length: int) -> str | list[int]:
+        if pool is not None:
+            return [int(t) for t in rng.choice(pool, size=length)]
+        return random_text(rng, length)
+
+    prefixes = [piece(prefix_len) for _ in range(spec.prefix_repetition_num_prefixes)]
+    samples = []
+    for index in range(spec.num_prompts):
+        prefix, suffix = prefixes[index % len(prefixes)], piece(suffix_len)
+        if isinstance(prefix, list) and isinstance(suffix, list):
+            prompt: str | list[int] = prefix + suffix
+            prompt_len = len(prompt)
+        else:
+            prompt = " ".join(p for p in (str(prefix), str(suffix)) if p)
+            prompt_len = tokenizer.count(prompt)
+        samples.append(SampleRequest(prompt, prompt_len, spec.prefix_repetition_output_len))
+    # Shuffled, as vLLM does, so that repeats of one prefix do not arrive back to back.
+    order = rng.permutation(len(samples))
+    return [samples[i] for i in order]
 
 
 def read_records(path: str) -> list:
@@ -180,7 +217,14 @@ def build_samples(spec: DatasetSpec, tokenizer: Tokenizer | None = None) -> list
         "sharegpt": sharegpt_samples,
         "jsonl": jsonl_samples,
         "rag": rag_samples,
+        "prefix_repetition": prefix_repetition_samples,
     }
     if spec.name not in builders:
         raise ValueError(f"unknown dataset '{spec.name}': choose {', '.join(DATASET_NAMES)}")
-    return builders[spec.name](spec, tokenizer)
+    samples = builders[spec.name](spec, tokenizer)
+    if spec.text_prompts and any(not isinstance(s.prompt, str) for s in samples):
+        raise ValueError(
+            f"dataset '{spec.name}' made token-id prompts, which a chat request cannot carry: "
+            "use --token-counting approximate"
+        )
+    return samples

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.bench.arrivals import arrival_offsets
-from pdserve.bench.client import CompletionsClient
+from pdserve.bench.client import DEFAULT_ENDPOINTS, CompletionsClient
 from pdserve.bench.datasets import SampleRequest
 from pdserve.bench.metrics import DEFAULT_PERCENTILES, METRIC_NAMES, RequestOutcome, summarize
 from pdserve.bench.progress import ProgressBar
@@ -42,6 +42,13 @@ class RunConfig:
     replay_timestamps: bool = False
     show_progress: bool = True
     extra_body: dict | None = None
+    backend: str = "openai"
+    endpoint: str | None = None  # None: the backend's default
+    temperature: float = 0.0
+    label: str | None = None
+    tokenizer_id: str | None = None
+    save_detailed: bool = False
+    metadata: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -136,7 +143,13 @@ async def run_benchmark(
     if client is None:
         connections = config.max_concurrency or min(len(samples), 1000)
         client = CompletionsClient(
-            config.base_url, config.timeout_s, max(connections, 1), config.extra_body
+            config.base_url,
+            config.timeout_s,
+            max(connections, 1),
+            config.extra_body,
+            backend=config.backend,
+            endpoint=config.endpoint,
+            temperature=config.temperature,
         )
     try:
         run = Run(config, client)
@@ -146,19 +159,6 @@ async def run_benchmark(
     finally:
         if own_client:
             await client.close()
-    rate = config.request_rate
-    header = {
-        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "backend": "openai",
-        "base_url": config.base_url,
-        "model_id": run.model,
-        "num_prompts": len(samples),
-        "num_warmups": config.num_warmups,
-        "request_rate": "inf" if math.isinf(rate) else rate,
-        "burstiness": config.burstiness,
-        "max_concurrency": config.max_concurrency,
-        "goodput_slos_ms": config.goodput_slos_ms or None,
-    }
     summary = summarize(
         outcomes,
         duration,
@@ -166,18 +166,48 @@ async def run_benchmark(
         config.percentile_metrics,
         config.goodput_slos_ms or None,
     )
-    return {**header, **summary}
+    if config.save_detailed:
+        summary["generated_texts"] = [o.generated_text for o in outcomes]
+    # vLLM puts --metadata pairs at the top level of the result.
+    return {**result_header(config, run.model, len(samples)), **summary, **config.metadata}
+
+
+def result_header(config: RunConfig, model: str | None, num_prompts: int) -> dict:
+    """The run's configuration, under vLLM's field names."""
+    rate = config.request_rate
+    return {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": config.backend,
+        "endpoint_type": config.backend,
+        "label": config.label,
+        "endpoint": config.endpoint or DEFAULT_ENDPOINTS[config.backend],
+        "base_url": config.base_url,
+        "model_id": model,
+        "tokenizer_id": config.tokenizer_id,
+        "num_prompts": num_prompts,
+        "num_warmups": config.num_warmups,
+        "request_rate": "inf" if math.isinf(rate) else rate,
+        "burstiness": config.burstiness,
+        "max_concurrency": config.max_concurrency,
+        "goodput_slos_ms": config.goodput_slos_ms or None,
+    }
 
 
 def default_result_filename(result: dict) -> str:
+    """vLLM's name: `{label or backend}-{rate}qps[-concurrency{N}]-{model}-{date}.json`."""
     model = str(result.get("model_id") or "model").rstrip("/").split("/")[-1]
     concurrency = result.get("max_concurrency")
     limit = f"-concurrency{concurrency}" if concurrency else ""
-    return f"openai-{result['request_rate']}qps{limit}-{model}-{result['date']}.json"
+    prefix = result.get("label") or result.get("backend") or "openai"
+    return f"{prefix}-{result['request_rate']}qps{limit}-{model}-{result['date']}.json"
 
 
-def save_result(result: dict, filename: str | None) -> Path:
+def save_result(result: dict, filename: str | None, result_dir: str | None = None) -> Path:
+    """Write the result JSON; `result_dir` (created if missing) holds it, as in vLLM."""
     path = Path(filename or default_result_filename(result))
+    if result_dir:
+        Path(result_dir).mkdir(parents=True, exist_ok=True)
+        path = Path(result_dir) / path
     path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return path
 

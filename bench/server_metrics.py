@@ -11,9 +11,13 @@ import asyncio
 import contextlib
 import math
 import re
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
+
+from pdserve.bench.auth import auth_headers
 
 KV_USAGE_NAMES = (
     "pdserve:kv_cache_usage_perc",
@@ -53,10 +57,17 @@ class MetricsSnapshot:
     preemptions: float | None  # summed over instances
 
 
-async def scrape(http: httpx.AsyncClient, base_url: str) -> MetricsSnapshot | None:
-    """One read of `/metrics`; None when the server has no such endpoint."""
+async def scrape(
+    http: httpx.AsyncClient,
+    base_url: str,
+    on_refused: Callable[[int], None] | None = None,
+) -> MetricsSnapshot | None:
+    """One read of `/metrics`; None when the server has no such endpoint or refuses it
+    (then `on_refused` hears the status: a wrong key must not pass for "no metrics")."""
     try:
         response = await http.get(f"{base_url.rstrip('/')}/metrics", timeout=5.0)
+        if response.status_code in (401, 403) and on_refused is not None:
+            on_refused(response.status_code)
         if response.status_code != 200:
             return None
     except httpx.HTTPError:
@@ -76,7 +87,9 @@ class MetricsWatcher:
     def __init__(self, base_url: str, interval_s: float = 0.5) -> None:
         self.base_url = base_url
         self.interval_s = interval_s
-        self.http = httpx.AsyncClient()
+        # The server's API key, if it has one, guards /metrics as well (vLLM's does).
+        self.http = httpx.AsyncClient(headers=auth_headers())
+        self.refused = False
         self.peak_kv_usage: float | None = None
         self.start_preemptions: float | None = None
         self.end_preemptions: float | None = None
@@ -92,21 +105,36 @@ class MetricsWatcher:
                 self.start_preemptions = snapshot.preemptions
             self.end_preemptions = snapshot.preemptions
 
+    def warn_refused(self, status: int) -> None:
+        """Say once, loudly, that the server refused the scrape."""
+        if self.refused:
+            return
+        self.refused = True
+        hint = "set OPENAI_API_KEY to the server's key" if status == 401 else "check the key"
+        print(
+            f"pdserve bench: warning: {self.base_url}/metrics answered {status}; "
+            f"KV-cache usage and preemptions will be missing ({hint})",
+            file=sys.stderr,
+        )
+
+    async def read(self) -> MetricsSnapshot | None:
+        return await scrape(self.http, self.base_url, self.warn_refused)
+
     async def start(self) -> None:
-        self.record(await scrape(self.http, self.base_url))
+        self.record(await self.read())
         self.task = asyncio.create_task(self.poll())
 
     async def poll(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            self.record(await scrape(self.http, self.base_url))
+            self.record(await self.read())
 
     async def stop(self) -> dict:
         if self.task is not None:
             self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.task
-        self.record(await scrape(self.http, self.base_url))
+        self.record(await self.read())
         await self.http.aclose()
         preemptions = None
         if self.start_preemptions is not None and self.end_preemptions is not None:

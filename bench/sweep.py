@@ -49,6 +49,10 @@ class SweepConfig:
     metrics_interval_s: float = 0.5
     show_progress: bool = True
     seed: int = 0
+    backend: str = "openai"
+    endpoint: str | None = None
+    temperature: float = 0.0
+    extra_body: dict | None = None
 
     def validate(self) -> None:
         steps = self.concurrency_steps
@@ -77,6 +81,10 @@ class SweepConfig:
             percentiles=list(self.percentiles),
             show_progress=self.show_progress,
             seed=self.seed,
+            backend=self.backend,
+            endpoint=self.endpoint,
+            temperature=self.temperature,
+            extra_body=self.extra_body,
         )
 
 
@@ -225,6 +233,10 @@ async def run_sweep(samples: list[SampleRequest], config: SweepConfig) -> dict:
         config.base_url,
         config.timeout_s,
         max(config.concurrency_steps + [config.warmup_concurrency]),
+        config.extra_body,
+        backend=config.backend,
+        endpoint=config.endpoint,
+        temperature=config.temperature,
     )
     try:
         warmup, steps, stop_index, capacity = await sweep_steps(config, take, client)

@@ -4,7 +4,9 @@ Run as `python -m tests.bench.scripted_server`: it binds 127.0.0.1 on a free por
 prints the port on stdout, and serves until terminated. `POST /script` sets its
 behaviour (latencies, which may grow with the number of requests in flight, error
 statuses, /tokenize on or off, preemptions above a concurrency) and resets its
-counters; `GET /stats` returns what it served.
+counters; `GET /stats` returns what it served. With an `api_key` scripted, every
+OpenAI route and `/metrics` answer 401 to a request without `Authorization: Bearer KEY`
+(as vLLM's `--api-key`); `/script` and `/stats` stay open for the tests.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 MODEL = "scripted-model"
 
@@ -34,6 +36,8 @@ class Script:
     usage: bool = True
     kv_capacity: int = 64  # requests in flight that fill the KV cache
     preempt_above: int = 0  # >0: a request arriving above this many in flight preempts
+    api_key: str = ""  # non-empty: OpenAI routes and /metrics need this bearer key
+    models_status: int = 200  # /v1/models answers this (503: "still loading")
 
 
 @dataclass
@@ -44,6 +48,9 @@ class Stats:
     completion_tokens: int = 0
     max_active: int = 0
     preemptions: int = 0
+    unauthorized: int = 0  # requests refused for a missing or wrong API key
+    chat_requests: int = 0
+    last_body: dict | None = None  # the last completion or chat request body
 
 
 app = FastAPI()
@@ -56,6 +63,16 @@ def word_id(word: str) -> int:
 
 def count_prompt(prompt: str | list[int]) -> int:
     return len(prompt) if isinstance(prompt, list) else len(prompt.split())
+
+
+def refused(request: Request) -> JSONResponse | None:
+    """A 401 when an API key is scripted and the request does not carry it."""
+    key = state["script"].api_key
+    if not key or request.headers.get("authorization") == f"Bearer {key}":
+        return None
+    state["stats"].unauthorized += 1
+    error = {"message": "Incorrect API key provided.", "code": "invalid_api_key"}
+    return JSONResponse({"error": error}, status_code=401)
 
 
 @app.post("/script")
@@ -71,12 +88,18 @@ async def get_stats() -> JSONResponse:
 
 
 @app.get("/v1/models")
-async def models() -> JSONResponse:
+async def models(request: Request) -> JSONResponse:
+    if (denied := refused(request)) is not None:
+        return denied
+    if state["script"].models_status != 200:
+        return JSONResponse({"error": "loading"}, status_code=state["script"].models_status)
     return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
 
 @app.post("/tokenize")
 async def tokenize(request: Request) -> JSONResponse:
+    if (denied := refused(request)) is not None:
+        return denied
     if not state["script"].tokenize:
         return JSONResponse({"error": "not found"}, status_code=404)
     prompt = (await request.json())["prompt"]
@@ -85,7 +108,9 @@ async def tokenize(request: Request) -> JSONResponse:
 
 
 @app.get("/metrics")
-async def metrics() -> PlainTextResponse:
+async def metrics(request: Request) -> Response:
+    if (denied := refused(request)) is not None:
+        return denied
     script, stats = state["script"], state["stats"]
     usage = min(1.0, state["active"] / script.kv_capacity)
     text = (
@@ -99,14 +124,31 @@ async def metrics() -> PlainTextResponse:
 
 @app.post("/v1/completions")
 async def completions(request: Request):
+    return await generate(request, chat=False)
+
+
+@app.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    return await generate(request, chat=True)
+
+
+def chat_prompt(body: dict) -> str:
+    return " ".join(str(m.get("content", "")) for m in body.get("messages", []))
+
+
+async def generate(request: Request, chat: bool):
     arrived = asyncio.get_running_loop().time()
     script, stats = state["script"], state["stats"]
+    if (denied := refused(request)) is not None:
+        return denied
     body = await request.json()
     stats.requests += 1
+    stats.chat_requests += chat
+    stats.last_body = body
     if script.status != 200:
         return JSONResponse({"error": {"message": "scripted failure"}}, status_code=script.status)
-    prompt_tokens = count_prompt(body["prompt"])
-    max_tokens = int(body.get("max_tokens") or 16)
+    prompt_tokens = count_prompt(chat_prompt(body) if chat else body["prompt"])
+    max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
     state["active"] += 1
     stats.max_active = max(stats.max_active, state["active"])
     if script.preempt_above and state["active"] > script.preempt_above:
@@ -114,8 +156,13 @@ async def completions(request: Request):
     ttft = script.ttft_s + script.ttft_per_active_s * (state["active"] - 1)
 
     def chunk(text: str, finish: str | None = None) -> str:
-        choice = {"index": 0, "text": text, "finish_reason": finish}
-        return "data: " + json.dumps({"id": "c", "object": "text_completion", "choices": [choice]})
+        if chat:
+            choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish}
+            obj = "text_completion"
+        return "data: " + json.dumps({"id": "c", "object": obj, "choices": [choice]})
 
     async def stream():
         # Tokens are paced against deadlines, not by chained sleeps, so a late wake-up
