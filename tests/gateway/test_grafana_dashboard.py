@@ -1,0 +1,95 @@
+"""deploy/grafana/pdserve.json asks only for series the gateway's `/metrics` exports,
+grouped only by labels they carry."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.scheduler.messages import InstanceAddress, InstanceOutput, MetricsDelta
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdserve.json"
+# Series names: PromQL's functions, keywords and label names never hold a colon.
+_SERIES = re.compile(r"\b(?:vllm|pdserve):[a-zA-Z0-9_:]*")
+_GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def exported() -> dict[str, set[str]]:
+    """Series name -> label names, as `/metrics` shows them once instances are known."""
+    metrics = GatewayMetrics(model_name="m")
+    for role in ("prefill", "decode", "colocated"):
+        metrics.add_instance(role, f"{role}-0")
+    # A counter the gateway only learns from instances (kv_transfer_lease_expiries_total).
+    address = InstanceAddress("prefill-0", "prefill", "tcp://127.0.0.1:1")
+    counters = {"kv_transfer_lease_expiries_total": 1.0}
+    metrics.record_output(InstanceOutput(address, metrics=MetricsDelta(counters=counters)))
+    series: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            name = sample.name
+            for suffix in _SUFFIXES:
+                name = name.removesuffix(suffix)
+            series.setdefault(name, set()).update(sample.labels.keys() - {"le"})
+    return series
+
+
+def queries(node: Any) -> list[str]:
+    """Every PromQL expression in the dashboard: panel targets and template queries."""
+    if isinstance(node, dict):
+        found = [v for k, v in node.items() if k in ("expr", "definition") and isinstance(v, str)]
+        return found + [q for v in node.values() for q in queries(v)]
+    if isinstance(node, list):
+        return [q for v in node for q in queries(v)]
+    return []
+
+
+def names_in(expr: str) -> set[str]:
+    names = set()
+    for name in _SERIES.findall(expr):
+        for suffix in _SUFFIXES:
+            name = name.removesuffix(suffix)
+        names.add(name)
+    return names
+
+
+def test_every_dashboard_query_names_exported_series_and_labels() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    series = exported()
+    exprs = queries(dashboard)
+    assert len(exprs) > 20
+    for expr in exprs:
+        names = names_in(expr)
+        assert names, f"no pdserve or vLLM series in {expr!r}"
+        missing = names - series.keys()
+        assert not missing, f"{expr!r} names series /metrics lacks: {missing}"
+        carried = set.intersection(*(series[n] for n in names)) | {"le"}
+        for group in _GROUPING.findall(expr):
+            labels = {label.strip() for label in group.split(",") if label.strip()}
+            assert labels <= carried, f"{expr!r} groups by labels its series lack"
+        # vLLM's series are always selected by model, as vLLM's dashboard does.
+        for name in names:
+            if name.startswith("vllm:") and "label_values" not in expr:
+                assert re.search(rf"{re.escape(name)}\w*\{{[^}}]*model_name=", expr), expr
+
+
+def test_the_dashboard_has_vllms_panels_and_the_handoff() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    used = set().union(*(names_in(e) for e in queries(dashboard)))
+    for name in (
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds", "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total", "vllm:prefix_cache_hits_total",
+        "vllm:request_success_total", "vllm:kv_transfer_bytes_total",
+        "vllm:kv_transfer_time_seconds", "pdserve:instance_up",
+    ):  # fmt: skip
+        assert name in used, name
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    assert {v["name"] for v in dashboard["templating"]["list"]} == {"datasource", "model_name"}
