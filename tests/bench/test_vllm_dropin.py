@@ -210,3 +210,25 @@ def test_prefix_repetition_from_the_command_line(scripted_server, tmp_path) -> N
 
 def test_parse_metadata_keeps_equals_in_values() -> None:
     assert parse_metadata(["a=b=c", " k = v "]) == {"a": "b=c", "k": "v"}
+
+
+def test_sweep_takes_the_chat_backend_and_the_key(
+    scripted_server, tmp_path, monkeypatch, capsys
+) -> None:
+    scripted_server.script(ttft_s=0.005, itl_s=0.002, api_key=KEY)
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    path = tmp_path / "sweep.json"
+    sweep = (
+        "bench sweep --backend openai-chat --concurrency-steps 1,2 --requests-per-step 4 "
+        "--num-warmups 0 --no-prefill-probe --random-input-len 6 --random-output-len 3 "
+        "--disable-tqdm"
+    )
+    code = main(
+        [*sweep.split(), "--base-url", scripted_server.base_url, "--result-filename", str(path)]
+    )
+    assert code in (0, 1), capsys.readouterr()
+    stats = scripted_server.stats()
+    assert stats["unauthorized"] == 0 and stats["chat_requests"] == stats["requests"] == 8
+    result = json.loads(path.read_text())
+    assert all(step["kv_cache_usage_perc"] is not None for step in result["steps"])
+    assert "answered 401" not in capsys.readouterr().err
