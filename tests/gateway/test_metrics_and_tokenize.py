@@ -50,6 +50,28 @@ def test_metrics_export_design_names_and_count_a_request(server) -> None:
     assert sample(after, "instance_up") == 1
     # bench's scraper reads the same page.
     assert parse_samples(after)["pdserve:kv_cache_usage_perc"] == [0.0]
+    check_vllm_series(after)
+
+
+VLLM_COUNTED = [
+    "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+    "time_per_output_token_seconds_count", "e2e_request_latency_seconds_count",
+    "request_success_total", "prompt_tokens_total", "generation_tokens_total",
+    "prefix_cache_queries_total", "request_queue_time_seconds_count",
+    "request_prefill_time_seconds_count", "request_decode_time_seconds_count",
+]  # fmt: skip
+VLLM_SHOWN = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+              "prefix_cache_hits_total", "num_preemptions_total"]  # fmt: skip
+
+
+def check_vllm_series(text: str) -> None:
+    """vLLM's names beside pdserve's, each with model_name; counts that traffic moved."""
+    for name in VLLM_COUNTED + VLLM_SHOWN:
+        lines = re.findall(rf"^vllm:{name}{{([^}}]*)}} (\S+)$", text, re.MULTILINE)
+        assert lines, f"no vllm:{name}"
+        assert all('model_name="' in labels for labels, _ in lines), name
+        if name in VLLM_COUNTED:
+            assert sum(float(v) for _, v in lines) > 0, name
 
 
 def test_tokenize_detokenize_round_trip(server) -> None:
