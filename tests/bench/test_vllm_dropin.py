@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -16,6 +18,9 @@ from pdserve.bench.server_metrics import MetricsWatcher
 from pdserve.bench.tokenizer import ApproximateTokenizer, LocalTokenizer
 from pdserve.cli import main
 
+if TYPE_CHECKING:
+    from tests.bench.conftest import ScriptedServer
+
 KEY = "sk-bench-test"
 SMALL = "--num-prompts 3 --random-input-len 6 --random-output-len 4 --disable-tqdm"
 
@@ -24,25 +29,28 @@ def bench(*argv: str) -> int:
     return main(["bench", "serve", *SMALL.split(), *argv])
 
 
-def only_json(folder: Path) -> dict:
-    (path,) = folder.glob("*.json")
-    return json.loads(path.read_text())
+@pytest.fixture
+def server(scripted_server) -> Iterator[ScriptedServer]:
+    """The session's scripted server, back to its open default script afterwards: other
+    modules' tests must not meet a scripted API key or a failing /v1/models."""
+    yield scripted_server
+    scripted_server.script()
 
 
 def test_chat_backend_with_api_key_writes_detailed_vllm_json(
-    scripted_server, tmp_path, monkeypatch, capsys
+    server, tmp_path, monkeypatch, capsys
 ) -> None:
     """The acceptance test: openai-chat, OPENAI_API_KEY, --save-detailed arrays."""
-    scripted_server.script(ttft_s=0.01, itl_s=0.002, api_key=KEY)
+    server.script(ttft_s=0.01, itl_s=0.002, api_key=KEY)
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     code = bench(
-        *("--backend", "openai-chat", "--base-url", scripted_server.base_url),
+        *("--backend", "openai-chat", "--base-url", server.base_url),
         *("--save-result", "--save-detailed", "--result-dir", str(tmp_path)),
         *("--label", "mylabel", "--metadata", "site=lab", "gpu=none"),
         *("--max-concurrency", "2", "--ready-check-timeout-sec", "5"),
     )
     assert code == 0, capsys.readouterr()
-    stats = scripted_server.stats()
+    stats = server.stats()
     assert stats["unauthorized"] == 0
     assert stats["chat_requests"] == stats["requests"] == 3
     assert stats["last_body"]["messages"][0]["role"] == "user"
@@ -59,9 +67,9 @@ def test_chat_backend_with_api_key_writes_detailed_vllm_json(
     assert result["label"] == "mylabel"
 
 
-def test_without_the_key_the_server_refuses_every_request(scripted_server, capsys) -> None:
-    scripted_server.script(api_key=KEY)
-    assert bench("--base-url", scripted_server.base_url, "--token-counting", "approximate") == 1
+def test_without_the_key_the_server_refuses_every_request(server, capsys) -> None:
+    server.script(api_key=KEY)
+    assert bench("--base-url", server.base_url, "--token-counting", "approximate") == 1
     assert "HTTP 401" in capsys.readouterr().out
 
 
@@ -89,13 +97,11 @@ def test_temperature_extra_body_and_endpoint_reach_the_request(scripted_server) 
     assert scripted_server.stats()["last_body"]["temperature"] == 0.0
 
 
-def test_metrics_scrape_sends_the_key_and_says_a_401_loudly(
-    scripted_server, monkeypatch, capsys
-) -> None:
-    scripted_server.script(api_key=KEY)
+def test_metrics_scrape_sends_the_key_and_says_a_401_loudly(server, monkeypatch, capsys) -> None:
+    server.script(api_key=KEY)
 
     async def watch() -> dict:
-        watcher = MetricsWatcher(scripted_server.base_url, interval_s=0.05)
+        watcher = MetricsWatcher(server.base_url, interval_s=0.05)
         await watcher.start()
         await asyncio.sleep(0.2)
         return await watcher.stop()
@@ -109,14 +115,14 @@ def test_metrics_scrape_sends_the_key_and_says_a_401_loudly(
     assert len(err) == 1 and "/metrics answered 401" in err[0] and "OPENAI_API_KEY" in err[0]
 
 
-def test_ready_check_waits_then_gives_up_in_one_line(scripted_server, capsys) -> None:
-    scripted_server.script(models_status=503)
-    code = bench("--base-url", scripted_server.base_url, "--ready-check-timeout-sec", "1")
+def test_ready_check_waits_then_gives_up_in_one_line(server, capsys) -> None:
+    server.script(models_status=503)
+    code = bench("--base-url", server.base_url, "--ready-check-timeout-sec", "1")
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert err.startswith("pdserve bench serve: error: server not ready after 1 s")
     assert "HTTP 503" in err and "\n" not in err
-    assert scripted_server.stats()["requests"] == 0
+    assert server.stats()["requests"] == 0
 
 
 @pytest.mark.parametrize(
@@ -212,10 +218,8 @@ def test_parse_metadata_keeps_equals_in_values() -> None:
     assert parse_metadata(["a=b=c", " k = v "]) == {"a": "b=c", "k": "v"}
 
 
-def test_sweep_takes_the_chat_backend_and_the_key(
-    scripted_server, tmp_path, monkeypatch, capsys
-) -> None:
-    scripted_server.script(ttft_s=0.005, itl_s=0.002, api_key=KEY)
+def test_sweep_takes_the_chat_backend_and_the_key(server, tmp_path, monkeypatch, capsys) -> None:
+    server.script(ttft_s=0.005, itl_s=0.002, api_key=KEY)
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     path = tmp_path / "sweep.json"
     sweep = (
@@ -223,11 +227,9 @@ def test_sweep_takes_the_chat_backend_and_the_key(
         "--num-warmups 0 --no-prefill-probe --random-input-len 6 --random-output-len 3 "
         "--disable-tqdm"
     )
-    code = main(
-        [*sweep.split(), "--base-url", scripted_server.base_url, "--result-filename", str(path)]
-    )
+    code = main([*sweep.split(), "--base-url", server.base_url, "--result-filename", str(path)])
     assert code in (0, 1), capsys.readouterr()
-    stats = scripted_server.stats()
+    stats = server.stats()
     assert stats["unauthorized"] == 0 and stats["chat_requests"] == stats["requests"] == 8
     result = json.loads(path.read_text())
     assert all(step["kv_cache_usage_perc"] is not None for step in result["steps"])
