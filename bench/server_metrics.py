@@ -87,7 +87,8 @@ class MetricsWatcher:
     def __init__(self, base_url: str, interval_s: float = 0.5) -> None:
         self.base_url = base_url
         self.interval_s = interval_s
-        # The server's API key, if it has one, guards /metrics as well (vLLM's does).
+        # vLLM and pdserve leave /metrics open, but a proxy in front may guard it with
+        # the same key: send it, and say so when it is refused.
         self.http = httpx.AsyncClient(headers=auth_headers())
         self.refused = False
         self.peak_kv_usage: float | None = None

@@ -6,7 +6,8 @@ behaviour (latencies, which may grow with the number of requests in flight, erro
 statuses, /tokenize on or off, preemptions above a concurrency) and resets its
 counters; `GET /stats` returns what it served. With an `api_key` scripted, every
 OpenAI route and `/metrics` answer 401 to a request without `Authorization: Bearer KEY`
-(as vLLM's `--api-key`); `/script` and `/stats` stay open for the tests.
+(`/v1/*` as with vLLM's `--api-key`; `/metrics` too, as a guarding proxy would, so
+the scrape's key is tested); `/script` and `/stats` stay open for the tests.
 """
 
 from __future__ import annotations
