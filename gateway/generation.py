@@ -168,7 +168,7 @@ class GenerationRun:
             self.dispatcher.abort([choice.request_id])
         if absorbed.finish_reason is not None:
             self._unfinished -= 1
-            self._observe_end(event, absorbed.finish_reason)
+            self._observe_end(choice, event, absorbed.finish_reason)
         logprobs = list(delta.logprobs or [])
         return ChoiceUpdate(
             choice, absorbed.text, list(delta.new_token_ids), logprobs, absorbed.finish_reason
@@ -192,7 +192,7 @@ class GenerationRun:
             self.metrics.observe("inter_token_latency_seconds", role, event.source, gap)
         choice.last_token_at = event.arrival
 
-    def _observe_end(self, event: StreamEvent, finish_reason: str) -> None:
+    def _observe_end(self, choice: Choice, event: StreamEvent, finish_reason: str) -> None:
         """E2E and success are counted here, not on instances: a stop string ends a
         choice here, and the instance then only sees an abort."""
         role = self.dispatcher.role_of(event.source)
@@ -200,6 +200,9 @@ class GenerationRun:
             "e2e_request_latency_seconds", role, event.source, event.arrival - self.arrival
         )
         self.metrics.count_success(role, event.source, finish_reason)
+        self.metrics.observe_lengths(
+            role, event.source, choice.num_prompt_tokens, len(choice.token_ids)
+        )
 
     # ---- totals -----------------------------------------------------------------------
 

@@ -97,6 +97,14 @@ VLLM_HISTOGRAMS = {
     "request_decode_time_seconds": (("request_decode_time_seconds",), VLLM_REQUEST_BUCKETS),
     "kv_transfer_seconds": (("kv_transfer_time_seconds",), TRANSFER_BUCKETS),
 }
+# vLLM's 1-2-5 token-count buckets (it stops at max_model_len; the gateway starts
+# before it knows that, so they go on to a million).
+VLLM_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5)) + (1e6,)
+# Series only vLLM's dashboard reads: each request's lengths, observed when it ends.
+VLLM_LENGTHS = {
+    "request_prompt_tokens": "Prompt tokens of each finished request",
+    "request_generation_tokens": "Generated tokens of each finished request",
+}
 _VLLM_STAT_GAUGES = {
     "num_requests_running": lambda s: s.num_running,
     # vLLM's waiting queue also holds the requests whose KV is being pulled.
@@ -140,6 +148,12 @@ class VLLMSeries:
             ]
             for n, (names, b) in VLLM_HISTOGRAMS.items()
         }
+        self.lengths = {
+            n: Histogram(
+                VLLM_PREFIX + n, d, VLLM_LABELS, buckets=VLLM_TOKEN_BUCKETS, registry=registry
+            )
+            for n, d in VLLM_LENGTHS.items()
+        }
         self.success = Counter(
             VLLM_PREFIX + "request_success",
             "Requests that finished, by finish reason",
@@ -148,7 +162,7 @@ class VLLMSeries:
         )
 
     def add_instance(self, role: str, instance: str) -> None:
-        for metric in (*self.gauges.values(), *self.counters.values()):
+        for metric in (*self.gauges.values(), *self.counters.values(), *self.lengths.values()):
             metric.labels(self.model_name, role, instance)
         for histograms in self.histograms.values():
             for histogram in histograms:
@@ -173,6 +187,11 @@ class VLLMSeries:
 
     def count_success(self, role: str, instance: str, finished_reason: str) -> None:
         self.success.labels(self.model_name, role, instance, finished_reason).inc()
+
+    def observe_lengths(self, role: str, instance: str, prompt: int, generation: int) -> None:
+        labels = (self.model_name, role, instance)
+        self.lengths["request_prompt_tokens"].labels(*labels).observe(prompt)
+        self.lengths["request_generation_tokens"].labels(*labels).observe(generation)
 
 
 class GatewayMetrics:
@@ -252,6 +271,10 @@ class GatewayMetrics:
         """A request finished: pdserve's counter per instance, vLLM's per reason too."""
         self.counters["request_success_total"].labels(role, instance).inc()
         self.vllm.count_success(role, instance, finished_reason)
+
+    def observe_lengths(self, role: str, instance: str, prompt: int, generation: int) -> None:
+        """A finished request's prompt and generated token counts (`vllm:*` only)."""
+        self.vllm.observe_lengths(role, instance, prompt, generation)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

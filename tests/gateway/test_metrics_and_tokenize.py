@@ -59,6 +59,7 @@ VLLM_COUNTED = [
     "request_success_total", "prompt_tokens_total", "generation_tokens_total",
     "prefix_cache_queries_total", "request_queue_time_seconds_count",
     "request_prefill_time_seconds_count", "request_decode_time_seconds_count",
+    "request_prompt_tokens_count", "request_generation_tokens_count",
 ]  # fmt: skip
 VLLM_SHOWN = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
               "prefix_cache_hits_total", "num_preemptions_total"]  # fmt: skip

@@ -24,6 +24,7 @@ VLLM_COUNTED = [
     "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
     "vllm:kv_transfer_bytes_total", "vllm:kv_transfer_time_seconds_count",
     "vllm:kv_transfer_failures_total", "vllm:kv_transfer_lease_expiries_total",
+    "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count",
 ]  # fmt: skip
 VLLM_GAUGES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"]
 
@@ -62,6 +63,7 @@ def traffic() -> GatewayMetrics:
         metrics.observe("inter_token_latency_seconds", "decode", "decode-0", 0.02)
     metrics.observe("e2e_request_latency_seconds", "decode", "decode-0", 0.4)
     metrics.count_success("decode", "decode-0", "length")
+    metrics.observe_lengths("decode", "decode-0", 12, 5)
     return metrics
 
 
@@ -94,6 +96,9 @@ def test_vllm_series_match_pdserve_values() -> None:
     assert value("vllm:request_success_total", finished_reason="length") == 1
     assert value("vllm:request_success_total", finished_reason="stop") == 0  # shown at zero
     assert value("pdserve:request_success_total") == 1
+    assert value("vllm:request_generation_tokens_sum") == 5
+    assert value("vllm:request_prompt_tokens_bucket", le="10.0") == 0
+    assert value("vllm:request_prompt_tokens_bucket", le="20.0") == 1
     # vLLM's waiting queue holds the requests pulling KV: 1 waiting + 3 pulling.
     assert value("vllm:num_requests_waiting", instance="decode-0") == 4
     assert value("pdserve:num_requests_waiting", instance="decode-0") == 1
