@@ -80,6 +80,7 @@ class EngineCore:
                 f"the executor's KV blocks hold {self.info.kv.block_size} tokens, "
                 f"not block_size {self.config.block_size}"
             )
+        self._check_one_request_fits()
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=self.config.max_num_seqs,
@@ -95,6 +96,25 @@ class EngineCore:
         self.stats = EngineStats()
         self.planner = StepPlanner()
         self._seeds = random.Random(self.config.seed)
+
+    def _check_one_request_fits(self) -> None:
+        """Refuses a KV cache that cannot hold one request of max_model_len: such an
+        engine would start, then stall or preempt forever on the first long request."""
+        blocks, size = self.info.kv.num_blocks, self.config.block_size
+        if blocks * size >= self.info.max_model_len:
+            return
+        if self.config.num_kv_blocks is not None:
+            more = "num_kv_blocks"
+        elif self.config.device == "cpu":
+            more = "--kv-cache-memory"
+        else:
+            more = "--gpu-memory-utilization"
+        self.executor.shutdown()  # the caller gets no engine to shut down
+        raise ValueError(
+            f"the KV cache holds {blocks} blocks x {size} = {blocks * size} tokens, fewer "
+            f"than one request of max_model_len {self.info.max_model_len}: raise {more} "
+            f"or lower --max-model-len"
+        )
 
     @property
     def model_path(self) -> str:

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 ARGS = (
     *LOCAL, "--mode", "colocated", "--num-colocated", "2",
     "--max-num-seqs", "1", "--max-queued-requests", "0", "--routing-policy", "round_robin",
-    "--dtype", "float32", "--kv-cache-memory", "64MiB", "--instance-timeout", "4",
+    "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
+    "--instance-timeout", "4",
 )  # fmt: skip
 LONG = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
         "temperature": 0, "stream": True}  # fmt: skip

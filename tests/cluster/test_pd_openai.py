@@ -47,7 +47,7 @@ def server() -> Iterator[ServeProcess]:
 def llm():
     from pdserve import LLM
 
-    return LLM(dtype="float32", num_threads=1, kv_cache_memory=64 << 20)
+    return LLM(dtype="float32", num_threads=1, kv_cache_memory=64 << 20, max_model_len=1024)
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,7 @@ def server(ray_cluster: str) -> Iterator[ServeProcess]:
     with served(
         "--mode", "colocated", "--launcher", "ray", "--ray-address", ray_cluster,
         "--num-colocated", "2", "--dtype", "float32", "--kv-cache-memory", "64MiB",
+        "--max-model-len", "1024",
         "--threads-per-instance", "1", "--enable-test-hooks", env=RAY_ENV,
     ) as process:  # fmt: skip
         yield process
@@ -105,6 +106,7 @@ def pd_server(ray_cluster: str) -> Iterator[ServeProcess]:
     with served(
         "--launcher", "ray", "--ray-address", ray_cluster, "--num-prefill", "1",
         "--num-decode", "1", "--dtype", "bfloat16", "--kv-cache-memory", "64MiB",
+        "--max-model-len", "1024",
         "--threads-per-instance", "1", "--enable-test-hooks", env=RAY_ENV,
         exit_zero=True, stop_timeout_s=60,
     ) as process:  # fmt: skip

@@ -46,6 +46,8 @@ def folder() -> str:
 
 
 def _llm(**engine_args) -> LLM:
+    # 256 MiB hold 5824 fp32 tokens: max_model_len must fit in the cache (8192 would not).
+    engine_args = {"max_model_len": 2048, **engine_args}
     return LLM(dtype="float32", kv_cache_memory=256 << 20, **engine_args)
 
 
@@ -97,7 +99,7 @@ def test_preemption_recomputes_identically(prompts, expected):
     n = 32
     long = [i for i, e in enumerate(expected) if len(e) >= n][:8]
     assert len(long) >= 6
-    llm = _llm(num_kv_blocks=14)
+    llm = _llm(num_kv_blocks=14, max_model_len=14 * 16)  # one request may fill the pool
     outputs = llm.generate([prompts[i] for i in long], SamplingParams(temperature=0, max_tokens=n))
     assert llm.engine.scheduler.stats().num_preemptions_total > 0
     assert [o.token_ids for o in outputs] == [expected[i][:n] for i in long]

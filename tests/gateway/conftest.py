@@ -46,4 +46,6 @@ def offline_llm():
     """The single-instance engine, the oracle for greedy outputs."""
     from pdserve import LLM
 
-    return LLM(dtype="float32", num_threads=1, kv_cache_memory=64 << 20)
+    return LLM(
+        dtype="float32", num_threads=1, kv_cache_memory=64 << 20, max_model_len=MAX_MODEL_LEN
+    )

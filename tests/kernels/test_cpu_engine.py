@@ -52,8 +52,9 @@ def _write_checkpoint(folder, sliding_window: int | None) -> str:
 
 def _generate(folder: str, prompts: list[list[int]]) -> dict[str, list[int]]:
     engine = EngineCore(
-        model=folder, num_kv_blocks=64, max_num_batched_tokens=24, num_threads=2, dtype="float32"
-    )
+        model=folder, num_kv_blocks=64, max_num_batched_tokens=24, num_threads=2,
+        dtype="float32", max_model_len=64 * 16,  # the 64 blocks must hold one full request
+    )  # fmt: skip
     tokens = greedy_tokens(engine, prompts, max_tokens=20)
     assert all(len(t) == 20 for t in tokens.values())
     return tokens

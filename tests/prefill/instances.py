@@ -29,7 +29,8 @@ from pdserve.scheduler.messages import (
 )
 from pdserve.scheduler.sampling_params import SamplingParams
 
-ENGINE = {"dtype": "float32", "num_threads": 1, "kv_cache_memory": 24 << 20}
+# 24 MiB hold 34 blocks of 16 fp32 tokens: max_model_len must fit in them (512 <= 544).
+ENGINE = {"dtype": "float32", "num_threads": 1, "kv_cache_memory": 24 << 20, "max_model_len": 512}
 ENCODER = msgspec.msgpack.Encoder()
 
 
