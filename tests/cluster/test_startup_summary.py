@@ -4,6 +4,10 @@ in the instance's InstanceInfo (a step loop over a fake executor here; no model)
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 from pdserve.cluster.serve import instance_summary
 from pdserve.scheduler.messages import InstanceAddress, InstanceInfo
 from tests.instance.test_step_loop import Harness
@@ -31,3 +35,23 @@ def test_the_summary_names_the_kv_cache_and_how_many_full_requests_fit() -> None
     assert line.startswith("pdserve: decode-0: SmolLM2-135M-Instruct, bfloat16 on cuda")
     assert "200 KV blocks x 16 = 3200 tokens" in line
     assert "3 requests of 1024 tokens (max_model_len) fit at once" in line
+
+
+def test_serve_refuses_a_kv_cache_short_of_one_full_request() -> None:
+    # 4 MiB hold 5 fp32 blocks (80 tokens) of the embedded model, whose max_model_len
+    # is 8192: the instance fails to load and `pdserve serve` says why in one line.
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "serve", "--launcher", "local", "--port", "0",
+         "--mode", "colocated", "--num-colocated", "1", "--threads-per-instance", "1",
+         "--dtype", "float32", "--kv-cache-memory", "4MiB"],
+        capture_output=True, text=True, timeout=180,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert errors == [
+        "pdserve serve: error: colocated-0 failed to start: ValueError: the KV cache holds "
+        "5 blocks x 16 = 80 tokens, fewer than one request of max_model_len 8192: raise "
+        "--kv-cache-memory or lower --max-model-len"
+    ]
+    assert "Traceback" not in result.stderr
