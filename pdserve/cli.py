@@ -7,7 +7,7 @@ import sys
 
 from pdserve import __version__
 from pdserve.bench.cli import add_bench_parser
-from pdserve.cluster.serve_cli import add_serve_parser
+from pdserve.cluster.serve_cli import DefaultsHelpFormatter, add_serve_parser
 from pdserve.planner.cli import add_calibrate_parser, add_plan_parser
 
 
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_calibrate_parser(add_bench_parser(sub))
     add_plan_parser(sub)
+    sub.choices["plan"].formatter_class = DefaultsHelpFormatter  # as serve's: defaults shown
     return parser
 
 

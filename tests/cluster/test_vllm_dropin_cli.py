@@ -74,3 +74,10 @@ def test_help_shows_no_default_for_unset_or_false_flags(capsys: pytest.CaptureFi
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: None)" not in text and "(default: False)" not in text
     assert text.count("(default: ") == text.count("default")  # never twice for one flag
+
+
+def test_plan_help_shows_defaults_too(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text and "(default: " in text
