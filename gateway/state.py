@@ -60,7 +60,7 @@ class Gateway:
             raise ValueError("at least one served model name is needed")
         self.config = config
         self.tokenizer = Tokenizer.from_folder(config.model_path)
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(self.model_name)  # the model_name label of vllm:*
         self.scheduler = GlobalScheduler(config.scheduler)
         self.dispatcher = Dispatcher(self.scheduler, self.metrics, config.zmq_host)
         self.model_card: ModelCard | None = None

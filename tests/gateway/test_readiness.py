@@ -84,3 +84,10 @@ def test_at_startup_every_configured_instance_must_be_up(make_gateway) -> None:
     assert_ready(client)
     gateway.instance_lost("decode-0", "test")
     assert_ready(client)  # after startup: one decode instance left is enough
+
+
+def test_the_vllm_series_carry_the_served_model_name(make_gateway) -> None:
+    gateway, client = make_gateway()
+    gateway.register(info("colocated-0", "colocated", 41012))
+    text = client.get("/metrics").text
+    assert 'model_name="m"' in text and 'model_name=""' not in text
