@@ -21,6 +21,8 @@ from pdserve.cluster.placement import (
     resolve_device,
 )
 from pdserve.engine.embedded import MODEL_NAME
+from pdserve.engine.model_source import ModelNotFound
+from pdserve.engine.model_source import resolve_model as resolve_model_source
 from pdserve.scheduler.global_scheduler import GlobalSchedulerConfig
 
 MODES = ("disaggregated", "colocated")
@@ -81,8 +83,9 @@ class ServePlan:
         except PlacementError as exc:
             raise ServeError(str(exc)) from None
         names = args.served_model_name or [args.model or MODEL_NAME]
+        model_path = local_model(args)
         engine_args = {
-            "model": args.model,
+            "model": model_path,
             "dtype": args.dtype,
             "block_size": args.block_size,
             "max_num_seqs": args.max_num_seqs,
@@ -104,7 +107,7 @@ class ServePlan:
         except ValueError as exc:
             raise ServeError(str(exc)) from None
         kv_transfer = kv_transfer_settings(args) if args.mode == "disaggregated" else {}
-        return cls(args, args.model, names, instances, engine_args, scheduler, kv_transfer)
+        return cls(args, model_path, names, instances, engine_args, scheduler, kv_transfer)
 
 
 def kv_transfer_settings(args: argparse.Namespace) -> dict:
@@ -139,6 +142,17 @@ def resolve_model(args: argparse.Namespace) -> None:
     args.model = tag
 
 
+def local_model(args: argparse.Namespace) -> str | None:
+    """The folder of `--model`: as given, or a Hugging Face id resolved from the hub cache
+    (the served name stays the id, as in vLLM); None: the embedded model."""
+    if args.model is None:
+        return None
+    try:
+        return str(resolve_model_source(args.model, args.revision, args.download_dir))
+    except ModelNotFound as exc:
+        raise ServeError(f"--model {exc}") from None
+
+
 def _real(path: str) -> str:
     return os.path.realpath(os.path.expanduser(path))
 
@@ -161,8 +175,6 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ServeError("--threads-per-instance must be >= 0 (0: automatic)")
     if not 0 <= args.port <= 65535:
         raise ServeError("--port must be in [0, 65535]")
-    if args.model is not None and not os.path.isdir(os.path.expanduser(args.model)):
-        raise ServeError(f"--model {args.model}: no such checkpoint folder")
     parse_size(args.kv_cache_memory)
 
 

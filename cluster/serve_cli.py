@@ -50,7 +50,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         nargs="?",
         default=None,
         metavar="MODEL",
-        help="checkpoint folder, as in `vllm serve MODEL` (the same as --model)",
+        help="checkpoint folder or Hugging Face id, as in `vllm serve MODEL` (= --model)",
     )
     _add_model_flags(parser.add_argument_group("model and engine"))
     _add_http_flags(parser.add_argument_group("HTTP"))
@@ -62,7 +62,18 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
 
 
 def _add_model_flags(model: argparse._ArgumentGroup) -> None:
-    model.add_argument("--model", default=None, help="checkpoint folder (default: embedded)")
+    model.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint folder, or a Hugging Face id read from the hub cache "
+        "(HF_HOME, HF_HUB_OFFLINE; default: the embedded model)",
+    )
+    model.add_argument(
+        "--revision", default=None, help="Hugging Face id: branch, tag or commit (default: main)"
+    )
+    model.add_argument(
+        "--download-dir", default=None, help="Hugging Face id: the hub cache to read (and fill)"
+    )
     model.add_argument(
         "--served-model-name",
         nargs="+",
