@@ -65,8 +65,8 @@ def _add_model_flags(model: argparse._ArgumentGroup) -> None:
     model.add_argument(
         "--model",
         default=None,
-        help="checkpoint folder, or a Hugging Face id read from the hub cache "
-        "(HF_HOME, HF_HUB_OFFLINE; default: the embedded model)",
+        help="checkpoint folder, or a Hugging Face id read from the hub cache with "
+        "HF_HOME and HF_HUB_OFFLINE (default: the embedded model)",
     )
     model.add_argument(
         "--revision", default=None, help="Hugging Face id: branch, tag or commit (default: main)"
