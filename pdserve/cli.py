@@ -16,9 +16,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
-    add_calibrate_parser(add_bench_parser(sub))
+    bench = add_bench_parser(sub)
+    add_calibrate_parser(bench)
     add_plan_parser(sub)
-    sub.choices["plan"].formatter_class = DefaultsHelpFormatter  # as serve's: defaults shown
+    # Every command's --help shows its defaults, as serve's does.
+    for command in (sub.choices["plan"], *bench.choices.values()):
+        command.formatter_class = DefaultsHelpFormatter
     return parser
 
 

@@ -81,3 +81,16 @@ def test_plan_help_shows_defaults_too(capsys: pytest.CaptureFixture[str]) -> Non
         build_parser().parse_args(["plan", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: None)" not in text and "(default: " in text
+
+
+@pytest.mark.parametrize(
+    "command", [["bench", "serve"], ["bench", "sweep"], ["bench", "calibrate"]]
+)
+def test_bench_help_shows_defaults_too(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "(default: " in text
