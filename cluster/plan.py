@@ -24,6 +24,7 @@ from pdserve.engine.embedded import MODEL_NAME
 from pdserve.engine.model_source import ModelNotFound
 from pdserve.engine.model_source import resolve_model as resolve_model_source
 from pdserve.scheduler.global_scheduler import GlobalSchedulerConfig
+from pdserve.text.tokenizer import TokenizerError, read_chat_template
 
 MODES = ("disaggregated", "colocated")
 LAUNCHERS = ("ray", "local")
@@ -62,6 +63,7 @@ class ServePlan:
     engine_args: dict
     scheduler: GlobalSchedulerConfig
     kv_transfer: dict  # KVTransferConfig fields for the prefill and decode instances
+    chat_template: str | None = None  # --chat-template's text
 
     @classmethod
     def from_args(
@@ -107,7 +109,17 @@ class ServePlan:
         except ValueError as exc:
             raise ServeError(str(exc)) from None
         kv_transfer = kv_transfer_settings(args) if args.mode == "disaggregated" else {}
-        return cls(args, model_path, names, instances, engine_args, scheduler, kv_transfer)
+        chat_template = None
+        try:
+            if args.chat_template is not None:
+                chat_template = read_chat_template(args.chat_template)
+        except TokenizerError as exc:
+            raise ServeError(f"--chat-template: {exc}") from None
+        if args.tokenizer is not None and not os.path.isdir(os.path.expanduser(args.tokenizer)):
+            raise ServeError(f"--tokenizer {args.tokenizer}: no such tokenizer folder")
+        return cls(
+            args, model_path, names, instances, engine_args, scheduler, kv_transfer, chat_template
+        )
 
 
 def kv_transfer_settings(args: argparse.Namespace) -> dict:

@@ -155,6 +155,8 @@ async def serve(plan: ServePlan, model_path: str, listener: socket.socket) -> in
             enable_test_hooks=args.enable_test_hooks,
             scheduler=plan.scheduler,
             expected_instances=len(plan.instances),
+            tokenizer_path=args.tokenizer,
+            chat_template=plan.chat_template,
         )
     )
     gateway.start()

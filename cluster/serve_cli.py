@@ -69,6 +69,17 @@ def _add_model_flags(model: argparse._ArgumentGroup) -> None:
         "HF_HOME and HF_HUB_OFFLINE (default: the embedded model)",
     )
     model.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer folder (tokenizer.json and its configs) for prompts and text "
+        "(default: the model's)",
+    )
+    model.add_argument(
+        "--chat-template",
+        default=None,
+        help="a chat template file, or the template itself, replacing the tokenizer's",
+    )
+    model.add_argument(
         "--revision", default=None, help="Hugging Face id: branch, tag or commit (default: main)"
     )
     model.add_argument(

@@ -43,6 +43,8 @@ class GatewayConfig:
     # Instances the launch brings up: not ready until all have registered, so a client
     # or load balancer that waits on /health meets the whole deployment (0: no wait).
     expected_instances: int = 0
+    tokenizer_path: str | None = None  # a tokenizer folder other than the model's
+    chat_template: str | None = None  # replaces the tokenizer's own templates
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,9 @@ class Gateway:
         if not config.served_model_names:
             raise ValueError("at least one served model name is needed")
         self.config = config
-        self.tokenizer = Tokenizer.from_folder(config.model_path)
+        self.tokenizer = Tokenizer.from_folder(config.tokenizer_path or config.model_path)
+        if config.chat_template is not None:
+            self.tokenizer.chat_templates = {"default": config.chat_template}
         self.metrics = GatewayMetrics(self.model_name)  # the model_name label of vllm:*
         self.scheduler = GlobalScheduler(config.scheduler)
         self.dispatcher = Dispatcher(self.scheduler, self.metrics, config.zmq_host)

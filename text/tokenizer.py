@@ -290,6 +290,19 @@ def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
     return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
+def read_chat_template(value: str) -> str:
+    """`--chat-template`, as vLLM takes it: a template file, or the template itself."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TokenizerError(f"chat template {path}: cannot read: {_one_line(exc)}") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise TokenizerError(f"chat template {value}: no such file (nor a template: no {{{{ or {{%)")
+
+
 def _load_chat_templates(root: Path, config: Mapping[str, Any]) -> dict[str, str]:
     """Templates by name from tokenizer_config.json, chat_template.json, chat_template.jinja and
     additional_chat_templates/*.jinja (later sources win, as in transformers' saved layout)."""
