@@ -97,6 +97,8 @@ class ServePlan:
             "enable_prefix_caching": args.enable_prefix_caching,
             "seed": args.seed,
             "device": device,
+            "tokenizer": args.tokenizer,
+            "generation_config": args.generation_config,
         }
         try:
             scheduler = GlobalSchedulerConfig(
@@ -188,6 +190,14 @@ def check_flags(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ServeError("--port must be in [0, 65535]")
     parse_size(args.kv_cache_memory)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ServeError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
+    source = args.generation_config
+    found = os.path.isfile(os.path.join(os.path.expanduser(source), "generation_config.json"))
+    if source not in ("auto", "vllm") and not found:
+        raise ServeError(
+            f"--generation-config {source}: no generation_config.json there (or give auto or vllm)"
+        )
 
 
 def _roles(args: argparse.Namespace) -> list[str]:

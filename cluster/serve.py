@@ -157,6 +157,7 @@ async def serve(plan: ServePlan, model_path: str, listener: socket.socket) -> in
             expected_instances=len(plan.instances),
             tokenizer_path=args.tokenizer,
             chat_template=plan.chat_template,
+            tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         )
     )
     gateway.start()

@@ -7,9 +7,11 @@ import copy
 
 from pdserve.cluster.placement import DEVICES
 from pdserve.cluster.plan import FAILURE_POLICIES, KV_TRANSPORTS, LAUNCHERS, MODES
+from pdserve.gateway.tool_parsers import PARSERS
 from pdserve.scheduler.routing import DEFAULT_POLICY, POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+TOOL_CALL_PARSERS = tuple(PARSERS)
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -78,6 +80,23 @@ def _add_model_flags(model: argparse._ArgumentGroup) -> None:
         "--chat-template",
         default=None,
         help="a chat template file, or the template itself, replacing the tokenizer's",
+    )
+    model.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults: auto (the model's generation_config.json), vllm (none: "
+        "SamplingParams' own), or a folder holding a generation_config.json",
+    )
+    model.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": find tool calls in the model\'s text (needs --tool-call-parser)',
+    )
+    model.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="how the model writes tool calls, for --enable-auto-tool-choice",
     )
     model.add_argument(
         "--revision", default=None, help="Hugging Face id: branch, tag or commit (default: main)"

@@ -98,10 +98,9 @@ class DecodeRole:
         return None
 
     def id_in_use(self, request_id: str) -> bool:
-        scheduler = self.engine.scheduler
         return (
-            request_id in scheduler.requests
-            or request_id in scheduler.quarantined
+            self.engine.holds(request_id)
+            or request_id in self.engine.scheduler.quarantined
             or self.kv.handoff(request_id) is not None
         )
 
@@ -122,7 +121,7 @@ class DecodeRole:
                 request_id, handoff.prompt_token_ids, handoff.sampling_params, handoff.cache_salt
             )
             request.output_token_ids.append(handoff.first_token_id)
-            engine.scheduler.add_remote_request(request, num_remote_tokens)
+            engine.add_remote_request(request, num_remote_tokens)
         except ValueError as exc:
             self.kv.abort(request_id)  # tells P to let go of its blocks
             return self._reject(handoff, str(exc))
@@ -146,10 +145,11 @@ class DecodeRole:
 
     def has_work(self) -> bool:
         scheduler = self.engine.scheduler
-        return bool(scheduler.running or scheduler.waiting)
+        return bool(scheduler.running or scheduler.waiting or len(self.engine.grammar_gate))
 
     def task_wait_s(self, idle_wait_s: float) -> float:
         busy = self.held_pulls is not None and len(self.held_pulls) > 0
+        busy = busy or len(self.engine.grammar_gate) > 0  # polled each turn
         return self.link.task_wait_s(self.engine.scheduler, idle_wait_s, busy)
 
     def before_step(self) -> None:
@@ -162,7 +162,7 @@ class DecodeRole:
         self._settle(self.link.exchange(self.kv.build_metadata()))
 
     def step(self) -> list[RequestDelta]:
-        output = self.engine.scheduler.schedule()
+        output = self.engine.schedule()
         if self.held_pulls is None:
             self._start_pulls(output.remote_kv_allocations)
         else:

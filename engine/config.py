@@ -20,6 +20,10 @@ GiB = 1 << 30
 @dataclass
 class EngineConfig:
     model: str | None = None  # a Hugging Face checkpoint folder; None: the embedded model
+    tokenizer: str | None = None  # its tokenizer's folder (for grammars); None: the model's
+    # Sampling defaults: "auto" the checkpoint's generation_config.json, "vllm" none
+    # (SamplingParams' own), or a folder holding another generation_config.json.
+    generation_config: str = "auto"
     dtype: str = "auto"  # auto: the checkpoint's dtype, float16 → bfloat16 on CPU
     block_size: int = 16
     max_num_seqs: int = 256
@@ -35,6 +39,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory this engine may use
     enforce_eager: bool = False  # CUDA: run decode steps eagerly (no CUDA graphs)
     cuda_graph_sizes: list[int] | None = None  # decode batch sizes to capture; None: defaults
+    # A structured-output grammar that takes longer to compile fails its request.
+    grammar_compile_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

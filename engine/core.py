@@ -15,9 +15,10 @@ from typing import Any
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.executor import Executor, InProcessExecutor
+from pdserve.engine.grammar_gate import GrammarGate
 from pdserve.engine.plan import NewRequest, PlannedChunk, StepPlan, WorkerInfo
 from pdserve.scheduler.config import SchedulerConfig
-from pdserve.scheduler.messages import RequestDelta
+from pdserve.scheduler.messages import RequestDelta, error_delta
 from pdserve.scheduler.outputs import SchedulerOutput
 from pdserve.scheduler.request import Request, RequestStatus
 from pdserve.scheduler.sampling_params import SamplingParams
@@ -96,6 +97,11 @@ class EngineCore:
         self.stats = EngineStats()
         self.planner = StepPlanner()
         self._seeds = random.Random(self.config.seed)
+        self.grammar_gate = GrammarGate(
+            lambda spec: self.executor.prepare_grammar(spec),
+            self.config.grammar_compile_timeout_s,
+        )
+        self._gate_errors: list[RequestDelta] = []  # requests whose grammar failed
 
     def _check_one_request_fits(self) -> None:
         """Refuses a KV cache that cannot hold one request of max_model_len: such an
@@ -159,23 +165,48 @@ class EngineCore:
             seed=self._seeds.getrandbits(63) if seed is None else seed,
         )
 
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def add_request(self, request: Request, hand_off: bool = False) -> None:
+        """Schedules the request (`hand_off`: only up to its first token, see
+        `Scheduler.add_request`) once its structured-output grammar, if any, compiled."""
+        self.grammar_gate.admit(request, lambda: self.scheduler.add_request(request, hand_off))
+
+    def add_remote_request(self, request: Request, num_remote_tokens: int) -> None:
+        """A handed-off request whose first `num_remote_tokens` of KV are pulled from
+        another instance (`Scheduler.add_remote_request`), once its grammar compiled."""
+        self.grammar_gate.admit(
+            request, lambda: self.scheduler.add_remote_request(request, num_remote_tokens)
+        )
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the request is here: scheduled, or waiting for its grammar."""
+        return request_id in self.scheduler.requests or request_id in self.grammar_gate
 
     def abort_request(self, request_id: str) -> None:
-        self.scheduler.abort_request(request_id)
+        if not self.grammar_gate.abort(request_id):
+            self.scheduler.abort_request(request_id)
 
     def finish_request(self, request_id: str) -> None:
         """Ends a request whose text matched a stop string (the front end decides)."""
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or len(self.grammar_gate) > 0
 
     # ---- stepping -------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
-        return self.execute(self.scheduler.schedule())
+        return self.execute(self.schedule())
+
+    def schedule(self) -> SchedulerOutput:
+        """The scheduler's next step, after admitting requests whose grammar compiled
+        (those whose grammar failed come back with the step's deltas)."""
+        for request, reason in self.grammar_gate.poll():
+            self._gate_errors.append(
+                error_delta(
+                    request.request_id, reason, request.num_prompt_tokens, request.num_output_tokens
+                )  # fmt: skip
+            )
+        return self.scheduler.schedule()
 
     def execute(self, output: SchedulerOutput) -> list[RequestDelta]:
         """Runs a step the scheduler planned. Owners that act on the plan itself (a
@@ -188,20 +219,21 @@ class EngineCore:
     ) -> tuple[list[RequestDelta], list[Any]]:
         """`execute`, with the KV connector's metadata for the step going to the ranks;
         returns the deltas and each rank's KV connector report."""
+        failed, self._gate_errors = self._gate_errors, []
         plan = self.planner.plan(output, kv_connector)
         if plan.is_empty and not plan.finished_ids and kv_connector is None:
-            return [], []
+            return failed, []
         started = time.perf_counter()
         result = self.executor.execute(plan)
         if plan.is_empty:
-            return [], result.kv_reports
+            return failed, result.kv_reports
         self.stats.model_seconds += time.perf_counter() - started
         self._count(output)
         sampled = {s.request_id: s.token_id for s in result.sampled}
         self.scheduler.update_from_output(output, sampled)
         requests = {c.request.request_id: c.request for c in output.chunks}
         deltas = [self._delta(requests[s.request_id], s) for s in result.sampled]
-        return deltas, result.kv_reports
+        return failed + deltas, result.kv_reports
 
     def exchange_kv(self, kv_connector: Any) -> list[Any]:
         """Hands the ranks' KV connectors their metadata without a model step; returns

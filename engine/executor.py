@@ -8,10 +8,12 @@ the same protocol, so neither the step loop nor the scheduler changes with them.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.plan import KVGeometry, StepPlan, StepResult, WorkerInfo
+from pdserve.scheduler.structured_output import StructuredOutput
 
 if TYPE_CHECKING:
     from pdserve.engine.worker import ModelWorker
@@ -42,6 +44,11 @@ class Executor(Protocol):
         """Runs one planned step; a plan without chunks only exchanges KV metadata."""
         ...
 
+    def prepare_grammar(self, spec: StructuredOutput) -> Future[Any]:
+        """Starts compiling a structured-output constraint on the ranks; the future is
+        done once every rank holds it (it fails with a one-line reason)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -63,6 +70,11 @@ class InProcessExecutor:
         if self.worker is None:
             raise RuntimeError("the executor is not loaded yet: call load() first")
         return self.worker.execute(plan)
+
+    def prepare_grammar(self, spec: StructuredOutput) -> Future[Any]:
+        if self.worker is None:
+            raise RuntimeError("the executor is not loaded yet: call load() first")
+        return self.worker.prepare_grammar(spec)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -12,6 +12,7 @@ and applies stop strings (DESIGN.md: instances stop on token ids and lengths onl
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -168,7 +169,11 @@ class LLM:
                         self.tokenizer, sp, prompt_index=index, completion_index=completion
                     )
             while self.engine.has_unfinished_requests():
+                if not self.engine.scheduler.has_unfinished_requests():
+                    time.sleep(0.002)  # only grammars compiling: leave their thread the GIL
                 for delta in self.engine.step():
+                    if delta.finish_reason == "error":  # e.g. a grammar that did not compile
+                        raise ValueError(delta.error or "the engine failed the request")
                     if tracked[delta.request_id].absorb(delta).end_request:
                         self.engine.finish_request(delta.request_id)  # a stop string matched
         except BaseException:

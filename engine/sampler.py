@@ -29,7 +29,8 @@ class Sampler:
     def sample(
         self, logits: Tensor, requests: list[Request]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits [len(requests), vocab] float32 → one token (and logprobs) per request."""
+        """logits [len(requests), vocab] float32 → one token (and logprobs) per request.
+        Logprobs are those of the logits given: after a structured-output mask, if any."""
         params = [r.sampling_params for r in requests]
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
@@ -146,11 +147,16 @@ class Sampler:
     def _describe(row_logprobs: Tensor, token: int, num_top: int) -> TokenLogprobs:
         chosen = float(row_logprobs[token])
         rank = int((row_logprobs > chosen).sum()) + 1
-        top = row_logprobs.topk(num_top) if num_top else None
+        top_ids: list[int] = []
+        top_logprobs: list[float] = []
+        if num_top:
+            top = row_logprobs.topk(num_top)
+            # A structured-output mask leaves forbidden tokens at -inf: they are no
+            # alternatives, and JSON has no infinity.
+            for token_id, logprob in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+                if logprob != float("-inf"):
+                    top_ids.append(token_id)
+                    top_logprobs.append(logprob)
         return TokenLogprobs(
-            token_id=token,
-            logprob=chosen,
-            rank=rank,
-            top_ids=top.indices.tolist() if top is not None else [],
-            top_logprobs=top.values.tolist() if top is not None else [],
+            token_id=token, logprob=chosen, rank=rank, top_ids=top_ids, top_logprobs=top_logprobs
         )

@@ -10,14 +10,23 @@ the step runs and reports its finished and failed transfers after.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from pdserve.engine import gpu_memory
-from pdserve.engine.checkpoint import load_generation_config, load_model_config
+from pdserve.engine.checkpoint import (
+    CheckpointError,
+    load_generation_config,
+    load_model_config,
+)
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.device_executor import DeviceExecutor
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.engine.executor import RankConnector
+from pdserve.engine.grammar import GrammarBook
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
 from pdserve.engine.loader import load_model
 from pdserve.engine.plan import KVGeometry, SampledToken, StepPlan, StepResult, WorkerInfo
@@ -26,6 +35,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.kernels import dispatch
 from pdserve.scheduler.outputs import ScheduledChunk
 from pdserve.scheduler.request import Request
+from pdserve.scheduler.structured_output import StructuredOutput
 
 
 class ModelWorker:
@@ -69,6 +79,9 @@ class ModelWorker:
         self.eos_token_ids = frozenset(generation_config.eos_token_ids) | frozenset(
             mc.eos_token_ids
         )
+        self.grammars = GrammarBook(
+            config.tokenizer or self.model_path, mc.vocab_size, sorted(self.eos_token_ids)
+        )
         geometry = KVGeometry(
             num_layers=shape.num_layers,
             num_kv_heads=shape.num_kv_heads,
@@ -85,11 +98,21 @@ class ModelWorker:
             vocab_size=mc.vocab_size,
             max_model_len=self.max_model_len,
             eos_token_ids=sorted(self.eos_token_ids),
-            generation_defaults=dict(generation_config.defaults),
+            generation_defaults=self._generation_defaults(generation_config.defaults),
             kernels=self._kernels_status(),
             kv=geometry,
             connector_addresses=addresses,
         )
+
+    def _generation_defaults(self, checkpoint: dict[str, int | float]) -> dict[str, int | float]:
+        source = self.config.generation_config
+        if source == "auto":
+            return dict(checkpoint)
+        if source == "vllm":
+            return {}
+        if not (Path(source).expanduser() / "generation_config.json").is_file():
+            raise CheckpointError(f"generation config {source}: no generation_config.json there")
+        return dict(load_generation_config(Path(source).expanduser()).defaults)
 
     def _num_blocks(self, shape: KVCacheShape, free_before_load: int) -> int:
         config = self.config
@@ -118,6 +141,11 @@ class ModelWorker:
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.close()
+        if hasattr(self, "grammars"):
+            self.grammars.shutdown()
+
+    def prepare_grammar(self, spec: StructuredOutput) -> Future[Any]:
+        return self.grammars.prepare(spec)
 
     # ---- stepping ---------------------------------------------------------------------
 
@@ -136,7 +164,11 @@ class ModelWorker:
         for request_id in plan.finished_ids:
             self.requests.pop(request_id, None)
             self.block_tables.pop(request_id, None)
+            self.grammars.drop(request_id)
         for new in plan.new_requests:
+            spec = new.sampling_params.structured_outputs
+            if spec is not None:
+                self.grammars.start(new.request_id, spec, new.output_token_ids)
             self.requests[new.request_id] = Request(
                 request_id=new.request_id,
                 prompt_token_ids=new.prompt_token_ids,
@@ -158,9 +190,11 @@ class ModelWorker:
         logits = self.runner.execute(batch)
         if not batch.sampling_requests:  # a step of mid-prompt chunks samples nothing
             return []
+        self.grammars.mask(logits, [r.request_id for r in batch.sampling_requests])
         tokens, logprobs = self.sampler.sample(logits, batch.sampling_requests)
         sampled = []
         for request, token, lp in zip(batch.sampling_requests, tokens, logprobs, strict=True):
             request.output_token_ids.append(token)
+            self.grammars.advance(request.request_id, token)
             sampled.append(SampledToken(request.request_id, token, lp))
         return sampled

@@ -2,29 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pdserve.gateway.errors import bad_request
 from pdserve.gateway.generation import Choice, ChoiceUpdate
 from pdserve.gateway.logprobs import TokenText, chat_logprobs
 from pdserve.gateway.prompts import chat_prompt
 from pdserve.gateway.responses import choice_entry, respond
 from pdserve.gateway.schemas import ChatCompletionRequest, read_body
 from pdserve.gateway.state import Gateway
+from pdserve.gateway.tools import (
+    ToolCallStream,
+    ToolPlan,
+    call_entry,
+    calls_in,
+    finish_reason_with,
+    new_call_id,
+    plan_tools,
+)
 
 
 async def create_chat_completion(request: Request, gateway: Gateway) -> Response:
     body = await read_body(request, ChatCompletionRequest)
-    if body.tools and body.tool_choice != "none":
-        # Tool calls are not parsed nor forced yet: free text would be a silent no.
-        raise bad_request(
-            'tool calling is not supported yet: `tools` are taken only with `tool_choice: "none"`',
-            param="tool_choice",
-        )
+    tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, gateway.tool_parser)
     model = gateway.check_model(body.model)
     card = gateway.require_model_card()
     prompt = chat_prompt(
@@ -35,15 +38,17 @@ async def create_chat_completion(request: Request, gateway: Gateway) -> Response
         tools=body.tools,
         template_kwargs=body.chat_template_kwargs,
     )
-    form = ChatFormat(TokenText(gateway.tokenizer))
-    return await respond(request, gateway, body, model, card, [prompt], form)
+    form = ChatFormat(TokenText(gateway.tokenizer), tools)
+    return await respond(request, gateway, body, model, card, [prompt], form, tools.constraint)
 
 
 @dataclass
 class ChatFormat:
-    """Choices as assistant messages, streamed as deltas."""
+    """Choices as assistant messages, streamed as deltas; tool calls where asked for."""
 
     token_text: TokenText
+    tools: ToolPlan
+    streams: dict[int, ToolCallStream] = field(default_factory=dict)
     id_prefix = "chatcmpl"
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
@@ -54,13 +59,35 @@ class ChatFormat:
                 "logprobs": None, "finish_reason": None}  # fmt: skip
 
     def final(self, choice: Choice) -> dict[str, Any]:
-        message = {"role": "assistant", "content": choice.stream.text}
+        message: dict[str, Any] = {"role": "assistant", "content": choice.stream.text}
+        finish_reason = choice.finish_reason
+        if self.tools.returns_calls:
+            content, calls = calls_in(self.tools, choice.stream.text)
+            if calls:
+                message["content"] = content
+                message["tool_calls"] = [
+                    call_entry(i, call, new_call_id()) for i, call in enumerate(calls)
+                ]
+                for entry in message["tool_calls"]:
+                    del entry["index"]  # only streamed deltas carry one
+                finish_reason = finish_reason_with(calls, finish_reason)
         logprobs = chat_logprobs(choice.logprobs, self.token_text) if choice.logprobs else None
-        return choice_entry(choice, {"message": message}, logprobs, choice.finish_reason)
+        return choice_entry(choice, {"message": message}, logprobs, finish_reason)
 
     def chunk(self, update: ChoiceUpdate) -> dict[str, Any]:
         logprobs = None
         if update.choice.logprobs is not None:
             logprobs = chat_logprobs(update.logprobs, self.token_text)
-        delta = {"content": update.text} if update.text else {}
-        return choice_entry(update.choice, {"delta": delta}, logprobs, update.finish_reason)
+        if not self.tools.returns_calls:
+            delta = {"content": update.text} if update.text else {}
+            return choice_entry(update.choice, {"delta": delta}, logprobs, update.finish_reason)
+        stream = self.streams.setdefault(update.choice.index, ToolCallStream(self.tools))
+        finished = update.finish_reason is not None
+        content, calls = stream.feed(update.choice.stream.text, update.text, finished)
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = calls
+        finish_reason = update.finish_reason
+        if finished and stream.ids:
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return choice_entry(update.choice, {"delta": delta}, logprobs, finish_reason)

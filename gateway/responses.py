@@ -21,6 +21,7 @@ from pdserve.gateway.sampling import build_sampling_params
 from pdserve.gateway.schemas import SamplingFields
 from pdserve.gateway.state import Gateway, ModelCard
 from pdserve.gateway.streaming import SSE_DONE, AbortingStreamingResponse, sse
+from pdserve.scheduler.structured_output import StructuredOutput
 
 
 class ChoiceFormat(Protocol):
@@ -62,9 +63,13 @@ async def respond(
     card: ModelCard,
     prompts: list[Prompt],
     form: ChoiceFormat,
+    constraint: StructuredOutput | None = None,
 ) -> Response:
+    """`constraint`: an output constraint the endpoint adds (a forced tool call)."""
     longest = max(len(p.token_ids) for p in prompts)
-    params = build_sampling_params(body, card.generation_defaults, card.max_model_len, longest)
+    params = build_sampling_params(
+        body, card.generation_defaults, card.max_model_len, longest, constraint
+    )
     request_id = f"{form.id_prefix}-{uuid.uuid4().hex}"
     run = gateway.start_run(request_id, prompts, params, body.cache_salt)
     header = {"id": run.request_id, "object": form.object, "created": int(time.time()),

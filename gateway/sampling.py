@@ -12,11 +12,13 @@ from typing import Any
 
 from pdserve.gateway.errors import bad_request
 from pdserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from pdserve.gateway.structured import structured_output_of
 from pdserve.scheduler.sampling_params import (
     MAX_LOGPROBS,
     SamplingParams,
     generation_config_defaults,
 )
+from pdserve.scheduler.structured_output import StructuredOutput
 
 MAX_N = 128  # choices per request: beyond this one request would occupy a whole server
 _INT64 = 1 << 63
@@ -61,9 +63,20 @@ def build_sampling_params(
     generation_defaults: Mapping[str, Any],
     max_model_len: int,
     longest_prompt: int,
+    constraint: StructuredOutput | None = None,
 ) -> SamplingParams:
-    """SamplingParams for every prompt of the request (the longest decides the limit)."""
+    """SamplingParams for every prompt of the request (the longest decides the limit);
+    `constraint`: an output constraint the endpoint adds (a forced tool call)."""
     check_unsupported(request)
+    structured = structured_output_of(request)
+    if constraint is not None:
+        if structured is not None:
+            raise bad_request(
+                "a forced tool call constrains the output already: drop the output "
+                "constraint or use tool_choice auto or none",
+                param="tool_choice",
+            )
+        structured = constraint
     if not 1 <= request.n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {request.n}", param="n")
     if request.seed is not None and not -_INT64 <= request.seed < _INT64:
@@ -93,6 +106,7 @@ def build_sampling_params(
             include_stop_str_in_output=request.include_stop_str_in_output,
             logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
+            structured_outputs=structured,
         )
     except (ValueError, TypeError) as exc:
         raise bad_request(str(exc)) from None

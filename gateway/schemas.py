@@ -16,6 +16,7 @@ import msgspec
 from starlette.requests import Request
 
 from pdserve.gateway.errors import APIError, bad_request
+from pdserve.gateway.structured import ResponseFormat, StructuredOutputsField
 
 MAX_BODY_BYTES = 32 << 20
 
@@ -54,6 +55,14 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    # Output constraints, one at most (pdserve.gateway.structured)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -76,6 +85,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -16,6 +16,7 @@ from pdserve.gateway.generation import Choice, GenerationFailed, GenerationRun
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.prompts import Prompt
 from pdserve.gateway.streaming import ClientDisconnected, watch_disconnect
+from pdserve.gateway.tool_parsers import PARSERS, ToolParser
 from pdserve.scheduler.global_scheduler import (
     AdmissionRejected,
     GlobalScheduler,
@@ -45,6 +46,8 @@ class GatewayConfig:
     expected_instances: int = 0
     tokenizer_path: str | None = None  # a tokenizer folder other than the model's
     chat_template: str | None = None  # replaces the tokenizer's own templates
+    # tool_choice "auto": which parser finds calls in the model's text (None: refused)
+    tool_call_parser: str | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,13 @@ class Gateway:
         self.tokenizer = Tokenizer.from_folder(config.tokenizer_path or config.model_path)
         if config.chat_template is not None:
             self.tokenizer.chat_templates = {"default": config.chat_template}
+        parser = PARSERS.get(config.tool_call_parser or "")
+        if config.tool_call_parser is not None and parser is None:
+            raise ValueError(
+                f"unknown tool call parser {config.tool_call_parser!r}; "
+                f"choose one of {', '.join(PARSERS)}"
+            )
+        self.tool_parser: ToolParser | None = parser() if parser is not None else None
         self.metrics = GatewayMetrics(self.model_name)  # the model_name label of vllm:*
         self.scheduler = GlobalScheduler(config.scheduler)
         self.dispatcher = Dispatcher(self.scheduler, self.metrics, config.zmq_host)

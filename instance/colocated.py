@@ -19,6 +19,8 @@ from pdserve.scheduler.messages import (
     Task,
 )
 
+GRAMMAR_POLL_S = 0.005
+
 
 class ColocatedRole:
     task_type: Any = Task
@@ -45,7 +47,10 @@ class ColocatedRole:
         return self.engine.has_unfinished_requests()
 
     def task_wait_s(self, idle_wait_s: float) -> float:
-        return 0.0 if self.has_work() else idle_wait_s
+        if self.engine.scheduler.has_unfinished_requests():
+            return 0.0
+        # Only grammars compiling: look again soon, without spinning.
+        return GRAMMAR_POLL_S if self.has_work() else idle_wait_s
 
     def before_step(self) -> None:
         pass

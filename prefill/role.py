@@ -84,7 +84,7 @@ class PrefillRole:
         if task.decode_target is None:
             engine.add_request(request)  # no decode instance: it runs here to the end
             return
-        engine.scheduler.add_request(request, hand_off=True)
+        engine.add_request(request, hand_off=True)
         self._targets[task.request_id] = task.decode_target
 
     def on_task(self, task: Any) -> RequestDelta | None:
@@ -98,8 +98,7 @@ class PrefillRole:
             self.link.drop_deferred(request_id)
 
     def id_in_use(self, request_id: str) -> bool:
-        scheduler = self.engine.scheduler
-        return request_id in scheduler.requests or request_id in scheduler.quarantined
+        return self.engine.holds(request_id) or request_id in self.engine.scheduler.quarantined
 
     # ---- the loop ---------------------------------------------------------------------
 
@@ -107,7 +106,8 @@ class PrefillRole:
         return self.engine.has_unfinished_requests()
 
     def task_wait_s(self, idle_wait_s: float) -> float:
-        return self.link.task_wait_s(self.engine.scheduler, idle_wait_s)
+        compiling = len(self.engine.grammar_gate) > 0
+        return self.link.task_wait_s(self.engine.scheduler, idle_wait_s, compiling)
 
     def before_step(self) -> None:
         for task in self.link.take_admissible(self.id_in_use):

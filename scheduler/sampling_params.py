@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from pdserve.scheduler.structured_output import StructuredOutput
+
 # Above this, `logprobs` would make every step ship a large part of the vocabulary.
 MAX_LOGPROBS = 20
 
@@ -54,6 +56,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top alternatives besides the sampled token
     skip_special_tokens: bool = True
+    # The output must match this (JSON schema, regex, choice, grammar): sampled under
+    # its token mask on every instance the request runs on.
+    structured_outputs: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

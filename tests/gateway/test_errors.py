@@ -31,10 +31,24 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"max_tokens": 3}, 400, None),
     # Fields pdserve does not implement are refused by name, never silently dropped.
-    ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ({"prompt": "x", "guided_choice": ["a", "b"]}, 400, "guided_choice"),
+    ({"prompt": "x", "prediction": {"type": "content"}}, 400, "prediction"),
     ({"prompt": "x", "no_such_field": 1}, 400, "no_such_field"),
+    # Output constraints are checked at the gateway, naming the field.
+    ({"prompt": "x", "response_format": {"type": "xml"}}, 400, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "json_schema",
+      "json_schema": {"name": "a", "schema": {"type": "nope"}}}}, 400, "response_format"),
+    ({"prompt": "x", "guided_regex": "("}, 400, "guided_regex"),
+    ({"prompt": "x", "guided_choice": []}, 400, "guided_choice"),
+    ({"prompt": "x", "guided_json": "{not json"}, 400, "guided_json"),
+    ({"prompt": "x", "guided_json": {"type": "object"}, "guided_regex": "a"}, 400,
+     "guided_regex"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
+     "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a", "backend": "outlines"}}, 400,
+     "structured_outputs"),
 ]
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
 BAD_CHATS = [
     ({"messages": []}, 400, "messages"),
     ({"messages": "hello"}, 400, "messages"),
@@ -43,12 +57,19 @@ BAD_CHATS = [
     ({"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ({"messages": CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ({"messages": CHAT, "model": "nope"}, 404, "model"),
-    ({"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ({"messages": CHAT, "parallel_tool_calls": True}, 400, "parallel_tool_calls"),
-    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "tool_choice"),
-    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
-      "tool_choice": "required"}, 400, "tool_choice"),
+    ({"messages": CHAT, "functions": [{"name": "f"}]}, 400, "functions"),
+    ({"messages": CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    # Tools: a choice this server cannot honour, or a malformed tool, is refused.
+    ({"messages": CHAT, "tools": TOOLS, "tool_choice": "auto"}, 400, "tool_choice"),
+    ({"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    ({"messages": CHAT, "tools": TOOLS,
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ({"messages": CHAT, "tools": TOOLS, "tool_choice": "sometimes"}, 400, "tool_choice"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {}}]}, 400, "tools"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f",
+      "parameters": {"type": 3}}}]}, 400, "tools"),
+    ({"messages": CHAT, "tools": TOOLS, "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, 400, "tool_choice"),
 ]  # fmt: skip
 
 
