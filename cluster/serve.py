@@ -47,6 +47,8 @@ def run_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.enable_log_requests:
+        logging.getLogger("pdserve.gateway.requests").setLevel(logging.INFO)
     try:
         plan = ServePlan.from_args(args)
         model_path = plan.model_path or str(embedded_model_path())
@@ -157,6 +159,8 @@ async def serve(plan: ServePlan, model_path: str, listener: socket.socket) -> in
             expected_instances=len(plan.instances),
             tokenizer_path=args.tokenizer,
             chat_template=plan.chat_template,
+            trust_request_chat_template=args.trust_request_chat_template,
+            enable_log_requests=args.enable_log_requests,
         )
     )
     gateway.start()

@@ -10,6 +10,7 @@ from starlette.responses import Response
 
 from pdserve.gateway.errors import bad_request
 from pdserve.gateway.generation import Choice, ChoiceUpdate
+from pdserve.gateway.limits import check_sampling_limits
 from pdserve.gateway.logprobs import TokenText, chat_logprobs
 from pdserve.gateway.prompts import chat_prompt
 from pdserve.gateway.responses import choice_entry, respond
@@ -19,6 +20,7 @@ from pdserve.gateway.state import Gateway
 
 async def create_chat_completion(request: Request, gateway: Gateway) -> Response:
     body = await read_body(request, ChatCompletionRequest)
+    check_sampling_limits(body)
     if body.tools and body.tool_choice != "none":
         # Tool calls are not parsed nor forced yet: free text would be a silent no.
         raise bad_request(
@@ -27,13 +29,15 @@ async def create_chat_completion(request: Request, gateway: Gateway) -> Response
         )
     model = gateway.check_model(body.model)
     card = gateway.require_model_card()
-    prompt = chat_prompt(
+    prompt = await chat_prompt(
         body.messages,
-        gateway.tokenizer,
+        gateway.offload,
+        card.max_model_len,
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
         tools=body.tools,
         template_kwargs=body.chat_template_kwargs,
+        trust_request_template=gateway.config.trust_request_chat_template,
     )
     form = ChatFormat(TokenText(gateway.tokenizer))
     return await respond(request, gateway, body, model, card, [prompt], form)

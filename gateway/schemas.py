@@ -102,7 +102,27 @@ T = TypeVar("T")
 
 async def read_body(request: Request, schema: type[T]) -> T:
     """The request's body as `schema` (see `decode_body`)."""
-    return decode_body(await request.body(), request.headers.get("content-type"), schema)
+    return decode_body(await read_limited(request), request.headers.get("content-type"), schema)
+
+
+async def read_limited(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The body, refused (413) as soon as it passes `limit`: a declared Content-Length over
+    it before a byte is read, a chunked body (no length) at the chunk that crosses it, so
+    memory never holds more than the limit."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
 
 
 def decode_body(body: bytes, content_type: str | None, schema: type[T]) -> T:
@@ -113,7 +133,7 @@ def decode_body(body: bytes, content_type: str | None, schema: type[T]) -> T:
             415, f"Content-Type must be application/json, got {content_type or 'none'!r}"
         )
     if len(body) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+        raise _too_large(MAX_BODY_BYTES)
     if not body.strip():
         raise bad_request("the request body is empty; expected a JSON object")
     try:

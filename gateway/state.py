@@ -14,6 +14,7 @@ from pdserve.gateway.dispatcher import Dispatcher
 from pdserve.gateway.errors import APIError, error_body
 from pdserve.gateway.generation import Choice, GenerationFailed, GenerationRun
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.offload import DEFAULT_BUDGET_S, Offload
 from pdserve.gateway.prompts import Prompt
 from pdserve.gateway.streaming import ClientDisconnected, watch_disconnect
 from pdserve.scheduler.global_scheduler import (
@@ -45,6 +46,11 @@ class GatewayConfig:
     expected_instances: int = 0
     tokenizer_path: str | None = None  # a tokenizer folder other than the model's
     chat_template: str | None = None  # replaces the tokenizer's own templates
+    # Hostile input (README: "Security"): request-supplied chat templates are refused
+    # unless trusted; prompts and completions are logged only when asked for.
+    trust_request_chat_template: bool = False
+    enable_log_requests: bool = False
+    cpu_budget_s: float = DEFAULT_BUDGET_S  # rendering or tokenizing one request's prompt
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,7 @@ class Gateway:
         self.tokenizer = Tokenizer.from_folder(config.tokenizer_path or config.model_path)
         if config.chat_template is not None:
             self.tokenizer.chat_templates = {"default": config.chat_template}
+        self.offload = Offload(self.tokenizer, config.cpu_budget_s)
         self.metrics = GatewayMetrics(self.model_name)  # the model_name label of vllm:*
         self.scheduler = GlobalScheduler(config.scheduler)
         self.dispatcher = Dispatcher(self.scheduler, self.metrics, config.zmq_host)
@@ -85,6 +92,7 @@ class Gateway:
 
     async def close(self) -> None:
         await self.dispatcher.close()
+        self.offload.close()
 
     def register(self, info: InstanceInfo) -> None:
         limit = info.max_model_len
