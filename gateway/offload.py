@@ -40,6 +40,7 @@ class Offload:
         self.max_token_chars = max((len(token) for token in vocab), default=1) or 1
 
     def close(self) -> None:
+        self._sandbox.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     def max_chars(self, max_tokens: int) -> int:

@@ -59,6 +59,8 @@ class TemplateSandbox:
         self._slots = threading.BoundedSemaphore(self.max_concurrent)
         self._context: Any = None
         self._lock = threading.Lock()
+        self._live: set[Any] = set()  # children rendering now: killed on close
+        self._closed = False
 
     def render(self, job: RenderJob, budget_s: float) -> str:
         """Blocking (call it from a worker thread): the rendered text, or TokenizerError
@@ -73,7 +75,11 @@ class TemplateSandbox:
     def _render_in_child(self, job: RenderJob, budget_s: float) -> str:
         parent, child = self._mp().Pipe()
         process = self._mp().Process(target=_child_main, args=(child,), daemon=True)
-        process.start()
+        with self._lock:
+            if self._closed:
+                raise RenderTimeout
+            process.start()
+            self._live.add(process)
         child.close()
         try:
             parent.send_bytes(msgspec.msgpack.encode(job))
@@ -85,6 +91,8 @@ class TemplateSandbox:
             raise TokenizerError("chat template failed: the render process died") from None
         finally:
             parent.close()
+            with self._lock:
+                self._live.discard(process)
             if process.is_alive():
                 process.kill()
             process.join(timeout=5)
@@ -93,6 +101,15 @@ class TemplateSandbox:
         if result.error is not None:
             raise TokenizerError(result.error)
         return result.text or ""
+
+    def close(self) -> None:
+        """Kills the renders under way (their requests see a dead child): shutting down
+        never waits for a template."""
+        with self._lock:
+            self._closed = True
+            for process in self._live:
+                with contextlib.suppress(Exception):
+                    process.kill()
 
     def _mp(self) -> Any:
         with self._lock:
