@@ -21,6 +21,7 @@ import sys
 
 import uvicorn
 
+from pdserve.cluster.http_server import uvicorn_config
 from pdserve.cluster.launcher import Launcher, LaunchError
 from pdserve.cluster.local_launcher import LocalLauncher
 from pdserve.cluster.placement import load_waves
@@ -164,14 +165,7 @@ async def serve(plan: ServePlan, model_path: str, listener: socket.socket) -> in
         )
     )
     gateway.start()
-    config = uvicorn.Config(
-        create_app(gateway),
-        log_level=args.log_level,
-        access_log=args.log_level == "debug",
-        lifespan="off",
-        timeout_graceful_shutdown=5,
-    )
-    server = _Server(config)
+    server = _Server(uvicorn_config(create_app(gateway), args.log_level))
     launcher = make_launcher(plan, port)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

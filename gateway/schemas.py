@@ -10,6 +10,7 @@ turned into SamplingParams (`pdserve.gateway.sampling`).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, TypeVar
 
 import msgspec
@@ -18,6 +19,7 @@ from starlette.requests import Request
 from pdserve.gateway.errors import APIError, bad_request
 
 MAX_BODY_BYTES = 32 << 20
+BODY_TIMEOUT_S = 60.0  # to receive a whole body, however slowly the client sends it
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -108,16 +110,21 @@ async def read_body(request: Request, schema: type[T]) -> T:
 async def read_limited(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     """The body, refused (413) as soon as it passes `limit`: a declared Content-Length over
     it before a byte is read, a chunked body (no length) at the chunk that crosses it, so
-    memory never holds more than the limit."""
+    memory never holds more than the limit. A body still arriving after BODY_TIMEOUT_S
+    (a client sending it a byte at a time) is a 408."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body took over {BODY_TIMEOUT_S:g} s to arrive") from None
     return b"".join(chunks)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import uvicorn
 from starlette.testclient import TestClient
 
+from pdserve.cluster.http_server import GuardedH11Protocol, uvicorn_config
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.gateway.app import create_app
 from pdserve.gateway.state import Gateway, GatewayConfig
@@ -22,6 +23,7 @@ from pdserve.scheduler.messages import InstanceAddress, InstanceInfo
 
 MAX_MODEL_LEN = 1024
 VOCAB_SIZE = 49152
+HEAD_TIMEOUT_S = 1.0
 
 
 def make_gateway(**config: Any) -> Gateway:
@@ -54,9 +56,10 @@ class Serving:
     def start(cls, gateway: Gateway) -> Serving:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
-        sock.listen(64)
-        config = uvicorn.Config(create_app(gateway), log_level="warning", lifespan="off")
-        server = uvicorn.Server(config)
+        sock.listen(2048)
+        # pdserve serve's settings, with a head timeout short enough for a test.
+        protocol = type("Guarded", (GuardedH11Protocol,), {"head_timeout_s": HEAD_TIMEOUT_S})
+        server = uvicorn.Server(uvicorn_config(create_app(gateway), http=protocol))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         deadline = time.monotonic() + 30

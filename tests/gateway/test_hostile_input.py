@@ -6,7 +6,9 @@ the last check before a run starts, so a check that is missing shows as a 400 na
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from pdserve.gateway import schemas
 from pdserve.gateway.limits import (
     MAX_CACHE_SALT_CHARS,
     MAX_CHAT_TEMPLATE_KWARGS,
@@ -24,7 +27,7 @@ from pdserve.gateway.limits import (
     MAX_STOP_TOKEN_IDS,
 )
 from pdserve.gateway.schemas import MAX_BODY_BYTES
-from tests.gateway.hostile import Serving, client_of, close, make_gateway
+from tests.gateway.hostile import HEAD_TIMEOUT_S, Serving, client_of, close, make_gateway
 
 CHAT = [{"role": "user", "content": "Hi"}]
 # Two nested loops of 10^10 steps in all: forever, as far as a request is concerned.
@@ -183,8 +186,6 @@ def test_chat_lists_have_limits(client) -> None:
 
 def raw_request(serving: Serving, head: bytes, body_chunks: Iterator[bytes]) -> bytes:
     """Sends the head and the chunks (never ending a chunked body), returns what came back."""
-    import socket
-
     sock = socket.create_connection((serving.host, serving.port), timeout=20)
     try:
         sock.sendall(head)
@@ -214,6 +215,48 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit(serving) -> None:
     chunks = (b"%x\r\n%s\r\n" % (piece, b"a" * piece) for _ in range(MAX_BODY_BYTES // piece + 1))
     answer = raw_request(serving, head, chunks)  # no final 0-chunk: the body never ends
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+
+
+def test_a_body_sent_too_slowly_is_a_408(serving, monkeypatch) -> None:
+    monkeypatch.setattr(schemas, "BODY_TIMEOUT_S", 1.0)
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\n\r\n"
+    )
+    answer = raw_request(serving, head, iter([b'{"prompt": "']))  # the rest never comes
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    sock.settimeout(5)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_idle_and_slowloris_connections_are_closed(serving) -> None:
+    idle = [socket.create_connection((serving.host, serving.port)) for _ in range(500)]
+    slow = socket.create_connection((serving.host, serving.port))
+    try:
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        worst, started = 0.0, time.monotonic()
+        while time.monotonic() - started < HEAD_TIMEOUT_S + 1.0:
+            with contextlib.suppress(OSError):  # the server may have cut it off already
+                slow.sendall(b"X-Drip: 1\r\n")  # a header line at a time, never the end
+            asked = time.monotonic()
+            assert httpx.get(serving.url + "/health", timeout=5).status_code == 200
+            worst = max(worst, time.monotonic() - asked)
+            time.sleep(0.2)
+        print(f"worst /health latency beside 500 idle connections: {worst:.3f} s")
+        assert worst < 2.0
+        assert closed_by_server(slow)
+        assert all(closed_by_server(sock) for sock in idle)
+    finally:
+        for sock in [*idle, slow]:
+            sock.close()
 
 
 # ---- privacy -------------------------------------------------------------------------------
