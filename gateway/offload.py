@@ -21,8 +21,13 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from pdserve.gateway.errors import bad_request
-from pdserve.gateway.template_sandbox import RenderJob, RenderTimeout, TemplateSandbox
+from pdserve.gateway.errors import APIError, bad_request
+from pdserve.gateway.template_sandbox import (
+    RenderJob,
+    RenderTimeout,
+    RenderUnavailable,
+    TemplateSandbox,
+)
 from pdserve.text.tokenizer import Tokenizer, TokenizerError
 
 T = TypeVar("T")
@@ -104,6 +109,13 @@ class Offload:
             return self._sandbox.render(job, budget_s)
         except RenderTimeout:
             raise _over_budget("rendering the chat template", budget_s, "messages") from None
+        except RenderUnavailable as exc:
+            raise APIError(
+                503,
+                "cannot render the request's chat template now",
+                code="unavailable",
+                headers={"Retry-After": "1"},
+            ) from exc
 
     async def run(
         self, work: Callable[[], T], what: str, param: str, budget_s: float | None = None
@@ -116,6 +128,8 @@ class Offload:
             raise _over_budget(what, self.budget_s, param) from None
         except TokenizerError as exc:
             raise bad_request(str(exc), param=param) from None
+        except RecursionError:  # data nested deep enough to exhaust the stack on the way
+            raise bad_request(f"{what} failed: the input is nested too deeply", param) from None
 
 
 def _over_budget(what: str, budget_s: float, param: str):

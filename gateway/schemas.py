@@ -156,6 +156,8 @@ def decode_body(body: bytes, content_type: str | None, schema: type[T]) -> T:
         raise bad_request(f"invalid request: {exc}", param=_param_of(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"malformed JSON: {exc}") from None
+    except RecursionError:  # msgspec stops near 1000 levels of nesting
+        raise bad_request("the request body's JSON is nested too deeply") from None
 
 
 def _unknown_field(message: str) -> str | None:

@@ -49,6 +49,10 @@ class RenderTimeout(Exception):
     """The child ran past its budget and was killed."""
 
 
+class RenderUnavailable(Exception):
+    """No child could be started (a server fault, not the template's)."""
+
+
 @dataclass
 class TemplateSandbox:
     """Renders request templates in killable children, at most `max_concurrent` at once."""
@@ -77,8 +81,13 @@ class TemplateSandbox:
         process = self._mp().Process(target=_child_main, args=(child,), daemon=True)
         with self._lock:
             if self._closed:
-                raise RenderTimeout
-            process.start()
+                raise RenderUnavailable("the server is shutting down")
+            try:
+                process.start()
+            except (OSError, RuntimeError) as exc:
+                parent.close()
+                child.close()
+                raise RenderUnavailable(f"{type(exc).__name__}: {exc}") from None
             self._live.add(process)
         child.close()
         try:

@@ -168,6 +168,20 @@ TOO_LONG = [
 ]
 
 
+def test_deeply_nested_json_is_a_400(client) -> None:
+    deep = "[" * 5000 + "]" * 5000
+    for path, body in [
+        ("/v1/completions", f'{{"prompt": {deep}}}'),
+        (
+            "/v1/chat/completions",
+            f'{{"messages": [{{"role": "user", "content": "x", "a": {deep}}}]}}',
+        ),
+        ("/tokenize", f'{{"messages": [{{"role": "user", "content": "x", "a": {deep}}}]}}'),
+    ]:
+        response = client.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert "nested too deeply" in assert_error(response, 400, None)["message"]
+
+
 @pytest.mark.parametrize(("fields", "param"), OUT_OF_RANGE + TOO_LONG)
 def test_numbers_out_of_range_and_lists_too_long_are_400s(client, fields, param) -> None:
     assert_error(completion(client, **fields), 400, param)
