@@ -42,8 +42,8 @@ async def completion_prompts(
     """A string, a list of strings, a list of token ids, or a list of token-id lists."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
-    elif prompt and _is_token_id(prompt[0]) and all(_is_token_id(t) for t in prompt):
-        items = [prompt]
+    elif prompt and _is_token_id(prompt[0]):
+        items = [prompt]  # one prompt of token ids (checked below)
     else:
         items = list(prompt)
     if not items:
@@ -55,6 +55,14 @@ async def completion_prompts(
         if isinstance(item, str):
             ids = await offload.encode(item, add_special_tokens, max_model_len, "prompt")
             prompts.append(Prompt(ids, item))
+        elif isinstance(item, list) and len(item) > max_model_len:
+            # Refused before a scan of the ids on the event loop: it could never fit.
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens, but the "
+                f"prompt has {len(item)} tokens. Please shorten the prompt.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
         elif isinstance(item, list) and all(_is_token_id(t) for t in item):
             prompts.append(Prompt(list(item)))
         else:

@@ -142,6 +142,8 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_untokenized(client) -
     error = assert_error(completion(client, prompt="word " * 4_000_000), 400, "prompt")
     assert error["code"] == "context_length_exceeded" and "at least" in error["message"]
     assert time.monotonic() - started < 10  # tokenizing 20 MB alone would take longer
+    error = assert_error(completion(client, prompt=[1] * 2_000_000), 400, "prompt")
+    assert error["code"] == "context_length_exceeded"
 
 
 # ---- numbers and limits --------------------------------------------------------------------
@@ -205,9 +207,26 @@ def raw_request(serving: Serving, head: bytes, body_chunks: Iterator[bytes]) -> 
         sock.sendall(head)
         for chunk in body_chunks:
             sock.sendall(chunk)
-        return sock.recv(65536)
+        answer = b""
+        while not _whole(answer):
+            data = sock.recv(65536)
+            if not data:
+                break
+            answer += data
+        return answer
     finally:
         sock.close()
+
+
+def _whole(answer: bytes) -> bool:
+    """Whether the response's head and its Content-Length of body have arrived."""
+    head, found, body = answer.partition(b"\r\n\r\n")
+    if not found:
+        return False
+    for line in head.lower().split(b"\r\n"):
+        if line.startswith(b"content-length:"):
+            return len(body) >= int(line.split(b":", 1)[1])
+    return True
 
 
 def test_an_oversized_body_is_refused_before_it_is_read(serving) -> None:
