@@ -40,13 +40,17 @@ class Offload:
         self.tokenizer = tokenizer
         self.budget_s = budget_s
         self._threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdserve-cpu")
-        self._sandbox = TemplateSandbox()
+        # Threads that wait on sandboxed renders are apart: slow request templates never
+        # hold the threads every other request tokenizes in.
+        self._sandbox = TemplateSandbox(max_concurrent=2)
+        self._sandbox_threads = ThreadPoolExecutor(4, thread_name_prefix="pdserve-sandbox")
         vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
         self.max_token_chars = max((len(token) for token in vocab), default=1) or 1
 
     def close(self) -> None:
         self._sandbox.close()
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._threads, self._sandbox_threads):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def max_chars(self, max_tokens: int) -> int:
         """The longest text that could still be at most `max_tokens` tokens."""
@@ -59,12 +63,12 @@ class Offload:
             at_least = -(-len(text) // self.max_token_chars)
             raise bad_request(
                 f"This model's maximum context length is {max_tokens} tokens, but the "
-                f"{param} has at least {at_least} tokens. Please shorten the {param}.",
+                f"prompt has at least {at_least} tokens. Please shorten the {param}.",
                 param=param,
                 code="context_length_exceeded",
             )
         work = lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens)  # noqa: E731
-        return await self.run(work, f"tokenizing the {param}", param)
+        return await self.run(work, "tokenizing the prompt", param)
 
     async def render(
         self,
@@ -102,7 +106,9 @@ class Offload:
         budget = self.budget_s
         work = lambda: self._sandbox_render(job, budget)  # noqa: E731
         # The child is killed at the budget; the extra second is for the fork and the kill.
-        return await self.run(work, "rendering the chat template", "messages", budget + 1.0)
+        return await self.run(
+            work, "rendering the chat template", "messages", budget + 1.0, self._sandbox_threads
+        )
 
     def _sandbox_render(self, job: RenderJob, budget_s: float) -> str:
         try:
@@ -118,10 +124,16 @@ class Offload:
             ) from exc
 
     async def run(
-        self, work: Callable[[], T], what: str, param: str, budget_s: float | None = None
+        self,
+        work: Callable[[], T],
+        what: str,
+        param: str,
+        budget_s: float | None = None,
+        pool: ThreadPoolExecutor | None = None,
     ) -> T:
+        """`work` in a worker thread; a 400 if it takes over the budget or fails."""
         budget = self.budget_s if budget_s is None else budget_s
-        future = asyncio.get_running_loop().run_in_executor(self._threads, work)
+        future = asyncio.get_running_loop().run_in_executor(pool or self._threads, work)
         try:
             return await asyncio.wait_for(future, budget)
         except TimeoutError:

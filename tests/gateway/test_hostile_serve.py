@@ -13,7 +13,7 @@ import pytest
 
 from tests.gateway.conftest import MAX_MODEL_LEN
 from tests.gateway.server import ServeProcess
-from tests.gateway.test_hostile_input import NESTED_LOOPS
+from tests.gateway.test_hostile_input import NESTED_LOOPS, PLAIN_TEMPLATE
 
 pytestmark = pytest.mark.slow
 
@@ -49,6 +49,18 @@ def test_no_prompt_in_the_log_at_default_settings(served: ServeProcess) -> None:
     assert response.status_code == 400 and SECRET not in response.text
     log = full_log(served)
     assert SECRET not in log, log[-2000:]
+
+
+def test_a_trusted_request_template_renders_in_its_child(served: ServeProcess) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "chat_template_kwargs": {"chat_template": PLAIN_TEMPLATE}}  # fmt: skip
+    response = served.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == len(
+        served.post("/tokenize", json={"prompt": "<user>Hi", "add_special_tokens": False}).json()[
+            "tokens"
+        ]
+    )
 
 
 def test_health_answers_and_sigterm_stops_during_a_pathological_render(served) -> None:
