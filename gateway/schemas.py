@@ -20,6 +20,10 @@ from pdserve.gateway.errors import APIError, bad_request
 
 MAX_BODY_BYTES = 32 << 20
 BODY_TIMEOUT_S = 60.0  # to receive a whole body, however slowly the client sends it
+# msgspec decodes holding the GIL, at up to ~0.3 µs per array or object: 32 MiB of `[],`
+# would stall the event loop for seconds. Brackets are counted first (bytes.count, ~10 ms),
+# those inside strings too, so a prompt of over a million brackets is refused as well.
+MAX_JSON_CONTAINERS = 1 << 20
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -143,6 +147,11 @@ def decode_body(body: bytes, content_type: str | None, schema: type[T]) -> T:
         raise _too_large(MAX_BODY_BYTES)
     if not body.strip():
         raise bad_request("the request body is empty; expected a JSON object")
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_CONTAINERS:
+        raise bad_request(
+            f"the request body holds over {MAX_JSON_CONTAINERS} JSON arrays and objects "
+            "(`[` and `{`, in strings too)"
+        )
     try:
         return msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as exc:

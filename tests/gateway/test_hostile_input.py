@@ -184,6 +184,16 @@ def test_deeply_nested_json_is_a_400(client) -> None:
         assert "nested too deeply" in assert_error(response, 400, None)["message"]
 
 
+def test_a_body_of_millions_of_tiny_arrays_is_refused_undecoded(client) -> None:
+    # Decoding it would hold the GIL (and the event loop) for seconds.
+    many = ",".join(["[]"] * (schemas.MAX_JSON_CONTAINERS + 1))
+    body = f'{{"messages": [{{"role": "user", "content": "x", "a": [{many}]}}], "max_tokens": 0}}'
+    response = client.post(
+        "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert "arrays and objects" in assert_error(response, 400, None)["message"]
+
+
 @pytest.mark.parametrize(("fields", "param"), OUT_OF_RANGE + TOO_LONG)
 def test_numbers_out_of_range_and_lists_too_long_are_400s(client, fields, param) -> None:
     assert_error(completion(client, **fields), 400, param)
