@@ -8,6 +8,7 @@ the server runs with `--trust-request-chat-template`, and then renders in a kill
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from pdserve.gateway.errors import bad_request
 from pdserve.gateway.offload import Offload
 
 MAX_PROMPTS = 256  # prompts in one completion request
+OFF_LOOP_IDS = 4096  # token-id prompts this long are checked in a worker thread
 # chat_template_kwargs may not replace what the request's own fields or the renderer set:
 # `messages`, `tools` and `add_generation_prompt` come from the request, and the globals
 # from the renderer.
@@ -54,6 +56,7 @@ async def completion_prompts(
     for item in items:
         if isinstance(item, str):
             ids = await offload.encode(item, add_special_tokens, max_model_len, "prompt")
+            check_vocabulary(ids, vocab_size, "prompt")
             prompts.append(Prompt(ids, item))
         elif isinstance(item, list) and len(item) > max_model_len:
             # Refused before a scan of the ids on the event loop: it could never fit.
@@ -63,18 +66,32 @@ async def completion_prompts(
                 param="prompt",
                 code="context_length_exceeded",
             )
-        elif isinstance(item, list) and all(_is_token_id(t) for t in item):
+        elif isinstance(item, list):
+            if len(item) < OFF_LOOP_IDS:
+                _check_token_ids(item, vocab_size)
+            else:  # a scan of many ids in Python: in a thread, where the GIL is shared
+                check = functools.partial(_check_token_ids, item, vocab_size)
+                await offload.run(check, "checking the prompt's token ids", "prompt")
             prompts.append(Prompt(list(item)))
         else:
-            raise bad_request(
-                "prompt must be a string, a list of strings, a list of token ids or a list "
-                "of token-id lists",
-                param="prompt",
-            )
+            raise _bad_shape()
         if not prompts[-1].token_ids:
             raise bad_request("prompt must not be empty", param="prompt")
-        check_vocabulary(prompts[-1].token_ids, vocab_size, "prompt")
     return prompts
+
+
+def _check_token_ids(item: list[Any], vocab_size: int) -> None:
+    if not all(_is_token_id(t) for t in item):
+        raise _bad_shape()
+    check_vocabulary(item, vocab_size, "prompt")
+
+
+def _bad_shape():
+    return bad_request(
+        "prompt must be a string, a list of strings, a list of token ids or a list of "
+        "token-id lists",
+        param="prompt",
+    )
 
 
 async def chat_prompt(
@@ -96,10 +113,9 @@ async def chat_prompt(
         )
     variables = dict(template_kwargs or {})
     requested = variables.pop("chat_template", None)
-    template = _request_template(requested, offload, trust_request_template)
+    template, from_request = _request_template(requested, offload, trust_request_template)
     _check_template_kwargs(variables)
     conversation = [_flatten_message(m, i) for i, m in enumerate(messages)]
-    from_request = template is not None and template == requested
     text = await offload.render(
         conversation, template, add_generation_prompt, tools, variables, max_model_len,
         from_request,
@@ -113,17 +129,18 @@ async def chat_prompt(
     return Prompt(await offload.encode(text, False, max_model_len, "messages"), text)
 
 
-def _request_template(value: Any, offload: Offload, trusted: bool) -> str | None:
-    """`chat_template_kwargs.chat_template`: None (the server's default), the server's own
-    template of that name, or (trusted servers only) a template the request brings."""
+def _request_template(value: Any, offload: Offload, trusted: bool) -> tuple[str | None, bool]:
+    """`chat_template_kwargs.chat_template` as (template, whether the request brought it):
+    None (the server's default), the server's own template of that name, or (trusted
+    servers only) a template the request brings."""
     param = "chat_template_kwargs.chat_template"
     if value is None:
-        return None
+        return None, False
     if not isinstance(value, str):
         raise bad_request("chat_template must be a string", param=param)
     named = offload.tokenizer.chat_templates.get(value)
     if named is not None:
-        return named
+        return named, False
     if not trusted:
         raise bad_request(
             "chat templates come from the server: a request may name one of the server's "
@@ -131,7 +148,7 @@ def _request_template(value: Any, offload: Offload, trusted: bool) -> str | None
             "--trust-request-chat-template)",
             param=param,
         )
-    return value
+    return value, True
 
 
 def _check_template_kwargs(variables: dict[str, Any]) -> None:

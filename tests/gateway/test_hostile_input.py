@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from pdserve.gateway import schemas
+from pdserve.gateway import prompts, schemas
 from pdserve.gateway.limits import (
     MAX_CACHE_SALT_CHARS,
     MAX_CHAT_TEMPLATE_KWARGS,
@@ -144,6 +144,14 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_untokenized(client) -
     assert time.monotonic() - started < 10  # tokenizing 20 MB alone would take longer
     error = assert_error(completion(client, prompt=[1] * 2_000_000), 400, "prompt")
     assert error["code"] == "context_length_exceeded"
+
+
+def test_token_id_prompts_are_checked_in_a_thread_too(client, monkeypatch) -> None:
+    monkeypatch.setattr(prompts, "OFF_LOOP_IDS", 1)  # every token-id prompt goes to a thread
+    error = assert_error(completion(client, prompt=[[1, 2], [3, 10**7]]), 400, "prompt")
+    assert "outside the vocabulary" in error["message"]
+    assert_error(completion(client, prompt=[[1, "a"]]), 400, "prompt")
+    assert_error(completion(client, prompt=[[1, 2], [3]]), 400, "max_tokens")
 
 
 # ---- numbers and limits --------------------------------------------------------------------
