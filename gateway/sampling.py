@@ -95,7 +95,10 @@ def build_sampling_params(
             skip_special_tokens=request.skip_special_tokens,
         )
     except (ValueError, TypeError) as exc:
-        raise bad_request(str(exc)) from None
+        # SamplingParams' messages start with the field's name ("top_k must be ..."):
+        # name it as the param where the request has such a field.
+        first = str(exc).split(" ", 1)[0]
+        raise bad_request(str(exc), param=first if hasattr(request, first) else None) from None
 
 
 def _max_tokens(

@@ -167,6 +167,10 @@ OUT_OF_RANGE = [
     ({"best_of": -1}, "best_of"),
     ({"best_of": 2**70}, "best_of"),
     ({"seed": 2**64}, "seed"),
+    # Checked by SamplingParams (after max_tokens, so with a valid one): named all the same.
+    ({"min_tokens": 2**70, "max_tokens": 1}, "min_tokens"),
+    ({"temperature": -1, "max_tokens": 1}, "temperature"),
+    ({"presence_penalty": 1e300, "max_tokens": 1}, "presence_penalty"),
 ]
 TOO_LONG = [
     ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "stop"),
