@@ -21,6 +21,7 @@ import sys
 
 import uvicorn
 
+from pdserve.cluster.http_server import uvicorn_config
 from pdserve.cluster.launcher import Launcher, LaunchError
 from pdserve.cluster.local_launcher import LocalLauncher
 from pdserve.cluster.placement import load_waves
@@ -47,6 +48,8 @@ def run_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.enable_log_requests:
+        logging.getLogger("pdserve.gateway.requests").setLevel(logging.INFO)
     try:
         plan = ServePlan.from_args(args)
         model_path = plan.model_path or str(embedded_model_path())
@@ -158,17 +161,12 @@ async def serve(plan: ServePlan, model_path: str, listener: socket.socket) -> in
             tokenizer_path=args.tokenizer,
             chat_template=plan.chat_template,
             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+            trust_request_chat_template=args.trust_request_chat_template,
+            enable_log_requests=args.enable_log_requests,
         )
     )
     gateway.start()
-    config = uvicorn.Config(
-        create_app(gateway),
-        log_level=args.log_level,
-        access_log=args.log_level == "debug",
-        lifespan="off",
-        timeout_graceful_shutdown=5,
-    )
-    server = _Server(config)
+    server = _Server(uvicorn_config(create_app(gateway), args.log_level))
     launcher = make_launcher(plan, port)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

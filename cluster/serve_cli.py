@@ -147,6 +147,19 @@ def _add_http_flags(http: argparse._ArgumentGroup) -> None:
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     http.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    http.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests bring their own chat template (chat_template_kwargs.chat_template; "
+        "rendered in a killable child process within a time budget); without it a request "
+        "may only name one of the server's templates",
+    )
+    http.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request's prompts and sampling parameters (INFO, logger "
+        "pdserve.gateway.requests); without it no prompt or completion is ever logged",
+    )
 
 
 def _add_topology_flags(topology: argparse._ArgumentGroup) -> None:

@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pdserve.gateway.generation import Choice, ChoiceUpdate
+from pdserve.gateway.limits import check_sampling_limits
 from pdserve.gateway.logprobs import TokenText, chat_logprobs
 from pdserve.gateway.prompts import chat_prompt
 from pdserve.gateway.responses import choice_entry, respond
@@ -27,16 +28,19 @@ from pdserve.gateway.tools import (
 
 async def create_chat_completion(request: Request, gateway: Gateway) -> Response:
     body = await read_body(request, ChatCompletionRequest)
+    check_sampling_limits(body)
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, gateway.tool_parser)
     model = gateway.check_model(body.model)
     card = gateway.require_model_card()
-    prompt = chat_prompt(
+    prompt = await chat_prompt(
         body.messages,
-        gateway.tokenizer,
+        gateway.offload,
+        card.max_model_len,
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
         tools=body.tools,
         template_kwargs=body.chat_template_kwargs,
+        trust_request_template=gateway.config.trust_request_chat_template,
     )
     form = ChatFormat(TokenText(gateway.tokenizer), tools)
     return await respond(request, gateway, body, model, card, [prompt], form, tools.constraint)

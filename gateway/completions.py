@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pdserve.gateway.generation import Choice, ChoiceUpdate
+from pdserve.gateway.limits import check_sampling_limits
 from pdserve.gateway.logprobs import TokenText, completion_logprobs
 from pdserve.gateway.prompts import completion_prompts
 from pdserve.gateway.responses import choice_entry, respond
@@ -18,10 +19,11 @@ from pdserve.gateway.state import Gateway
 
 async def create_completion(request: Request, gateway: Gateway) -> Response:
     body = await read_body(request, CompletionRequest)
+    check_sampling_limits(body)
     model = gateway.check_model(body.model)
     card = gateway.require_model_card()
-    prompts = completion_prompts(
-        body.prompt, gateway.tokenizer, card.vocab_size, body.add_special_tokens
+    prompts = await completion_prompts(
+        body.prompt, gateway.offload, card.vocab_size, body.add_special_tokens, card.max_model_len
     )
     form = CompletionFormat(TokenText(gateway.tokenizer))
     return await respond(request, gateway, body, model, card, prompts, form)

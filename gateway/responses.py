@@ -7,6 +7,7 @@ choices (a chat message or delta, or a completion's text) to `respond`.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,12 +17,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pdserve.gateway.generation import Choice, ChoiceUpdate, GenerationRun
-from pdserve.gateway.prompts import Prompt
+from pdserve.gateway.prompts import Prompt, check_vocabulary
 from pdserve.gateway.sampling import build_sampling_params
 from pdserve.gateway.schemas import SamplingFields
 from pdserve.gateway.state import Gateway, ModelCard
 from pdserve.gateway.streaming import SSE_DONE, AbortingStreamingResponse, sse
 from pdserve.scheduler.structured_output import StructuredOutput
+
+# `pdserve serve --enable-log-requests` sets it to INFO; nothing else logs a prompt.
+request_log = logging.getLogger("pdserve.gateway.requests")
 
 
 class ChoiceFormat(Protocol):
@@ -66,11 +70,17 @@ async def respond(
     constraint: StructuredOutput | None = None,
 ) -> Response:
     """`constraint`: an output constraint the endpoint adds (a forced tool call)."""
+    request_id = f"{form.id_prefix}-{uuid.uuid4().hex}"
+    if gateway.config.enable_log_requests:  # prompts are the clients' data: only when asked
+        texts = [p.text if p.text is not None else p.token_ids for p in prompts]
+        request_log.info("%s: prompts=%r", request_id, texts)
     longest = max(len(p.token_ids) for p in prompts)
+    check_vocabulary(body.stop_token_ids or [], card.vocab_size, "stop_token_ids")
     params = build_sampling_params(
         body, card.generation_defaults, card.max_model_len, longest, constraint
     )
-    request_id = f"{form.id_prefix}-{uuid.uuid4().hex}"
+    if gateway.config.enable_log_requests:
+        request_log.info("%s: params=%r", request_id, params)
     run = gateway.start_run(request_id, prompts, params, body.cache_salt)
     header = {"id": run.request_id, "object": form.object, "created": int(time.time()),
               "model": model}  # fmt: skip

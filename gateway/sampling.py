@@ -109,7 +109,10 @@ def build_sampling_params(
             structured_outputs=structured,
         )
     except (ValueError, TypeError) as exc:
-        raise bad_request(str(exc)) from None
+        # SamplingParams' messages start with the field's name ("top_k must be ..."):
+        # name it as the param where the request has such a field.
+        first = str(exc).split(" ", 1)[0]
+        raise bad_request(str(exc), param=first if hasattr(request, first) else None) from None
 
 
 def _max_tokens(

@@ -14,6 +14,7 @@ from pdserve.gateway.dispatcher import Dispatcher
 from pdserve.gateway.errors import APIError, error_body
 from pdserve.gateway.generation import Choice, GenerationFailed, GenerationRun
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.offload import DEFAULT_BUDGET_S, Offload
 from pdserve.gateway.prompts import Prompt
 from pdserve.gateway.streaming import ClientDisconnected, watch_disconnect
 from pdserve.gateway.tool_parsers import PARSERS, ToolParser
@@ -48,6 +49,11 @@ class GatewayConfig:
     chat_template: str | None = None  # replaces the tokenizer's own templates
     # tool_choice "auto": which parser finds calls in the model's text (None: refused)
     tool_call_parser: str | None = None
+    # Hostile input (README: "Security"): request-supplied chat templates are refused
+    # unless trusted; prompts and completions are logged only when asked for.
+    trust_request_chat_template: bool = False
+    enable_log_requests: bool = False
+    cpu_budget_s: float = DEFAULT_BUDGET_S  # rendering or tokenizing one request's prompt
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ class Gateway:
                 f"choose one of {', '.join(PARSERS)}"
             )
         self.tool_parser: ToolParser | None = parser() if parser is not None else None
+        self.offload = Offload(self.tokenizer, config.cpu_budget_s)
         self.metrics = GatewayMetrics(self.model_name)  # the model_name label of vllm:*
         self.scheduler = GlobalScheduler(config.scheduler)
         self.dispatcher = Dispatcher(self.scheduler, self.metrics, config.zmq_host)
@@ -95,6 +102,7 @@ class Gateway:
 
     async def close(self) -> None:
         await self.dispatcher.close()
+        self.offload.close()
 
     def register(self, info: InstanceInfo) -> None:
         limit = info.max_model_len

@@ -6,6 +6,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pdserve.gateway.errors import bad_request
+from pdserve.gateway.limits import (
+    MAX_DETOKENIZE_TOKENS,
+    MAX_MESSAGES,
+    MAX_TOKENIZE_TOKENS,
+    at_most,
+)
 from pdserve.gateway.logprobs import TokenText
 from pdserve.gateway.prompts import chat_prompt, check_vocabulary
 from pdserve.gateway.schemas import DetokenizeRequest, TokenizeRequest, read_body
@@ -17,12 +23,18 @@ async def tokenize(request: Request, gateway: Gateway) -> Response:
     gateway.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", param="prompt")
+    # Counting is allowed past max_model_len (clients count what they will cut), not forever.
     if body.messages is not None:
-        ids = chat_prompt(
-            body.messages, gateway.tokenizer, add_generation_prompt=body.add_generation_prompt
-        ).token_ids
+        at_most(body.messages, MAX_MESSAGES, "messages", "messages")
+        prompt = await chat_prompt(
+            body.messages, gateway.offload, MAX_TOKENIZE_TOKENS,
+            add_generation_prompt=body.add_generation_prompt,
+        )  # fmt: skip
+        ids = prompt.token_ids
     else:
-        ids = gateway.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await gateway.offload.encode(
+            body.prompt, body.add_special_tokens, MAX_TOKENIZE_TOKENS, "prompt"
+        )
     card = gateway.model_card
     token_strs = None
     if body.return_token_strs:
@@ -40,5 +52,9 @@ async def tokenize(request: Request, gateway: Gateway) -> Response:
 async def detokenize(request: Request, gateway: Gateway) -> Response:
     body = await read_body(request, DetokenizeRequest)
     gateway.check_model(body.model)
+    at_most(body.tokens, MAX_DETOKENIZE_TOKENS, "tokens", "token ids")
     check_vocabulary(body.tokens, gateway.tokenizer.vocab_size, "tokens")
-    return gateway.json({"prompt": gateway.tokenizer.decode(body.tokens)})
+    text = await gateway.offload.run(
+        lambda: gateway.tokenizer.decode(body.tokens), "detokenizing", "tokens"
+    )
+    return gateway.json({"prompt": text})

@@ -191,7 +191,7 @@ def render_chat_template(
         raise
     except jinja2.TemplateError as exc:
         raise TokenizerError(f"chat template error: {_one_line(exc)}") from None
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as exc:
         raise TokenizerError(
             f"chat template failed: {type(exc).__name__}: {_one_line(exc)}"
         ) from None

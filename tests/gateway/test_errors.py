@@ -36,17 +36,31 @@ BAD_COMPLETIONS = [
     # Output constraints are checked at the gateway, naming the field.
     ({"prompt": "x", "response_format": {"type": "xml"}}, 400, "response_format"),
     ({"prompt": "x", "response_format": {"type": "json_schema"}}, 400, "response_format"),
-    ({"prompt": "x", "response_format": {"type": "json_schema",
-      "json_schema": {"name": "a", "schema": {"type": "nope"}}}}, 400, "response_format"),
+    (
+        {
+            "prompt": "x",
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": {"type": "nope"}},
+            },
+        },
+        400,
+        "response_format",
+    ),
     ({"prompt": "x", "guided_regex": "("}, 400, "guided_regex"),
     ({"prompt": "x", "guided_choice": []}, 400, "guided_choice"),
     ({"prompt": "x", "guided_json": "{not json"}, 400, "guided_json"),
-    ({"prompt": "x", "guided_json": {"type": "object"}, "guided_regex": "a"}, 400,
-     "guided_regex"),
-    ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
-     "structured_outputs"),
-    ({"prompt": "x", "structured_outputs": {"regex": "a", "backend": "outlines"}}, 400,
-     "structured_outputs"),
+    ({"prompt": "x", "guided_json": {"type": "object"}, "guided_regex": "a"}, 400, "guided_regex"),
+    (
+        {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+        400,
+        "structured_outputs",
+    ),
+    (
+        {"prompt": "x", "structured_outputs": {"regex": "a", "backend": "outlines"}},
+        400,
+        "structured_outputs",
+    ),
 ]
 TOOLS = [{"type": "function", "function": {"name": "f"}}]
 BAD_CHATS = [

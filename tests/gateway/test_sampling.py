@@ -58,7 +58,7 @@ def test_chat_fields_map_onto_sampling_params() -> None:
         (completion(logprobs=21), "logprobs"),
         (completion(echo=True), "echo"),
         (chat(top_logprobs=1), "top_logprobs"),
-        (completion(temperature=-0.5), None),
+        (completion(temperature=-0.5), "temperature"),
     ],
 )
 def test_out_of_range_values_are_400s(request_, param) -> None:
