@@ -84,8 +84,9 @@ def _add_model_flags(model: argparse._ArgumentGroup) -> None:
     model.add_argument(
         "--generation-config",
         default="auto",
-        help="sampling defaults: auto (the model's generation_config.json), vllm (none: "
-        "SamplingParams' own), or a folder holding a generation_config.json",
+        help="where unset sampling parameters come from: auto (the model's "
+        "generation_config.json), vllm (SamplingParams' own), or a folder with a "
+        "generation_config.json",
     )
     model.add_argument(
         "--enable-auto-tool-choice",

@@ -94,3 +94,17 @@ def test_bench_help_shows_defaults_too(
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: None)" not in text and "(default: False)" not in text
     assert "(default: " in text
+
+
+def test_generation_config_and_tool_flags(tmp_path: Path) -> None:
+    assert plan_of("--generation-config", "vllm").engine_args["generation_config"] == "vllm"
+    (tmp_path / "generation_config.json").write_text("{}")
+    plan = plan_of("--generation-config", str(tmp_path))
+    assert plan.engine_args["generation_config"] == str(tmp_path)
+    with pytest.raises(ServeError, match="no generation_config.json"):
+        plan_of("--generation-config", str(tmp_path / "missing"))
+    with pytest.raises(ServeError, match="needs --tool-call-parser"):
+        plan_of("--enable-auto-tool-choice")
+    assert plan_of("--enable-auto-tool-choice", "--tool-call-parser", "hermes").args
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
