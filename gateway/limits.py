@@ -29,6 +29,10 @@ MAX_METADATA = 16  # OpenAI's own limit
 MAX_TOP_K = (1 << 31) - 1
 MAX_DETOKENIZE_TOKENS = 1 << 20
 MAX_TOKENIZE_TOKENS = 1 << 20  # /tokenize counts past max_model_len, up to this
+# Output constraints travel with every choice to P and D, and compile on both.
+MAX_CONSTRAINT_CHARS = 64 << 10  # a regex, a grammar (schemas: structured.MAX_SCHEMA_CHARS)
+MAX_CHOICES = 1024
+MAX_TOOLS = 128
 
 
 def check_sampling_limits(request: SamplingFields) -> None:
@@ -54,6 +58,25 @@ def check_sampling_limits(request: SamplingFields) -> None:
         at_most(request.messages, MAX_MESSAGES, "messages", "messages")
         kwargs = request.chat_template_kwargs
         at_most(kwargs, MAX_CHAT_TEMPLATE_KWARGS, "chat_template_kwargs", "entries")
+        at_most(request.tools, MAX_TOOLS, "tools", "tools")
+    _check_constraint_limits(request)
+
+
+def _check_constraint_limits(request: SamplingFields) -> None:
+    structured = request.structured_outputs
+    for value, param in (
+        (request.guided_regex, "guided_regex"),
+        (request.guided_grammar, "guided_grammar"),
+        (structured and structured.regex, "structured_outputs"),
+        (structured and structured.grammar, "structured_outputs"),
+    ):
+        at_most(value, MAX_CONSTRAINT_CHARS, param, "characters")
+    at_most(request.guided_choice, MAX_CHOICES, "guided_choice", "choices")
+    at_most(structured and structured.choice, MAX_CHOICES, "structured_outputs", "choices")
+    for choices, param in ((request.guided_choice, "guided_choice"),
+                           (structured and structured.choice, "structured_outputs")):  # fmt: skip
+        if choices and any(len(c) > MAX_STOP_STRING_CHARS for c in choices):
+            raise bad_request(f"each choice has at most {MAX_STOP_STRING_CHARS} characters", param)
 
 
 def at_most(value: Any, limit: int, param: str, unit: str) -> None:

@@ -21,6 +21,8 @@ from pdserve.scheduler.structured_output import StructuredOutput
 
 # What `structured_outputs`/`guided_decoding_backend` may name: the one engine there is.
 BACKENDS = ("auto", "xgrammar")
+# A schema travels with every choice to P and D and compiles on both.
+MAX_SCHEMA_CHARS = 64 << 10
 
 
 class JSONSchemaFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -61,7 +63,10 @@ def check_json_schema(schema: Any, what: str, param: str | None = None) -> str:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         raise bad_request(f"{what} is not a valid JSON schema: {exc.message}", param) from None
-    return json.dumps(schema)
+    text = json.dumps(schema)
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise bad_request(f"{what} holds at most {MAX_SCHEMA_CHARS} characters", param)
+    return text
 
 
 def _regex(pattern: str, param: str) -> StructuredOutput:

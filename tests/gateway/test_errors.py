@@ -61,6 +61,9 @@ BAD_COMPLETIONS = [
         400,
         "structured_outputs",
     ),
+    ({"prompt": "x", "guided_choice": ["a"] * 1025}, 400, "guided_choice"),
+    ({"prompt": "x", "guided_regex": "a" * 70000}, 400, "guided_regex"),
+    ({"prompt": "x", "guided_json": {"enum": ["a" * 70000]}}, 400, "guided_json"),
 ]
 TOOLS = [{"type": "function", "function": {"name": "f"}}]
 BAD_CHATS = [
