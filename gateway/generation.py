@@ -47,6 +47,7 @@ class Choice(ChoiceText):
     num_prompt_tokens: int
     error: str | None = None
     last_token_at: float | None = None
+    source: str = ""  # the instance its last output came from
 
 
 @dataclass
@@ -128,6 +129,9 @@ class GenerationRun:
         for choice in self.choices:
             if not choice.finished:
                 choice.finish_reason = "abort"
+                # vLLM counts aborted requests among its finished ones, by reason.
+                role = self.dispatcher.role_of(choice.source) if choice.source else ""
+                self.metrics.vllm.count_success(role, choice.source, "abort")
         self._unfinished = 0
         if ids:
             self.dispatcher.abort(ids)
@@ -162,6 +166,7 @@ class GenerationRun:
         if delta.finish_reason == "error":
             message = delta.error or "the instance failed the request"
             self._fail(choice, message, rejected=not choice.token_ids)
+        choice.source = event.source
         self._observe_timing(choice, event, len(delta.new_token_ids))
         absorbed = choice.absorb(delta)
         if absorbed.end_request:

@@ -20,6 +20,15 @@ def generated_tokens(server) -> float:
     raise AssertionError("no generation_tokens_total")
 
 
+def aborted_requests(server) -> float:
+    """vLLM counts a request the client left among its finished ones, as an abort."""
+    total = 0.0
+    for line in server.get("/metrics").text.splitlines():
+        if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def running_requests(server) -> list[str]:
     return [
         rid
@@ -41,6 +50,7 @@ def assert_aborted(server, started_tokens: float) -> None:
 
 def test_streaming_client_disconnect_aborts(server) -> None:
     before = generated_tokens(server)
+    aborted = aborted_requests(server)
     with (
         httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60) as client,
         client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as response,
@@ -54,6 +64,7 @@ def test_streaming_client_disconnect_aborts(server) -> None:
                 break
         assert len(running_requests(server)) == 1  # it is still running on the instance
     assert_aborted(server, before)
+    assert aborted_requests(server) == aborted + 1
 
 
 def test_non_streaming_client_disconnect_aborts(server) -> None:
