@@ -5,7 +5,7 @@ Problems surface as the one-line `CheckpointError` of `pdserve.engine.checkpoint
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -64,8 +64,14 @@ def _tensor_shapes(path: Path) -> dict[str, list[int]]:
         raise CheckpointError(f"{path}: not a readable safetensors file: {reason}") from None
 
 
-def iter_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of the checkpoint, one file open at a time."""
+Shard = tuple[int, int, int] | None  # (dim, start, stop) of a tensor to read; None: all
+
+
+def iter_weights(
+    folder: str | Path, shard_of: Callable[[str], Shard] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the checkpoint, one file open at a time; with
+    `shard_of`, only the part of each tensor it names is read from the file."""
     by_file: dict[Path, list[str]] = {}
     for name, path in weight_files(folder).items():
         by_file.setdefault(path, []).append(name)
@@ -73,11 +79,20 @@ def iter_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(path, framework="pt") as handle:
                 for name in names:
-                    yield name, handle.get_tensor(name)
+                    shard = shard_of(name) if shard_of is not None else None
+                    yield name, _read(handle, name, shard)
         except CheckpointError:
             raise
         except Exception as exc:
             raise CheckpointError(f"{path}: cannot read tensors: {_one_line(exc)}") from None
+
+
+def _read(handle, name: str, shard: Shard) -> torch.Tensor:
+    if shard is None:
+        return handle.get_tensor(name)
+    dim, start, stop = shard
+    part = handle.get_slice(name)
+    return part[start:stop] if dim == 0 else part[:, start:stop]
 
 
 def check_shape(

@@ -39,13 +39,20 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory this engine may use
     enforce_eager: bool = False  # CUDA: run decode steps eagerly (no CUDA graphs)
     cuda_graph_sizes: list[int] | None = None  # decode batch sizes to capture; None: defaults
+    # Ranks of a tensor-parallel worker group (one process each; 1: in the driver's process).
+    tensor_parallel_size: int = 1
     # A structured-output grammar that takes longer to compile fails its request.
     grammar_compile_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "tensor_parallel_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_cache_memory <= 0:

@@ -69,12 +69,21 @@ class StepPlanner:
         return StepPlan(finished, new_requests, chunks, kv_connector)
 
 
+def default_executor(config: EngineConfig) -> Executor:
+    """One rank in this process, or a worker group of `tensor_parallel_size` processes."""
+    if config.tensor_parallel_size > 1:
+        from pdserve.engine.worker_group import WorkerGroupExecutor
+
+        return WorkerGroupExecutor(config)
+    return InProcessExecutor(config)
+
+
 class EngineCore:
     def __init__(
         self, config: EngineConfig | None = None, executor: Executor | None = None, **kwargs
     ) -> None:
         self.config = config or EngineConfig.from_kwargs(**kwargs)
-        self.executor = executor or InProcessExecutor(self.config)
+        self.executor = executor or default_executor(self.config)
         self.info: WorkerInfo = self.executor.load()
         if self.info.kv.block_size != self.config.block_size:
             raise ValueError(

@@ -11,6 +11,7 @@ from pdserve.engine.checkpoint_weights import check_weights, iter_weights
 from pdserve.engine.models import model_class
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.precision import compute_dtype, store_matrices_narrow
+from pdserve.engine.parallel import TensorParallel
 
 
 def load_model(
@@ -18,19 +19,21 @@ def load_model(
     config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
+    """With `tp`, the rank's slice of the model, read as slices from the files."""
     cls = model_class(config.architecture)
     compute = compute_dtype(dtype, device)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(compute)  # parameters are created directly in the compute dtype
     try:
         with torch.device(device):  # ...and on the serving device: no host copy of the model
-            model = cls(config)
+            model = cls(config, tp)
     finally:
         torch.set_default_dtype(previous)
     # Shapes and presence are checked from the file headers before any tensor is read.
     check_weights(folder, model.expected_weights())
-    model.load_weights(iter_weights(folder))
+    model.load_weights(iter_weights(folder, model.shard_of))
     if compute != dtype:
         store_matrices_narrow(model, dtype)
     return model.eval()

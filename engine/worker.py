@@ -29,6 +29,7 @@ from pdserve.engine.executor import RankConnector
 from pdserve.engine.grammar import GrammarBook
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
 from pdserve.engine.loader import load_model
+from pdserve.engine.parallel import TensorParallel, check_tp_size
 from pdserve.engine.plan import KVGeometry, SampledToken, StepPlan, StepResult, WorkerInfo
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler
@@ -38,10 +39,25 @@ from pdserve.scheduler.request import Request
 from pdserve.scheduler.structured_output import StructuredOutput
 
 
+def model_tokenizer_facts(config: EngineConfig) -> tuple[str, int, list[int]]:
+    """What a grammar needs of the model without loading it: the tokenizer's folder, the
+    vocabulary size and the end tokens."""
+    model_path = str(config.model or embedded_model_path())
+    mc = load_model_config(model_path)
+    eos = set(load_generation_config(model_path).eos_token_ids) | set(mc.eos_token_ids)
+    return config.tokenizer or model_path, mc.vocab_size, sorted(eos)
+
+
 class ModelWorker:
-    def __init__(self, config: EngineConfig, connector: RankConnector | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        connector: RankConnector | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         self.config = config
         self.connector = connector
+        self.tp = tp or TensorParallel()  # this rank's place in its tensor-parallel group
         self.requests: dict[str, Request] = {}
         self.block_tables: dict[str, list[int]] = {}
 
@@ -53,18 +69,21 @@ class ModelWorker:
         torch.set_num_threads(config.resolved_threads())
         self.model_path = str(config.model or embedded_model_path())
         self.model_config = mc = load_model_config(self.model_path)
+        check_tp_size(
+            self.tp.size, mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size
+        )
         generation_config = load_generation_config(self.model_path)
         self.dtype = config.torch_dtype(mc.torch_dtype)
         self.device = torch.device(config.device)
         on_cuda = self.device.type == "cuda"
         free_before_load = gpu_memory.free_device_memory(self.device) if on_cuda else 0
-        self.model = load_model(self.model_path, mc, self.dtype, self.device)
+        self.model = load_model(self.model_path, mc, self.dtype, self.device, self.tp)
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         shape = KVCacheShape(
             num_layers=mc.num_hidden_layers,
-            num_kv_heads=mc.num_key_value_heads,
+            num_kv_heads=mc.num_key_value_heads // self.tp.size,
             head_dim=mc.head_dim,
             block_size=config.block_size,
             dtype=self.dtype,

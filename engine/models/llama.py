@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.models.rope import cos_sin_cache
+from pdserve.engine.parallel import TensorParallel
 from pdserve.kernels import AttentionMetadata, linear, paged_attention, rms_norm, rotary_embedding
 
 Tensor = torch.Tensor
@@ -30,10 +31,14 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, layer_index: int):
+    """This rank's heads (all of them at TP=1) and their KV heads; the output projection
+    is row-parallel: partial sums, one all-reduce, then the bias."""
+
+    def __init__(self, cfg, layer_index: int, tp: TensorParallel):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.tp = tp
+        self.num_heads = cfg.num_attention_heads // tp.size
+        self.num_kv_heads = cfg.num_key_value_heads // tp.size
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -71,39 +76,48 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary_embedding(positions, q, k, cos_sin)
         attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return linear(attn.reshape(n, self.q_size), self.o_weight, self.o_bias)
+        if not self.tp.enabled:
+            return linear(attn.reshape(n, self.q_size), self.o_weight, self.o_bias)
+        out = self.tp.all_reduce(linear(attn.reshape(n, self.q_size), self.o_weight))
+        return out if self.o_bias is None else out + self.o_bias
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg):
+    """Gate/up column-parallel, down row-parallel (one all-reduce, then the bias)."""
+
+    def __init__(self, cfg, tp: TensorParallel):
         super().__init__()
-        self.intermediate = cfg.intermediate_size
+        self.tp = tp
+        self.intermediate = cfg.intermediate_size // tp.size
         self.gate_up_weight = nn.Parameter(
-            torch.empty(2 * cfg.intermediate_size, cfg.hidden_size), requires_grad=False
+            torch.empty(2 * self.intermediate, cfg.hidden_size), requires_grad=False
         )
         self.down_weight = nn.Parameter(
-            torch.empty(cfg.hidden_size, cfg.intermediate_size), requires_grad=False
+            torch.empty(cfg.hidden_size, self.intermediate), requires_grad=False
         )
         self.gate_up_bias = self.down_bias = None
         if cfg.mlp_bias:
             self.gate_up_bias = nn.Parameter(
-                torch.empty(2 * cfg.intermediate_size), requires_grad=False
+                torch.empty(2 * self.intermediate), requires_grad=False
             )
             self.down_bias = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        if not self.tp.enabled:
+            return linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        out = self.tp.all_reduce(linear(F.silu(gate) * up, self.down_weight))
+        return out if self.down_bias is None else out + self.down_bias
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_index: int):
+    def __init__(self, cfg, layer_index: int, tp: TensorParallel):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer_index)
+        self.attn = Attention(cfg, layer_index, tp)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, positions, hidden, residual, kv_cache, meta, cos_sin):
         if residual is None:
@@ -117,18 +131,21 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also serves Mistral, Qwen2 and Qwen3: they differ only in config flags."""
+    """Also serves Mistral, Qwen2 and Qwen3: they differ only in config flags. With
+    `tp`, the rank's slice of it (`engine/parallel.py`)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: TensorParallel | None = None):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.tp = tp = tp or TensorParallel()
+        vocab_rows = tp.vocab_rows(cfg.vocab_size)[2]
+        self.embed = nn.Parameter(torch.zeros(vocab_rows, cfg.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+            else nn.Parameter(torch.zeros(vocab_rows, cfg.hidden_size), requires_grad=False)
         )
         self.register_buffer(
             "cos_sin",
@@ -151,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> Tensor:
         """Hidden states after the final norm: [num_tokens, hidden]."""
         # The table may be stored narrower than the compute dtype (precision.py).
-        hidden = F.embedding(token_ids, self.embed).to(self.norm.weight.dtype)
+        hidden = self.tp.embed(token_ids, self.embed, self.cfg.vocab_size, self.norm.weight.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.cos_sin)
@@ -160,7 +177,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         head = self.embed if self.lm_head is None else self.lm_head
-        return linear(hidden, head).float()
+        logits = linear(hidden, head).float()
+        if not self.tp.enabled:
+            return logits
+        return self.tp.gather_columns(logits)[:, : self.cfg.vocab_size]
 
     # ---- weights -------------------------------------------------------------------
 
@@ -195,6 +215,33 @@ class LlamaForCausalLM(nn.Module):
                 yield p + "mlp.up_proj.bias", (cfg.intermediate_size,)
                 yield p + "mlp.down_proj.bias", (h,)
 
+    def shard_of(self, name: str) -> tuple[int, int, int] | None:
+        """The part of a Hugging Face tensor this rank holds: (dim, start, stop), or None
+        for all of it. Loading reads only that part from the file."""
+        tp, cfg = self.tp, self.cfg
+        if not tp.enabled:
+            return None
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            start, stop, _ = tp.vocab_rows(cfg.vocab_size)
+            return 0, start, stop
+        key = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+        d = cfg.head_dim
+        rows = {
+            "self_attn.q_proj": cfg.num_attention_heads * d,
+            "self_attn.k_proj": cfg.num_key_value_heads * d,
+            "self_attn.v_proj": cfg.num_key_value_heads * d,
+            "mlp.gate_proj": cfg.intermediate_size,
+            "mlp.up_proj": cfg.intermediate_size,
+        }
+        module, _, kind = key.rpartition(".")
+        if module in rows:  # column-parallel: this rank's output rows (weight and bias)
+            return (0, *tp.split(rows[module]))
+        if key == "self_attn.o_proj.weight":  # row-parallel: this rank's input columns
+            return (1, *tp.split(cfg.num_attention_heads * d))
+        if key == "mlp.down_proj.weight":
+            return (1, *tp.split(cfg.intermediate_size))
+        return None  # norms, and the row-parallel biases (added once, after the reduce)
+
     def target_of(self, name: str) -> tuple[Tensor, int]:
         """The parameter slice a Hugging Face tensor is copied into: (param, row offset)."""
         if name == "model.embed_tokens.weight":
@@ -206,14 +253,14 @@ class LlamaForCausalLM(nn.Module):
         parts = name.split(".")
         layer = self.layers[int(parts[2])]
         key = ".".join(parts[3:])
-        attn, cfg = layer.attn, self.cfg
+        attn = layer.attn
         qkv_offsets = {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size}
         table = {
             "input_layernorm.weight": (layer.input_norm.weight, 0),
             "post_attention_layernorm.weight": (layer.post_attn_norm.weight, 0),
             "self_attn.o_proj.weight": (attn.o_weight, 0),
             "mlp.gate_proj.weight": (layer.mlp.gate_up_weight, 0),
-            "mlp.up_proj.weight": (layer.mlp.gate_up_weight, cfg.intermediate_size),
+            "mlp.up_proj.weight": (layer.mlp.gate_up_weight, layer.mlp.intermediate),
             "mlp.down_proj.weight": (layer.mlp.down_weight, 0),
         }
         for proj, offset in qkv_offsets.items():
@@ -224,7 +271,7 @@ class LlamaForCausalLM(nn.Module):
             table["self_attn.o_proj.bias"] = (attn.o_bias, 0)
         if layer.mlp.gate_up_bias is not None:
             table["mlp.gate_proj.bias"] = (layer.mlp.gate_up_bias, 0)
-            table["mlp.up_proj.bias"] = (layer.mlp.gate_up_bias, cfg.intermediate_size)
+            table["mlp.up_proj.bias"] = (layer.mlp.gate_up_bias, layer.mlp.intermediate)
             table["mlp.down_proj.bias"] = (layer.mlp.down_bias, 0)
         if attn.q_norm is not None:
             table["self_attn.q_norm.weight"] = (attn.q_norm.weight, 0)
@@ -233,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy Hugging Face tensors into the fused parameters, checking every shape."""
-        expected = dict(self.expected_weights())
+        expected = {name: self._local_shape(name, shape) for name, shape in self.expected_weights()}
         seen: set[str] = set()
         for name, tensor in weights:
             if name not in expected:
@@ -253,6 +300,13 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise WeightError(f"checkpoint lacks tensor {missing[0]!r}{more}")
+
+    def _local_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        shard = self.shard_of(name)
+        if shard is None:
+            return shape
+        dim, start, stop = shard
+        return tuple(stop - start if i == dim else size for i, size in enumerate(shape))
 
 
 class WeightError(ValueError):

@@ -1,0 +1,88 @@
+"""Tensor parallelism: which slice of the model a rank holds, and the collectives that
+join the slices (torch.distributed: gloo on CPU, NCCL on GPU).
+
+Attention heads split across ranks with their KV heads (each rank keeps whole GQA
+groups), the MLP's intermediate dimension splits likewise; the output projection and the
+MLP's down projection then each end in one all-reduce. The embedding table and the LM head
+split by vocabulary rows (padded to a multiple of the TP size); the logits are gathered
+so every rank samples the same token from the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+
+
+class TensorParallelError(ValueError):
+    """A TP size the model's shape cannot be split by."""
+
+
+def check_tp_size(
+    tp_size: int, num_heads: int, num_kv_heads: int, intermediate_size: int | None = None
+) -> None:
+    """The one rule for splitting a model (`serve`, `plan` and `kvtransfer` share it)."""
+    if tp_size < 1:
+        raise TensorParallelError(f"tensor parallel size must be at least 1, got {tp_size}")
+    if num_kv_heads % tp_size or num_heads % tp_size:
+        raise TensorParallelError(
+            f"tensor parallel size {tp_size} does not divide the model's {num_kv_heads} KV "
+            f"heads and {num_heads} attention heads (use a divisor of {num_kv_heads})"
+        )
+    if intermediate_size is not None and intermediate_size % tp_size:
+        raise TensorParallelError(
+            f"tensor parallel size {tp_size} does not divide the MLP's intermediate size "
+            f"{intermediate_size}"
+        )
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def split(self, total: int) -> tuple[int, int]:
+        """This rank's [start, stop) of `total` evenly divided rows."""
+        part = total // self.size
+        return self.rank * part, (self.rank + 1) * part
+
+    def vocab_rows(self, vocab_size: int) -> tuple[int, int, int]:
+        """(start, stop, rows per rank) of the vocabulary; the last rank's may be short."""
+        per = -(-vocab_size // self.size)
+        start = self.rank * per
+        return start, min(vocab_size, start + per), per
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        if self.enabled:
+            dist.all_reduce(x)
+        return x
+
+    def gather_columns(self, x: Tensor) -> Tensor:
+        """[n, k] on each rank → [n, k * size], ranks' columns side by side."""
+        if not self.enabled:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    def embed(
+        self, token_ids: Tensor, table: Tensor, vocab_size: int, dtype: torch.dtype
+    ) -> Tensor:
+        """Rows of a vocabulary-split table, in `dtype`: each rank looks up its own ids,
+        zeros the rest, and the all-reduce sums the one non-zero row of each token."""
+        if not self.enabled:
+            return torch.nn.functional.embedding(token_ids, table).to(dtype)
+        start, stop, _ = self.vocab_rows(vocab_size)
+        outside = (token_ids < start) | (token_ids >= stop)
+        local = torch.where(outside, torch.zeros_like(token_ids), token_ids - start)
+        rows = torch.nn.functional.embedding(local, table).to(dtype)
+        rows = rows.masked_fill(outside[:, None], 0.0)
+        return self.all_reduce(rows)
