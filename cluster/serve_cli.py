@@ -149,8 +149,8 @@ def _add_http_flags(http: argparse._ArgumentGroup) -> None:
     http.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' (one tenant, 'default'; default: the "
-        "PDSERVE_API_KEY environment variable)",
+        help="require 'Authorization: Bearer KEY', one key for one tenant (without the "
+        "flag: the PDSERVE_API_KEY environment variable, if set)",
     )
     http.add_argument(
         "--api-keys-file",
