@@ -67,6 +67,7 @@ class ServePlan:
     chat_template: str | None = None  # --chat-template's text
     api_key: str | None = field(default=None, repr=False)  # --api-key or PDSERVE_API_KEY
     api_keys: KeysFile | None = field(default=None, repr=False)  # --api-keys-file
+    admin_api_key: str | None = field(default=None, repr=False)  # or PDSERVE_ADMIN_API_KEY
 
     @classmethod
     def from_args(
@@ -122,23 +123,27 @@ class ServePlan:
             raise ServeError(f"--chat-template: {exc}") from None
         if args.tokenizer is not None and not os.path.isdir(os.path.expanduser(args.tokenizer)):
             raise ServeError(f"--tokenizer {args.tokenizer}: no such tokenizer folder")
-        api_key, api_keys = api_keys_of(args, names)
+        keys = api_keys_of(args, names)
         return cls(
             args, model_path, names, instances, engine_args, scheduler, kv_transfer, chat_template,
-            api_key, api_keys,
+            *keys,
         )  # fmt: skip
 
 
-def api_keys_of(args: argparse.Namespace, served: list[str]) -> tuple[str | None, KeysFile | None]:
-    """The single key (--api-key, else PDSERVE_API_KEY) or the keys file, checked now so
-    a bad file is one line at startup, not an error once instances have loaded."""
+def api_keys_of(
+    args: argparse.Namespace, served: list[str]
+) -> tuple[str | None, KeysFile | None, str | None]:
+    """The single key (--api-key, else PDSERVE_API_KEY) or the keys file, and the admin
+    key (--admin-api-key, else PDSERVE_ADMIN_API_KEY): checked now, so a bad file is
+    one line at startup, not an error once instances have loaded."""
     api_key = args.api_key or os.environ.get("PDSERVE_API_KEY") or None
+    admin_key = args.admin_api_key or os.environ.get("PDSERVE_ADMIN_API_KEY") or None
     try:
         api_keys = read_keys_file(args.api_keys_file) if args.api_keys_file else None
-        KeyBook.build(served, api_keys, api_key, args.admin_api_key)
+        KeyBook.build(served, api_keys, api_key, admin_key)
     except TenantsError as exc:
         raise ServeError(str(exc)) from None
-    return api_key, api_keys
+    return api_key, api_keys, admin_key
 
 
 def kv_transfer_settings(args: argparse.Namespace) -> dict:

@@ -171,7 +171,7 @@ async def serve(plan: ServePlan, model_path: str, listener: socket.socket) -> in
             trust_request_chat_template=args.trust_request_chat_template,
             enable_log_requests=args.enable_log_requests,
             api_keys=plan.api_keys,
-            admin_api_key=args.admin_api_key,
+            admin_api_key=plan.admin_api_key,
             metrics_public=args.metrics_public,
             deployment_secret=deployment_secret(),
         )

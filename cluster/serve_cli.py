@@ -163,7 +163,8 @@ def _add_http_flags(http: argparse._ArgumentGroup) -> None:
     http.add_argument(
         "--admin-api-key",
         default=None,
-        help="the key of the operator endpoints (/debug/*); no tenant key opens them",
+        help="the key of the operator endpoints (/debug/*); no tenant key opens them "
+        "(without the flag: the PDSERVE_ADMIN_API_KEY environment variable, if set)",
     )
     http.add_argument(
         "--metrics-public",

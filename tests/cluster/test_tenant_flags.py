@@ -77,7 +77,8 @@ def test_key_flags_that_contradict_each_other_are_refused(
     with pytest.raises(ServeError, match="No such file"):
         plan_of("--api-keys-file", str(tmp_path / "missing.json"))
     monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
-    assert plan_of().api_key == "from-env"
+    monkeypatch.setenv("PDSERVE_ADMIN_API_KEY", "admin-from-env")
+    assert (plan_of().api_key, plan_of().admin_api_key) == ("from-env", "admin-from-env")
     assert plan_of("--api-key", "flag").api_key == "flag"
     with pytest.raises(ServeError, match="PDSERVE_API_KEY"):
         plan_of("--served-model-name", "m", "--api-keys-file", keys)
