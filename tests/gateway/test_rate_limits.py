@@ -139,9 +139,11 @@ def test_a_held_request_holds_its_seat_until_it_ends() -> None:
             assert (await first).status_code == 200
             assert gateway.limiter.running("limited") == 0
             instance.hold = False
-            assert (
-                await client.post("/v1/completions", json=completion(), headers=mine)
-            ).is_success
+            streamed = await client.post(
+                "/v1/completions", json=completion(stream=True), headers=mine
+            )
+            assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+            assert gateway.limiter.running("limited") == 0  # a stream gives its seat back too
 
     asyncio.run(scenario())
 
