@@ -87,8 +87,9 @@ class MetricsWatcher:
     def __init__(self, base_url: str, interval_s: float = 0.5) -> None:
         self.base_url = base_url
         self.interval_s = interval_s
-        # vLLM and pdserve leave /metrics open, but a proxy in front may guard it with
-        # the same key: send it, and say so when it is refused.
+        # pdserve guards /metrics with its API keys (unless --metrics-public), vLLM
+        # leaves it open but a proxy in front may guard it: send the key, and say so
+        # loudly when it is refused rather than drop the scraped figures silently.
         self.http = httpx.AsyncClient(headers=auth_headers())
         self.refused = False
         self.peak_kv_usage: float | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.cluster.placement import (
     PlacementError,
@@ -23,6 +23,7 @@ from pdserve.cluster.placement import (
 from pdserve.engine.embedded import MODEL_NAME
 from pdserve.engine.model_source import ModelNotFound
 from pdserve.engine.model_source import resolve_model as resolve_model_source
+from pdserve.gateway.tenants import KeyBook, KeysFile, TenantsError, read_keys_file
 from pdserve.scheduler.global_scheduler import GlobalSchedulerConfig
 from pdserve.text.tokenizer import TokenizerError, read_chat_template
 
@@ -64,6 +65,9 @@ class ServePlan:
     scheduler: GlobalSchedulerConfig
     kv_transfer: dict  # KVTransferConfig fields for the prefill and decode instances
     chat_template: str | None = None  # --chat-template's text
+    api_key: str | None = field(default=None, repr=False)  # --api-key or PDSERVE_API_KEY
+    api_keys: KeysFile | None = field(default=None, repr=False)  # --api-keys-file
+    admin_api_key: str | None = field(default=None, repr=False)  # or PDSERVE_ADMIN_API_KEY
 
     @classmethod
     def from_args(
@@ -119,9 +123,27 @@ class ServePlan:
             raise ServeError(f"--chat-template: {exc}") from None
         if args.tokenizer is not None and not os.path.isdir(os.path.expanduser(args.tokenizer)):
             raise ServeError(f"--tokenizer {args.tokenizer}: no such tokenizer folder")
+        keys = api_keys_of(args, names)
         return cls(
-            args, model_path, names, instances, engine_args, scheduler, kv_transfer, chat_template
-        )
+            args, model_path, names, instances, engine_args, scheduler, kv_transfer, chat_template,
+            *keys,
+        )  # fmt: skip
+
+
+def api_keys_of(
+    args: argparse.Namespace, served: list[str]
+) -> tuple[str | None, KeysFile | None, str | None]:
+    """The single key (--api-key, else PDSERVE_API_KEY) or the keys file, and the admin
+    key (--admin-api-key, else PDSERVE_ADMIN_API_KEY): checked now, so a bad file is
+    one line at startup, not an error once instances have loaded."""
+    api_key = args.api_key or os.environ.get("PDSERVE_API_KEY") or None
+    admin_key = args.admin_api_key or os.environ.get("PDSERVE_ADMIN_API_KEY") or None
+    try:
+        api_keys = read_keys_file(args.api_keys_file) if args.api_keys_file else None
+        KeyBook.build(served, api_keys, api_key, admin_key)
+    except TenantsError as exc:
+        raise ServeError(str(exc)) from None
+    return api_key, api_keys, admin_key
 
 
 def kv_transfer_settings(args: argparse.Namespace) -> dict:

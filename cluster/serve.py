@@ -64,6 +64,13 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
 
 
+def deployment_secret() -> bytes | None:
+    """PDSERVE_DEPLOYMENT_SECRET, the key of every tenant's cache salt, from the
+    environment only (a flag would show in `ps`); None: a random one for this run."""
+    secret = os.environ.get("PDSERVE_DEPLOYMENT_SECRET")
+    return secret.encode() if secret else None
+
+
 def bind_listener(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -154,7 +161,7 @@ async def serve(plan: ServePlan, model_path: str, listener: socket.socket) -> in
             model_path=model_path,
             served_model_names=plan.served_model_names,
             max_model_len=args.max_model_len,
-            api_key=args.api_key,
+            api_key=plan.api_key,
             enable_test_hooks=args.enable_test_hooks,
             scheduler=plan.scheduler,
             expected_instances=len(plan.instances),
@@ -163,6 +170,10 @@ async def serve(plan: ServePlan, model_path: str, listener: socket.socket) -> in
             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
             trust_request_chat_template=args.trust_request_chat_template,
             enable_log_requests=args.enable_log_requests,
+            api_keys=plan.api_keys,
+            admin_api_key=plan.admin_api_key,
+            metrics_public=args.metrics_public,
+            deployment_secret=deployment_secret(),
         )
     )
     gateway.start()

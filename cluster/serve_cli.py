@@ -147,7 +147,31 @@ def _add_model_flags(model: argparse._ArgumentGroup) -> None:
 def _add_http_flags(http: argparse._ArgumentGroup) -> None:
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
-    http.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    http.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY', one key for one tenant (without the "
+        "flag: the PDSERVE_API_KEY environment variable, if set)",
+    )
+    http.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="FILE",
+        help='tenants, their keys and limits: JSON {"tenants": [{"name", "keys": [...], '
+        '"requests_per_minute", "tokens_per_minute", "max_concurrent_requests", '
+        '"max_tokens_per_request", "models": [...]}]} (limits and models optional)',
+    )
+    http.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="the key of the operator endpoints (/debug/*); no tenant key opens them "
+        "(without the flag: the PDSERVE_ADMIN_API_KEY environment variable, if set)",
+    )
+    http.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve /metrics without a key (for a scraper inside a trusted network)",
+    )
     http.add_argument(
         "--trust-request-chat-template",
         action="store_true",

@@ -1,8 +1,8 @@
-"""The FastAPI app: routes, API-key check, and errors always in OpenAI's shape."""
+"""The FastAPI app: routes, who may call them (`auth.py`), and errors always in OpenAI's
+shape."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -13,6 +13,12 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
+from pdserve.gateway.auth import (
+    require_admin,
+    require_metrics_reader,
+    require_tenant,
+    tenant_of,
+)
 from pdserve.gateway.chat import create_chat_completion
 from pdserve.gateway.completions import create_completion
 from pdserve.gateway.debug import debug_router
@@ -24,20 +30,6 @@ logger = logging.getLogger(__name__)
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 Handler = Callable[[Request, Gateway], Awaitable[Response]]
-
-
-def gateway_of(request: Request) -> Gateway:
-    return request.app.state.gateway
-
-
-def require_api_key(request: Request) -> None:
-    key = gateway_of(request).config.api_key
-    if not key:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
 
 async def health(request: Request, gateway: Gateway) -> Response:
@@ -62,16 +54,19 @@ async def models(request: Request, gateway: Gateway) -> Response:
             "parent": None,
             "max_model_len": card.max_model_len if card else None,
         }
-        for name in gateway.config.served_model_names
+        for name in gateway.models_of(tenant_of(request))
     ]
     return gateway.json({"object": "list", "data": data})
 
 
 OPEN_ROUTES: list[tuple[str, str, Handler]] = [
     ("GET", "/health", health),
+]
+# Behind a tenant's key or the admin key, unless --metrics-public.
+METRICS_ROUTES: list[tuple[str, str, Handler]] = [
     ("GET", "/metrics", metrics),
 ]
-# Behind the API key, when there is one.
+# Behind a tenant's key, when there are any.
 PROTECTED_ROUTES: list[tuple[str, str, Handler]] = [
     ("GET", "/v1/models", models),
     ("POST", "/v1/completions", create_completion),
@@ -85,11 +80,11 @@ def create_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gateway
     _add_error_handlers(app)
-    protected = [Depends(require_api_key)]
     _add_routes(app, gateway, OPEN_ROUTES)
-    _add_routes(app, gateway, PROTECTED_ROUTES, protected)
-    if gateway.config.enable_test_hooks:
-        app.include_router(debug_router(gateway), dependencies=protected)
+    _add_routes(app, gateway, METRICS_ROUTES, [Depends(require_metrics_reader)])
+    _add_routes(app, gateway, PROTECTED_ROUTES, [Depends(require_tenant)])
+    if gateway.config.enable_test_hooks:  # operator endpoints: the admin key only
+        app.include_router(debug_router(gateway), dependencies=[Depends(require_admin)])
     return app
 
 

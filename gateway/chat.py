@@ -8,6 +8,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pdserve.gateway.auth import tenant_of
 from pdserve.gateway.generation import Choice, ChoiceUpdate
 from pdserve.gateway.limits import check_sampling_limits
 from pdserve.gateway.logprobs import TokenText, chat_logprobs
@@ -30,7 +31,8 @@ async def create_chat_completion(request: Request, gateway: Gateway) -> Response
     body = await read_body(request, ChatCompletionRequest)
     check_sampling_limits(body)
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, gateway.tool_parser)
-    model = gateway.check_model(body.model)
+    model = gateway.check_model(body.model, tenant_of(request))
+    gateway.check_rate(tenant_of(request))  # before the prompt costs any CPU
     card = gateway.require_model_card()
     prompt = await chat_prompt(
         body.messages,

@@ -8,6 +8,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pdserve.gateway.auth import tenant_of
 from pdserve.gateway.generation import Choice, ChoiceUpdate
 from pdserve.gateway.limits import check_sampling_limits
 from pdserve.gateway.logprobs import TokenText, completion_logprobs
@@ -20,7 +21,8 @@ from pdserve.gateway.state import Gateway
 async def create_completion(request: Request, gateway: Gateway) -> Response:
     body = await read_body(request, CompletionRequest)
     check_sampling_limits(body)
-    model = gateway.check_model(body.model)
+    model = gateway.check_model(body.model, tenant_of(request))
+    gateway.check_rate(tenant_of(request))  # before the prompt costs any CPU
     card = gateway.require_model_card()
     prompts = await completion_prompts(
         body.prompt, gateway.offload, card.vocab_size, body.add_special_tokens, card.max_model_len

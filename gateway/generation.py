@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -71,7 +71,10 @@ class GenerationRun:
         tokenizer: Tokenizer,
         metrics: GatewayMetrics,
         cache_salt: str = "",
+        on_end: Callable[[dict[str, int]], None] | None = None,
     ) -> None:
+        """`on_end`: called once with the usage when the last choice ends or the run is
+        aborted (the tenant's seat and unused tokens go back)."""
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -84,6 +87,7 @@ class GenerationRun:
         self._by_request: dict[str, Choice] = {}
         self._events: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self._unfinished = 0
+        self._on_end = on_end
 
     # ---- submitting -------------------------------------------------------------------
 
@@ -135,6 +139,12 @@ class GenerationRun:
         self._unfinished = 0
         if ids:
             self.dispatcher.abort(ids)
+        self._end()
+
+    def _end(self) -> None:
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end(self.usage())
 
     @property
     def finished(self) -> bool:
@@ -174,6 +184,8 @@ class GenerationRun:
         if absorbed.finish_reason is not None:
             self._unfinished -= 1
             self._observe_end(choice, event, absorbed.finish_reason)
+            if not self._unfinished:
+                self._end()
         logprobs = list(delta.logprobs or [])
         return ChoiceUpdate(
             choice, absorbed.text, list(delta.new_token_ids), logprobs, absorbed.finish_reason

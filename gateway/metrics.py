@@ -194,6 +194,33 @@ class VLLMSeries:
         self.lengths["request_generation_tokens"].labels(*labels).observe(generation)
 
 
+class TenantSeries:
+    """Per-tenant counters, labelled by the tenant's name only (never a key)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, documentation: str) -> Counter:
+            return Counter(PREFIX + name, documentation, ("tenant",), registry=registry)
+
+        self.requests = counter("tenant_requests", "Generation requests admitted, per tenant")
+        self.prompt_tokens = counter("tenant_prompt_tokens", "Prompt tokens, per tenant")
+        self.generation_tokens = counter("tenant_generation_tokens", "Tokens generated, per tenant")
+        self.limited = counter("tenant_rate_limited", "Requests refused with 429, per tenant")
+
+    def add(self, tenant: str) -> None:
+        for metric in (self.requests, self.prompt_tokens, self.generation_tokens, self.limited):
+            metric.labels(tenant)
+
+    def admitted(self, tenant: str) -> None:
+        self.requests.labels(tenant).inc()
+
+    def rate_limited(self, tenant: str) -> None:
+        self.limited.labels(tenant).inc()
+
+    def used(self, tenant: str, usage: dict[str, int]) -> None:
+        self.prompt_tokens.labels(tenant).inc(usage["prompt_tokens"])
+        self.generation_tokens.labels(tenant).inc(usage["completion_tokens"])
+
+
 class GatewayMetrics:
     def __init__(self, model_name: str = "") -> None:
         """`model_name`: the served model name, the `model_name` label of `vllm:*`."""
@@ -208,6 +235,7 @@ class GatewayMetrics:
             for n, (d, b) in HISTOGRAMS.items()
         }
         self.vllm = VLLMSeries(self.registry, model_name)
+        self.tenants = TenantSeries(self.registry)
         self.rejected = Counter(
             PREFIX + "num_requests_rejected",
             "Requests refused by admission control (503)",

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pdserve.gateway.auth import tenant_of
 from pdserve.gateway.generation import Choice, ChoiceUpdate, GenerationRun
 from pdserve.gateway.prompts import Prompt, check_vocabulary
 from pdserve.gateway.sampling import build_sampling_params
@@ -76,12 +77,18 @@ async def respond(
         request_log.info("%s: prompts=%r", request_id, texts)
     longest = max(len(p.token_ids) for p in prompts)
     check_vocabulary(body.stop_token_ids or [], card.vocab_size, "stop_token_ids")
+    tenant = tenant_of(request)
     params = build_sampling_params(
-        body, card.generation_defaults, card.max_model_len, longest, constraint
+        body,
+        card.generation_defaults,
+        card.max_model_len,
+        longest,
+        constraint,
+        max_tokens_cap=tenant.max_tokens_per_request,
     )
     if gateway.config.enable_log_requests:
         request_log.info("%s: params=%r", request_id, params)
-    run = gateway.start_run(request_id, prompts, params, body.cache_salt)
+    run = gateway.start_run(request_id, prompts, params, tenant, body.cache_salt)
     header = {"id": run.request_id, "object": form.object, "created": int(time.time()),
               "model": model}  # fmt: skip
     if body.stream:

@@ -64,9 +64,11 @@ def build_sampling_params(
     max_model_len: int,
     longest_prompt: int,
     constraint: StructuredOutput | None = None,
+    max_tokens_cap: int | None = None,
 ) -> SamplingParams:
     """SamplingParams for every prompt of the request (the longest decides the limit);
-    `constraint`: an output constraint the endpoint adds (a forced tool call)."""
+    `constraint`: an output constraint the endpoint adds (a forced tool call);
+    `max_tokens_cap`: the tenant's max_tokens_per_request."""
     check_unsupported(request)
     structured = structured_output_of(request)
     if constraint is not None:
@@ -91,7 +93,7 @@ def build_sampling_params(
         value = getattr(request, name)
         if value is not None:
             values[name] = value
-    max_tokens = _max_tokens(request, defaults, max_model_len, longest_prompt)
+    max_tokens = _max_tokens(request, defaults, max_model_len, longest_prompt, max_tokens_cap)
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     try:
         return SamplingParams(
@@ -116,7 +118,11 @@ def build_sampling_params(
 
 
 def _max_tokens(
-    request: SamplingFields, defaults: Mapping[str, Any], max_model_len: int, prompt_len: int
+    request: SamplingFields,
+    defaults: Mapping[str, Any],
+    max_model_len: int,
+    prompt_len: int,
+    cap: int | None = None,
 ) -> int:
     room = max_model_len - prompt_len
     if room <= 0:
@@ -130,11 +136,17 @@ def _max_tokens(
     name = "max_tokens"
     if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
         name = "max_completion_tokens"
-    if wanted is None:
+    if wanted is None:  # the tenant's cap bounds the default too, as its budget would
         default = defaults.get("max_tokens")
-        return min(room, int(default)) if default else room
+        return min(room, int(default) if default else room, cap or room)
     if wanted < 1:
         raise bad_request(f"{name} must be at least 1, got {wanted}", param=name)
+    if cap is not None and wanted > cap:
+        raise bad_request(
+            f"{name} is too large: {wanted}. This key allows at most {cap} completion "
+            "tokens per request.",
+            param=name,
+        )
     if wanted > room:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import secrets
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +19,16 @@ from pdserve.gateway.generation import Choice, GenerationFailed, GenerationRun
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.offload import DEFAULT_BUDGET_S, Offload
 from pdserve.gateway.prompts import Prompt
+from pdserve.gateway.rate_limits import RateLimited, RateLimiter
 from pdserve.gateway.streaming import ClientDisconnected, watch_disconnect
+from pdserve.gateway.tenants import (
+    ANONYMOUS,
+    KeyBook,
+    KeysFile,
+    Tenant,
+    TenantsError,
+    tenant_cache_salt,
+)
 from pdserve.gateway.tool_parsers import PARSERS, ToolParser
 from pdserve.scheduler.global_scheduler import (
     AdmissionRejected,
@@ -38,7 +50,7 @@ class GatewayConfig:
     model_path: str  # the checkpoint folder (its tokenizer is loaded here)
     served_model_names: list[str]
     max_model_len: int | None = None  # a cap below the instances' own
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # one key: tenant "default"
     enable_test_hooks: bool = False
     zmq_host: str = "127.0.0.1"  # where the output PULL socket binds
     scheduler: GlobalSchedulerConfig = field(default_factory=GlobalSchedulerConfig)
@@ -54,6 +66,13 @@ class GatewayConfig:
     trust_request_chat_template: bool = False
     enable_log_requests: bool = False
     cpu_budget_s: float = DEFAULT_BUDGET_S  # rendering or tokenizing one request's prompt
+    # Tenants (README: "Security"): a keys file instead of `api_key`, the operators' key,
+    # /metrics without a key, and the secret of every cache salt (None: random, so
+    # salts differ between runs; secrets stay out of any repr).
+    api_keys: KeysFile | None = field(default=None, repr=False)
+    admin_api_key: str | None = field(default=None, repr=False)
+    metrics_public: bool = False
+    deployment_secret: bytes | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -66,10 +85,19 @@ class ModelCard:
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: what the per-tenant limits measure minutes with."""
         if not config.served_model_names:
             raise ValueError("at least one served model name is needed")
         self.config = config
+        try:
+            self.keys = KeyBook.build(
+                config.served_model_names, config.api_keys, config.api_key, config.admin_api_key
+            )
+        except TenantsError as exc:
+            raise ValueError(str(exc)) from None
+        self.limiter = RateLimiter(clock)
+        self._secret = config.deployment_secret or secrets.token_bytes(32)
         self.tokenizer = Tokenizer.from_folder(config.tokenizer_path or config.model_path)
         if config.chat_template is not None:
             self.tokenizer.chat_templates = {"default": config.chat_template}
@@ -82,6 +110,8 @@ class Gateway:
         self.tool_parser: ToolParser | None = parser() if parser is not None else None
         self.offload = Offload(self.tokenizer, config.cpu_budget_s)
         self.metrics = GatewayMetrics(self.model_name)  # the model_name label of vllm:*
+        for tenant in self.keys.tenants or (ANONYMOUS,):
+            self.metrics.tenants.add(tenant.name)
         self.scheduler = GlobalScheduler(config.scheduler)
         self.dispatcher = Dispatcher(self.scheduler, self.metrics, config.zmq_host)
         self.model_card: ModelCard | None = None
@@ -154,10 +184,23 @@ class Gateway:
 
     # ---- request helpers --------------------------------------------------------------
 
-    def check_model(self, name: str | None) -> str:
-        if name is None or name in self.config.served_model_names:
-            return self.model_name if name is None else name
-        raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+    def models_of(self, tenant: Tenant) -> list[str]:
+        return [name for name in self.config.served_model_names if tenant.may_use(name)]
+
+    def check_model(self, name: str | None, tenant: Tenant = ANONYMOUS) -> str:
+        """The served name a request asks for (the tenant's first when it names none);
+        404 for a name not served or not the tenant's, as OpenAI words it."""
+        allowed = self.models_of(tenant)
+        if name is None and allowed:
+            return allowed[0]
+        if name in allowed:
+            return name
+        raise APIError(
+            404,
+            f"The model `{name}` does not exist or you do not have access to it.",
+            "model",
+            "model_not_found",
+        )
 
     def require_model_card(self) -> ModelCard:
         if self.model_card is None:
@@ -166,19 +209,52 @@ class Gateway:
             )
         return self.model_card
 
+    def check_rate(self, tenant: Tenant) -> None:
+        """429 if the tenant is over a limit whatever the request: called before the
+        prompt costs any CPU."""
+        try:
+            self.limiter.check(tenant)
+        except RateLimited as exc:
+            self.metrics.tenants.rate_limited(tenant.name)
+            raise exc.api_error() from None
+
     def start_run(
-        self, request_id: str, prompts: list[Prompt], params: SamplingParams, salt: str | None
+        self,
+        request_id: str,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        tenant: Tenant = ANONYMOUS,
+        cache_salt: str | None = None,
     ) -> GenerationRun:
+        """Admits the run against the tenant's limits (429) and the cluster's (503)."""
+        reserved = sum(len(p.token_ids) for p in prompts)
+        reserved += len(prompts) * params.n * (params.max_tokens or 0)
+        try:
+            ticket = self.limiter.admit(tenant, reserved)
+        except RateLimited as exc:
+            self.metrics.tenants.rate_limited(tenant.name)
+            raise exc.api_error() from None
+        except ValueError as exc:  # can never fit: retrying would not help, so no 429
+            raise APIError(400, str(exc), "max_tokens", "request_too_large") from None
+
+        def on_end(usage: dict[str, int]) -> None:
+            self.limiter.release(ticket, usage["total_tokens"])
+            self.metrics.tenants.used(tenant.name, usage)
+
+        salt = tenant_cache_salt(self._secret, tenant.name, cache_salt)
         run = GenerationRun(
-            request_id, prompts, params, self.dispatcher, self.tokenizer, self.metrics, salt or ""
-        )
+            request_id, prompts, params, self.dispatcher, self.tokenizer, self.metrics, salt,
+            on_end,
+        )  # fmt: skip
         try:
             run.start()
         except AdmissionRejected as exc:
+            run.abort()  # gives the tenant's seat and tokens back
             self.metrics.rejected.inc()
             raise APIError(
                 503, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after_s)}
             ) from None
+        self.metrics.tenants.admitted(tenant.name)
         return run
 
     async def finish_run(self, request: Request, run: GenerationRun) -> list[Choice]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pdserve.gateway.auth import tenant_of
 from pdserve.gateway.errors import bad_request
 from pdserve.gateway.limits import (
     MAX_DETOKENIZE_TOKENS,
@@ -20,7 +21,7 @@ from pdserve.gateway.state import Gateway
 
 async def tokenize(request: Request, gateway: Gateway) -> Response:
     body = await read_body(request, TokenizeRequest)
-    gateway.check_model(body.model)
+    gateway.check_model(body.model, tenant_of(request))
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", param="prompt")
     # Counting is allowed past max_model_len (clients count what they will cut), not forever.
@@ -51,7 +52,7 @@ async def tokenize(request: Request, gateway: Gateway) -> Response:
 
 async def detokenize(request: Request, gateway: Gateway) -> Response:
     body = await read_body(request, DetokenizeRequest)
-    gateway.check_model(body.model)
+    gateway.check_model(body.model, tenant_of(request))
     at_most(body.tokens, MAX_DETOKENIZE_TOKENS, "tokens", "token ids")
     check_vocabulary(body.tokens, gateway.tokenizer.vocab_size, "tokens")
     text = await gateway.offload.run(

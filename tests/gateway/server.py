@@ -26,6 +26,7 @@ import httpx
 import openai
 
 API_KEY = "test-key"
+ADMIN_KEY = "test-admin-key"  # opens /debug/* on a server with keys
 START_TIMEOUT_S = 240.0
 SERVING = "pdserve: serving "
 
@@ -43,8 +44,10 @@ class ServeProcess:
         cls, *args: str, api_key: str | None = API_KEY, env: dict[str, str] | None = None
     ) -> ServeProcess:
         command = [sys.executable, "-m", "pdserve.cli", "serve", "--port", "0", *args]
-        if api_key and "--api-key" not in args:
+        if api_key and "--api-key" not in args and "--api-keys-file" not in args:
             command += ["--api-key", api_key]
+        if api_key and "--admin-api-key" not in args:
+            command += ["--admin-api-key", ADMIN_KEY]
         full_env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
         with tempfile.NamedTemporaryFile(
             "w", prefix="pdserve-test-", suffix=".log", delete=False
@@ -87,11 +90,18 @@ class ServeProcess:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
+    def headers_for(self, path: str) -> dict[str, str]:
+        """The tenant's key, or the admin key for the operator endpoints (/debug/*)."""
+        if self.api_key and path.startswith("/debug/"):
+            return {"Authorization": f"Bearer {ADMIN_KEY}"}
+        return self.headers
+
     def get(self, path: str, **kwargs: Any) -> httpx.Response:
-        return httpx.get(self.base_url + path, headers=self.headers, timeout=60, **kwargs)
+        headers = {**self.headers_for(path), **kwargs.pop("headers", {})}
+        return httpx.get(self.base_url + path, headers=headers, timeout=60, **kwargs)
 
     def post(self, path: str, **kwargs: Any) -> httpx.Response:
-        headers = {**self.headers, **kwargs.pop("headers", {})}
+        headers = {**self.headers_for(path), **kwargs.pop("headers", {})}
         return httpx.post(self.base_url + path, headers=headers, timeout=120, **kwargs)
 
     def instances(self) -> dict[str, dict]:
