@@ -20,6 +20,7 @@ from pdserve.cluster.placement import (
     place_on_gpus,
     resolve_device,
 )
+from pdserve.engine.config import TensorParallelError, check_tp_size
 from pdserve.engine.embedded import MODEL_NAME
 from pdserve.engine.model_source import ModelNotFound
 from pdserve.engine.model_source import resolve_model as resolve_model_source
@@ -68,6 +69,8 @@ class ServePlan:
     api_key: str | None = field(default=None, repr=False)  # --api-key or PDSERVE_API_KEY
     api_keys: KeysFile | None = field(default=None, repr=False)  # --api-keys-file
     admin_api_key: str | None = field(default=None, repr=False)  # or PDSERVE_ADMIN_API_KEY
+    # Ranks per instance, by role (--tensor-parallel-size and the per-pool overrides).
+    tensor_parallel: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_args(
@@ -115,6 +118,7 @@ class ServePlan:
         except ValueError as exc:
             raise ServeError(str(exc)) from None
         kv_transfer = kv_transfer_settings(args) if args.mode == "disaggregated" else {}
+        tensor_parallel = tensor_parallel_sizes(args, model_path)
         chat_template = None
         try:
             if args.chat_template is not None:
@@ -126,7 +130,7 @@ class ServePlan:
         keys = api_keys_of(args, names)
         return cls(
             args, model_path, names, instances, engine_args, scheduler, kv_transfer, chat_template,
-            *keys,
+            *keys, tensor_parallel=tensor_parallel,
         )  # fmt: skip
 
 
@@ -144,6 +148,39 @@ def api_keys_of(
     except TenantsError as exc:
         raise ServeError(str(exc)) from None
     return api_key, api_keys, admin_key
+
+
+def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> dict[str, int]:
+    """Ranks per instance by role, checked against the model's heads (one rule:
+    `engine.config.check_tp_size`)."""
+    default = args.tensor_parallel_size
+    sizes = {
+        "prefill": args.prefill_tensor_parallel_size or default,
+        "decode": args.decode_tensor_parallel_size or default,
+        "colocated": default,
+    }
+    if set(sizes.values()) == {1}:
+        return sizes
+    from pdserve.engine.checkpoint import CheckpointError, load_model_config
+    from pdserve.engine.embedded import embedded_model_path
+
+    try:
+        mc = load_model_config(model_path or embedded_model_path())
+    except CheckpointError as exc:
+        raise ServeError(str(exc)) from None
+    for role, size in sizes.items():
+        try:
+            check_tp_size(
+                size, mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size
+            )
+        except TensorParallelError as exc:
+            flag = (
+                "--tensor-parallel-size"
+                if role == "colocated"
+                else f"--{role}-tensor-parallel-size"
+            )
+            raise ServeError(f"{flag}: {exc}") from None
+    return sizes
 
 
 def kv_transfer_settings(args: argparse.Namespace) -> dict:
@@ -212,6 +249,11 @@ def check_flags(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ServeError("--port must be in [0, 65535]")
     parse_size(args.kv_cache_memory)
+    if args.pipeline_parallel_size != 1:
+        raise ServeError(
+            "--pipeline-parallel-size: only 1 is built so far (tensor parallelism is: "
+            "--tensor-parallel-size)"
+        )
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ServeError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
     source = args.generation_config

@@ -109,6 +109,7 @@ def instance_specs(
         specs = []
         for planned in wave:
             engine = {**plan.engine_args, "model": model_path, "num_threads": planned.num_threads}
+            engine["tensor_parallel_size"] = plan.tensor_parallel.get(planned.role, 1)
             if planned.device == "cuda":
                 engine["gpu_memory_utilization"] = planned.gpu_memory_utilization
             spec = InstanceSpec(

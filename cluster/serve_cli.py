@@ -203,6 +203,32 @@ def _add_topology_flags(topology: argparse._ArgumentGroup) -> None:
         default=0,
         help="torch threads per instance (0: max(1, cores // instances))",
     )
+    topology.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="ranks (processes) per instance, each with its slice of the weights and KV heads",
+    )
+    topology.add_argument(
+        "--prefill-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="the prefill pool's own (default: --tensor-parallel-size)",
+    )
+    topology.add_argument(
+        "--decode-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="the decode pool's own (default: --tensor-parallel-size)",
+    )
+    topology.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="pipeline stages per instance (only 1 is built so far)",
+    )
     _add_kv_transfer_flags(topology)
     topology.add_argument(
         "--launcher",

@@ -17,6 +17,28 @@ DTYPES = ("float32", "bfloat16", "float16")
 GiB = 1 << 30
 
 
+class TensorParallelError(ValueError):
+    """A TP size the model's shape cannot be split by."""
+
+
+def check_tp_size(
+    tp_size: int, num_heads: int, num_kv_heads: int, intermediate_size: int | None = None
+) -> None:
+    """The one rule for splitting a model (`serve`, `plan` and `kvtransfer` share it)."""
+    if tp_size < 1:
+        raise TensorParallelError(f"tensor parallel size must be at least 1, got {tp_size}")
+    if num_kv_heads % tp_size or num_heads % tp_size:
+        raise TensorParallelError(
+            f"tensor parallel size {tp_size} does not divide the model's {num_kv_heads} KV "
+            f"heads and {num_heads} attention heads (use a divisor of {num_kv_heads})"
+        )
+    if intermediate_size is not None and intermediate_size % tp_size:
+        raise TensorParallelError(
+            f"tensor parallel size {tp_size} does not divide the MLP's intermediate size "
+            f"{intermediate_size}"
+        )
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # a Hugging Face checkpoint folder; None: the embedded model

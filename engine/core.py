@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.executor import Executor, InProcessExecutor
+from pdserve.engine.executor import ConnectorFactory, Executor, InProcessExecutor
 from pdserve.engine.grammar_gate import GrammarGate
 from pdserve.engine.plan import NewRequest, PlannedChunk, StepPlan, WorkerInfo
 from pdserve.scheduler.config import SchedulerConfig
@@ -69,13 +70,18 @@ class StepPlanner:
         return StepPlan(finished, new_requests, chunks, kv_connector)
 
 
-def default_executor(config: EngineConfig) -> Executor:
-    """One rank in this process, or a worker group of `tensor_parallel_size` processes."""
+def default_executor(
+    config: EngineConfig,
+    connector: ConnectorFactory | None = None,
+    on_failure: Callable[[str], None] | None = None,
+) -> Executor:
+    """One rank in this process, or a worker group of `tensor_parallel_size` processes
+    (`on_failure`: told when the group dies between steps), each rank with its connector."""
     if config.tensor_parallel_size > 1:
         from pdserve.engine.worker_group import WorkerGroupExecutor
 
-        return WorkerGroupExecutor(config)
-    return InProcessExecutor(config)
+        return WorkerGroupExecutor(config, connector, on_failure)
+    return InProcessExecutor(config, connector(0, 1) if connector is not None else None)
 
 
 class EngineCore:

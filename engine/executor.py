@@ -8,6 +8,7 @@ the same protocol, so neither the step loop nor the scheduler changes with them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -33,6 +34,11 @@ class RankConnector(Protocol):
     def report(self) -> Any: ...
 
     def close(self) -> None: ...
+
+
+# (tp_rank, tp_size) → the rank's connector, built where the rank runs. A factory may
+# name `metadata_type` and `report_type`: what its messages decode to across processes.
+ConnectorFactory = Callable[[int, int], RankConnector]
 
 
 class Executor(Protocol):

@@ -34,6 +34,7 @@ from typing import Any
 import msgspec
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.executor import ConnectorFactory
 from pdserve.engine.plan import StepPlan, StepResult, WorkerInfo
 from pdserve.scheduler.structured_output import StructuredOutput
 
@@ -48,9 +49,16 @@ class WorkerGroupFailed(RuntimeError):
 
 
 class WorkerGroupExecutor:
-    def __init__(self, config: EngineConfig, on_failure: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        connector: ConnectorFactory | None = None,
+        on_failure: Callable[[str], None] | None = None,
+    ):
         self.config = config
         self.size = config.tensor_parallel_size
+        self.connector = connector  # built in each rank's process
+        self._report_type = getattr(connector, "report_type", None)
         # Called once, from the watcher thread, when a rank dies between steps.
         self.on_failure = on_failure
         self._processes: list[mp.process.BaseProcess] = []
@@ -72,7 +80,7 @@ class WorkerGroupExecutor:
             ours, theirs = context.Pipe()
             process = context.Process(
                 target=_rank_main,
-                args=(rank_config, rank, self.size, port, theirs),
+                args=(rank_config, rank, self.size, port, theirs, self.connector),
                 name=f"pdserve-tp-rank-{rank}",
                 daemon=True,
             )
@@ -109,6 +117,8 @@ class WorkerGroupExecutor:
                 pipe.send_bytes(message)
             results = [self._decoder.decode(reply) for reply in self._gather(None)]
         reports = [report for result in results for report in result.kv_reports]
+        if self._report_type is not None:  # decoded as plain data: back to the connector's type
+            reports = [msgspec.convert(r, self._report_type) for r in reports]
         return StepResult(sampled=results[0].sampled, kv_reports=reports)
 
     def prepare_grammar(self, spec: StructuredOutput) -> Future[Any]:
@@ -212,7 +222,14 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _rank_main(config: EngineConfig, rank: int, size: int, port: int, pipe: Connection) -> None:
+def _rank_main(
+    config: EngineConfig,
+    rank: int,
+    size: int,
+    port: int,
+    pipe: Connection,
+    connector_factory: ConnectorFactory | None,
+) -> None:
     _die_with_parent()
     import torch.distributed as dist
 
@@ -229,7 +246,9 @@ def _rank_main(config: EngineConfig, rank: int, size: int, port: int, pipe: Conn
         world_size=size,
         timeout=timedelta(seconds=GROUP_TIMEOUT_S),
     )
-    worker = ModelWorker(config, None, TensorParallel(rank, size))
+    connector = connector_factory(rank, size) if connector_factory is not None else None
+    metadata_type = getattr(connector_factory, "metadata_type", None)
+    worker = ModelWorker(config, connector, TensorParallel(rank, size))
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(StepPlan)
     try:
         pipe.send_bytes(_OK + encoder.encode(worker.load()))
@@ -240,7 +259,10 @@ def _rank_main(config: EngineConfig, rank: int, size: int, port: int, pipe: Conn
                 break  # the driver is gone
             if message[:1] == _STOP:
                 break
-            result = worker.execute(decoder.decode(message[1:]))
+            plan = decoder.decode(message[1:])
+            if plan.kv_connector is not None and metadata_type is not None:
+                plan.kv_connector = msgspec.convert(plan.kv_connector, metadata_type)
+            result = worker.execute(plan)
             pipe.send_bytes(_OK + encoder.encode(result))
     except Exception as exc:  # reported to the driver, which ends the group
         logger.exception("rank %d failed", rank)

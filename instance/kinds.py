@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.decode.messages import DecodeTask
 from pdserve.decode.role import DecodeRole
-from pdserve.engine.executor import RankConnector
+from pdserve.engine.executor import ConnectorFactory
 from pdserve.instance.colocated import ColocatedRole
 from pdserve.instance.spec import InstanceSpec
 from pdserve.kvtransfer import KVTransferConfig, layout_of
-from pdserve.kvtransfer.connector import TransferConnector
+from pdserve.kvtransfer.connector import TransferConnectorFactory
 from pdserve.kvtransfer.link import KVLink
 from pdserve.prefill.role import PrefillRole
 from pdserve.scheduler import messages as wire
@@ -56,7 +56,8 @@ class Role(Protocol):
 @dataclass(frozen=True)
 class RoleKind:
     task_type: Any  # the union the task socket decodes
-    connector: Callable[[InstanceSpec], RankConnector | None]
+    # Builds each rank's KV connector (None: the role moves no KV).
+    connector: Callable[[InstanceSpec], ConnectorFactory | None]
     build: Callable[[StepLoop], Role]
 
 
@@ -73,7 +74,7 @@ def kv_link(loop: StepLoop) -> KVLink:
     engine = loop.require_engine()
     return KVLink(
         kv_transfer_config(loop.spec),
-        layout_of(engine.info.kv),
+        layout_of(engine.info.kv, len(engine.info.connector_addresses)),
         list(engine.info.connector_addresses),
         engine.exchange_kv,
     )
@@ -91,8 +92,8 @@ def _decode(loop: StepLoop) -> Role:
     return DecodeRole(loop.spec.instance_id, loop.require_engine(), kv_link(loop), delayed)
 
 
-def _transfer_connector(spec: InstanceSpec) -> RankConnector:
-    return TransferConnector(kv_transfer_config(spec))
+def _transfer_connector(spec: InstanceSpec) -> ConnectorFactory:
+    return TransferConnectorFactory(kv_transfer_config(spec))
 
 
 ROLES: dict[str, RoleKind] = {

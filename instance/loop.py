@@ -28,8 +28,9 @@ import threading
 import msgspec
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.core import EngineCore
-from pdserve.engine.executor import Executor, InProcessExecutor
+from pdserve.engine.core import EngineCore, default_executor
+from pdserve.engine.executor import Executor
+from pdserve.engine.worker_group import WorkerGroupFailed
 from pdserve.instance.hooks import TestHooks
 from pdserve.instance.io import InstanceIO
 from pdserve.instance.kinds import Role, role_kind
@@ -47,8 +48,12 @@ class StepLoop:
         self.spec = spec
         self.kind = role_kind(spec.role)
         self.engine_config = EngineConfig.from_kwargs(**spec.engine)
-        self.executor = executor or InProcessExecutor(self.engine_config, self.kind.connector(spec))
+        self.executor = executor or default_executor(
+            self.engine_config, self.kind.connector(spec), self._on_group_failure
+        )
         self.hooks = TestHooks() if spec.test_hooks else None
+        # Set when a rank of the executor's worker group died: the instance ends.
+        self.failure: str | None = None
         self.io = InstanceIO(
             spec.instance_id,
             spec.role,
@@ -123,6 +128,9 @@ class StepLoop:
     def run_once(self) -> None:
         """One loop turn: tasks in, at most one step, one output out (when there is news)."""
         role = self.require_role()
+        if self.failure is not None:
+            self._end_after_failure()
+            return
         tasks = self.io.take_tasks(role.task_wait_s(self.spec.idle_wait_s))
         deltas = [d for task in tasks if (d := self._apply(task)) is not None]
         role.before_step()
@@ -210,9 +218,24 @@ class StepLoop:
     def _step(self, role: Role) -> list[wire.RequestDelta]:
         try:
             return role.step()
+        except WorkerGroupFailed as exc:  # the ranks are gone: this instance cannot go on
+            self.failure = str(exc)
+            return self._fail_all(f"instance {self.spec.instance_id} lost its worker group: {exc}")
         except Exception as exc:  # a broken step must not take the instance down
             logger.exception("%s: engine step failed", self.spec.instance_id)
             return self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+
+    def _on_group_failure(self, reason: str) -> None:
+        """From the executor's watcher thread: a rank died between steps."""
+        self.failure = reason
+        self.io.wake()
+
+    def _end_after_failure(self) -> None:
+        """Fails what is left, says so, and stops the loop (the process then exits 1)."""
+        logger.error("%s: %s; stopping", self.spec.instance_id, self.failure)
+        message = f"instance {self.spec.instance_id} lost its worker group: {self.failure}"
+        self.flush(self._fail_all(message))
+        self._stopped.set()
 
     def _fail_all(self, message: str) -> list[wire.RequestDelta]:
         engine = self.require_engine()

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: loop.stop())
     print(READY_PREFIX + msgspec.json.encode(info).decode(), flush=True)
     loop.run()
-    return 0
+    return 1 if loop.failure is not None else 0
 
 
 if __name__ == "__main__":

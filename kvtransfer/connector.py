@@ -3,7 +3,8 @@ beside the rank's KV cache, fed the step's metadata and reporting what finished.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -19,6 +20,19 @@ class RankReport(msgspec.Struct):
 
     report: TransferReport
     stats: KVTransferStats
+
+
+@dataclass(frozen=True)
+class TransferConnectorFactory:
+    """Builds each rank's connector where the rank runs (picklable, so a worker group's
+    rank processes build their own); names the message types that cross the seam."""
+
+    config: KVTransferConfig
+    metadata_type: ClassVar[type] = KVConnectorMetadata
+    report_type: ClassVar[type] = RankReport
+
+    def __call__(self, tp_rank: int = 0, tp_size: int = 1) -> TransferConnector:
+        return TransferConnector(self.config, tp_rank, tp_size)
 
 
 class TransferConnector:
