@@ -43,6 +43,10 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     kv: KVGeometry
     # Each rank's KV connector endpoint (e.g. its transfer worker's control address).
     connector_addresses: list[str] = []
+    # This rank's weights, and how much its resident memory grew while loading them
+    # (the peak, KV cache included): what a tensor-parallel split saves per rank.
+    weight_bytes: int = 0
+    load_peak_memory_bytes: int = 0
 
 
 class NewRequest(msgspec.Struct, array_like=True):

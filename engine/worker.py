@@ -10,6 +10,8 @@ the step runs and reports its finished and failed transfers after.
 
 from __future__ import annotations
 
+import os
+import resource
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,19 @@ from pdserve.scheduler.request import Request
 from pdserve.scheduler.structured_output import StructuredOutput
 
 
+def _resident_bytes() -> int:
+    """This process's resident memory now (Linux), 0 where unknown."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def _peak_resident_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
 def model_tokenizer_facts(config: EngineConfig) -> tuple[str, int, list[int]]:
     """What a grammar needs of the model without loading it: the tokenizer's folder, the
     vocabulary size and the end tokens."""
@@ -66,6 +81,7 @@ class ModelWorker:
     def load(self) -> WorkerInfo:
         """Loads the weights, sizes and allocates the KV cache, starts the connector."""
         config = self.config
+        rss_before = _resident_bytes()
         torch.set_num_threads(config.resolved_threads())
         self.model_path = str(config.model or embedded_model_path())
         self.model_config = mc = load_model_config(self.model_path)
@@ -121,6 +137,8 @@ class ModelWorker:
             kernels=self._kernels_status(),
             kv=geometry,
             connector_addresses=addresses,
+            weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            load_peak_memory_bytes=max(0, _peak_resident_bytes() - rss_before),
         )
 
     def _generation_defaults(self, checkpoint: dict[str, int | float]) -> dict[str, int | float]:

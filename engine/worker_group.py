@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig, check_tp_size
 from pdserve.engine.executor import ConnectorFactory
 from pdserve.engine.plan import StepPlan, StepResult, WorkerInfo
 from pdserve.scheduler.structured_output import StructuredOutput
@@ -67,12 +67,14 @@ class WorkerGroupExecutor:
         self._closing = threading.Event()
         self._failure: str | None = None
         self._grammars: Any = None
+        self.rank_infos: list[WorkerInfo] = []  # what each rank reported when it loaded
         self._decoder = msgspec.msgpack.Decoder(StepResult)
         self._encoder = msgspec.msgpack.Encoder()
 
     # ---- lifecycle --------------------------------------------------------------------
 
     def load(self) -> WorkerInfo:
+        self._check_split()
         context = mp.get_context("spawn")
         port = _free_port()
         rank_config = self._rank_config()
@@ -96,9 +98,24 @@ class WorkerGroupExecutor:
         # At interpreter exit multiprocessing ends the ranks itself: not a failure.
         atexit.register(self._closing.set)
         threading.Thread(target=self._watch, name="tp-group-watch", daemon=True).start()
+        self.rank_infos = infos
         info = infos[0]
         addresses = [a for i in infos for a in i.connector_addresses]
         return msgspec.structs.replace(info, connector_addresses=addresses) if addresses else info
+
+    def _check_split(self) -> None:
+        """A size the model cannot be split by is refused here, before any rank starts."""
+        from pdserve.engine.checkpoint import load_model_config
+        from pdserve.engine.embedded import embedded_model_path
+
+        mc = load_model_config(self.config.model or embedded_model_path())
+        check_tp_size(
+            self.size, mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size
+        )
+
+    @property
+    def rank_pids(self) -> list[int | None]:
+        return [process.pid for process in self._processes]
 
     def _rank_config(self) -> EngineConfig:
         """Each rank: its share of the cores and of the instance's KV memory."""
