@@ -24,7 +24,7 @@ from pdserve.scheduler.global_scheduler import (
     GlobalSchedulerConfig,
 )
 from pdserve.scheduler.messages import InstanceInfo
-from pdserve.scheduler.routing import ROLES_THAT_DECODE
+from pdserve.scheduler.routing import ROLES_THAT_DECODE, InstanceView
 from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.text.tokenizer import Tokenizer
 
@@ -138,19 +138,9 @@ class Gateway:
 
     def instance_health(self) -> list[dict]:
         """Each instance as the scheduler sees it (alive, load, and which kernels it runs,
-        so a missing fast path shows), for /health."""
-        return [
-            {
-                "id": view.instance_id,
-                "role": view.role,
-                "alive": view.alive,
-                "num_running": view.stats.num_running,
-                "num_waiting": view.stats.num_waiting,
-                "kv_cache_usage_perc": view.stats.kv_cache_usage_perc,
-                "kernels": view.info.kernels,
-            }
-            for view in self.scheduler.views.values()
-        ]
+        so a missing fast path shows), for /health. A dead instance's load is gone with
+        it: its last numbers would read as work nobody carries."""
+        return [_health(view) for view in self.scheduler.views.values()]
 
     # ---- request helpers --------------------------------------------------------------
 
@@ -205,3 +195,18 @@ class Gateway:
     @staticmethod
     def json(payload: Any, status: int = 200) -> Response:
         return Response(msgspec.json.encode(payload), status, media_type="application/json")
+
+
+def _health(view: InstanceView) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "id": view.instance_id,
+        "role": view.role,
+        "alive": view.alive,
+        "epoch": view.epoch,
+        "kernels": view.info.kernels,
+    }
+    if view.alive:
+        entry["num_running"] = view.stats.num_running
+        entry["num_waiting"] = view.stats.num_waiting
+        entry["kv_cache_usage_perc"] = view.stats.kv_cache_usage_perc
+    return entry

@@ -5,8 +5,11 @@ heartbeats their outputs carry, their prefix caches mirrored from block events, 
 requests the gateway sent them). For each request it admits or refuses (a bounded
 queue beyond the running seats), then picks a route: a prefill instance and a decode
 instance, or one instance that runs the whole request (colocated instances, or a
-prompt that skips the prefill pool). When an instance dies, requests that have not
-produced a token yet are retried elsewhere; the others fail.
+prompt that skips the prefill pool). When an instance dies, requests that still need
+it and have not produced a token yet are retried elsewhere; the others that still need
+it fail (a request whose KV already reached its decode instance no longer needs its
+prefill instance). An instance taken for dead by silence alone that speaks again is
+reset into a new epoch and re-admitted (`ResetTask`).
 
 Pure bookkeeping: no sockets, no clock of its own (callers pass `now`), no torch.
 """
@@ -51,6 +54,11 @@ class GlobalSchedulerConfig:
             raise ValueError(f"instance_timeout_s must be positive, got {self.instance_timeout_s}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
+
+
+# A dead instance that keeps speaking in its retired epoch is sent a ResetTask again
+# after this long (a task sent while its socket reconnected may be lost).
+RESET_RESEND_S = 2.0
 
 
 class AdmissionRejected(Exception):
@@ -122,10 +130,13 @@ class GlobalScheduler:
         wanted = set(roles)
         return [v for v in self.views.values() if v.alive and v.role in wanted]
 
-    def observe(self, instance_id: str, stats: InstanceStats | None, now: float) -> bool:
-        """An output or heartbeat came from the instance. False if it is unknown or dead."""
+    def observe(
+        self, instance_id: str, stats: InstanceStats | None, now: float, epoch: int = 0
+    ) -> bool:
+        """An output or heartbeat came from the instance. False if it is unknown or dead,
+        or the output is from a retired epoch."""
         view = self.views.get(instance_id)
-        if view is None or not view.alive:
+        if view is None or not view.alive or epoch != view.epoch:
             return False
         view.last_seen = now
         if stats is not None:
@@ -156,6 +167,27 @@ class GlobalScheduler:
         pending = sorted(view.unsynced_batches, key=lambda b: b.seq)
         view.unsynced_batches.clear()
         return all([view.mirror.apply(batch) for batch in pending])
+
+    def reset_due(self, instance_id: str, epoch: int, now: float) -> int | None:
+        """A dead instance spoke with `epoch`: the epoch to send it in a `ResetTask`
+        (again after `RESET_RESEND_S`, in case one was lost), or None."""
+        view = self.views.get(instance_id)
+        if view is None or view.alive or not view.may_rejoin or epoch >= view.epoch:
+            return None
+        if view.reset_sent_at is not None and now - view.reset_sent_at < RESET_RESEND_S:
+            return None
+        view.reset_sent_at = now
+        return view.epoch
+
+    def rejoin(self, instance_id: str, epoch: int, now: float) -> InstanceView | None:
+        """A dead instance spoke in its new epoch: it dropped its former requests and
+        routing takes it again. None if this output is no such proof."""
+        view = self.views.get(instance_id)
+        if view is None or view.alive or not view.may_rejoin or epoch != view.epoch:
+            return None
+        view.alive, view.may_rejoin, view.reset_sent_at = True, False, None
+        view.last_seen = now
+        return view
 
     def find_silent(self, now: float) -> list[str]:
         """Live instances not heard from within the timeout."""
@@ -229,17 +261,33 @@ class GlobalScheduler:
 
     # ---- failures --------------------------------------------------------------------
 
-    def mark_dead(self, instance_id: str) -> Failover:
-        """Takes the instance out of routing and says what becomes of its requests.
+    def release_prefill(self, request_id: str) -> None:
+        """The request's decode instance produced output: its KV is there (pulled, or
+        recomputed), so the prefill instance's fate no longer touches it."""
+        assignment = self.assignments.get(request_id)
+        if assignment is None or assignment.route.prefill is None:
+            return
+        assignment.route.prefill.in_flight.discard(request_id)
+        assignment.route.prefill.unstarted_tokens.pop(request_id, None)
+
+    def mark_dead(self, instance_id: str, may_rejoin: bool = False) -> Failover:
+        """Takes the instance out of routing and says what becomes of the requests that
+        still need it (`in_flight`).
 
         A request with no token out yet is retried (up to `max_attempts` dispatches);
         one whose output has begun fails, since its stream cannot be resumed unseen.
+        `may_rejoin`: taken for dead by silence only; its epoch is retired either way.
         """
         failover = Failover()
         view = self.views.get(instance_id)
         if view is None or not view.alive:
             return failover
-        view.alive = False
+        view.alive, view.may_rejoin, view.reset_sent_at = False, may_rejoin, None
+        view.epoch += 1
+        # Its last load is no longer true: nothing routes on it, nothing reports it.
+        total = view.info.num_blocks
+        view.stats = InstanceStats(num_free_blocks=total, num_total_blocks=total)
+        view.pending_blocks = 0
         for rid in sorted(view.in_flight):
             assignment = self.assignments[rid]
             for other in assignment.route.instances:
