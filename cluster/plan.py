@@ -105,6 +105,7 @@ class ServePlan:
                 routing_policy=args.routing_policy,
                 max_queued_requests=args.max_queued_requests,
                 instance_timeout_s=args.instance_timeout,
+                instance_stall_timeout_s=args.instance_stall_timeout,
                 skip_prefill_max_tokens=args.skip_prefill_max_tokens,
                 skip_prefill_min_cached_ratio=args.skip_prefill_min_cached_ratio,
             )

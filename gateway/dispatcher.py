@@ -268,7 +268,7 @@ class Dispatcher:
         # Not registered yet, or taken for dead, or from a retired epoch: nothing of it
         # counts; a dead instance that speaks again is reset, then re-admitted.
         if not self.scheduler.observe(
-            instance_id, output.stats, now, output.epoch
+            instance_id, output.stats, now, output.epoch, output.loop_turns
         ) and not self._rejoin(instance_id, output.epoch, now):
             return
         self.metrics.record_output(output)
@@ -336,7 +336,10 @@ class Dispatcher:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(LIVENESS_CHECK_INTERVAL_S)
-            timeout = self.scheduler.config.instance_timeout_s
-            for instance_id in self.scheduler.find_silent(time.monotonic()):
-                reason = f"no output or heartbeat for {timeout:g} s"
+            config, now = self.scheduler.config, time.monotonic()
+            for instance_id in self.scheduler.find_silent(now):
+                reason = f"no output or heartbeat for {config.instance_timeout_s:g} s"
+                self.instance_lost(instance_id, reason, may_rejoin=True)
+            for instance_id in self.scheduler.find_stalled(now):
+                reason = f"its step loop made no progress for {config.instance_stall_timeout_s:g} s"
                 self.instance_lost(instance_id, reason, may_rejoin=True)

@@ -213,7 +213,10 @@ class StepLoop:
     def _reset(self, role: Role, task: wire.ResetTask) -> None:
         """The gateway took this instance for dead and dealt with its requests: every
         one still here is dropped (their blocks freed or quarantined as on an abort),
-        then the new epoch makes the gateway take this instance back."""
+        then the new epoch makes the gateway take this instance back. The gateway repeats
+        the task until it hears the new epoch: a repeat must not drop newer requests."""
+        if task.epoch <= self.io.epoch:
+            return
         request_ids = sorted(role.request_ids())
         logger.warning(
             "%s: taken for dead by the gateway; dropping %d requests, rejoining as epoch %d",

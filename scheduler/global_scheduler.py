@@ -40,6 +40,11 @@ class GlobalSchedulerConfig:
     max_queued_requests: int = 256
     # An instance silent this long (no step output, no heartbeat) is taken for dead.
     instance_timeout_s: float = 10.0
+    # An instance that heartbeats (its I/O thread lives) but whose step loop has not
+    # completed a turn this long is taken for hung (0: never). An idle loop turns every
+    # `idle_wait_s`, a busy one every step, so only a single step this long — or a hang —
+    # trips it: it must exceed the longest step the deployment can take.
+    instance_stall_timeout_s: float = 120.0
     retry_after_s: int = 1
     max_attempts: int = 3  # dispatches of one request, retries included
     skip_prefill_max_tokens: int = 0
@@ -52,6 +57,10 @@ class GlobalSchedulerConfig:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.instance_timeout_s <= 0:
             raise ValueError(f"instance_timeout_s must be positive, got {self.instance_timeout_s}")
+        if self.instance_stall_timeout_s < 0:
+            raise ValueError(
+                f"instance_stall_timeout_s must be >= 0, got {self.instance_stall_timeout_s}"
+            )
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
 
@@ -122,7 +131,7 @@ class GlobalScheduler:
         instance_id = info.address.instance_id
         if instance_id in self.views and self.views[instance_id].alive:
             raise ValueError(f"instance {instance_id} is already registered")
-        view = InstanceView(info=info, last_seen=now)
+        view = InstanceView(info=info, last_seen=now, turned_at=now)
         self.views[instance_id] = view
         return view
 
@@ -131,14 +140,21 @@ class GlobalScheduler:
         return [v for v in self.views.values() if v.alive and v.role in wanted]
 
     def observe(
-        self, instance_id: str, stats: InstanceStats | None, now: float, epoch: int = 0
+        self,
+        instance_id: str,
+        stats: InstanceStats | None,
+        now: float,
+        epoch: int = 0,
+        loop_turns: int | None = None,
     ) -> bool:
         """An output or heartbeat came from the instance. False if it is unknown or dead,
-        or the output is from a retired epoch."""
+        or the output is from a retired epoch. `loop_turns`: its step loop's count."""
         view = self.views.get(instance_id)
         if view is None or not view.alive or epoch != view.epoch:
             return False
         view.last_seen = now
+        if loop_turns is not None and loop_turns != view.loop_turns:
+            view.loop_turns, view.turned_at = loop_turns, now
         if stats is not None:
             view.stats = stats
             view.pending_blocks = 0
@@ -186,13 +202,21 @@ class GlobalScheduler:
         if view is None or view.alive or not view.may_rejoin or epoch != view.epoch:
             return None
         view.alive, view.may_rejoin, view.reset_sent_at = True, False, None
-        view.last_seen = now
+        view.last_seen = view.turned_at = now
         return view
 
     def find_silent(self, now: float) -> list[str]:
         """Live instances not heard from within the timeout."""
         limit = self.config.instance_timeout_s
         return [i for i, v in self.views.items() if v.alive and now - v.last_seen > limit]
+
+    def find_stalled(self, now: float) -> list[str]:
+        """Live instances that heartbeat while their step loop has not turned within the
+        stall timeout (a hung step: its I/O thread speaks for a loop that does not)."""
+        limit = self.config.instance_stall_timeout_s
+        if not limit:
+            return []
+        return [i for i, v in self.views.items() if v.alive and now - v.turned_at > limit]
 
     # ---- admission and routing -------------------------------------------------------
 

@@ -59,6 +59,9 @@ class InstanceView:
 
     info: InstanceInfo
     last_seen: float
+    # When its step loop last completed a turn, as its outputs' `loop_turns` tell.
+    turned_at: float = 0.0
+    loop_turns: int = 0
     stats: InstanceStats = field(default_factory=InstanceStats)
     mirror: CachedHashMirror = field(default_factory=CachedHashMirror)
     unsynced_batches: list[BlockEventBatch] = field(default_factory=list)
