@@ -163,6 +163,7 @@ async def serve(plan: ServePlan, model_path: str, listener: socket.socket) -> in
             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
             trust_request_chat_template=args.trust_request_chat_template,
             enable_log_requests=args.enable_log_requests,
+            request_timeout_s=args.request_timeout,
         )
     )
     gateway.start()

@@ -142,8 +142,12 @@ class Dispatcher:
         self._snapshot_requested.discard(instance_id)  # should it rejoin, it owes a fresh one
         for (other, prefill_id), request_ids in failover.abort.items():
             self._send(other, AbortTask(request_ids, handoffs_from=prefill_id))
+        retries = self.scheduler.config.max_attempts - 1
         for request_id in failover.fail:
-            self._fail(request_id, f"instance {instance_id} failed mid-request: {reason}")
+            message = f"instance {instance_id} failed mid-request: {reason}"
+            if request_id in failover.exhausted:
+                message += f" (no retries left: --max-request-retries {retries})"
+            self._fail(request_id, message)
         for request_id in failover.retry:
             self._retry(request_id)
         for (owner, _), future in list(self._inspections.items()):

@@ -54,6 +54,7 @@ class GatewayConfig:
     trust_request_chat_template: bool = False
     enable_log_requests: bool = False
     cpu_budget_s: float = DEFAULT_BUDGET_S  # rendering or tokenizing one request's prompt
+    request_timeout_s: float = 0.0  # a request's deadline from arrival to its end (0: none)
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,14 @@ class Gateway:
         self, request_id: str, prompts: list[Prompt], params: SamplingParams, salt: str | None
     ) -> GenerationRun:
         run = GenerationRun(
-            request_id, prompts, params, self.dispatcher, self.tokenizer, self.metrics, salt or ""
+            request_id,
+            prompts,
+            params,
+            self.dispatcher,
+            self.tokenizer,
+            self.metrics,
+            salt or "",
+            self.config.request_timeout_s,
         )
         try:
             run.start()
@@ -180,6 +188,8 @@ class Gateway:
         except GenerationFailed as exc:
             if exc.rejected:
                 raise APIError(400, str(exc)) from None
+            if exc.timed_out:
+                raise APIError(504, str(exc), code="request_timeout") from None
             raise APIError(503, str(exc), code="instance_failed") from None
         finally:
             if not run.finished:
@@ -188,6 +198,8 @@ class Gateway:
     def stream_error(self, exc: BaseException) -> dict[str, Any]:
         """The SSE error event for a failure after the stream began."""
         if isinstance(exc, GenerationFailed):
+            if exc.timed_out:
+                return error_body(504, str(exc), code="request_timeout")
             return error_body(400 if exc.rejected else 503, str(exc))
         logger.exception("a stream failed", exc_info=exc)
         return error_body(500, f"internal error: {type(exc).__name__}")

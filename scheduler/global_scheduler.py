@@ -112,6 +112,7 @@ class Failover:
 
     retry: list[str] = field(default_factory=list)
     fail: list[str] = field(default_factory=list)
+    exhausted: list[str] = field(default_factory=list)  # of `fail`: out of retries, unstarted
     abort: dict[tuple[str, str], list[str]] = field(default_factory=dict)
 
 
@@ -318,8 +319,13 @@ class GlobalScheduler:
                 if other is not view and other.alive:
                     key = (other.instance_id, handoffs_from(assignment.route, other))
                     failover.abort.setdefault(key, []).append(rid)
-            can_retry = assignment.attempts < self.config.max_attempts
-            (failover.retry if not assignment.started and can_retry else failover.fail).append(rid)
+            if assignment.started:
+                failover.fail.append(rid)
+            elif assignment.attempts < self.config.max_attempts:
+                failover.retry.append(rid)
+            else:
+                failover.fail.append(rid)
+                failover.exhausted.append(rid)
         for rid in failover.fail:
             self.finish(rid)
         for rid in failover.retry:

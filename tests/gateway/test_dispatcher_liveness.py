@@ -1,7 +1,8 @@
 """The dispatcher's liveness against scripted instances (plain ZMQ sockets, no model):
 an instance taken for dead by silence that speaks again is reset into a new epoch and
 re-admitted; a dead instance's gauges leave /metrics at once; a prefill instance's
-death spares a request whose decode instance already streams it."""
+death spares a request whose decode instance already streams it; a request past
+`--request-timeout` fails and is aborted on its instance."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import msgspec
 import pytest
 import zmq
 
+from pdserve.engine.embedded import embedded_model_path
 from pdserve.gateway.dispatcher import Dispatcher
+from pdserve.gateway.generation import GenerationFailed, GenerationRun
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.prompts import Prompt
 from pdserve.gateway.request_stream import StreamEvent
 from pdserve.scheduler.global_scheduler import (
     AdmissionRejected,
@@ -34,6 +38,7 @@ from pdserve.scheduler.messages import (
     Task,
 )
 from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.text.tokenizer import Tokenizer
 
 TIMEOUT_S = 0.3  # the dispatcher checks every 0.5 s: death is noticed within ~1 s
 
@@ -126,6 +131,10 @@ def gauge_lines(dispatcher: Dispatcher, instance_id: str) -> list[str]:
                       text, re.M)  # fmt: skip
 
 
+def test_a_request_past_its_deadline_fails_and_is_aborted_on_its_instance() -> None:
+    run(past_the_deadline)
+
+
 def test_a_paused_instance_that_speaks_again_is_reset_and_readmitted() -> None:
     run(paused_then_back)
 
@@ -196,3 +205,25 @@ async def prefill_dies_after_handoff(dispatcher: Dispatcher, context: zmq.Contex
     finally:
         for instance in (p0, d0):
             instance.close()
+
+
+async def past_the_deadline(dispatcher: Dispatcher, context: zmq.Context) -> None:
+    c0 = ScriptedInstance(context, "c0", "colocated", dispatcher.output_address)
+    try:
+        dispatcher.register(c0.info)
+        tokenizer = Tokenizer.from_folder(embedded_model_path())
+        params = SamplingParams(max_tokens=8, seed=1)
+        run = GenerationRun("slow", [Prompt([1, 2, 3])], params, dispatcher, tokenizer,
+                            dispatcher.metrics, timeout_s=0.5)  # fmt: skip
+        run.start()
+        assert (await c0.next_task(GenerateTask)).request_id == "slow-0"
+        c0.say(RequestDelta("slow-0", [7], 0))  # one token, then nothing: it never ends
+        waiting = asyncio.ensure_future(run.wait())
+        await until(waiting.done, 5, "the deadline", keep_alive=[c0])  # c0 lives on
+        with pytest.raises(GenerationFailed, match="request-timeout") as failed:
+            waiting.result()
+        assert failed.value.timed_out and not failed.value.rejected
+        assert (await c0.next_task(AbortTask)).request_ids == ["slow-0"]
+        assert "slow-0" not in dispatcher.scheduler.assignments
+    finally:
+        c0.close()

@@ -72,3 +72,11 @@ def test_a_prefill_death_spares_requests_whose_kv_reached_decode() -> None:
     failover = gs.mark_dead("p0")
     assert failover.fail == ["prefilling"] and failover.abort == {("d0", "p0"): ["prefilling"]}
     assert "handed" in gs.assignments and "handed" in gs.views["d0"].in_flight
+
+
+def test_a_request_out_of_retries_is_told_apart() -> None:
+    gs = scheduler(("c0", "colocated"), ("c1", "colocated"), max_attempts=1)
+    send(gs, "r")
+    dead = gs.assignments["r"].route.decode.instance_id
+    failover = gs.mark_dead(dead)
+    assert failover.retry == [] and failover.fail == failover.exhausted == ["r"]
