@@ -129,14 +129,16 @@ class Dispatcher:
         """Takes a dead instance out; retries or fails the requests that still need it.
         `may_rejoin`: only silent (maybe paused), so it is re-admitted if it speaks again."""
         view = self.scheduler.views.get(instance_id)
-        if view is None or not view.alive:
+        if view is None:
             return
-        logger.warning("instance %s is gone: %s", instance_id, reason)
         failover = self.scheduler.mark_dead(instance_id, may_rejoin)
-        self.metrics.mark_down(view.role, instance_id)
-        sock = self._task_sockets.pop(instance_id, None)
+        sock = self._task_sockets.pop(instance_id, None)  # reopened only to reset it
         if sock is not None:
             sock.close(linger=0)
+        if failover.already_dead:
+            return  # (if its process exited meanwhile, it is no longer reset)
+        logger.warning("instance %s is gone: %s", instance_id, reason)
+        self.metrics.mark_down(view.role, instance_id)
         with contextlib.suppress(zmq.ZMQError):
             self._event_socket.disconnect(view.info.events_address)
         self._snapshot_requested.discard(instance_id)  # should it rejoin, it owes a fresh one

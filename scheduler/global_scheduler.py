@@ -113,6 +113,7 @@ class Failover:
     retry: list[str] = field(default_factory=list)
     fail: list[str] = field(default_factory=list)
     exhausted: list[str] = field(default_factory=list)  # of `fail`: out of retries, unstarted
+    already_dead: bool = False  # nothing was done: the instance was taken out before
     abort: dict[tuple[str, str], list[str]] = field(default_factory=dict)
 
 
@@ -306,6 +307,9 @@ class GlobalScheduler:
         failover = Failover()
         view = self.views.get(instance_id)
         if view is None or not view.alive:
+            failover.already_dead = True
+            if view is not None:
+                view.may_rejoin = view.may_rejoin and may_rejoin  # its process exited
             return failover
         view.alive, view.may_rejoin, view.reset_sent_at = False, may_rejoin, None
         view.epoch += 1

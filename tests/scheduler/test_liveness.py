@@ -61,6 +61,10 @@ def test_an_instance_whose_process_exited_is_never_reset() -> None:
     gs = scheduler(("c0", "colocated"))
     gs.mark_dead("c0")  # the launcher saw it exit
     assert gs.reset_due("c0", 0, 1.0) is None and gs.rejoin("c0", 1, 1.0) is None
+    paused = scheduler(("c0", "colocated"))
+    paused.mark_dead("c0", may_rejoin=True)  # silent: maybe paused
+    assert paused.mark_dead("c0").already_dead  # then the launcher saw it exit
+    assert paused.reset_due("c0", 0, 1.0) is None
 
 
 def test_a_prefill_death_spares_requests_whose_kv_reached_decode() -> None:
