@@ -112,6 +112,8 @@ class ServePlan:
                 routing_policy=args.routing_policy,
                 max_queued_requests=args.max_queued_requests,
                 instance_timeout_s=args.instance_timeout,
+                instance_stall_timeout_s=args.instance_stall_timeout,
+                max_attempts=args.max_request_retries + 1,
                 skip_prefill_max_tokens=args.skip_prefill_max_tokens,
                 skip_prefill_min_cached_ratio=args.skip_prefill_min_cached_ratio,
             )
@@ -248,6 +250,9 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ServeError("--threads-per-instance must be >= 0 (0: automatic)")
     if not 0 <= args.port <= 65535:
         raise ServeError("--port must be in [0, 65535]")
+    for name in ("request_timeout", "instance_stall_timeout", "max_request_retries"):
+        if getattr(args, name) < 0:
+            raise ServeError(f"--{name.replace('_', '-')} must be >= 0 (0: none)")
     parse_size(args.kv_cache_memory)
     if args.pipeline_parallel_size != 1:
         raise ServeError(

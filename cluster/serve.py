@@ -175,6 +175,7 @@ async def serve(plan: ServePlan, model_path: str, listener: socket.socket) -> in
             admin_api_key=plan.admin_api_key,
             metrics_public=args.metrics_public,
             deployment_secret=deployment_secret(),
+            request_timeout_s=args.request_timeout,
         )
     )
     gateway.start()

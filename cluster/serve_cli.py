@@ -295,7 +295,29 @@ def _add_scheduler_flags(scheduling: argparse._ArgumentGroup) -> None:
         "--instance-timeout",
         type=float,
         default=10.0,
-        help="seconds without a heartbeat before an instance is dead",
+        help="seconds without a heartbeat before an instance is dead (one that speaks "
+        "again is reset and re-admitted)",
+    )
+    scheduling.add_argument(
+        "--instance-stall-timeout",
+        type=float,
+        default=120.0,
+        help="seconds an instance may heartbeat while its step loop completes no step "
+        "before it is taken for hung; longer than your longest step (0: never)",
+    )
+    scheduling.add_argument(
+        "--request-timeout",
+        type=float,
+        default=0.0,
+        help="seconds from a request's arrival to its last token; past it the request "
+        "ends with an error (504, or an error event) and is aborted on its instances "
+        "(0: no deadline)",
+    )
+    scheduling.add_argument(
+        "--max-request-retries",
+        type=int,
+        default=2,
+        help="times a request whose instance died before its first token is sent again",
     )
 
 

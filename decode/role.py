@@ -133,6 +133,9 @@ class DecodeRole:
         logger.warning("%s: %s", self.instance_id, message)
         return error_delta(handoff.request_id, message, handoff.num_prompt_tokens, 1)
 
+    def request_ids(self) -> set[str]:
+        return self.engine.request_ids() | self.link.deferred_ids()
+
     def abort(self, task: AbortTask) -> None:
         for request_id in task.request_ids:
             self.engine.abort_request(request_id)  # a pulling request's blocks stay quarantined

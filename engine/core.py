@@ -196,6 +196,10 @@ class EngineCore:
         """Whether the request is here: scheduled, or waiting for its grammar."""
         return request_id in self.scheduler.requests or request_id in self.grammar_gate
 
+    def request_ids(self) -> set[str]:
+        """Every request here: scheduled, or waiting for its grammar."""
+        return {*self.scheduler.requests, *self.grammar_gate.request_ids()}
+
     def abort_request(self, request_id: str) -> None:
         if not self.grammar_gate.abort(request_id):
             self.scheduler.abort_request(request_id)

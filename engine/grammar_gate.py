@@ -78,6 +78,9 @@ class GrammarGate:
     def abort(self, request_id: str) -> bool:
         return self._waiting.pop(request_id, None) is not None
 
+    def request_ids(self) -> set[str]:
+        return set(self._waiting)
+
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._waiting
 

@@ -8,7 +8,9 @@ Sockets (all used from the event loop's thread):
 Outputs are decoded as they arrive and their deltas handed to each request's
 `RequestStream` (which orders them). The global scheduler hears every output (its
 stats and heartbeats); an instance silent past the timeout, or reported gone by the
-launcher, is taken out, and its requests are retried or failed.
+launcher, is taken out, and the requests that still need it are retried or failed. One
+taken out for silence alone (a paused process) that speaks again is sent a `ResetTask`
+and re-admitted once its outputs carry the new epoch.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from pdserve.scheduler.messages import (
     InstanceOutput,
     LeakBlocksTask,
     RequestDelta,
+    ResetTask,
     SnapshotTask,
     Task,
 )
@@ -100,37 +103,53 @@ class Dispatcher:
     # ---- instances --------------------------------------------------------------------
 
     def register(self, info: InstanceInfo) -> None:
-        instance_id = info.address.instance_id
         self.scheduler.add_instance(info, time.monotonic())
-        sock = self._push_context.socket(zmq.PUSH)
-        sock.setsockopt(zmq.SNDHWM, _TASK_HWM)
-        sock.connect(info.address.task_address)
-        self._task_sockets[instance_id] = sock
+        self._connect(info)
+
+    def _connect(self, info: InstanceInfo) -> None:
+        instance_id = info.address.instance_id
+        self._connect_tasks(info)
         self._event_socket.connect(info.events_address)
         self.metrics.add_instance(info.address.role, instance_id)
         self._request_snapshot(instance_id)
+
+    def _connect_tasks(self, info: InstanceInfo) -> None:
+        if info.address.instance_id in self._task_sockets:
+            return
+        sock = self._push_context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, _TASK_HWM)
+        sock.connect(info.address.task_address)
+        self._task_sockets[info.address.instance_id] = sock
 
     def role_of(self, instance_id: str) -> str:
         view = self.scheduler.views.get(instance_id)
         return view.role if view else "unknown"
 
-    def instance_lost(self, instance_id: str, reason: str) -> None:
-        """Takes a dead instance out; retries or fails its requests."""
+    def instance_lost(self, instance_id: str, reason: str, may_rejoin: bool = False) -> None:
+        """Takes a dead instance out; retries or fails the requests that still need it.
+        `may_rejoin`: only silent (maybe paused), so it is re-admitted if it speaks again."""
         view = self.scheduler.views.get(instance_id)
-        if view is None or not view.alive:
+        if view is None:
             return
-        logger.warning("instance %s is gone: %s", instance_id, reason)
-        failover = self.scheduler.mark_dead(instance_id)
-        self.metrics.mark_down(view.role, instance_id)
-        sock = self._task_sockets.pop(instance_id, None)
+        failover = self.scheduler.mark_dead(instance_id, may_rejoin)
+        sock = self._task_sockets.pop(instance_id, None)  # reopened only to reset it
         if sock is not None:
             sock.close(linger=0)
+        if failover.already_dead:
+            return  # (if its process exited meanwhile, it is no longer reset)
+        logger.warning("instance %s is gone: %s", instance_id, reason)
+        self.metrics.mark_down(view.role, instance_id)
         with contextlib.suppress(zmq.ZMQError):
             self._event_socket.disconnect(view.info.events_address)
+        self._snapshot_requested.discard(instance_id)  # should it rejoin, it owes a fresh one
         for (other, prefill_id), request_ids in failover.abort.items():
             self._send(other, AbortTask(request_ids, handoffs_from=prefill_id))
+        retries = self.scheduler.config.max_attempts - 1
         for request_id in failover.fail:
-            self._fail(request_id, f"instance {instance_id} failed mid-request: {reason}")
+            message = f"instance {instance_id} failed mid-request: {reason}"
+            if request_id in failover.exhausted:
+                message += f" (no retries left: --max-request-retries {retries})"
+            self._fail(request_id, message)
         for request_id in failover.retry:
             self._retry(request_id)
         for (owner, _), future in list(self._inspections.items()):
@@ -251,8 +270,13 @@ class Dispatcher:
 
     def _on_output(self, output: InstanceOutput, arrival: float) -> None:
         instance_id = output.instance.instance_id
-        if not self.scheduler.observe(instance_id, output.stats, time.monotonic()):
-            return  # not registered yet, or already taken for dead
+        now = time.monotonic()
+        # Not registered yet, or taken for dead, or from a retired epoch: nothing of it
+        # counts; a dead instance that speaks again is reset, then re-admitted.
+        if not self.scheduler.observe(
+            instance_id, output.stats, now, output.epoch, output.loop_turns
+        ) and not self._rejoin(instance_id, output.epoch, now):
+            return
         self.metrics.record_output(output)
         for delta in output.deltas:
             self._on_delta(instance_id, delta, arrival)
@@ -265,6 +289,21 @@ class Dispatcher:
             if not self.scheduler.apply_snapshot(instance_id, output.block_snapshot):
                 self._request_snapshot(instance_id)
 
+    def _rejoin(self, instance_id: str, epoch: int, now: float) -> bool:
+        """True if this output re-admitted its instance (it reset into its new epoch)."""
+        view = self.scheduler.rejoin(instance_id, epoch, now)
+        if view is not None:
+            logger.warning("instance %s speaks again, reset: re-admitted", instance_id)
+            self.metrics.rejoined.inc()
+            self._connect(view.info)
+            return True
+        new_epoch = self.scheduler.reset_due(instance_id, epoch, now)
+        if new_epoch is not None:
+            logger.warning("instance %s taken for dead speaks again: resetting it", instance_id)
+            self._connect_tasks(self.scheduler.views[instance_id].info)
+            self._send(instance_id, ResetTask(new_epoch))
+        return False
+
     def _on_delta(self, instance_id: str, delta: RequestDelta, arrival: float) -> None:
         request_id = delta.request_id
         stream = self.streams.get(request_id)
@@ -275,6 +314,8 @@ class Dispatcher:
             return  # from an instance the request was moved away from
         if delta.new_token_ids:
             self.scheduler.mark_started(request_id)
+        if instance_id == assignment.route.decode.instance_id:
+            self.scheduler.release_prefill(request_id)
         if stream.push(delta, instance_id, arrival):
             self.streams.pop(request_id, None)
             self._tasks.pop(request_id, None)
@@ -301,6 +342,10 @@ class Dispatcher:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(LIVENESS_CHECK_INTERVAL_S)
-            timeout = self.scheduler.config.instance_timeout_s
-            for instance_id in self.scheduler.find_silent(time.monotonic()):
-                self.instance_lost(instance_id, f"no output or heartbeat for {timeout:g} s")
+            config, now = self.scheduler.config, time.monotonic()
+            for instance_id in self.scheduler.find_silent(now):
+                reason = f"no output or heartbeat for {config.instance_timeout_s:g} s"
+                self.instance_lost(instance_id, reason, may_rejoin=True)
+            for instance_id in self.scheduler.find_stalled(now):
+                reason = f"its step loop made no progress for {config.instance_stall_timeout_s:g} s"
+                self.instance_lost(instance_id, reason, may_rejoin=True)

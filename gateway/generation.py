@@ -32,11 +32,13 @@ _SEEDS = random.SystemRandom()
 
 class GenerationFailed(Exception):
     """A choice ended in an error. `rejected`: the instance refused it before any token
-    (a request this deployment cannot serve); otherwise an instance failed."""
+    (a request this deployment cannot serve); `timed_out`: the request outlived
+    `--request-timeout`; otherwise an instance failed."""
 
-    def __init__(self, message: str, rejected: bool) -> None:
+    def __init__(self, message: str, rejected: bool, timed_out: bool = False) -> None:
         super().__init__(message)
         self.rejected = rejected
+        self.timed_out = timed_out
 
 
 @dataclass(kw_only=True)
@@ -72,9 +74,12 @@ class GenerationRun:
         metrics: GatewayMetrics,
         cache_salt: str = "",
         on_end: Callable[[dict[str, int]], None] | None = None,
+        timeout_s: float = 0.0,
     ) -> None:
         """`on_end`: called once with the usage when the last choice ends or the run is
-        aborted (the tenant's seat and unused tokens go back)."""
+        aborted (the tenant's seat and unused tokens go back). `timeout_s`: the server-side
+        deadline from arrival to the last token (0: none); past it every choice is aborted
+        on its instances and the run fails."""
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -82,6 +87,7 @@ class GenerationRun:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.cache_salt = cache_salt
+        self.timeout_s = timeout_s
         self.arrival = time.perf_counter()
         self.choices: list[Choice] = []
         self._by_request: dict[str, Choice] = {}
@@ -155,10 +161,24 @@ class GenerationRun:
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Choice updates in arrival order until every choice has finished."""
         while self._unfinished:
-            event = await self._events.get()
+            event = await self._next_event()
             update = self._absorb(event)
             if update is not None:
                 yield update
+
+    async def _next_event(self) -> StreamEvent:
+        if not self.timeout_s:
+            return await self._events.get()
+        remaining = self.arrival + self.timeout_s - time.perf_counter()
+        try:
+            return await asyncio.wait_for(self._events.get(), max(0.0, remaining))
+        except TimeoutError:
+            for choice in self.choices:
+                if not choice.finished:
+                    choice.error = f"timed out after {self.timeout_s:g} s"
+            self.abort()  # every choice, on every instance it is on
+            message = f"the request did not finish within --request-timeout ({self.timeout_s:g} s)"
+            raise GenerationFailed(message, rejected=False, timed_out=True) from None
 
     async def wait(self) -> list[Choice]:
         async for _ in self.updates():

@@ -12,6 +12,7 @@ the instance that produced the token (the prefill instance for the first one).
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 from prometheus_client import (
@@ -170,6 +171,11 @@ class VLLMSeries:
         for reason in FINISHED_REASONS:
             self.success.labels(self.model_name, role, instance, reason)
 
+    def remove_gauges(self, role: str, instance: str) -> None:
+        for gauge in self.gauges.values():
+            with contextlib.suppress(KeyError):
+                gauge.remove(self.model_name, role, instance)
+
     def record_stats(self, role: str, instance: str, stats: InstanceStats) -> None:
         for name, read in _VLLM_STAT_GAUGES.items():
             self.gauges[name].labels(self.model_name, role, instance).set(read(stats))
@@ -247,6 +253,13 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+        self.rejoined = Counter(
+            PREFIX + "num_instances_rejoined",
+            "Instances taken for dead by silence that spoke again: reset (their requests "
+            "dropped) and re-admitted",
+            registry=self.registry,
+        )
+
     def _counter(self, name: str, documentation: str) -> Counter:
         # prometheus_client appends "_total" itself.
         return Counter(
@@ -261,7 +274,14 @@ class GatewayMetrics:
         self.gauges["instance_up"].labels(role, instance_id).set(1)
 
     def mark_down(self, role: str, instance_id: str) -> None:
+        """A dead instance's load gauges go at once (a stale `num_requests_running` would
+        read as load nobody carries); `instance_up` stays, at 0, and counters stay."""
         self.gauges["instance_up"].labels(role, instance_id).set(0)
+        for name, gauge in self.gauges.items():
+            if name != "instance_up":
+                with contextlib.suppress(KeyError):
+                    gauge.remove(role, instance_id)
+        self.vllm.remove_gauges(role, instance_id)
 
     def record_output(self, output: InstanceOutput) -> None:
         role, instance = output.instance.role, output.instance.instance_id

@@ -36,7 +36,7 @@ from pdserve.scheduler.global_scheduler import (
     GlobalSchedulerConfig,
 )
 from pdserve.scheduler.messages import InstanceInfo
-from pdserve.scheduler.routing import ROLES_THAT_DECODE
+from pdserve.scheduler.routing import ROLES_THAT_DECODE, InstanceView
 from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.text.tokenizer import Tokenizer
 
@@ -73,6 +73,7 @@ class GatewayConfig:
     admin_api_key: str | None = field(default=None, repr=False)
     metrics_public: bool = False
     deployment_secret: bytes | None = field(default=None, repr=False)
+    request_timeout_s: float = 0.0  # a request's deadline from arrival to its end (0: none)
 
 
 @dataclass(frozen=True)
@@ -168,19 +169,9 @@ class Gateway:
 
     def instance_health(self) -> list[dict]:
         """Each instance as the scheduler sees it (alive, load, and which kernels it runs,
-        so a missing fast path shows), for /health."""
-        return [
-            {
-                "id": view.instance_id,
-                "role": view.role,
-                "alive": view.alive,
-                "num_running": view.stats.num_running,
-                "num_waiting": view.stats.num_waiting,
-                "kv_cache_usage_perc": view.stats.kv_cache_usage_perc,
-                "kernels": view.info.kernels,
-            }
-            for view in self.scheduler.views.values()
-        ]
+        so a missing fast path shows), for /health. A dead instance's load is gone with
+        it: its last numbers would read as work nobody carries."""
+        return [_health(view) for view in self.scheduler.views.values()]
 
     # ---- request helpers --------------------------------------------------------------
 
@@ -244,7 +235,7 @@ class Gateway:
         salt = tenant_cache_salt(self._secret, tenant.name, cache_salt)
         run = GenerationRun(
             request_id, prompts, params, self.dispatcher, self.tokenizer, self.metrics, salt,
-            on_end,
+            on_end, self.config.request_timeout_s,
         )  # fmt: skip
         try:
             run.start()
@@ -266,6 +257,8 @@ class Gateway:
         except GenerationFailed as exc:
             if exc.rejected:
                 raise APIError(400, str(exc)) from None
+            if exc.timed_out:
+                raise APIError(504, str(exc), code="request_timeout") from None
             raise APIError(503, str(exc), code="instance_failed") from None
         finally:
             if not run.finished:
@@ -274,6 +267,8 @@ class Gateway:
     def stream_error(self, exc: BaseException) -> dict[str, Any]:
         """The SSE error event for a failure after the stream began."""
         if isinstance(exc, GenerationFailed):
+            if exc.timed_out:
+                return error_body(504, str(exc), code="request_timeout")
             return error_body(400 if exc.rejected else 503, str(exc))
         logger.exception("a stream failed", exc_info=exc)
         return error_body(500, f"internal error: {type(exc).__name__}")
@@ -281,3 +276,18 @@ class Gateway:
     @staticmethod
     def json(payload: Any, status: int = 200) -> Response:
         return Response(msgspec.json.encode(payload), status, media_type="application/json")
+
+
+def _health(view: InstanceView) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "id": view.instance_id,
+        "role": view.role,
+        "alive": view.alive,
+        "epoch": view.epoch,
+        "kernels": view.info.kernels,
+    }
+    if view.alive:
+        entry["num_running"] = view.stats.num_running
+        entry["num_waiting"] = view.stats.num_waiting
+        entry["kv_cache_usage_perc"] = view.stats.kv_cache_usage_perc
+    return entry

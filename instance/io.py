@@ -72,6 +72,9 @@ class InstanceIO:
         self._decoder = msgspec.msgpack.Decoder(task_type)
         self._encoder = msgspec.msgpack.Encoder()
         self.latest_stats: InstanceStats | None = None  # set by the step loop, read here
+        # Set by the step loop, read here (plain ints: one assignment is atomic).
+        self.epoch = 0
+        self.loop_turns = 0
         self._peer_sockets: dict[bytes, zmq.Socket] = {}  # the I/O thread's, by task address
         self._last_sent = 0.0
         self._thread = threading.Thread(target=self._run, name=f"io-{instance_id}", daemon=True)
@@ -148,7 +151,12 @@ class InstanceIO:
                 self._send(self._encoder.encode(self._heartbeat()))
 
     def _heartbeat(self) -> InstanceOutput:
-        return InstanceOutput(instance=self.address, stats=self.latest_stats)
+        return InstanceOutput(
+            instance=self.address,
+            stats=self.latest_stats,
+            epoch=self.epoch,
+            loop_turns=self.loop_turns,
+        )
 
     def _receive_tasks(self) -> None:
         while True:

@@ -140,6 +140,7 @@ class StepLoop:
         self._publish_block_events()
         if tasks or deltas or self._pending_inspection or self._pending_snapshot or role.has_news():
             self.flush(deltas)
+        self.io.loop_turns += 1  # only this thread writes it
 
     # ---- what roles get from the loop -------------------------------------------------
 
@@ -159,6 +160,8 @@ class StepLoop:
         output = wire.InstanceOutput(
             instance=self.io.address,
             deltas=deltas,
+            epoch=self.io.epoch,
+            loop_turns=self.io.loop_turns,
             stats=stats,
             metrics=metrics,
             inspection=self._pending_inspection,
@@ -185,6 +188,8 @@ class StepLoop:
             return self._admit(role, task)
         if isinstance(task, wire.AbortTask):
             role.abort(task)
+        elif isinstance(task, wire.ResetTask):
+            self._reset(role, task)
         elif isinstance(task, wire.SnapshotTask):
             self._pending_snapshot = self.require_engine().scheduler.block_cache_snapshot()
         elif isinstance(task, wire.InspectTask):
@@ -212,6 +217,23 @@ class StepLoop:
             message = f"internal error: {type(exc).__name__}: {exc}"
             return wire.error_delta(task.request_id, message, len(task.prompt_token_ids))
         return None
+
+    def _reset(self, role: Role, task: wire.ResetTask) -> None:
+        """The gateway took this instance for dead and dealt with its requests: every
+        one still here is dropped (their blocks freed or quarantined as on an abort),
+        then the new epoch makes the gateway take this instance back. The gateway repeats
+        the task until it hears the new epoch: a repeat must not drop newer requests."""
+        if task.epoch <= self.io.epoch:
+            return
+        request_ids = sorted(role.request_ids())
+        logger.warning(
+            "%s: taken for dead by the gateway; dropping %d requests, rejoining as epoch %d",
+            self.spec.instance_id,
+            len(request_ids),
+            task.epoch,
+        )
+        role.abort(wire.AbortTask(request_ids))
+        self.io.epoch = task.epoch  # after the abort: the new epoch's outputs owe nothing
 
     # ---- stepping ---------------------------------------------------------------------
 

@@ -127,6 +127,9 @@ class KVLink:
         deadline = time.monotonic() + self.config.lease_s + DEFER_MARGIN_S
         self._deferred.append((deadline, task))
 
+    def deferred_ids(self) -> set[str]:
+        return {task.request_id for _, task in self._deferred}
+
     def drop_deferred(self, request_id: str) -> None:
         self._deferred = [(d, t) for d, t in self._deferred if t.request_id != request_id]
 

@@ -90,6 +90,9 @@ class PrefillRole:
     def on_task(self, task: Any) -> RequestDelta | None:
         raise TypeError(f"a prefill instance has no {type(task).__name__} tasks")  # never decoded
 
+    def request_ids(self) -> set[str]:
+        return self.engine.request_ids() | self.link.deferred_ids() | set(self._targets)
+
     def abort(self, task: AbortTask) -> None:
         for request_id in task.request_ids:
             self.engine.abort_request(request_id)

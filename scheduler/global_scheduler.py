@@ -5,8 +5,11 @@ heartbeats their outputs carry, their prefix caches mirrored from block events, 
 requests the gateway sent them). For each request it admits or refuses (a bounded
 queue beyond the running seats), then picks a route: a prefill instance and a decode
 instance, or one instance that runs the whole request (colocated instances, or a
-prompt that skips the prefill pool). When an instance dies, requests that have not
-produced a token yet are retried elsewhere; the others fail.
+prompt that skips the prefill pool). When an instance dies, requests that still need
+it and have not produced a token yet are retried elsewhere; the others that still need
+it fail (a request whose KV already reached its decode instance no longer needs its
+prefill instance). An instance taken for dead by silence alone that speaks again is
+reset into a new epoch and re-admitted (`ResetTask`).
 
 Pure bookkeeping: no sockets, no clock of its own (callers pass `now`), no torch.
 """
@@ -37,6 +40,11 @@ class GlobalSchedulerConfig:
     max_queued_requests: int = 256
     # An instance silent this long (no step output, no heartbeat) is taken for dead.
     instance_timeout_s: float = 10.0
+    # An instance that heartbeats (its I/O thread lives) but whose step loop has not
+    # completed a turn this long is taken for hung (0: never). An idle loop turns every
+    # `idle_wait_s`, a busy one every step, so only a single step this long — or a hang —
+    # trips it: it must exceed the longest step the deployment can take.
+    instance_stall_timeout_s: float = 120.0
     retry_after_s: int = 1
     max_attempts: int = 3  # dispatches of one request, retries included
     skip_prefill_max_tokens: int = 0
@@ -49,8 +57,17 @@ class GlobalSchedulerConfig:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.instance_timeout_s <= 0:
             raise ValueError(f"instance_timeout_s must be positive, got {self.instance_timeout_s}")
+        if self.instance_stall_timeout_s < 0:
+            raise ValueError(
+                f"instance_stall_timeout_s must be >= 0, got {self.instance_stall_timeout_s}"
+            )
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
+
+
+# A dead instance that keeps speaking in its retired epoch is sent a ResetTask again
+# after this long (a task sent while its socket reconnected may be lost).
+RESET_RESEND_S = 2.0
 
 
 class AdmissionRejected(Exception):
@@ -95,6 +112,8 @@ class Failover:
 
     retry: list[str] = field(default_factory=list)
     fail: list[str] = field(default_factory=list)
+    exhausted: list[str] = field(default_factory=list)  # of `fail`: out of retries, unstarted
+    already_dead: bool = False  # nothing was done: the instance was taken out before
     abort: dict[tuple[str, str], list[str]] = field(default_factory=dict)
 
 
@@ -114,7 +133,7 @@ class GlobalScheduler:
         instance_id = info.address.instance_id
         if instance_id in self.views and self.views[instance_id].alive:
             raise ValueError(f"instance {instance_id} is already registered")
-        view = InstanceView(info=info, last_seen=now)
+        view = InstanceView(info=info, last_seen=now, turned_at=now)
         self.views[instance_id] = view
         return view
 
@@ -122,12 +141,22 @@ class GlobalScheduler:
         wanted = set(roles)
         return [v for v in self.views.values() if v.alive and v.role in wanted]
 
-    def observe(self, instance_id: str, stats: InstanceStats | None, now: float) -> bool:
-        """An output or heartbeat came from the instance. False if it is unknown or dead."""
+    def observe(
+        self,
+        instance_id: str,
+        stats: InstanceStats | None,
+        now: float,
+        epoch: int = 0,
+        loop_turns: int | None = None,
+    ) -> bool:
+        """An output or heartbeat came from the instance. False if it is unknown or dead,
+        or the output is from a retired epoch. `loop_turns`: its step loop's count."""
         view = self.views.get(instance_id)
-        if view is None or not view.alive:
+        if view is None or not view.alive or epoch != view.epoch:
             return False
         view.last_seen = now
+        if loop_turns is not None and loop_turns != view.loop_turns:
+            view.loop_turns, view.turned_at = loop_turns, now
         if stats is not None:
             view.stats = stats
             view.pending_blocks = 0
@@ -157,10 +186,39 @@ class GlobalScheduler:
         view.unsynced_batches.clear()
         return all([view.mirror.apply(batch) for batch in pending])
 
+    def reset_due(self, instance_id: str, epoch: int, now: float) -> int | None:
+        """A dead instance spoke with `epoch`: the epoch to send it in a `ResetTask`
+        (again after `RESET_RESEND_S`, in case one was lost), or None."""
+        view = self.views.get(instance_id)
+        if view is None or view.alive or not view.may_rejoin or epoch >= view.epoch:
+            return None
+        if view.reset_sent_at is not None and now - view.reset_sent_at < RESET_RESEND_S:
+            return None
+        view.reset_sent_at = now
+        return view.epoch
+
+    def rejoin(self, instance_id: str, epoch: int, now: float) -> InstanceView | None:
+        """A dead instance spoke in its new epoch: it dropped its former requests and
+        routing takes it again. None if this output is no such proof."""
+        view = self.views.get(instance_id)
+        if view is None or view.alive or not view.may_rejoin or epoch != view.epoch:
+            return None
+        view.alive, view.may_rejoin, view.reset_sent_at = True, False, None
+        view.last_seen = view.turned_at = now
+        return view
+
     def find_silent(self, now: float) -> list[str]:
         """Live instances not heard from within the timeout."""
         limit = self.config.instance_timeout_s
         return [i for i, v in self.views.items() if v.alive and now - v.last_seen > limit]
+
+    def find_stalled(self, now: float) -> list[str]:
+        """Live instances that heartbeat while their step loop has not turned within the
+        stall timeout (a hung step: its I/O thread speaks for a loop that does not)."""
+        limit = self.config.instance_stall_timeout_s
+        if not limit:
+            return []
+        return [i for i, v in self.views.items() if v.alive and now - v.turned_at > limit]
 
     # ---- admission and routing -------------------------------------------------------
 
@@ -229,25 +287,49 @@ class GlobalScheduler:
 
     # ---- failures --------------------------------------------------------------------
 
-    def mark_dead(self, instance_id: str) -> Failover:
-        """Takes the instance out of routing and says what becomes of its requests.
+    def release_prefill(self, request_id: str) -> None:
+        """The request's decode instance produced output: its KV is there (pulled, or
+        recomputed), so the prefill instance's fate no longer touches it."""
+        assignment = self.assignments.get(request_id)
+        if assignment is None or assignment.route.prefill is None:
+            return
+        assignment.route.prefill.in_flight.discard(request_id)
+        assignment.route.prefill.unstarted_tokens.pop(request_id, None)
+
+    def mark_dead(self, instance_id: str, may_rejoin: bool = False) -> Failover:
+        """Takes the instance out of routing and says what becomes of the requests that
+        still need it (`in_flight`).
 
         A request with no token out yet is retried (up to `max_attempts` dispatches);
         one whose output has begun fails, since its stream cannot be resumed unseen.
+        `may_rejoin`: taken for dead by silence only; its epoch is retired either way.
         """
         failover = Failover()
         view = self.views.get(instance_id)
         if view is None or not view.alive:
+            failover.already_dead = True
+            if view is not None:
+                view.may_rejoin = view.may_rejoin and may_rejoin  # its process exited
             return failover
-        view.alive = False
+        view.alive, view.may_rejoin, view.reset_sent_at = False, may_rejoin, None
+        view.epoch += 1
+        # Its last load is no longer true: nothing routes on it, nothing reports it.
+        total = view.info.num_blocks
+        view.stats = InstanceStats(num_free_blocks=total, num_total_blocks=total)
+        view.pending_blocks = 0
         for rid in sorted(view.in_flight):
             assignment = self.assignments[rid]
             for other in assignment.route.instances:
                 if other is not view and other.alive:
                     key = (other.instance_id, handoffs_from(assignment.route, other))
                     failover.abort.setdefault(key, []).append(rid)
-            can_retry = assignment.attempts < self.config.max_attempts
-            (failover.retry if not assignment.started and can_retry else failover.fail).append(rid)
+            if assignment.started:
+                failover.fail.append(rid)
+            elif assignment.attempts < self.config.max_attempts:
+                failover.retry.append(rid)
+            else:
+                failover.fail.append(rid)
+                failover.exhausted.append(rid)
         for rid in failover.fail:
             self.finish(rid)
         for rid in failover.retry:

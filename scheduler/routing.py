@@ -59,10 +59,20 @@ class InstanceView:
 
     info: InstanceInfo
     last_seen: float
+    # When its step loop last completed a turn, as its outputs' `loop_turns` tell.
+    turned_at: float = 0.0
+    loop_turns: int = 0
     stats: InstanceStats = field(default_factory=InstanceStats)
     mirror: CachedHashMirror = field(default_factory=CachedHashMirror)
     unsynced_batches: list[BlockEventBatch] = field(default_factory=list)
     alive: bool = True
+    # The instance's current life (see `ResetTask`): bumped when it is taken for dead, so
+    # whatever it sent from its former life is told apart and dropped.
+    epoch: int = 0
+    # Taken for dead by silence alone (the process may be paused): if it speaks again,
+    # it is reset and re-admitted. An instance whose process exited never returns.
+    may_rejoin: bool = False
+    reset_sent_at: float | None = None
     in_flight: set[str] = field(default_factory=set)  # requests assigned here, not finished
     # Prompt tokens of requests sent here for their prefill that have no first token yet.
     unstarted_tokens: dict[str, int] = field(default_factory=dict)

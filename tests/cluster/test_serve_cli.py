@@ -88,6 +88,16 @@ def test_the_default_plan_is_one_prefill_and_one_decode_instance() -> None:
     assert ServePlan.from_args(parse("--mode", "colocated")).kv_transfer == {}
 
 
+def test_liveness_flags_reach_the_global_scheduler() -> None:
+    args = parse()
+    assert (args.request_timeout, args.max_request_retries) == (0.0, 2)
+    config = ServePlan.from_args(args).scheduler
+    assert (config.max_attempts, config.instance_stall_timeout_s) == (3, 120.0)
+    flags = ("--max-request-retries", "0", "--instance-stall-timeout", "0")
+    config = ServePlan.from_args(parse(*flags)).scheduler
+    assert (config.max_attempts, config.instance_stall_timeout_s) == (1, 0.0)
+
+
 def test_inconsistent_kv_transfer_limits_fail_with_one_line() -> None:
     result = run_cli("--kv-lease-seconds", "2", "--kv-transfer-timeout", "3")
     assert result.returncode == 2
@@ -104,6 +114,8 @@ def test_inconsistent_kv_transfer_limits_fail_with_one_line() -> None:
         (["--model", "/no/such/folder"], "no such checkpoint folder"),
         (["--block-size", "0"], "--block-size must be at least 1"),
         (["--skip-prefill-min-cached-ratio", "2"], "min_cached_ratio"),
+        (["--request-timeout", "-1"], "--request-timeout must be >= 0"),
+        (["--max-request-retries", "-1"], "--max-request-retries must be >= 0"),
     ],
 )
 def test_bad_flags_fail_with_one_line(flags: list[str], message: str) -> None:

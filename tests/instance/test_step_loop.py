@@ -26,6 +26,7 @@ from pdserve.scheduler.messages import (
     InstanceOutput,
     LeakBlocksTask,
     RequestDelta,
+    ResetTask,
 )
 from pdserve.scheduler.sampling_params import SamplingParams
 
@@ -110,6 +111,8 @@ class Harness:
         self.deltas: list[RequestDelta] = []
         self.inspections: dict[str, Any] = {}
         self.histograms: dict[str, list[float]] = {}  # every observation shipped
+        self.epoch = 0  # of the latest output
+        self.loop_turns = 0
 
     def send(self, task: Any) -> None:
         self.tasks.send(ENCODER.encode(task))
@@ -123,6 +126,7 @@ class Harness:
         decoder = msgspec.msgpack.Decoder(InstanceOutput)
         while self.outputs.poll(50):
             output = decoder.decode(self.outputs.recv())
+            self.epoch, self.loop_turns = output.epoch, output.loop_turns
             self.deltas.extend(output.deltas)
             for name, values in (output.metrics.histograms if output.metrics else {}).items():
                 self.histograms.setdefault(name, []).extend(values)
@@ -213,6 +217,24 @@ def test_an_aborted_request_is_dropped_on_the_ranks(colocated) -> None:
     colocated.until(lambda: colocated.finished("next"), "next request")
     assert any("long" in p.finished_ids for _, p in colocated.executor.plans)
     assert not colocated.finished("long")  # the gateway ended it; no more deltas
+    assert colocated.inspect().block_owners == {}
+
+
+def test_a_reset_drops_every_request_then_outputs_carry_the_new_epoch(colocated) -> None:
+    colocated.send(generate("before", [3, 4], max_tokens=50))
+    colocated.until(lambda: len(colocated.tokens("before")) >= 2, "first tokens")
+    turns = colocated.loop_turns
+    assert colocated.epoch == 0 and turns > 0
+    colocated.send(ResetTask(epoch=1))
+    colocated.until(lambda: colocated.epoch == 1, "the new epoch")
+    assert colocated.loop_turns > turns  # heartbeats show the loop turning
+    assert colocated.inspect().unfinished_request_ids == []
+    count = len(colocated.tokens("before"))
+    colocated.send(generate("after", [7], max_tokens=30))
+    colocated.until(lambda: len(colocated.tokens("after")) >= 2, "the next request")
+    colocated.send(ResetTask(epoch=1))  # a repeat of the same reset drops nothing new
+    colocated.until(lambda: colocated.finished("after"), "the next request to finish")
+    assert len(colocated.tokens("before")) == count and not colocated.finished("before")
     assert colocated.inspect().block_owners == {}
 
 

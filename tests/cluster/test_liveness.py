@@ -1,0 +1,126 @@
+"""One prefill and one decode instance (local processes), a short `--instance-timeout`:
+a decode instance paused past the timeout and resumed is reset and re-admitted (no
+permanent 503); a prefill instance killed while its request decodes on the decode
+instance leaves that stream whole, and its load leaves /health and /metrics at once.
+
+The tests run in file order on one server; the last one leaves it without its prefill
+instance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.cluster.serving import LOCAL, MODEL, served
+from tests.gateway.server import ServeProcess
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 3.0
+ARGS = (
+    *LOCAL, "--num-prefill", "1", "--num-decode", "1", "--dtype", "bfloat16",
+    "--kv-cache-memory", "24MiB", "--max-model-len", "1024",
+    "--instance-timeout", str(TIMEOUT_S),
+)  # fmt: skip
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServeProcess]:
+    with served(*ARGS) as process:
+        yield process
+
+
+def complete(server: ServeProcess, max_tokens: int) -> str:
+    return server.openai().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+        extra_body={"ignore_eos": True},
+    ).choices[0].text  # fmt: skip
+
+
+class Stream:
+    """A greedy streaming completion read on a thread: its text and any error event."""
+
+    def __init__(self, server: ServeProcess, max_tokens: int) -> None:
+        self.chunks: list[str] = []
+        self.errors: list[str] = []
+        self.done = False
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+        self._thread = threading.Thread(target=self._read, args=(server, body), daemon=True)
+        self._thread.start()
+
+    def _read(self, server: ServeProcess, body: dict) -> None:
+        with (
+            httpx.Client(base_url=server.base_url, headers=server.headers, timeout=120) as client,
+            client.stream("POST", "/v1/completions", json=body) as response,
+        ):
+            for line in response.iter_lines():
+                if line.startswith('data: {"error"'):
+                    self.errors.append(line)
+                elif line.startswith("data: {"):
+                    self.chunks.append(json.loads(line[6:])["choices"][0]["text"])
+        self.done = True
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+        assert self.done, "the stream did not end"
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def health(server: ServeProcess) -> int:
+    return server.get("/health").status_code
+
+
+def test_a_paused_decode_instance_is_readmitted_when_it_resumes(server) -> None:
+    expected = complete(server, 8)
+    pid = server.instances()["decode-0"]["pid"]
+    stream = Stream(server, 400)
+    wait_for(lambda: len(stream.chunks) >= 5, 60, "the stream to decode")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: health(server) == 503, TIMEOUT_S + 10, "the pause to be noticed")
+        stream.join(30)
+        assert stream.errors and "failed mid-request" in stream.errors[0], stream.errors
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # It speaks again: reset (its former requests dropped), then re-admitted.
+    wait_for(lambda: health(server) == 200, 20, "the decode instance to rejoin")
+    assert complete(server, 8) == expected
+    text = server.get("/metrics").text
+    assert re.search(r"^pdserve:num_instances_rejoined_total 1\.0$", text, re.M)
+    server.assert_blocks_free_or_cached()  # the dropped stream's blocks too
+
+
+def test_a_prefill_death_spares_a_stream_decoding_elsewhere(server) -> None:
+    expected = complete(server, 120)
+    pid = server.instances()["prefill-0"]["pid"]
+    stream = Stream(server, 120)
+    wait_for(lambda: len(stream.chunks) >= 10, 60, "the stream to decode on decode-0")
+    os.kill(pid, signal.SIGKILL)
+    stream.join(60)
+    assert stream.errors == []
+    assert "".join(stream.chunks) == expected
+    entries = {e["id"]: e for e in server.get("/health").json()["instances"]}
+    assert entries["prefill-0"]["alive"] is False and "num_running" not in entries["prefill-0"]
+    text = server.get("/metrics").text
+    assert re.search(r'^pdserve:instance_up{instance="prefill-0",[^}]*} 0\.0$', text, re.M)
+    for series in ("pdserve:num_requests_running", "vllm:num_requests_running"):
+        assert not re.search(rf'^{series}{{[^}}]*"prefill-0"', text, re.M), series
+    assert complete(server, 8) == complete(server, 8) != ""  # decode-0 alone serves on
+    server.assert_blocks_free_or_cached()

@@ -1,0 +1,229 @@
+"""The dispatcher's liveness against scripted instances (plain ZMQ sockets, no model):
+an instance taken for dead by silence that speaks again is reset into a new epoch and
+re-admitted; a dead instance's gauges leave /metrics at once; a prefill instance's
+death spares a request whose decode instance already streams it; a request past
+`--request-timeout` fails and is aborted on its instance."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import pytest
+import zmq
+
+from pdserve.engine.embedded import embedded_model_path
+from pdserve.gateway.dispatcher import Dispatcher
+from pdserve.gateway.generation import GenerationFailed, GenerationRun
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.prompts import Prompt
+from pdserve.gateway.request_stream import StreamEvent
+from pdserve.scheduler.global_scheduler import (
+    AdmissionRejected,
+    GlobalScheduler,
+    GlobalSchedulerConfig,
+)
+from pdserve.scheduler.messages import (
+    AbortTask,
+    GenerateTask,
+    InstanceAddress,
+    InstanceInfo,
+    InstanceOutput,
+    InstanceStats,
+    RequestDelta,
+    ResetTask,
+    SnapshotTask,
+    Task,
+)
+from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.text.tokenizer import Tokenizer
+
+TIMEOUT_S = 0.3  # the dispatcher checks every 0.5 s: death is noticed within ~1 s
+
+
+class ScriptedInstance:
+    """An instance the test speaks for: it reads the tasks the gateway sends and sends
+    whatever outputs the test writes."""
+
+    def __init__(self, context: zmq.Context, instance_id: str, role: str, gateway: str) -> None:
+        self.tasks = context.socket(zmq.PULL)
+        port = self.tasks.bind_to_random_port("tcp://127.0.0.1")
+        events = context.socket(zmq.PUB)
+        events_port = events.bind_to_random_port("tcp://127.0.0.1")
+        self.events = events
+        self.outputs = context.socket(zmq.PUSH)
+        self.outputs.connect(gateway)
+        self.address = InstanceAddress(instance_id, role, f"tcp://127.0.0.1:{port}")
+        self.info = InstanceInfo(
+            address=self.address,
+            events_address=f"tcp://127.0.0.1:{events_port}",
+            model_path="m",
+            max_model_len=4096,
+            vocab_size=1000,
+            block_size=4,
+            num_blocks=100,
+            max_num_seqs=8,
+        )
+        self.epoch = 0
+        self._decoder = msgspec.msgpack.Decoder(Task)
+
+    def say(self, *deltas: RequestDelta, running: int = 0) -> None:
+        output = InstanceOutput(
+            self.address, list(deltas), epoch=self.epoch, stats=InstanceStats(num_running=running)
+        )
+        self.outputs.send(msgspec.msgpack.encode(output))
+
+    async def next_task(self, kind: type, timeout_s: float = 5.0):
+        """The next task of `kind` (others are skipped); heartbeats meanwhile."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while asyncio.get_running_loop().time() < deadline:
+            if self.tasks.poll(0):
+                task = self._decoder.decode(self.tasks.recv())
+                if isinstance(task, kind):
+                    return task
+            else:
+                self.say()
+                await asyncio.sleep(0.02)
+        raise AssertionError(f"no {kind.__name__} reached {self.address.instance_id}")
+
+    def close(self) -> None:
+        for sock in (self.tasks, self.events, self.outputs):
+            sock.close(linger=0)
+
+
+def run(scenario: Callable[[Dispatcher, zmq.Context], Awaitable[None]]) -> None:
+    """Runs `scenario` on a fresh loop with a started dispatcher."""
+
+    async def main() -> None:
+        config = GlobalSchedulerConfig(instance_timeout_s=TIMEOUT_S)
+        dispatcher = Dispatcher(GlobalScheduler(config), GatewayMetrics("m"))
+        dispatcher.start()
+        context = zmq.Context()
+        try:
+            await scenario(dispatcher, context)
+        finally:
+            await dispatcher.close()
+            context.term()
+
+    asyncio.run(main())
+
+
+def task(request_id: str) -> GenerateTask:
+    params = SamplingParams(max_tokens=8, seed=1)
+    return GenerateTask(request_id, [1, 2, 3, 4, 5], params, arrival_time=0.0)
+
+
+async def until(condition, timeout_s: float, what: str, keep_alive=()) -> None:
+    """Waits for `condition`; meanwhile the instances in `keep_alive` heartbeat."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        for instance in keep_alive:
+            instance.say()
+        await asyncio.sleep(0.05)
+
+
+def gauge_lines(dispatcher: Dispatcher, instance_id: str) -> list[str]:
+    text = dispatcher.metrics.render().decode()
+    return re.findall(rf'^\S*num_requests_running{{[^}}]*instance="{instance_id}"[^}}]*}} .*$',
+                      text, re.M)  # fmt: skip
+
+
+def test_a_request_past_its_deadline_fails_and_is_aborted_on_its_instance() -> None:
+    run(past_the_deadline)
+
+
+def test_a_paused_instance_that_speaks_again_is_reset_and_readmitted() -> None:
+    run(paused_then_back)
+
+
+def test_a_prefill_death_spares_requests_whose_kv_reached_decode() -> None:
+    run(prefill_dies_after_handoff)
+
+
+async def paused_then_back(dispatcher: Dispatcher, context: zmq.Context) -> None:
+    d0 = ScriptedInstance(context, "d0", "colocated", dispatcher.output_address)
+    try:
+        dispatcher.register(d0.info)
+        d0.say(running=1)
+        events: list[StreamEvent] = []
+        dispatcher.submit(task("r1"), events.append)
+        assert (await d0.next_task(GenerateTask)).request_id == "r1"
+        d0.say(RequestDelta("r1", [7], 0), running=1)  # it started, then it pauses
+        view = dispatcher.scheduler.views["d0"]
+        await until(lambda: not view.alive, 5, "d0 to be taken for dead")
+        assert events[-1].error and "failed mid-request" in events[-1].error
+        assert gauge_lines(dispatcher, "d0") == []  # its last load went with it
+        with pytest.raises(AdmissionRejected, match="no instance"):
+            dispatcher.scheduler.admit()
+
+        # It resumes: what it sent in its former life counts for nothing; it is reset.
+        d0.say(RequestDelta("r1", [8], 1), running=1)
+        reset = await d0.next_task(ResetTask)
+        assert reset.epoch == 1 and not view.alive
+        d0.epoch = reset.epoch  # as the step loop does, after dropping every request
+        await until(lambda: view.alive, 5, "d0 to be re-admitted", keep_alive=[d0])
+        await d0.next_task(SnapshotTask)  # its prefix cache is mirrored afresh
+        assert dispatcher.metrics.rejoined._value.get() == 1
+        assert gauge_lines(dispatcher, "d0")  # its gauges are back
+
+        dispatcher.scheduler.admit()
+        dispatcher.submit(task("r2"), events.append)
+        assert (await d0.next_task(GenerateTask)).request_id == "r2"
+        d0.say(RequestDelta("r2", [9], 0, finish_reason="length"))
+        await until(lambda: events[-1].request_id == "r2", 5, "r2 to finish", keep_alive=[d0])
+        assert events[-1].delta is not None and events[-1].delta.finished
+    finally:
+        d0.close()
+
+
+async def prefill_dies_after_handoff(dispatcher: Dispatcher, context: zmq.Context) -> None:
+    p0 = ScriptedInstance(context, "p0", "prefill", dispatcher.output_address)
+    d0 = ScriptedInstance(context, "d0", "decode", dispatcher.output_address)
+    try:
+        for instance in (p0, d0):
+            dispatcher.register(instance.info)
+        events: list[StreamEvent] = []
+        for rid in ("decoding", "prefilling"):
+            dispatcher.submit(task(rid), events.append)
+            assert (await p0.next_task(GenerateTask)).request_id == rid
+        p0.say(RequestDelta("decoding", [7], 0), RequestDelta("prefilling", [5], 0))
+        d0.say(RequestDelta("decoding", [8], 1))  # its KV is on d0: decoding goes on
+        await until(lambda: len(events) == 3, 5, "the first tokens", keep_alive=[p0, d0])
+
+        dispatcher.instance_lost("p0", "its process exited with code -9")
+        failed = [e.request_id for e in events if e.error]
+        assert failed == ["prefilling"]  # still needed p0's KV
+        assert (await d0.next_task(AbortTask)).request_ids == ["prefilling"]
+
+        d0.say(RequestDelta("decoding", [9], 2, finish_reason="length"))
+        await until(lambda: len(events) == 5, 5, "the decoding request to finish")
+        assert events[-1].request_id == "decoding" and events[-1].delta.finished
+        assert [e.delta.new_token_ids[0] for e in events if e.request_id == "decoding"] == [7, 8, 9]
+    finally:
+        for instance in (p0, d0):
+            instance.close()
+
+
+async def past_the_deadline(dispatcher: Dispatcher, context: zmq.Context) -> None:
+    c0 = ScriptedInstance(context, "c0", "colocated", dispatcher.output_address)
+    try:
+        dispatcher.register(c0.info)
+        tokenizer = Tokenizer.from_folder(embedded_model_path())
+        params = SamplingParams(max_tokens=8, seed=1)
+        run = GenerationRun("slow", [Prompt([1, 2, 3])], params, dispatcher, tokenizer,
+                            dispatcher.metrics, timeout_s=0.5)  # fmt: skip
+        run.start()
+        assert (await c0.next_task(GenerateTask)).request_id == "slow-0"
+        c0.say(RequestDelta("slow-0", [7], 0))  # one token, then nothing: it never ends
+        waiting = asyncio.ensure_future(run.wait())
+        await until(waiting.done, 5, "the deadline", keep_alive=[c0])  # c0 lives on
+        with pytest.raises(GenerationFailed, match="request-timeout") as failed:
+            waiting.result()
+        assert failed.value.timed_out and not failed.value.rejected
+        assert (await c0.next_task(AbortTask)).request_ids == ["slow-0"]
+        assert "slow-0" not in dispatcher.scheduler.assignments
+    finally:
+        c0.close()
