@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from pdserve.engine.checkpoint import CheckpointError, read_json, require_folder
+from pdserve.engine.safetensors_reader import SafetensorsReader
 
 
 def weight_files(folder: str | Path) -> dict[str, Path]:
@@ -77,22 +78,13 @@ def iter_weights(
         by_file.setdefault(path, []).append(name)
     for path, names in by_file.items():
         try:
-            with safe_open(path, framework="pt") as handle:
+            with SafetensorsReader(path) as reader:
                 for name in names:
-                    shard = shard_of(name) if shard_of is not None else None
-                    yield name, _read(handle, name, shard)
+                    yield name, reader.read(name, shard_of(name) if shard_of is not None else None)
         except CheckpointError:
             raise
         except Exception as exc:
             raise CheckpointError(f"{path}: cannot read tensors: {_one_line(exc)}") from None
-
-
-def _read(handle, name: str, shard: Shard) -> torch.Tensor:
-    if shard is None:
-        return handle.get_tensor(name)
-    dim, start, stop = shard
-    part = handle.get_slice(name)
-    return part[start:stop] if dim == 0 else part[:, start:stop]
 
 
 def check_shape(

@@ -11,7 +11,6 @@ the step runs and reports its finished and failed transfers after.
 from __future__ import annotations
 
 import os
-import resource
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -51,7 +50,16 @@ def _resident_bytes() -> int:
 
 
 def _peak_resident_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    """This process's resident high-water mark (Linux VmHWM: unlike ru_maxrss it does not
+    carry over a parent's peak across fork and exec), 0 where unknown."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def model_tokenizer_facts(config: EngineConfig) -> tuple[str, int, list[int]]:

@@ -1,0 +1,170 @@
+"""Tensor-parallel worker groups on CPU (gloo): the split model computes what the whole one
+does, each rank holds only its slice, a size the heads cannot be split by is refused in one
+line, and a rank that dies takes its group down at once with no process left behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from pdserve.engine.config import TensorParallelError
+from pdserve.engine.embedded import embedded_model_path
+from pdserve.engine.worker_group import WorkerGroupFailed
+from pdserve.scheduler.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 1001  # odd: the vocabulary-split embedding and LM head are padded on the last rank
+PROMPTS = [[5, 17, 300, 42, 7], list(range(100, 140)), [999, 1000, 3]]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> str:
+    """A tiny random Qwen3 (q/k norms, untied head) with 8 query and 4 KV heads."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+        max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("qwen3") / "tiny"
+    tf.Qwen3ForCausalLM(config).eval().save_pretrained(folder)
+    embedded = embedded_model_path()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(embedded / name, folder / name)
+    return str(folder)
+
+
+def _llm(model: str | None, tp: int, **kwargs):
+    from pdserve import LLM
+
+    return LLM(
+        model=model, dtype="float32", num_threads=2, kv_cache_memory=16 << 20,
+        max_model_len=256, tensor_parallel_size=tp, **kwargs,
+    )  # fmt: skip
+
+
+def _engine(model: str, tp: int):
+    from pdserve.engine.core import EngineCore
+
+    return EngineCore(
+        model=model, dtype="float32", num_threads=2, num_kv_blocks=64, max_model_len=256,
+        tensor_parallel_size=tp,
+    )  # fmt: skip
+
+
+def _run(llm, prompts) -> list:
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, ignore_eos=True)
+    return [o.outputs[0] for o in llm.generate(prompts, params)]
+
+
+def _assert_same(whole, split, tolerance: float) -> None:
+    for a, b in zip(whole, split, strict=True):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x.top_ids == y.top_ids
+            pairs = zip(x.top_logprobs, y.top_logprobs, strict=True)
+            assert max(abs(u - v) for u, v in pairs) < tolerance
+
+
+def test_tp2_computes_what_tp1_does_on_a_tiny_qwen3(qwen3) -> None:
+    whole = _run(_llm(qwen3, 1), PROMPTS)
+    split_llm = _llm(qwen3, 2)
+    _assert_same(whole, _run(split_llm, PROMPTS), 1e-4)
+    split_llm.engine.shutdown()
+
+
+def test_tp3_on_the_embedded_model_and_tp2_refused() -> None:
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    whole = _run(_llm(None, 1), prompts)
+    split_llm = _llm(None, 3)
+    _assert_same(whole, _run(split_llm, prompts), 1e-4)
+    split_llm.engine.shutdown()
+    with pytest.raises(TensorParallelError) as refused:
+        _llm(None, 2)
+    message = str(refused.value)
+    assert "\n" not in message and "3 KV heads" in message and "9 attention heads" in message
+
+
+def test_each_rank_reads_and_holds_only_its_shard(tmp_path) -> None:
+    """About 1 GiB of float32 weights: at TP=2 each rank's parameters and the memory its
+    load took are at most 0.6x those of TP=1 (a rank that read whole tensors fails)."""
+    folder = _write_synthetic(tmp_path / "big")
+    whole = _engine(folder, 1)
+    whole_weights, whole_peak = whole.info.weight_bytes, whole.info.load_peak_memory_bytes
+    whole.shutdown()
+    split = _engine(folder, 2)
+    ranks = split.executor.rank_infos
+    split.shutdown()
+    assert whole_weights > 900 << 20
+    for rank in ranks:
+        assert rank.weight_bytes <= 0.6 * whole_weights, (rank.weight_bytes, whole_weights)
+        assert rank.load_peak_memory_bytes <= 0.6 * whole_peak, (
+            rank.load_peak_memory_bytes, whole_peak)  # fmt: skip
+
+
+def _write_synthetic(folder) -> str:
+    from pdserve.engine.synthetic_model import SyntheticLlamaConfig, random_llama, save_checkpoint
+
+    cfg = SyntheticLlamaConfig(
+        vocab_size=32768, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=64, max_position_embeddings=256,
+    )  # fmt: skip
+    model = random_llama(cfg, torch.float32, "cpu")
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float32",
+        "bos_token_id": 1, "eos_token_id": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "vocab_size": 32768, "hidden_size": 1024,
+        "intermediate_size": 4096, "num_hidden_layers": 12, "num_attention_heads": 16,
+        "num_key_value_heads": 4, "head_dim": 64, "max_position_embeddings": 256,
+    }  # fmt: skip
+    path = save_checkpoint(model, folder, config)
+    del model
+    return path
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie until its parent reaps it: dead all the same.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(") ", 1)[1].startswith("Z")
+
+
+def test_a_rank_that_dies_takes_the_group_down(qwen3) -> None:
+    llm = _llm(qwen3, 2, max_num_seqs=4)
+    pids = llm.engine.executor.rank_pids
+    failure: list[BaseException] = []
+
+    def generate() -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        try:
+            llm.generate([PROMPTS[1]] * 4, params)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            failure.append(exc)
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    time.sleep(1.0)  # under way
+    os.kill(pids[1], signal.SIGKILL)
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "generation hung after a rank died"
+    assert failure and isinstance(failure[0], WorkerGroupFailed), failure
+    assert "rank 1" in str(failure[0])
+    deadline = time.monotonic() + 10
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(pid) for pid in pids)
+    with pytest.raises(WorkerGroupFailed):  # and it stays failed
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2))
