@@ -9,6 +9,9 @@ Outputs are decoded as they arrive and their deltas handed to each request's
 `RequestStream` (which orders them). The global scheduler hears every output (its
 stats and heartbeats); an instance silent past the timeout, or reported gone by the
 launcher, is taken out, and its requests are retried or failed.
+
+Every frame is sealed with the deployment's MAC (`pdserve.scheduler.wire_auth`); an
+output or event batch without a valid one is dropped before it is decoded.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from pdserve.scheduler.messages import (
     Task,
 )
 from pdserve.scheduler.routing import RouteRequest
+from pdserve.scheduler.wire_auth import Sealer
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +59,16 @@ _TASK_HWM = 100_000
 
 class Dispatcher:
     def __init__(
-        self, scheduler: GlobalScheduler, metrics: GatewayMetrics, host: str = "127.0.0.1"
+        self,
+        scheduler: GlobalScheduler,
+        metrics: GatewayMetrics,
+        host: str = "127.0.0.1",
+        secret: bytes | None = None,
     ) -> None:
+        """`host`: where the output PULL binds and what instances are told to connect
+        to; `secret`: the deployment's (default: from the environment)."""
         self.scheduler = scheduler
+        self._sealer = Sealer(secret, name="gateway")
         self.metrics = metrics
         self.context = zmq.asyncio.Context()
         self._output_socket = self.context.socket(zmq.PULL)
@@ -204,7 +215,7 @@ class Dispatcher:
         if sock is None:
             return False
         try:
-            sock.send(self._encoder.encode(task), zmq.NOBLOCK)
+            sock.send(self._sealer.seal(self._encoder.encode(task)), zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("instance %s is not reading its tasks; one dropped", instance_id)
             return False
@@ -239,8 +250,11 @@ class Dispatcher:
     async def _receive_outputs(self) -> None:
         while True:
             frame = await self._output_socket.recv()
+            payload = self._sealer.open(frame, "the output socket")
+            if payload is None:
+                continue
             try:
-                output = self._output_decoder.decode(frame)
+                output = self._output_decoder.decode(payload)
             except msgspec.DecodeError as exc:
                 logger.warning("dropping a malformed instance output: %s", exc)
                 continue
@@ -283,11 +297,14 @@ class Dispatcher:
     async def _receive_events(self) -> None:
         while True:
             frames = await self._event_socket.recv_multipart()
-            if len(frames) != 2:
+            if len(frames) != 3:
                 continue
-            instance_id = frames[0].decode(errors="replace")
+            topic, tag, payload = frames
+            instance_id = topic.decode(errors="replace")
+            if not self._sealer.check_parts(tag, topic, payload, origin=f"events of {instance_id}"):
+                continue
             try:
-                batch = self._batch_decoder.decode(frames[1])
+                batch = self._batch_decoder.decode(payload)
             except msgspec.DecodeError as exc:
                 logger.warning("dropping a malformed block-event batch: %s", exc)
                 continue
