@@ -49,7 +49,7 @@ from pdserve.scheduler.messages import (
     Task,
 )
 from pdserve.scheduler.routing import RouteRequest
-from pdserve.scheduler.wire_auth import Sealer
+from pdserve.scheduler.wire_auth import MAX_FRAME_BYTES, Sealer
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +72,12 @@ class Dispatcher:
         self.metrics = metrics
         self.context = zmq.asyncio.Context()
         self._output_socket = self.context.socket(zmq.PULL)
+        self._output_socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         port = self._output_socket.bind_to_random_port(f"tcp://{host}")
         self.output_address = f"tcp://{host}:{port}"
         self._event_socket = self.context.socket(zmq.SUB)
         self._event_socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._event_socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._push_context = zmq.Context()  # plain sockets: sends never wait
         self._task_sockets: dict[str, zmq.Socket] = {}
         self.streams: dict[str, RequestStream] = {}

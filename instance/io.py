@@ -29,7 +29,7 @@ import msgspec
 import zmq
 
 from pdserve.scheduler.messages import InstanceAddress, InstanceOutput, InstanceStats, Task
-from pdserve.scheduler.wire_auth import Sealer
+from pdserve.scheduler.wire_auth import MAX_FRAME_BYTES, Sealer
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class InstanceIO:
         self._sealer = Sealer(secret, name=instance_id)
         self.context = zmq.Context()
         self._task_socket = self.context.socket(zmq.PULL)
+        self._task_socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         task_port = self._task_socket.bind_to_random_port(f"tcp://{host}")
         self._event_socket = self.context.socket(zmq.PUB)
         event_port = self._event_socket.bind_to_random_port(f"tcp://{host}")

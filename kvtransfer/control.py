@@ -17,7 +17,7 @@ import msgspec
 import zmq
 
 from pdserve.kvtransfer.messages import ControlMessage, decode_control, encode_control
-from pdserve.scheduler.wire_auth import Sealer
+from pdserve.scheduler.wire_auth import MAX_FRAME_BYTES, Sealer
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class ControlServer:
         self._sealer = sealer or Sealer(name=f"KV control {host}")
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         try:
             if port:
                 self.socket.bind(f"tcp://{host}:{port}")
@@ -82,6 +83,7 @@ class ControlClient:
         self.address = address
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         # A fresh identity per connection: a restarted peer never sees stale state.
         self.socket.setsockopt(zmq.IDENTITY, f"{name}/{uuid.uuid4().hex[:12]}".encode())
         self.socket.connect(address)

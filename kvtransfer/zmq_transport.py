@@ -62,6 +62,7 @@ class ZmqTransport(Transport):
         self._sealer = sealer or Sealer(name=f"KV data {host}")
         self._inbox = context.socket(zmq.PULL)
         self._inbox.setsockopt(zmq.LINGER, 0)
+        self._inbox.setsockopt(zmq.MAXMSGSIZE, 2 * _CHUNK)  # no frame is larger than a chunk
         port = self._inbox.bind_to_random_port(f"tcp://{host}")
         self._info = f"tcp://{host}:{port}".encode()
         self._peer_info: dict[str, bytes] = {}

@@ -31,6 +31,10 @@ import time
 SECRET_ENV = "PDSERVE_DEPLOYMENT_SECRET"
 SECRET_FILE_ENV = "PDSERVE_DEPLOYMENT_SECRET_FILE"
 TAG_BYTES = 32  # sha256
+# The largest frame a receiving ZMQ socket takes (zmq.MAXMSGSIZE: a peer that sends a
+# larger one is disconnected before it is buffered). Tasks and handoffs carry at most a
+# prompt of max_model_len tokens and a body-limited constraint, far below this.
+MAX_FRAME_BYTES = 64 << 20
 _REFUSAL_LOG_INTERVAL_S = 5.0  # a flood of forged frames logs a line every few seconds
 
 logger = logging.getLogger(__name__)

@@ -124,3 +124,22 @@ def test_close_frees_the_ports(gateway) -> None:
         with socket.socket() as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(("127.0.0.1", port))
+
+
+def test_an_oversized_frame_is_never_buffered(gateway, monkeypatch) -> None:
+    """ZMQ drops a peer whose frame passes the limit before the frame is kept."""
+    monkeypatch.setattr("pdserve.instance.io.MAX_FRAME_BYTES", 1024)
+    instance = InstanceIO("i-2", "colocated", gateway[1], heartbeat_interval_s=0.2)
+    instance.start()
+    context = zmq.Context.instance()
+    big, small = context.socket(zmq.PUSH), context.socket(zmq.PUSH)
+    try:
+        big.connect(instance.address.task_address)
+        big.send(SEAL.seal(b"\x00" * 4096))
+        small.connect(instance.address.task_address)
+        small.send(SEAL.seal(ENCODER.encode(AbortTask(["fits"]))))
+        assert take(instance, 2, timeout_s=2.0) == [AbortTask(["fits"])]
+    finally:
+        big.close(linger=0)
+        small.close(linger=0)
+        instance.close()
