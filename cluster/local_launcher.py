@@ -27,6 +27,7 @@ from pdserve.cluster.launcher import (
 from pdserve.instance.main import FAILED_PREFIX, READY_PREFIX
 from pdserve.instance.spec import InstanceSpec
 from pdserve.scheduler.messages import InstanceInfo
+from pdserve.scheduler.wire_auth import SECRET_ENV, SECRET_FILE_ENV, ensure_secret
 
 STOP_GRACE_S = 10.0
 
@@ -74,6 +75,8 @@ class LocalLauncher(Launcher):
     def child_env(self, spec: InstanceSpec) -> dict[str, str]:
         env = dict(self.env if self.env is not None else os.environ)
         env["PDSERVE_PARENT_PID"] = str(os.getpid())
+        if SECRET_ENV not in env and SECRET_FILE_ENV not in env:
+            env[SECRET_ENV] = ensure_secret()  # the gateway's: in the environment, not argv
         if spec.gpu is not None:  # the instance sees its GPU as cuda:0
             env["CUDA_VISIBLE_DEVICES"] = spec.gpu
         return env

@@ -7,6 +7,7 @@ gateway's settings. Every flag problem surfaces here as one `ServeError` line.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -71,6 +72,8 @@ class ServePlan:
     admin_api_key: str | None = field(default=None, repr=False)  # or PDSERVE_ADMIN_API_KEY
     # Ranks per instance, by role (--tensor-parallel-size and the per-pool overrides).
     tensor_parallel: dict[str, int] = field(default_factory=dict)
+    # Ray custom resources per instance actor, by role (--prefill-resources, ...)
+    resources: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @classmethod
     def from_args(
@@ -79,9 +82,11 @@ class ServePlan:
         cores: list[int] | None = None,
         gpus: list[str] | None = None,
     ) -> ServePlan:
-        """`cores` and `gpus` default to what this machine has."""
+        """`cores` and `gpus` default to what this machine has (a joined Ray cluster's
+        inventory comes in through them: `cluster/ray_cluster.py`)."""
         resolve_model(args)
         check_flags(args)
+        resources = ray_resources(args)
         roles = _roles(args)
         instances = place(roles, cores or available_cores(), args.threads_per_instance)
         gpus = available_gpus() if gpus is None else gpus
@@ -132,7 +137,7 @@ class ServePlan:
         keys = api_keys_of(args, names)
         return cls(
             args, model_path, names, instances, engine_args, scheduler, kv_transfer, chat_template,
-            *keys, tensor_parallel=tensor_parallel,
+            *keys, tensor_parallel=tensor_parallel, resources=resources,
         )  # fmt: skip
 
 
@@ -183,6 +188,38 @@ def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> d
             )
             raise ServeError(f"{flag}: {exc}") from None
     return sizes
+
+
+def ray_resources(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """--prefill-resources, --decode-resources, --colocated-resources: each a JSON object
+    of Ray custom resources (name -> positive amount) every instance of the role asks
+    for."""
+    resources = {}
+    for role in ("prefill", "decode", "colocated"):
+        flag = f"--{role}-resources"
+        text = getattr(args, f"{role}_resources", None)
+        if text is None:
+            continue
+        if args.launcher != "ray":
+            raise ServeError(f"{flag} places Ray actors; it needs --launcher ray")
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ServeError(f"{flag}: not JSON ({exc.msg}); e.g. '{{\"node_a\": 1}}'") from None
+        if not isinstance(parsed, dict) or not all(
+            isinstance(k, str)
+            and k
+            and isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and v > 0
+            for k, v in parsed.items()
+        ):
+            raise ServeError(f"{flag}: want an object of resource names to positive amounts")
+        reserved = {"CPU", "GPU", "memory", "object_store_memory"} & set(parsed)
+        if reserved:
+            raise ServeError(f"{flag}: {', '.join(sorted(reserved))} is set by pdserve itself")
+        resources[role] = {k: float(v) for k, v in parsed.items()}
+    return resources
 
 
 def kv_transfer_settings(args: argparse.Namespace) -> dict:

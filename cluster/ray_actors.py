@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pdserve.cluster.addresses import resolve_host
 from pdserve.instance.spec import InstanceSpec
 
 
@@ -19,6 +20,8 @@ class _InstanceActor:
         from pdserve.instance.loop import StepLoop
 
         spec = msgspec.json.decode(spec_json, type=InstanceSpec)
+        # On a cluster the spec names no address: this node's is only known here.
+        spec = msgspec.structs.replace(spec, host=resolve_host(spec.host))
         self.loop = StepLoop(spec)
 
     def load(self) -> bytes:

@@ -1,6 +1,8 @@
 """The Ray launcher: instances as named actors in a Ray cluster (started here, or joined
 with `--ray-address`), each asking for its share of the CPUs (and of a GPU: Ray then
-sets the actor's CUDA_VISIBLE_DEVICES).
+sets the actor's CUDA_VISIBLE_DEVICES) and the custom resources of its pool
+(`--prefill-resources` ...), which pin pools to nodes. The deployment secret reaches
+every actor through its environment (`runtime_env`), never its arguments.
 
 Readiness: every actor's `load()` is awaited, with progress while weights load. Health:
 each actor's long-running `run()` call finishes only if the step loop ends or the actor
@@ -12,7 +14,6 @@ a cluster started here is shut down too.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 
@@ -26,8 +27,10 @@ from pdserve.cluster.launcher import (
     ReadyCallback,
 )
 from pdserve.cluster.ray_actors import ACTOR_CLASSES
+from pdserve.cluster.ray_cluster import join, one_line, ray_module
 from pdserve.instance.spec import InstanceSpec
 from pdserve.scheduler.messages import InstanceInfo
+from pdserve.scheduler.wire_auth import SECRET_ENV, ensure_secret
 
 STOP_GRACE_S = 10.0
 
@@ -40,47 +43,33 @@ class RayLauncher(Launcher):
         num_cpus: dict[str, float] | None = None,
         num_gpus: dict[str, float] | None = None,
         ready_timeout_s: float = 600.0,
+        resources: dict[str, dict[str, float]] | None = None,
     ) -> None:
+        """`resources`: Ray custom resources per role, asked by each of its actors."""
         super().__init__(ready_timeout_s)
         self.address = address
         self.namespace = namespace
         self.num_cpus = num_cpus or {}
         self.num_gpus = num_gpus or {}
+        self.resources = resources or {}
         self.actors: dict[str, object] = {}
         self.run_refs: dict[object, str] = {}
         self.started_cluster = False
         self._watcher: threading.Thread | None = None
 
     def _ray(self):
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        # Ray's C++ crash handler would catch SIGTERM too and dump a stack trace on every
-        # clean Ctrl-C / SIGTERM shutdown of this process.
-        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
-        import ray
-
-        return ray
+        return ray_module()
 
     def connect(self) -> None:
-        ray = self._ray()
-        if ray.is_initialized():
-            return
-        self.started_cluster = self.address is None
-        try:
-            ray.init(
-                address=self.address,
-                namespace=self.namespace,
-                logging_level="WARNING",
-                log_to_driver=True,
-                configure_logging=True,
-            )
-        except Exception as exc:  # ray raises ConnectionError, RuntimeError, ValueError...
-            where = self.address or "a new local cluster"
-            raise LaunchError(f"cannot start or join Ray ({where}): {_one_line(exc)}") from None
+        self.started_cluster = join(self.address, self.namespace) or self.started_cluster
 
     def launch(self, specs: list[InstanceSpec], on_ready: ReadyCallback) -> None:
         ray = self._ray()
         self.connect()
         loads = {}
+        # The secret rides in the actors' environment: it never shows in `ps` or in an
+        # actor's arguments.
+        runtime_env = {"env_vars": {SECRET_ENV: ensure_secret()}}
         for spec in specs:
             actor_class = ray.remote(ACTOR_CLASSES[spec.role])
             try:
@@ -88,6 +77,8 @@ class RayLauncher(Launcher):
                     name=spec.instance_id,
                     num_cpus=self.num_cpus.get(spec.instance_id, 1.0),
                     num_gpus=self.num_gpus.get(spec.instance_id, 0.0),
+                    resources=self.resources.get(spec.role, {}),
+                    runtime_env=runtime_env,
                     max_concurrency=4,
                     max_restarts=0,
                 ).remote(msgspec.json.encode(spec))
@@ -103,7 +94,8 @@ class RayLauncher(Launcher):
             if time.monotonic() > deadline:
                 raise LaunchError(
                     f"instances not ready after {self.ready_timeout_s:g} s: "
-                    f"{sorted(loads.values())} (not enough CPUs or GPUs in the cluster?)"
+                    f"{sorted(loads.values())} (not enough CPUs, GPUs or custom resources "
+                    "in the cluster?)"
                 )
             progress.tick()
             ready, _ = ray.wait(list(loads), num_returns=1, timeout=0.5)
@@ -112,7 +104,7 @@ class RayLauncher(Launcher):
                 try:
                     info = msgspec.json.decode(ray.get(ref), type=InstanceInfo)
                 except Exception as exc:
-                    raise LaunchError(f"{instance_id} failed to start: {_one_line(exc)}") from None
+                    raise LaunchError(f"{instance_id} failed to start: {one_line(exc)}") from None
                 on_ready(info)
                 progress.mark_ready(instance_id, info.kernels)
                 self.run_refs[self.actors[instance_id].run.remote()] = instance_id
@@ -132,7 +124,7 @@ class RayLauncher(Launcher):
                         ray.get(ref)
                         reason = "its step loop ended"
                     except Exception as exc:
-                        reason = f"the actor died: {_one_line(exc)}"
+                        reason = f"the actor died: {one_line(exc)}"
                     on_exit(instance_id, reason)
 
         self._watcher = threading.Thread(target=run, name="ray-launcher-watch", daemon=True)
@@ -155,10 +147,3 @@ class RayLauncher(Launcher):
             self._watcher.join(timeout=2.0)
         # Stops a cluster started here; only disconnects from one joined with --ray-address.
         ray.shutdown()
-
-
-def _one_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    # Ray wraps the actor's error; its last line is the actual exception.
-    text = lines[-1] if lines else type(exc).__name__
-    return text[:300]

@@ -1,7 +1,9 @@
 """`pdserve serve`: the gateway in this process, the instances through a launcher.
 
 Order of events: check the flags; bind the HTTP port (a taken port fails at once, not
-after the weights load); start the gateway (its ZMQ output socket) and the HTTP server
+after the weights load); with `--ray-address`, join the cluster and plan again on its
+inventory; make the deployment secret (unless the environment brings one); start the
+gateway (its ZMQ output socket) and the HTTP server
 (/health and /v1/models answer 503 until every instance is ready); launch the
 instances, registering each with the gateway as it becomes ready; print one "serving"
 line; serve until SIGINT/SIGTERM; then stop the HTTP server, the instances and the
@@ -21,6 +23,7 @@ import sys
 
 import uvicorn
 
+from pdserve.cluster.addresses import LOOPBACK, across_nodes, instance_host, node_host
 from pdserve.cluster.http_server import uvicorn_config
 from pdserve.cluster.launcher import Launcher, LaunchError
 from pdserve.cluster.local_launcher import LocalLauncher
@@ -30,7 +33,9 @@ from pdserve.engine.embedded import EmbeddedModelError, embedded_model_path
 from pdserve.gateway.app import create_app
 from pdserve.gateway.state import Gateway, GatewayConfig
 from pdserve.instance.spec import InstanceSpec
+from pdserve.scheduler import wire_auth
 from pdserve.scheduler.messages import InstanceInfo
+from pdserve.scheduler.wire_auth import SecretError, ensure_secret
 from pdserve.text.tokenizer import TokenizerError
 
 logger = logging.getLogger("pdserve.serve")
@@ -54,21 +59,29 @@ def run_serve(args: argparse.Namespace) -> int:
         plan = ServePlan.from_args(args)
         model_path = plan.model_path or str(embedded_model_path())
         listener = bind_listener(args.host, args.port)
-    except (ServeError, EmbeddedModelError) as exc:
+        # Made once here and inherited (environment) by every instance; never argv.
+        ensure_secret()
+    except (ServeError, EmbeddedModelError, SecretError) as exc:
         print(f"pdserve serve: error: {exc}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(serve(plan, model_path, listener))
+        zmq_host = LOOPBACK
+        if across_nodes(args.launcher, args.ray_address):
+            plan, zmq_host = plan_on_cluster(plan, listener.getsockname()[1])
+        return asyncio.run(serve(plan, model_path, listener, zmq_host))
+    except ServeError as exc:
+        listener.close()
+        print(f"pdserve serve: error: {exc}", file=sys.stderr)
+        return 2
     except (LaunchError, TokenizerError) as exc:
         print(f"pdserve serve: error: {exc}", file=sys.stderr)
         return 1
 
 
-def deployment_secret() -> bytes | None:
-    """PDSERVE_DEPLOYMENT_SECRET, the key of every tenant's cache salt, from the
-    environment only (a flag would show in `ps`); None: a random one for this run."""
-    secret = os.environ.get("PDSERVE_DEPLOYMENT_SECRET")
-    return secret.encode() if secret else None
+def deployment_secret() -> bytes:
+    """The deployment's one secret (`scheduler/wire_auth.py`: the environment or its
+    0600 file, else random for this run), which also keys every tenant's cache salt."""
+    return wire_auth.deployment_secret()
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
@@ -85,6 +98,21 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+def plan_on_cluster(plan: ServePlan, port: int) -> tuple[ServePlan, str]:
+    """Joins the Ray cluster of `--ray-address` and plans again on its CPUs and GPUs;
+    returns the plan and the address the gateway binds (this node's, so instances on
+    other nodes reach it)."""
+    from pdserve.cluster.ray_cluster import inventory, join  # Ray loads only when asked for
+
+    join(plan.args.ray_address, ray_namespace(port))
+    found = inventory()
+    return ServePlan.from_args(plan.args, found.cores, found.gpus), node_host()
+
+
+def ray_namespace(port: int) -> str:
+    return f"pdserve-{port}"
+
+
 def make_launcher(plan: ServePlan, port: int) -> Launcher:
     if plan.args.launcher == "local":
         return LocalLauncher()
@@ -92,9 +120,10 @@ def make_launcher(plan: ServePlan, port: int) -> Launcher:
 
     return RayLauncher(
         address=plan.args.ray_address,
-        namespace=f"pdserve-{port}",
+        namespace=ray_namespace(port),
         num_cpus={i.instance_id: i.num_cpus for i in plan.instances},
         num_gpus={i.instance_id: i.num_gpus for i in plan.instances},
+        resources=plan.resources,
     )
 
 
@@ -102,8 +131,11 @@ def instance_specs(
     plan: ServePlan, model_path: str, gateway_address: str, ray: bool = False
 ) -> list[list[InstanceSpec]]:
     """The instances' specs in load waves (instances sharing a GPU load one at a time).
-    Ray sets each actor's CUDA_VISIBLE_DEVICES itself; the local launcher uses `gpu`."""
+    Ray sets each actor's CUDA_VISIBLE_DEVICES itself; the local launcher uses `gpu`.
+    Across nodes an instance binds its node's address and is pinned to no cores (the
+    cores counted are the cluster's, not one machine's)."""
     args = plan.args
+    spread = across_nodes(args.launcher, args.ray_address)
     waves = []
     for wave in load_waves(plan.instances):
         specs = []
@@ -116,11 +148,12 @@ def instance_specs(
                 instance_id=planned.instance_id,
                 role=planned.role,
                 gateway_address=gateway_address,
+                host=instance_host(spread),
                 engine=engine,
                 test_hooks=args.enable_test_hooks,
                 kv_transport=args.kv_transport,
                 kv_transfer=plan.kv_transfer,
-                cpus=planned.cpus,
+                cpus=[] if spread else planned.cpus,
                 gpu=None if ray else planned.gpu,
             )
             specs.append(spec)
@@ -154,7 +187,11 @@ def describe(plan: ServePlan) -> str:
     return ", ".join(parts)
 
 
-async def serve(plan: ServePlan, model_path: str, listener: socket.socket) -> int:
+async def serve(
+    plan: ServePlan, model_path: str, listener: socket.socket, zmq_host: str = LOOPBACK
+) -> int:
+    """`zmq_host`: where the gateway's output socket binds (this node's address when
+    instances may run on other nodes)."""
     args = plan.args
     host, port = listener.getsockname()[:2]
     gateway = Gateway(
@@ -176,6 +213,7 @@ async def serve(plan: ServePlan, model_path: str, listener: socket.socket) -> in
             metrics_public=args.metrics_public,
             deployment_secret=deployment_secret(),
             request_timeout_s=args.request_timeout,
+            zmq_host=zmq_host,
         )
     )
     gateway.start()

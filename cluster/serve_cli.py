@@ -237,8 +237,19 @@ def _add_topology_flags(topology: argparse._ArgumentGroup) -> None:
         help="ray: instances as Ray actors; local: plain processes",
     )
     topology.add_argument(
-        "--ray-address", default=None, help="join this Ray cluster (default: start a local one)"
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (default: start a local one); instances then bind and "
+        "advertise their node's address (PDSERVE_ADVERTISE_HOST on a node overrides it)",
     )
+    for role in ("prefill", "decode", "colocated"):
+        topology.add_argument(
+            f"--{role}-resources",
+            default=None,
+            metavar="JSON",
+            help=f"Ray custom resources each {role} instance asks for, e.g. "
+            """'{"node_a": 1}' (pins the pool to nodes started with them)""",
+        )
 
 
 def _add_kv_transfer_flags(topology: argparse._ArgumentGroup) -> None:

@@ -156,6 +156,9 @@ def _socket_client(port: int, sizes: list[int], repeats: int) -> dict[int, list[
 
 
 def run_transport(kind: str, tls: str | None, repeats: int) -> dict:
+    from pdserve.scheduler.wire_auth import ensure_secret  # stdlib only
+
+    ensure_secret()  # the two children inherit it: their control planes must agree
     context = multiprocessing.get_context("spawn")
     p_conn, p_child = context.Pipe()
     d_conn, d_child = context.Pipe()

@@ -11,6 +11,9 @@ stats and heartbeats); an instance silent past the timeout, or reported gone by 
 launcher, is taken out, and the requests that still need it are retried or failed. One
 taken out for silence alone (a paused process) that speaks again is sent a `ResetTask`
 and re-admitted once its outputs carry the new epoch.
+
+Every frame is sealed with the deployment's MAC (`pdserve.scheduler.wire_auth`); an
+output or event batch without a valid one is dropped before it is decoded.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from pdserve.scheduler.messages import (
     Task,
 )
 from pdserve.scheduler.routing import RouteRequest
+from pdserve.scheduler.wire_auth import MAX_FRAME_BYTES, Sealer
 
 logger = logging.getLogger(__name__)
 
@@ -58,16 +62,25 @@ _TASK_HWM = 100_000
 
 class Dispatcher:
     def __init__(
-        self, scheduler: GlobalScheduler, metrics: GatewayMetrics, host: str = "127.0.0.1"
+        self,
+        scheduler: GlobalScheduler,
+        metrics: GatewayMetrics,
+        host: str = "127.0.0.1",
+        secret: bytes | None = None,
     ) -> None:
+        """`host`: where the output PULL binds and what instances are told to connect
+        to; `secret`: the deployment's (default: from the environment)."""
         self.scheduler = scheduler
+        self._sealer = Sealer(secret, name="gateway")
         self.metrics = metrics
         self.context = zmq.asyncio.Context()
         self._output_socket = self.context.socket(zmq.PULL)
+        self._output_socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         port = self._output_socket.bind_to_random_port(f"tcp://{host}")
         self.output_address = f"tcp://{host}:{port}"
         self._event_socket = self.context.socket(zmq.SUB)
         self._event_socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._event_socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._push_context = zmq.Context()  # plain sockets: sends never wait
         self._task_sockets: dict[str, zmq.Socket] = {}
         self.streams: dict[str, RequestStream] = {}
@@ -223,7 +236,7 @@ class Dispatcher:
         if sock is None:
             return False
         try:
-            sock.send(self._encoder.encode(task), zmq.NOBLOCK)
+            sock.send(self._sealer.seal(self._encoder.encode(task)), zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("instance %s is not reading its tasks; one dropped", instance_id)
             return False
@@ -258,8 +271,11 @@ class Dispatcher:
     async def _receive_outputs(self) -> None:
         while True:
             frame = await self._output_socket.recv()
+            payload = self._sealer.open(frame, "the output socket")
+            if payload is None:
+                continue
             try:
-                output = self._output_decoder.decode(frame)
+                output = self._output_decoder.decode(payload)
             except msgspec.DecodeError as exc:
                 logger.warning("dropping a malformed instance output: %s", exc)
                 continue
@@ -324,11 +340,14 @@ class Dispatcher:
     async def _receive_events(self) -> None:
         while True:
             frames = await self._event_socket.recv_multipart()
-            if len(frames) != 2:
+            if len(frames) != 3:
                 continue
-            instance_id = frames[0].decode(errors="replace")
+            topic, tag, payload = frames
+            instance_id = topic.decode(errors="replace")
+            if not self._sealer.check_parts(tag, topic, payload, origin=f"events of {instance_id}"):
+                continue
             try:
-                batch = self._batch_decoder.decode(frames[1])
+                batch = self._batch_decoder.decode(payload)
             except msgspec.DecodeError as exc:
                 logger.warning("dropping a malformed block-event batch: %s", exc)
                 continue

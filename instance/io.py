@@ -7,6 +7,10 @@ Sockets (ZMQ; every one is used by this thread only):
   [instance id, msgpack BlockEventBatch];
 - an inproc PAIR fed by the step loop with encoded outputs and event batches.
 
+Every frame on a TCP socket is sealed with the deployment's MAC
+(`pdserve.scheduler.wire_auth`): tasks without a valid one are dropped before they are
+decoded, and outputs, events and handoffs to peers leave sealed.
+
 Running them on a thread of their own means a long model step never delays a task, an
 abort or a heartbeat: the gateway hears from the instance every `heartbeat_interval_s`
 even mid-step (torch releases the GIL while it computes).
@@ -25,6 +29,7 @@ import msgspec
 import zmq
 
 from pdserve.scheduler.messages import InstanceAddress, InstanceOutput, InstanceStats, Task
+from pdserve.scheduler.wire_auth import MAX_FRAME_BYTES, Sealer
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +50,16 @@ class InstanceIO:
         host: str = "127.0.0.1",
         heartbeat_interval_s: float = 0.5,
         task_type: Any = Task,
+        secret: bytes | None = None,
     ) -> None:
         """`task_type`: the union the task socket decodes (a kind may accept more than
-        `pdserve.scheduler.messages.Task`, e.g. the decode kind's handoffs)."""
+        `pdserve.scheduler.messages.Task`, e.g. the decode kind's handoffs); `secret`:
+        the deployment's (default: from the environment)."""
         self.heartbeat_interval_s = heartbeat_interval_s
+        self._sealer = Sealer(secret, name=instance_id)
         self.context = zmq.Context()
         self._task_socket = self.context.socket(zmq.PULL)
+        self._task_socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         task_port = self._task_socket.bind_to_random_port(f"tcp://{host}")
         self._event_socket = self.context.socket(zmq.PUB)
         event_port = self._event_socket.bind_to_random_port(f"tcp://{host}")
@@ -164,8 +173,11 @@ class InstanceIO:
                 frame = self._task_socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            payload = self._sealer.open(frame, "a task socket peer")
+            if payload is None:
+                continue  # not from the deployment: never decoded
             try:
-                self._tasks.append(self._decoder.decode(frame))
+                self._tasks.append(self._decoder.decode(payload))
             except msgspec.DecodeError as exc:
                 logger.warning("%s: dropping a malformed task: %s", self.address.instance_id, exc)
         self._task_ready.set()
@@ -181,7 +193,8 @@ class InstanceIO:
             elif kind == _KIND_PEER:
                 self._send_to_peer(frames[0], frames[1])
             else:
-                self._event_socket.send_multipart([self._topic, frames[0]])
+                tag = self._sealer.tag_parts(self._topic, frames[0])
+                self._event_socket.send_multipart([self._topic, tag, frames[0]])
 
     def _send_to_peer(self, task_address: bytes, payload: bytes) -> None:
         sock = self._peer_sockets.get(task_address)
@@ -190,7 +203,7 @@ class InstanceIO:
             sock.setsockopt(zmq.SNDHWM, _OUTPUT_HWM)
             sock.connect(task_address.decode())
         try:
-            sock.send(payload, zmq.NOBLOCK)
+            sock.send(self._sealer.seal(payload), zmq.NOBLOCK)
         except zmq.Again:
             logger.warning(
                 "%s: peer %s is not reading; task dropped",
@@ -200,7 +213,7 @@ class InstanceIO:
 
     def _send(self, payload: bytes) -> None:
         try:
-            self._output_socket.send(payload, zmq.NOBLOCK)
+            self._output_socket.send(self._sealer.seal(payload), zmq.NOBLOCK)
         except zmq.Again:
             logger.warning(
                 "%s: the gateway is not reading; output dropped", self.address.instance_id

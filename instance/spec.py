@@ -7,6 +7,10 @@ from typing import Any
 
 import msgspec
 
+# A spec's host for an instance on a cluster node: the launcher replaces it, on the
+# node, with that node's reachable address (cluster/addresses.py).
+NODE_HOST = "node"
+
 
 class InstanceSpec(msgspec.Struct, kw_only=True):
     """Everything one instance process needs to start (JSON on a command line, or an
@@ -15,7 +19,7 @@ class InstanceSpec(msgspec.Struct, kw_only=True):
     instance_id: str
     role: str = "colocated"
     gateway_address: str  # the gateway's PULL endpoint for outputs
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # binds and advertises every socket here (or NODE_HOST)
     engine: dict[str, Any] = {}  # EngineConfig fields
     heartbeat_interval_s: float = 0.5
     idle_wait_s: float = 0.5  # longest wait for a task while there is nothing to step

@@ -2,7 +2,10 @@
 
 The prefill side binds a ROUTER and only ever answers the decode side's DEALER, so a
 prefill instance needs no address of its decode peers. Messages are single frames of
-msgpack (messages.py). A malformed frame is logged and dropped, never fatal.
+msgpack (messages.py) sealed with the deployment's MAC (`pdserve.scheduler.wire_auth`):
+a frame without a valid one is dropped before it is decoded, so a process without the
+secret can neither pull KV nor renew or abort a lease. A malformed frame is logged and
+dropped, never fatal.
 """
 
 from __future__ import annotations
@@ -14,13 +17,17 @@ import msgspec
 import zmq
 
 from pdserve.kvtransfer.messages import ControlMessage, decode_control, encode_control
+from pdserve.scheduler.wire_auth import MAX_FRAME_BYTES, Sealer
 
 logger = logging.getLogger(__name__)
 
 
-def _decode(frame: bytes, origin: str) -> ControlMessage | None:
+def _decode(sealer: Sealer, frame: bytes, origin: str) -> ControlMessage | None:
+    payload = sealer.open(frame, origin)
+    if payload is None:
+        return None
     try:
-        return decode_control(frame)
+        return decode_control(payload)
     except msgspec.DecodeError as exc:
         logger.warning("dropping a malformed control message from %s: %s", origin, exc)
         return None
@@ -29,9 +36,13 @@ def _decode(frame: bytes, origin: str) -> ControlMessage | None:
 class ControlServer:
     """ROUTER socket: decode peers connect here."""
 
-    def __init__(self, context: zmq.Context, host: str, port: int = 0):
+    def __init__(
+        self, context: zmq.Context, host: str, port: int = 0, sealer: Sealer | None = None
+    ):
+        self._sealer = sealer or Sealer(name=f"KV control {host}")
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         try:
             if port:
                 self.socket.bind(f"tcp://{host}:{port}")
@@ -44,7 +55,8 @@ class ControlServer:
 
     def send(self, identity: bytes, message: ControlMessage) -> None:
         try:
-            self.socket.send_multipart([identity, encode_control(message)], zmq.NOBLOCK)
+            frame = self._sealer.seal(encode_control(message))
+            self.socket.send_multipart([identity, frame], zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("control reply to %r dropped: peer not reading", identity)
 
@@ -54,7 +66,7 @@ class ControlServer:
             frames = self.socket.recv_multipart(zmq.NOBLOCK)
             if len(frames) != 2:
                 continue
-            message = _decode(frames[1], repr(frames[0]))
+            message = _decode(self._sealer, frames[1], f"KV peer {frames[0]!r}")
             if message is not None:
                 messages.append((frames[0], message))
         return messages
@@ -66,17 +78,19 @@ class ControlServer:
 class ControlClient:
     """DEALER socket to one prefill rank's ControlServer."""
 
-    def __init__(self, context: zmq.Context, address: str, name: str):
+    def __init__(self, context: zmq.Context, address: str, name: str, sealer: Sealer | None = None):
+        self._sealer = sealer or Sealer(name=f"KV control {name}")
         self.address = address
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         # A fresh identity per connection: a restarted peer never sees stale state.
         self.socket.setsockopt(zmq.IDENTITY, f"{name}/{uuid.uuid4().hex[:12]}".encode())
         self.socket.connect(address)
 
     def send(self, message: ControlMessage) -> bool:
         try:
-            self.socket.send(encode_control(message), zmq.NOBLOCK)
+            self.socket.send(self._sealer.seal(encode_control(message)), zmq.NOBLOCK)
             return True
         except zmq.Again:
             logger.warning("control message to %s dropped: queue full", self.address)
@@ -85,7 +99,7 @@ class ControlClient:
     def receive(self) -> list[ControlMessage]:
         messages = []
         while self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            message = _decode(self.socket.recv(zmq.NOBLOCK), self.address)
+            message = _decode(self._sealer, self.socket.recv(zmq.NOBLOCK), self.address)
             if message is not None:
                 messages.append(message)
         return messages

@@ -13,6 +13,7 @@ in-flight pull runs to its end or deadline first).
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable
 
@@ -47,6 +48,17 @@ logger = logging.getLogger(__name__)
 
 Report = Callable[[str, str, str], None]  # (kind, request_id, reason)
 _TAG_BITS = 20  # message index bits inside a tag; the rest is the transfer id
+_TRANSFER_ID_BITS = 64 - _TAG_BITS
+
+
+def _new_transfer_id(live: dict[int, PullSlice]) -> int:
+    """A random transfer id: the tags of a pull's receives come from it, and a tag
+    nobody can guess is what keeps a stranger's UCX message out of KV memory (UCX has
+    no MAC; the control plane that names the tags has one)."""
+    while True:
+        transfer_id = secrets.randbits(_TRANSFER_ID_BITS - 1) | 1  # never 0
+        if transfer_id not in live:
+            return transfer_id
 
 
 class DecodeSide(RankSide):
@@ -61,7 +73,6 @@ class DecodeSide(RankSide):
         self._active: set[str] = set()
         self._sources: dict[str, PrefillRank] = {}
         self._by_transfer: dict[int, PullSlice] = {}
-        self._next_transfer_id = 1
         self._next_heartbeat = 0.0
 
     # ---- commands from the instance -------------------------------------------------
@@ -142,8 +153,7 @@ class DecodeSide(RankSide):
         if request.failure is not None or request.aborted or request.finalized:
             part.state = "received"  # nothing will be posted for it
             return
-        part.transfer_id = self._next_transfer_id
-        self._next_transfer_id += 1
+        part.transfer_id = _new_transfer_id(self._by_transfer)
         self._by_transfer[part.transfer_id] = part
         lo, hi = self._heads
         whole = (part.head_start, part.head_end) == (lo, hi)

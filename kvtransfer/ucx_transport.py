@@ -15,13 +15,25 @@ that arrives in between waits in UCX's unexpected queue for the new receive.
 Sends cannot be cancelled: with error handling off a closing endpoint flushes, and a
 flush towards a peer that stopped progressing never ends.
 
+Addresses: UCX's TCP transport listens on every network device unless told otherwise.
+When the instance has a node address (not loopback) and only TCP / shared-memory
+transports are allowed, the devices are narrowed to the one that holds the address
+(`UCX_NET_DEVICES` set by the operator wins; RDMA devices are never narrowed away).
+ucxx's sockaddr listener ("ucx-listener") takes no address and binds every interface;
+what keeps strangers out there is the random tags (an unmatched message never lands
+in KV memory) and the MAC'd control plane that names them.
+
 The worker runs in blocking-progress mode: `ready_to_block` arms it and the I/O
 thread waits on its epoll descriptor next to the ZMQ sockets.
 """
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
 import os
+import socket
+import struct
 from typing import Any
 
 from pdserve.kvtransfer.transport import TransferOp, Transport
@@ -29,6 +41,43 @@ from pdserve.kvtransfer.transport import TransferOp, Transport
 _OK = 0
 _CANCELED = -16  # UCS_ERR_CANCELED
 _CLOSE_PERIOD_NS = 200_000_000  # bound on how long closing an endpoint may block
+_SIOCGIFADDR = 0x8915
+# Transports that use no RDMA device: narrowing the network devices cannot lose one.
+_NARROWABLE_TLS = {"tcp", "self", "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem"}
+
+
+def device_of(host: str) -> str | None:
+    """The network interface that holds IPv4 `host` (Linux), or None."""
+    try:
+        wanted = socket.inet_aton(host)
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                reply = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
+            except OSError:
+                continue  # no IPv4 address
+            if reply[20:24] == wanted:
+                return name
+    return None
+
+
+def narrowed_devices(host: str, tls: str | None) -> str | None:
+    """The UCX_NET_DEVICES value that keeps UCX's TCP sockets on `host`'s interface, or
+    None where it should be left alone."""
+    tls = tls or os.environ.get("UCX_TLS")
+    if "UCX_NET_DEVICES" in os.environ or not tls:
+        return None
+    if not {t.strip() for t in tls.split(",")} <= _NARROWABLE_TLS:
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None  # one machine: shared memory and loopback as before
+    except ValueError:
+        return None
+    return device_of(host)
 
 
 def _ucx() -> Any:
@@ -95,6 +144,9 @@ class UcxTransport(Transport):
         self._array = Array
         self.name = "ucx-listener" if listener else "ucx"
         config = {"TLS": tls} if tls else {}
+        device = narrowed_devices(host, tls)
+        if device is not None:
+            config["NET_DEVICES"] = device
         for key in ("TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE"):
             if f"UCX_{key}" not in os.environ:
                 config[key] = "1M"  # the 64 KiB default caps TCP at a fraction of the link

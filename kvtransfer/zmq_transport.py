@@ -5,7 +5,9 @@ as chunks of [tag + offset, payload] frames, sent without copying (a send is don
 once ZMQ has let go of every chunk), and each chunk lands in place as it arrives, so
 a large message streams instead of being buffered whole. Receives are posted before
 the pull request goes out, so a chunk without a posted receive belongs to a
-cancelled transfer and is dropped.
+cancelled transfer and is dropped. Each chunk carries the deployment's MAC over its
+header and bytes (`pdserve.scheduler.wire_auth`), checked before a byte lands: a
+process without the secret cannot write into KV memory.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 import zmq
 
 from pdserve.kvtransfer.transport import TransferOp, Transport
+from pdserve.scheduler.wire_auth import Sealer
 
 _CHUNK = 4 << 20
 _HEADER = struct.Struct("<QQ")  # tag, byte offset
@@ -54,10 +57,12 @@ def _host_view(buffer: Any) -> np.ndarray:
 class ZmqTransport(Transport):
     name = "zmq"
 
-    def __init__(self, context: zmq.Context, host: str):
+    def __init__(self, context: zmq.Context, host: str, sealer: Sealer | None = None):
         self._context = context
+        self._sealer = sealer or Sealer(name=f"KV data {host}")
         self._inbox = context.socket(zmq.PULL)
         self._inbox.setsockopt(zmq.LINGER, 0)
+        self._inbox.setsockopt(zmq.MAXMSGSIZE, 2 * _CHUNK)  # no frame is larger than a chunk
         port = self._inbox.bind_to_random_port(f"tcp://{host}")
         self._info = f"tcp://{host}:{port}".encode()
         self._peer_info: dict[str, bytes] = {}
@@ -90,7 +95,8 @@ class ZmqTransport(Transport):
         socket, trackers = self._outbox(peer), []
         for offset in range(0, max(view.nbytes, 1), _CHUNK):
             chunk = view[offset : offset + _CHUNK]
-            frames = [_HEADER.pack(tag, offset), chunk]
+            header = _HEADER.pack(tag, offset)
+            frames = [self._sealer.tag_parts(header, memoryview(chunk)), header, chunk]
             trackers.append(socket.send_multipart(frames, copy=False, track=True))
         return _SendOp(view.nbytes, trackers, view)
 
@@ -113,7 +119,15 @@ class ZmqTransport(Transport):
 
     def progress(self) -> None:
         while self._inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            header, payload = self._inbox.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = self._inbox.recv_multipart(zmq.NOBLOCK, copy=False)
+            if len(frames) != 3 or len(frames[1].bytes) != _HEADER.size:
+                self._sealer.refuse("the KV data socket (malformed)")
+                continue
+            mac, header, payload = frames
+            if not self._sealer.check_parts(
+                mac.bytes, header.bytes, payload.buffer, origin="the KV data socket"
+            ):
+                continue
             tag, offset = _HEADER.unpack(header.bytes)
             op = self._recvs.get(tag)
             if op is None:

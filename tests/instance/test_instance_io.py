@@ -21,9 +21,11 @@ from pdserve.scheduler.messages import (
     Task,
 )
 from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.wire_auth import Sealer
 
 ENCODER = msgspec.msgpack.Encoder()
 OUTPUTS = msgspec.msgpack.Decoder(InstanceOutput)
+SEAL = Sealer(name="test")  # the secret of this process, which the instance uses too
 
 
 class Ping(msgspec.Struct, tag="ping"):
@@ -53,7 +55,7 @@ def io(gateway) -> Iterator[InstanceIO]:
 
 def receive(pull: zmq.Socket, timeout_s: float = 5.0) -> InstanceOutput:
     assert pull.poll(int(timeout_s * 1000)), "nothing arrived"
-    return OUTPUTS.decode(pull.recv())
+    return OUTPUTS.decode(SEAL.open(pull.recv()))
 
 
 def take(io: InstanceIO, count: int, timeout_s: float = 5.0) -> list:
@@ -69,10 +71,11 @@ def test_tasks_arrive_decoded_and_malformed_frames_are_dropped(io) -> None:
     push = context.socket(zmq.PUSH)
     push.connect(io.address.task_address)
     generate = GenerateTask("r1", [1, 2], SamplingParams(max_tokens=2, seed=3), arrival_time=0.0)
-    push.send(ENCODER.encode(generate))
-    push.send(b"\x93not a task")
-    push.send(ENCODER.encode(AbortTask(["r1"])))
-    push.send(ENCODER.encode(Ping("custom kinds decode their own task types")))
+    push.send(SEAL.seal(ENCODER.encode(generate)))
+    push.send(SEAL.seal(b"\x93not a task"))
+    push.send(ENCODER.encode(AbortTask(["forged"])))  # no MAC: refused, never decoded
+    push.send(SEAL.seal(ENCODER.encode(AbortTask(["r1"]))))
+    push.send(SEAL.seal(ENCODER.encode(Ping("custom kinds decode their own task types"))))
     tasks = take(io, 3)
     push.close(linger=0)
     assert tasks == [generate, AbortTask(["r1"]), Ping("custom kinds decode their own task types")]
@@ -101,9 +104,12 @@ def test_block_events_carry_the_instance_as_topic_and_peers_get_tasks(io) -> Non
     time.sleep(0.3)  # PUB drops messages until the subscription is up
     io.publish_events(b"batch-bytes")
     io.send_to_peer(f"tcp://127.0.0.1:{peer_port}", ENCODER.encode(AbortTask(["x"])))
-    assert sub.poll(5000) and sub.recv_multipart() == [b"i-0", b"batch-bytes"]
+    assert sub.poll(5000)
+    topic, tag, payload = sub.recv_multipart()
+    assert (topic, payload) == (b"i-0", b"batch-bytes")
+    assert SEAL.check_parts(tag, topic, payload)
     assert peer.poll(5000)
-    assert msgspec.msgpack.decode(peer.recv(), type=Task) == AbortTask(["x"])
+    assert msgspec.msgpack.decode(SEAL.open(peer.recv()), type=Task) == AbortTask(["x"])
     sub.close(linger=0)
     peer.close(linger=0)
 
@@ -118,3 +124,22 @@ def test_close_frees_the_ports(gateway) -> None:
         with socket.socket() as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(("127.0.0.1", port))
+
+
+def test_an_oversized_frame_is_never_buffered(gateway, monkeypatch) -> None:
+    """ZMQ drops a peer whose frame passes the limit before the frame is kept."""
+    monkeypatch.setattr("pdserve.instance.io.MAX_FRAME_BYTES", 1024)
+    instance = InstanceIO("i-2", "colocated", gateway[1], heartbeat_interval_s=0.2)
+    instance.start()
+    context = zmq.Context.instance()
+    big, small = context.socket(zmq.PUSH), context.socket(zmq.PUSH)
+    try:
+        big.connect(instance.address.task_address)
+        big.send(SEAL.seal(b"\x00" * 4096))
+        small.connect(instance.address.task_address)
+        small.send(SEAL.seal(ENCODER.encode(AbortTask(["fits"]))))
+        assert take(instance, 2, timeout_s=2.0) == [AbortTask(["fits"])]
+    finally:
+        big.close(linger=0)
+        small.close(linger=0)
+        instance.close()

@@ -29,6 +29,7 @@ from pdserve.scheduler.messages import (
     ResetTask,
 )
 from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.wire_auth import Sealer
 
 VOCAB = 1000
 ENCODER = msgspec.msgpack.Encoder()
@@ -115,7 +116,7 @@ class Harness:
         self.loop_turns = 0
 
     def send(self, task: Any) -> None:
-        self.tasks.send(ENCODER.encode(task))
+        self.tasks.send(Sealer().seal(ENCODER.encode(task)))
 
     def turn(self, count: int = 1) -> None:
         for _ in range(count):
@@ -125,7 +126,7 @@ class Harness:
     def collect(self) -> None:
         decoder = msgspec.msgpack.Decoder(InstanceOutput)
         while self.outputs.poll(50):
-            output = decoder.decode(self.outputs.recv())
+            output = decoder.decode(Sealer().open(self.outputs.recv()))
             self.epoch, self.loop_turns = output.epoch, output.loop_turns
             self.deltas.extend(output.deltas)
             for name, values in (output.metrics.histograms if output.metrics else {}).items():
@@ -245,7 +246,7 @@ def test_a_prefill_role_announces_the_hold_before_the_handoff_leaves() -> None:
         harness.send(generate("p", prompt, max_tokens=8, target=harness.peer_address))
         harness.until(lambda: harness.peer.poll(0), "handoff")
         arrived = time.monotonic()
-        handoff = msgspec.msgpack.decode(harness.peer.recv(), type=KVHandoff)
+        handoff = msgspec.msgpack.decode(Sealer().open(harness.peer.recv()), type=KVHandoff)
         assert handoff.first_token_id == 29 and handoff.sampling_params.seed == 1
         assert harness.tokens("p") == [29]  # the first token went to the gateway too
         holds = [

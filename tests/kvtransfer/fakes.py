@@ -18,6 +18,7 @@ from pdserve.kvtransfer.messages import (
     decode_control,
     encode_control,
 )
+from pdserve.scheduler.wire_auth import Sealer
 
 
 class FakeUcx:
@@ -64,6 +65,7 @@ class FakePrefill:
         self.address = f"tcp://127.0.0.1:{port}"
         self.hellos: list[Hello] = []
         self.received: list[ControlMessage] = []
+        self.sealer = Sealer(name="fake-p")  # the real peers' secret (this process's)
 
     def serve(self, duration: float) -> None:
         end = time.monotonic() + duration
@@ -71,12 +73,13 @@ class FakePrefill:
             if not self.socket.poll(10):
                 continue
             identity, frame = self.socket.recv_multipart()
-            message = decode_control(frame)
+            message = decode_control(self.sealer.open(frame))
             self.received.append(message)
             if isinstance(message, Hello):
                 self.hellos.append(message)
                 reply = HelloReply(self.instance_id, 0, 1, self.layout, self.transport)
-                self.socket.send_multipart([identity, encode_control(reply)])
+                frame = self.sealer.seal(encode_control(reply))
+                self.socket.send_multipart([identity, frame])
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -95,9 +98,10 @@ class FakeDecode:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.IDENTITY, b"fake-d")
         self.socket.connect(address)
+        self.sealer = Sealer(name="fake-d")
 
     def send(self, message: ControlMessage) -> None:
-        self.socket.send(encode_control(message))
+        self.socket.send(self.sealer.seal(encode_control(message)))
 
     def handshake(self, timeout: float = 5.0) -> HelloReply:
         self.send(Hello("fake-d", 0, 1, self.layout, "ucx", self.ucx.address))
@@ -108,7 +112,7 @@ class FakeDecode:
     def receive(self, timeout: float) -> ControlMessage:
         if not self.socket.poll(int(timeout * 1000)):
             raise TimeoutError("no message from the prefill side")
-        return decode_control(self.socket.recv())
+        return decode_control(self.sealer.open(self.socket.recv()))
 
     def close(self) -> None:
         self.socket.close(linger=0)

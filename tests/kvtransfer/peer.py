@@ -180,7 +180,10 @@ class Peer:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._conn, child = context.Pipe()
-        env = {"UCX_WARN_UNUSED_ENV_VARS": "n", **env}
+        from pdserve.scheduler.wire_auth import SECRET_ENV, ensure_secret  # stdlib only
+
+        # Every peer of the test shares this process's deployment secret.
+        env = {"UCX_WARN_UNUSED_ENV_VARS": "n", SECRET_ENV: ensure_secret(), **env}
         self.process = context.Process(
             target=serve, args=(child, env, str(self.log_path)), daemon=True
         )

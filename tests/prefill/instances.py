@@ -28,10 +28,12 @@ from pdserve.scheduler.messages import (
     RequestDelta,
 )
 from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.wire_auth import Sealer
 
 # 24 MiB hold 34 blocks of 16 fp32 tokens: max_model_len must fit in them (512 <= 544).
 ENGINE = {"dtype": "float32", "num_threads": 1, "kv_cache_memory": 24 << 20, "max_model_len": 512}
 ENCODER = msgspec.msgpack.Encoder()
+SEALER = Sealer(name="test gateway")  # the instances' secret: this process's
 
 
 @dataclass
@@ -66,7 +68,7 @@ class Gateway:
         while not self._stop.is_set():
             if not self._pull.poll(50):
                 continue
-            output = decoder.decode(self._pull.recv())
+            output = decoder.decode(SEALER.open(self._pull.recv()))
             now = time.monotonic()
             instance = output.instance.instance_id
             with self._lock:
@@ -85,7 +87,7 @@ class Gateway:
         if address not in self._push:
             self._push[address] = self.context.socket(zmq.PUSH)
             self._push[address].connect(address)
-        self._push[address].send(ENCODER.encode(task))
+        self._push[address].send(SEALER.seal(ENCODER.encode(task)))
 
     def generate(
         self,

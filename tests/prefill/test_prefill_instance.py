@@ -15,6 +15,7 @@ from pdserve.instance.loop import StepLoop
 from pdserve.kvtransfer import KVHandoff
 from pdserve.scheduler.messages import AbortTask, GenerateTask, InstanceAddress
 from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.wire_auth import Sealer
 from tests.prefill.instances import Gateway, Running, reference_tokens, spec, until
 
 pytestmark = pytest.mark.slow
@@ -36,7 +37,7 @@ class SilentDecode:
     def receive(self, timeout_s: float = 10.0) -> KVHandoff | None:
         if not self.socket.poll(int(timeout_s * 1000)):
             return None
-        return self.decoder.decode(self.socket.recv())
+        return self.decoder.decode(Sealer().open(self.socket.recv()))
 
 
 @pytest.fixture(scope="module")

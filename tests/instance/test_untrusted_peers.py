@@ -1,0 +1,53 @@
+"""A process without the deployment secret that reaches an instance's task socket gets
+nothing run: its frames are refused before they are decoded, with a log line."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import msgspec
+
+from pdserve.scheduler.wire_auth import SECRET_ENV, SECRET_FILE_ENV
+from tests.instance.test_step_loop import Harness, generate
+
+# Sends one task without a MAC and one sealed with a secret of its own making.
+STRANGER = """
+import sys, time, msgspec, zmq
+from pdserve.scheduler.messages import GenerateTask
+from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.wire_auth import Sealer
+task = msgspec.msgpack.encode(GenerateTask(
+    "intruder", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0, seed=1),
+    arrival_time=0.0))
+push = zmq.Context().socket(zmq.PUSH)
+push.connect(sys.argv[1])
+push.send(task)
+push.send(Sealer().seal(task))  # its own secret: not the deployment's
+time.sleep(0.5)
+push.close(linger=1000)
+"""
+
+
+def test_tasks_from_a_process_without_the_secret_never_run(caplog) -> None:
+    harness = Harness("colocated")
+    try:
+        env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
+        with caplog.at_level(logging.WARNING, logger="pdserve.scheduler.wire_auth"):
+            subprocess.run(
+                [sys.executable, "-c", STRANGER, harness.loop.address.task_address],
+                env=env, check=True, timeout=60,
+            )  # fmt: skip
+            harness.turn(20)
+        assert harness.tokens("intruder") == []
+        assert harness.inspect().block_owners == {}  # nothing was admitted either
+        assert harness.loop.io._sealer.refused == 2
+        assert "colocated-0: refused a message from a task socket peer" in caplog.text
+        # The deployment's own gateway is still heard.
+        harness.send(generate("ok", [1, 2, 3], max_tokens=2))
+        harness.until(lambda: harness.finished("ok"), "the trusted request")
+        assert msgspec.json.encode(harness.tokens("ok")) == b"[4,5]"
+    finally:
+        harness.close()
