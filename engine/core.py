@@ -33,6 +33,7 @@ class EngineStats:
     prompt_tokens_computed: int = 0  # prompt tokens run through the model (cache misses)
     mixed_steps: int = 0  # steps that ran prefill chunks beside decodes
     model_seconds: float = 0.0
+    collective_seconds: float = 0.0  # of model_seconds: tensor-parallel collectives (rank 0)
 
 
 class StepPlanner:
@@ -247,6 +248,7 @@ class EngineCore:
         if plan.is_empty:
             return failed, result.kv_reports
         self.stats.model_seconds += time.perf_counter() - started
+        self.stats.collective_seconds += result.collective_seconds
         self._count(output)
         sampled = {s.request_id: s.token_id for s in result.sampled}
         self.scheduler.update_from_output(output, sampled)

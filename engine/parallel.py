@@ -10,7 +10,8 @@ so every rank samples the same token from the same numbers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -21,10 +22,18 @@ Tensor = torch.Tensor
 __all__ = ["TensorParallel", "TensorParallelError", "check_tp_size"]
 
 
+@dataclass
+class CollectiveClock:
+    """Seconds this rank spent in collectives (the share of a step the split costs)."""
+
+    seconds: float = 0.0
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     rank: int = 0
     size: int = 1
+    clock: CollectiveClock = field(default_factory=CollectiveClock, compare=False)
 
     @property
     def enabled(self) -> bool:
@@ -43,15 +52,19 @@ class TensorParallel:
 
     def all_reduce(self, x: Tensor) -> Tensor:
         if self.enabled:
+            started = time.perf_counter()
             dist.all_reduce(x)
+            self.clock.seconds += time.perf_counter() - started
         return x
 
     def gather_columns(self, x: Tensor) -> Tensor:
         """[n, k] on each rank → [n, k * size], ranks' columns side by side."""
         if not self.enabled:
             return x
+        started = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous())
+        self.clock.seconds += time.perf_counter() - started
         return torch.cat(parts, dim=-1)
 
     def embed(

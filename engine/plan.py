@@ -93,3 +93,5 @@ class StepResult(msgspec.Struct):
     sampled: list[SampledToken] = []
     # One entry per rank: its KV connector's report (opaque to the engine).
     kv_reports: list[Any] = []
+    # Of this step, the seconds rank 0 spent in tensor-parallel collectives.
+    collective_seconds: float = 0.0

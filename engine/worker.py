@@ -201,9 +201,11 @@ class ModelWorker:
         exchange = self.connector is not None and plan.kv_connector is not None
         if exchange:
             self.connector.apply(plan.kv_connector)
+        in_collectives = self.tp.clock.seconds
         sampled = self._run(plan) if plan.chunks else []
         reports = [self.connector.report()] if exchange else []
-        return StepResult(sampled=sampled, kv_reports=reports)
+        collective = self.tp.clock.seconds - in_collectives
+        return StepResult(sampled=sampled, kv_reports=reports, collective_seconds=collective)
 
     def _update_requests(self, plan: StepPlan) -> None:
         for request_id in plan.finished_ids:

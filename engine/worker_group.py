@@ -136,7 +136,11 @@ class WorkerGroupExecutor:
         reports = [report for result in results for report in result.kv_reports]
         if self._report_type is not None:  # decoded as plain data: back to the connector's type
             reports = [msgspec.convert(r, self._report_type) for r in reports]
-        return StepResult(sampled=results[0].sampled, kv_reports=reports)
+        return StepResult(
+            sampled=results[0].sampled,
+            kv_reports=reports,
+            collective_seconds=results[0].collective_seconds,
+        )
 
     def prepare_grammar(self, spec: StructuredOutput) -> Future[Any]:
         """Compiled here first, off the step loop and within the driver's budget; each

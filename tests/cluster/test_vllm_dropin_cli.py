@@ -108,3 +108,15 @@ def test_generation_config_and_tool_flags(tmp_path: Path) -> None:
     assert plan_of("--enable-auto-tool-choice", "--tool-call-parser", "hermes").args
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
+
+
+def test_tensor_parallel_sizes_are_checked_against_the_heads() -> None:
+    assert plan_of("-tp", "3").tensor_parallel == {"prefill": 3, "decode": 3, "colocated": 3}
+    sizes = plan_of("--decode-tensor-parallel-size", "3").tensor_parallel
+    assert sizes["prefill"] == 1 and sizes["decode"] == 3
+    with pytest.raises(ServeError, match="3 KV heads and 9 attention heads"):
+        plan_of("--tensor-parallel-size", "2")
+    with pytest.raises(ServeError, match="--prefill-tensor-parallel-size"):
+        plan_of("--prefill-tensor-parallel-size", "2")
+    with pytest.raises(ServeError, match="pipeline"):
+        plan_of("-pp", "2")
