@@ -189,6 +189,7 @@ class WorkerGroupExecutor:
             for item in ready:
                 if isinstance(item, int):  # a process sentinel: that rank is gone
                     rank = sentinels[item]
+                    self._processes[rank].join(timeout=1)  # reaped: its exit code is known
                     code = self._processes[rank].exitcode
                     self._fail(f"rank {rank} of the worker group died (exit code {code})")
                 rank = pipes[id(item)]
@@ -216,6 +217,7 @@ class WorkerGroupExecutor:
         if self._closing.is_set():
             return
         dead = next(i for i, p in enumerate(self._processes) if not p.is_alive())
+        self._processes[dead].join(timeout=1)
         reason = (
             f"rank {dead} of the worker group died (exit code {self._processes[dead].exitcode})"
         )

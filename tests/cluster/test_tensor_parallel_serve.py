@@ -5,7 +5,11 @@ and the KV bytes moved show in /metrics."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import threading
+import time
 
 import pytest
 
@@ -52,3 +56,81 @@ def test_mixed_tp_sizes_serve_the_single_engines_text(greedy, sizes) -> None:
         metrics = server.get("/metrics").text
         assert _kv_bytes(metrics, "prefill") > 0
         assert _kv_bytes(metrics, "decode") == _kv_bytes(metrics, "prefill")
+
+
+def test_a_killed_rank_fails_its_requests_at_once_and_ends_the_instance() -> None:
+    args = (*LOCAL, "--mode", "colocated", "--num-colocated", "1", "-tp", "3",
+            "--kv-cache-memory", "64MiB", "--max-model-len", "512")  # fmt: skip
+    with served(*args) as server:
+        client = server.openai()
+        assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
+        ranks = _rank_pids(server.process.pid)
+        assert len(ranks) == 3
+        outcome: dict[str, object] = {}
+
+        def stream() -> None:
+            try:
+                for _ in client.completions.create(
+                    model=MODEL, prompt="Tell a long story", max_tokens=400, stream=True,
+                    extra_body={"ignore_eos": True},
+                ):  # fmt: skip
+                    outcome["started"] = True
+            except Exception as exc:  # noqa: BLE001 - the test inspects it
+                outcome["error"] = str(exc)
+
+        worker = threading.Thread(target=stream)
+        worker.start()
+        deadline = time.monotonic() + 30
+        while "started" not in outcome and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(ranks[1], signal.SIGKILL)
+        worker.join(timeout=15)
+        assert not worker.is_alive(), "the stream hung after a rank died"
+        assert "lost its worker group" in str(outcome.get("error")), outcome
+        deadline = time.monotonic() + 15
+        while _alive(ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(ranks)
+        while server.get("/health").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.get("/health").status_code == 503  # its only instance is gone
+
+
+def _rank_pids(root: int) -> list[int]:
+    """The worker-group ranks under the server: grandchildren run by multiprocessing."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                args = cmdline.read().split(b"\0")
+        except OSError:
+            continue
+        if any(b"spawn_main" in a for a in args) and _descends(int(entry), root):
+            found.append(int(entry))
+    return found
+
+
+def _descends(pid: int, root: int) -> bool:
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                pid = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+        if pid == root:
+            return True
+    return False
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(pid)
+        except OSError:
+            pass
+    return alive
