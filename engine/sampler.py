@@ -94,10 +94,15 @@ class Sampler:
             if not p.ignore_eos:
                 stops |= req.eos_token_ids
             stops = [t for t in stops if t < logits.shape[1]]
-            if stops:
-                if not cloned:
-                    logits, cloned = logits.clone(), True
-                logits[i, stops] = float("-inf")
+            if not stops:
+                continue
+            # A complete structured output allows only its end: then the end it is.
+            allowed = torch.isfinite(logits[i])
+            if int(allowed.sum()) <= int(allowed[stops].sum()):
+                continue
+            if not cloned:
+                logits, cloned = logits.clone(), True
+            logits[i, stops] = float("-inf")
         return logits
 
     def _sample_random(self, logits: Tensor, requests: list[Request]) -> Tensor:

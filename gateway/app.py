@@ -23,6 +23,7 @@ from pdserve.gateway.chat import create_chat_completion
 from pdserve.gateway.completions import create_completion
 from pdserve.gateway.debug import debug_router
 from pdserve.gateway.errors import APIError
+from pdserve.gateway.openapi import openapi_document
 from pdserve.gateway.state import Gateway
 from pdserve.gateway.tokenization import detokenize, tokenize
 
@@ -35,6 +36,9 @@ Handler = Callable[[Request, Gateway], Awaitable[Response]]
 async def health(request: Request, gateway: Gateway) -> Response:
     gateway.require_ready()
     return gateway.json({"status": "ok", "instances": gateway.instance_health()})
+
+
+OPENAPI = openapi_document()  # built once: it depends on the request types only
 
 
 async def metrics(request: Request, gateway: Gateway) -> Response:
@@ -59,8 +63,13 @@ async def models(request: Request, gateway: Gateway) -> Response:
     return gateway.json({"object": "list", "data": data})
 
 
+async def openapi(request: Request, gateway: Gateway) -> Response:
+    return gateway.json(OPENAPI)
+
+
 OPEN_ROUTES: list[tuple[str, str, Handler]] = [
     ("GET", "/health", health),
+    ("GET", "/openapi.json", openapi),
 ]
 # Behind a tenant's key or the admin key, unless --metrics-public.
 METRICS_ROUTES: list[tuple[str, str, Handler]] = [

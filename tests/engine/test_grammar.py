@@ -181,3 +181,14 @@ def test_generation_config_names_where_sampling_defaults_come_from(tmp_path) -> 
     assert bare.info.generation_defaults == {}
     other.shutdown()
     bare.shutdown()
+
+
+def test_min_tokens_gives_way_to_a_complete_grammar(llm) -> None:
+    """Once the constraint is complete only its end is allowed: min_tokens cannot forbid
+    that too (the row would have no token left to sample)."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=8, min_tokens=6, structured_outputs=StructuredOutput(
+            choice=("yes", "no")),
+    )  # fmt: skip
+    [out] = [o.outputs[0] for o in llm.generate(["Answer:"], params)]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
