@@ -187,6 +187,30 @@ def describe(plan: ServePlan) -> str:
     return ", ".join(parts)
 
 
+def gateway_config(plan: ServePlan, model_path: str, zmq_host: str) -> GatewayConfig:
+    args = plan.args
+    return GatewayConfig(
+        model_path=model_path,
+        served_model_names=plan.served_model_names,
+        max_model_len=args.max_model_len,
+        api_key=plan.api_key,
+        enable_test_hooks=args.enable_test_hooks,
+        scheduler=plan.scheduler,
+        expected_instances=len(plan.instances),
+        tokenizer_path=args.tokenizer,
+        chat_template=plan.chat_template,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        trust_request_chat_template=args.trust_request_chat_template,
+        enable_log_requests=args.enable_log_requests,
+        api_keys=plan.api_keys,
+        admin_api_key=plan.admin_api_key,
+        metrics_public=args.metrics_public,
+        deployment_secret=deployment_secret(),
+        request_timeout_s=args.request_timeout,
+        zmq_host=zmq_host,
+    )
+
+
 async def serve(
     plan: ServePlan, model_path: str, listener: socket.socket, zmq_host: str = LOOPBACK
 ) -> int:
@@ -194,28 +218,7 @@ async def serve(
     instances may run on other nodes)."""
     args = plan.args
     host, port = listener.getsockname()[:2]
-    gateway = Gateway(
-        GatewayConfig(
-            model_path=model_path,
-            served_model_names=plan.served_model_names,
-            max_model_len=args.max_model_len,
-            api_key=plan.api_key,
-            enable_test_hooks=args.enable_test_hooks,
-            scheduler=plan.scheduler,
-            expected_instances=len(plan.instances),
-            tokenizer_path=args.tokenizer,
-            chat_template=plan.chat_template,
-            tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-            trust_request_chat_template=args.trust_request_chat_template,
-            enable_log_requests=args.enable_log_requests,
-            api_keys=plan.api_keys,
-            admin_api_key=plan.admin_api_key,
-            metrics_public=args.metrics_public,
-            deployment_secret=deployment_secret(),
-            request_timeout_s=args.request_timeout,
-            zmq_host=zmq_host,
-        )
-    )
+    gateway = Gateway(gateway_config(plan, model_path, zmq_host))
     gateway.start()
     server = _Server(uvicorn_config(create_app(gateway), args.log_level))
     launcher = make_launcher(plan, port)

@@ -86,12 +86,22 @@ class GrammarBook:
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(len(request_ids), self.vocab_size)
+        done = []  # complete, and kept going (min_tokens): only the end may follow
         for i, matcher in rows:
-            matcher.fill_next_token_bitmask(bitmask, i)
-        indices = [i for i, _ in rows]
-        xgr.apply_token_bitmask_inplace(
-            logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=indices
-        )
+            if matcher.is_terminated():
+                done.append(i)
+            else:
+                matcher.fill_next_token_bitmask(bitmask, i)
+        indices = [i for i, _ in rows if i not in done]
+        if indices:
+            xgr.apply_token_bitmask_inplace(
+                logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=indices
+            )
+        with torch.inference_mode():  # the logits were made under it
+            for i in done:
+                stops = logits[i, self.stop_token_ids].clone()
+                logits[i] = float("-inf")
+                logits[i, self.stop_token_ids] = stops
 
     def advance(self, request_id: str, token: int) -> None:
         matcher = self.matchers.get(request_id)

@@ -92,7 +92,9 @@ def test_serve_says_a_bad_keys_file_in_one_line(tmp_path: Path, capsys) -> None:
 
 def test_the_deployment_secret_comes_from_the_environment(monkeypatch) -> None:
     monkeypatch.delenv("PDSERVE_DEPLOYMENT_SECRET", raising=False)
-    assert deployment_secret() is None  # the gateway draws a random one
+    monkeypatch.delenv("PDSERVE_DEPLOYMENT_SECRET_FILE", raising=False)
+    drawn = deployment_secret()  # none set: one is drawn for this run, and kept
+    assert len(drawn) >= 32 and deployment_secret() == drawn
     monkeypatch.setenv("PDSERVE_DEPLOYMENT_SECRET", "s3cret")
     assert deployment_secret() == b"s3cret"
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()

@@ -38,6 +38,7 @@ from pdserve.scheduler.messages import (
     Task,
 )
 from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.wire_auth import Sealer
 from pdserve.text.tokenizer import Tokenizer
 
 TIMEOUT_S = 0.3  # the dispatcher checks every 0.5 s: death is noticed within ~1 s
@@ -73,14 +74,14 @@ class ScriptedInstance:
         output = InstanceOutput(
             self.address, list(deltas), epoch=self.epoch, stats=InstanceStats(num_running=running)
         )
-        self.outputs.send(msgspec.msgpack.encode(output))
+        self.outputs.send(Sealer().seal(msgspec.msgpack.encode(output)))
 
     async def next_task(self, kind: type, timeout_s: float = 5.0):
         """The next task of `kind` (others are skipped); heartbeats meanwhile."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while asyncio.get_running_loop().time() < deadline:
             if self.tasks.poll(0):
-                task = self._decoder.decode(self.tasks.recv())
+                task = self._decoder.decode(Sealer().open(self.tasks.recv()))
                 if isinstance(task, kind):
                     return task
             else:
