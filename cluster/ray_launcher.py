@@ -55,6 +55,7 @@ class RayLauncher(Launcher):
         self.actors: dict[str, object] = {}
         self.run_refs: dict[object, str] = {}
         self.started_cluster = False
+        self.placement_groups: dict[str, object] = {}  # instance id → its ranks' bundles
         self._watcher: threading.Thread | None = None
 
     def _ray(self):
@@ -75,12 +76,10 @@ class RayLauncher(Launcher):
             try:
                 actor = actor_class.options(
                     name=spec.instance_id,
-                    num_cpus=self.num_cpus.get(spec.instance_id, 1.0),
-                    num_gpus=self.num_gpus.get(spec.instance_id, 0.0),
-                    resources=self.resources.get(spec.role, {}),
                     runtime_env=runtime_env,
                     max_concurrency=4,
                     max_restarts=0,
+                    **self._placement(spec),
                 ).remote(msgspec.json.encode(spec))
             except ValueError as exc:  # a name already taken in this namespace
                 raise LaunchError(f"cannot create actor {spec.instance_id}: {exc}") from None
@@ -108,6 +107,38 @@ class RayLauncher(Launcher):
                 on_ready(info)
                 progress.mark_ready(instance_id, info.kernels)
                 self.run_refs[self.actors[instance_id].run.remote()] = instance_id
+
+    def _placement(self, spec: InstanceSpec) -> dict:
+        """The actor's resources. A tensor-parallel instance runs its ranks as child
+        processes of the actor: it reserves a placement group of one bundle per rank
+        (its share of the CPUs and the pool's custom resources each), packed on one node
+        (STRICT_PACK: the ranks talk over loopback), and its actor takes the first."""
+        cpus = self.num_cpus.get(spec.instance_id, 1.0)
+        gpus = self.num_gpus.get(spec.instance_id, 0.0)
+        custom = self.resources.get(spec.role, {})
+        ranks = int(spec.engine.get("tensor_parallel_size", 1))
+        if ranks <= 1:
+            return {"num_cpus": cpus, "num_gpus": gpus, "resources": custom}
+        if gpus:
+            raise LaunchError(
+                f"{spec.instance_id}: tensor parallelism on GPUs under the Ray launcher is "
+                "not built yet; use --launcher local"
+            )
+        ray = self._ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {"CPU": cpus / ranks, **custom}
+        group = placement_group([dict(bundle) for _ in range(ranks)], strategy="STRICT_PACK",
+                                name=f"{spec.instance_id}-ranks")  # fmt: skip
+        self.placement_groups[spec.instance_id] = group
+        ready, _ = ray.wait([group.ready()], timeout=self.ready_timeout_s)
+        if not ready:
+            raise LaunchError(
+                f"{spec.instance_id}: no node has room for its {ranks} rank bundles {bundle}"
+            )
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+        return {"num_cpus": cpus / ranks, "resources": custom, "scheduling_strategy": strategy}
 
     def watch(self, on_exit: ExitCallback) -> None:
         ray = self._ray()
@@ -143,6 +174,9 @@ class RayLauncher(Launcher):
         for actor in self.actors.values():
             with contextlib.suppress(Exception):
                 ray.kill(actor)
+        for group in self.placement_groups.values():
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(group)
         if self._watcher is not None:
             self._watcher.join(timeout=2.0)
         # Stops a cluster started here; only disconnects from one joined with --ray-address.
