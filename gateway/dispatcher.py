@@ -8,7 +8,9 @@ Sockets (all used from the event loop's thread):
 Outputs are decoded as they arrive and their deltas handed to each request's
 `RequestStream` (which orders them). The global scheduler hears every output (its
 stats and heartbeats); an instance silent past the timeout, or reported gone by the
-launcher, is taken out, and the requests that still need it are retried or failed. One
+launcher, is taken out, and the requests that still need it are sent again or failed:
+one whose stream has begun is migrated with the tokens its client already has as its
+output, so the stream goes on at the next index (`_retry`). One
 taken out for silence alone (a paused process) that speaks again is sent a `ResetTask`
 and re-admitted once its outputs carry the new epoch.
 
@@ -164,7 +166,7 @@ class Dispatcher:
                 message += f" (no retries left: --max-request-retries {retries})"
             self._fail(request_id, message)
         for request_id in failover.retry:
-            self._retry(request_id)
+            self._retry(request_id, f"instance {instance_id} failed mid-request: {reason}")
         for (owner, _), future in list(self._inspections.items()):
             if owner == instance_id and not future.done():
                 future.set_result(None)
@@ -209,20 +211,34 @@ class Dispatcher:
             task = msgspec.structs.replace(task, decode_target=None)
         self._send(route.first.instance_id, task)
 
-    def _retry(self, request_id: str) -> None:
+    def _retry(self, request_id: str, why: str) -> None:
+        """Sends a request whose instance died again. With no token released to its
+        client yet it starts over on any route; otherwise it is migrated: its released
+        tokens ride as output to one instance that computes prompt and output and
+        samples from the next index (seeded sampling is keyed on the index, so the
+        stream goes on as it would have)."""
         assignment = self.scheduler.assignments.get(request_id)
         task = self._tasks.get(request_id)
-        if assignment is None or task is None:
+        stream = self.streams.get(request_id)
+        if assignment is None or task is None or stream is None:
             return
+        output = list(stream.token_ids)
         try:
-            route = self.scheduler.route(assignment.request)
+            route = self.scheduler.route(assignment.request, with_prefill=not output)
         except AdmissionRejected as exc:
-            self._fail(request_id, f"no instance left to retry on: {exc}")
+            self._fail(request_id, f"{why}; no instance left to send it to: {exc}")
             return
         self.scheduler.assign(assignment.request, route)
-        self.metrics.retried.inc()
-        logger.info("retrying %s on %s", request_id, route.first.instance_id)
-        self._dispatch(task, route)
+        if output:
+            self.metrics.migrated.inc()
+            logger.info(
+                "migrating %s to %s after %d tokens", request_id, route.decode.instance_id,
+                len(output),
+            )  # fmt: skip
+        else:
+            self.metrics.retried.inc()
+            logger.info("retrying %s on %s", request_id, route.first.instance_id)
+        self._dispatch(msgspec.structs.replace(task, output_token_ids=output), route)
 
     def _fail(self, request_id: str, message: str) -> None:
         self.scheduler.finish(request_id)
