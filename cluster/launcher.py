@@ -2,6 +2,7 @@
 
     launcher.launch(specs, on_ready)     # blocks until all are ready (progress on stderr)
     launcher.watch(on_exit)              # a thread reports instances that die later
+    launcher.restart(spec, on_ready)     # one that died starts again (if supported)
     launcher.shutdown()                  # stops them all and frees their ports
 
 `cancel()` (from a signal handler's thread) makes a `launch` still waiting give up.
@@ -43,6 +44,12 @@ class Launcher(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
+
+    def restart(self, spec: InstanceSpec, on_ready: ReadyCallback) -> bool:
+        """Starts an instance whose process exited again (`cluster/supervisor.py`);
+        `on_ready` once its weights loaded, and a later exit goes to `watch`'s callback
+        as any other. False: this launcher cannot restart instances."""
+        return False
 
     def cancel(self) -> None:
         self.cancelled.set()

@@ -6,7 +6,8 @@ inventory; make the deployment secret (unless the environment brings one); start
 gateway (its ZMQ output socket) and the HTTP server
 (/health and /v1/models answer 503 until every instance is ready); launch the
 instances, registering each with the gateway as it becomes ready; print one "serving"
-line; serve until SIGINT/SIGTERM; then stop the HTTP server, the instances and the
+line; serve until SIGINT/SIGTERM, restarting instances whose process exits
+(`cluster/supervisor.py`); then stop the HTTP server, the instances and the
 gateway, in that order. A second Ctrl-C skips the graceful wait.
 """
 
@@ -29,6 +30,7 @@ from pdserve.cluster.launcher import Launcher, LaunchError
 from pdserve.cluster.local_launcher import LocalLauncher
 from pdserve.cluster.placement import load_waves
 from pdserve.cluster.plan import ServeError, ServePlan
+from pdserve.cluster.supervisor import Supervisor
 from pdserve.engine.embedded import EmbeddedModelError, embedded_model_path
 from pdserve.gateway.app import create_app
 from pdserve.gateway.state import Gateway, GatewayConfig
@@ -161,6 +163,14 @@ def instance_specs(
     return waves
 
 
+def exited(gateway: Gateway, supervisor: Supervisor, instance_id: str, reason: str) -> None:
+    """(event loop) An instance's process exited: the gateway retires it (its requests
+    migrated, retried or failed), then the supervisor starts it again in the next epoch."""
+    gateway.instance_lost(instance_id, reason)
+    view = gateway.scheduler.views.get(instance_id)
+    supervisor.instance_exited(instance_id, view.epoch if view is not None else 0)
+
+
 def instance_summary(info: InstanceInfo) -> str:
     """One line per ready instance: what it runs, its KV cache, and how many requests
     of full length (`max_model_len`) its blocks hold at once."""
@@ -187,14 +197,9 @@ def describe(plan: ServePlan) -> str:
     return ", ".join(parts)
 
 
-async def serve(
-    plan: ServePlan, model_path: str, listener: socket.socket, zmq_host: str = LOOPBACK
-) -> int:
-    """`zmq_host`: where the gateway's output socket binds (this node's address when
-    instances may run on other nodes)."""
+def make_gateway(plan: ServePlan, model_path: str, zmq_host: str) -> Gateway:
     args = plan.args
-    host, port = listener.getsockname()[:2]
-    gateway = Gateway(
+    return Gateway(
         GatewayConfig(
             model_path=model_path,
             served_model_names=plan.served_model_names,
@@ -216,6 +221,16 @@ async def serve(
             zmq_host=zmq_host,
         )
     )
+
+
+async def serve(
+    plan: ServePlan, model_path: str, listener: socket.socket, zmq_host: str = LOOPBACK
+) -> int:
+    """`zmq_host`: where the gateway's output socket binds (this node's address when
+    instances may run on other nodes)."""
+    args = plan.args
+    host, port = listener.getsockname()[:2]
+    gateway = make_gateway(plan, model_path, zmq_host)
     gateway.start()
     server = _Server(uvicorn_config(create_app(gateway), args.log_level))
     launcher = make_launcher(plan, port)
@@ -232,7 +247,7 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     serving = loop.create_task(server.serve(sockets=[listener]))
-    code = 0
+    code, supervisor = 0, None
     try:
         waves = instance_specs(plan, model_path, gateway.output_address, args.launcher == "ray")
         specs = [spec for wave in waves for spec in wave]
@@ -249,7 +264,10 @@ async def serve(
 
         for wave in waves:
             await loop.run_in_executor(None, launcher.launch, wave, on_ready)
-        launcher.watch(lambda i, why: loop.call_soon_threadsafe(gateway.instance_lost, i, why))
+        supervisor = Supervisor(launcher, specs, on_ready)
+        launcher.watch(
+            lambda i, why: loop.call_soon_threadsafe(exited, gateway, supervisor, i, why)
+        )
         print(f"pdserve: serving {gateway.model_name} on http://{host}:{port}", flush=True)
         waiter = loop.create_task(stop.wait())
         await asyncio.wait({waiter, serving}, return_when=asyncio.FIRST_COMPLETED)
@@ -263,6 +281,8 @@ async def serve(
         server.should_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(serving, timeout=10)
+        if supervisor is not None:
+            supervisor.close()
         await loop.run_in_executor(None, launcher.shutdown)
         await gateway.close()
         listener.close()

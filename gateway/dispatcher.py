@@ -118,8 +118,26 @@ class Dispatcher:
     # ---- instances --------------------------------------------------------------------
 
     def register(self, info: InstanceInfo) -> None:
+        """A ready instance joins routing: a new one, or a dead one's restarted process."""
+        instance_id = info.address.instance_id
+        restarted = instance_id in self.scheduler.views
+        if restarted:
+            self._disconnect(instance_id)  # the old process's sockets went with it
         self.scheduler.add_instance(info, time.monotonic())
         self._connect(info)
+        if restarted:
+            logger.warning("instance %s restarted (epoch %d): re-admitted", instance_id, info.epoch)
+            self.metrics.restarted.inc()
+
+    def _disconnect(self, instance_id: str) -> None:
+        sock = self._task_sockets.pop(instance_id, None)
+        if sock is not None:
+            sock.close(linger=0)
+        view = self.scheduler.views.get(instance_id)
+        if view is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._event_socket.disconnect(view.info.events_address)
+        self._snapshot_requested.discard(instance_id)
 
     def _connect(self, info: InstanceInfo) -> None:
         instance_id = info.address.instance_id
@@ -147,16 +165,13 @@ class Dispatcher:
         if view is None:
             return
         failover = self.scheduler.mark_dead(instance_id, may_rejoin)
-        sock = self._task_sockets.pop(instance_id, None)  # reopened only to reset it
-        if sock is not None:
-            sock.close(linger=0)
+        # Its task socket too if it was reopened only to reset it; should it rejoin, it
+        # owes a fresh snapshot.
+        self._disconnect(instance_id)
         if failover.already_dead:
             return  # (if its process exited meanwhile, it is no longer reset)
         logger.warning("instance %s is gone: %s", instance_id, reason)
         self.metrics.mark_down(view.role, instance_id)
-        with contextlib.suppress(zmq.ZMQError):
-            self._event_socket.disconnect(view.info.events_address)
-        self._snapshot_requested.discard(instance_id)  # should it rejoin, it owes a fresh one
         for (other, prefill_id), request_ids in failover.abort.items():
             self._send(other, AbortTask(request_ids, handoffs_from=prefill_id))
         retries = self.scheduler.config.max_attempts - 1
@@ -229,15 +244,9 @@ class Dispatcher:
             self._fail(request_id, f"{why}; no instance left to send it to: {exc}")
             return
         self.scheduler.assign(assignment.request, route)
-        if output:
-            self.metrics.migrated.inc()
-            logger.info(
-                "migrating %s to %s after %d tokens", request_id, route.decode.instance_id,
-                len(output),
-            )  # fmt: skip
-        else:
-            self.metrics.retried.inc()
-            logger.info("retrying %s on %s", request_id, route.first.instance_id)
+        (self.metrics.migrated if output else self.metrics.retried).inc()
+        what = f"migrating after {len(output)} tokens" if output else "retrying"
+        logger.info("%s %s on %s", what, request_id, route.first.instance_id)
         self._dispatch(msgspec.structs.replace(task, output_token_ids=output), route)
 
     def _fail(self, request_id: str, message: str) -> None:

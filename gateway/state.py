@@ -116,7 +116,7 @@ class Gateway:
         self.scheduler = GlobalScheduler(config.scheduler)
         self.dispatcher = Dispatcher(self.scheduler, self.metrics, config.zmq_host)
         self.model_card: ModelCard | None = None
-        self._registered = 0
+        self._registered: set[str] = set()  # ids, so a restart is not counted twice
 
     @property
     def model_name(self) -> str:
@@ -143,7 +143,7 @@ class Gateway:
             limit = min(limit, self.model_card.max_model_len)
         self.model_card = ModelCard(limit, info.vocab_size, dict(info.generation_defaults))
         self.dispatcher.register(info)
-        self._registered += 1
+        self._registered.add(info.address.instance_id)
 
     def instance_lost(self, instance_id: str, reason: str) -> None:
         self.dispatcher.instance_lost(instance_id, reason)
@@ -155,8 +155,8 @@ class Gateway:
 
     def not_ready_reason(self) -> str | None:
         expected = self.config.expected_instances
-        if self._registered < expected:
-            return f"starting: {self._registered}/{expected} instances ready"
+        if len(self._registered) < expected:
+            return f"starting: {len(self._registered)}/{expected} instances ready"
         if not self.scheduler.live(ROLES_THAT_DECODE):
             return "no decode or colocated instance is ready"
         return None

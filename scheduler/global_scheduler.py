@@ -133,10 +133,18 @@ class GlobalScheduler:
     # ---- instances -------------------------------------------------------------------
 
     def add_instance(self, info: InstanceInfo, now: float) -> InstanceView:
+        """A new instance, or a dead one's replacement (a restarted process under the
+        same id), which must start in an epoch its predecessor never spoke in."""
         instance_id = info.address.instance_id
-        if instance_id in self.views and self.views[instance_id].alive:
+        previous = self.views.get(instance_id)
+        if previous is not None and previous.alive:
             raise ValueError(f"instance {instance_id} is already registered")
-        view = InstanceView(info=info, last_seen=now, turned_at=now)
+        if previous is not None and info.epoch < previous.epoch:
+            raise ValueError(
+                f"instance {instance_id} starts in epoch {info.epoch}, "
+                f"already retired ({previous.epoch})"
+            )
+        view = InstanceView(info=info, last_seen=now, turned_at=now, epoch=info.epoch)
         self.views[instance_id] = view
         return view
 

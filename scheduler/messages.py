@@ -196,3 +196,5 @@ class InstanceInfo(msgspec.Struct, frozen=True):
     # What the startup summary names: the KV cache's dtype and the engine's device.
     dtype: str = ""
     device: str = ""
+    # The epoch its outputs start in (a restarted instance: its predecessor's last + 1).
+    epoch: int = 0
