@@ -30,6 +30,7 @@ from pdserve.cluster.launcher import Launcher, LaunchError
 from pdserve.cluster.local_launcher import LocalLauncher
 from pdserve.cluster.placement import load_waves
 from pdserve.cluster.plan import ServeError, ServePlan
+from pdserve.cluster.pools import Pools
 from pdserve.cluster.supervisor import Supervisor
 from pdserve.engine.embedded import EmbeddedModelError, embedded_model_path
 from pdserve.gateway.app import create_app
@@ -165,8 +166,12 @@ def instance_specs(
 
 def exited(gateway: Gateway, supervisor: Supervisor, instance_id: str, reason: str) -> None:
     """(event loop) An instance's process exited: the gateway retires it (its requests
-    migrated, retried or failed), then the supervisor starts it again in the next epoch."""
+    migrated, retried or failed), then the supervisor starts it again in the next epoch;
+    one drained and stopped leaves the books."""
     gateway.instance_lost(instance_id, reason)
+    if not supervisor.knows(instance_id):
+        gateway.scheduler.forget(instance_id)
+        return
     view = gateway.scheduler.views.get(instance_id)
     supervisor.instance_exited(instance_id, view.epoch if view is not None else 0)
 
@@ -265,6 +270,7 @@ async def serve(
         for wave in waves:
             await loop.run_in_executor(None, launcher.launch, wave, on_ready)
         supervisor = Supervisor(launcher, specs, on_ready)
+        gateway.pools = Pools(launcher, supervisor, on_ready)
         launcher.watch(
             lambda i, why: loop.call_soon_threadsafe(exited, gateway, supervisor, i, why)
         )

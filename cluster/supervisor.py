@@ -82,12 +82,26 @@ class Supervisor:
     def _restart(self, spec: InstanceSpec) -> None:
         if self.launcher.stopping.is_set():
             return
-        if not self.launcher.restart(spec, self.on_ready):
+        if spec.instance_id not in self.specs:
+            return  # retired (drained) meanwhile
+        if not self.launcher.start_instance(spec, self.on_ready):
             logger.warning(
                 "%s is not restarted: this launcher does not restart instances; its pool "
                 "stays one short",
                 spec.instance_id,
             )
+
+    def knows(self, instance_id: str) -> bool:
+        """Whether the instance belongs to a pool (planned or added, not retired)."""
+        return instance_id in self.specs
+
+    def add(self, spec: InstanceSpec) -> None:
+        """One more instance to keep up (a pool scaled up)."""
+        self.specs[spec.instance_id] = spec
+
+    def retire(self, instance_id: str) -> None:
+        """Never restart the instance again (it drains, then stops)."""
+        self.specs.pop(instance_id, None)
 
     def close(self) -> None:
         for timer in self._timers:

@@ -244,6 +244,7 @@ class Dispatcher:
             self._fail(request_id, f"{why}; no instance left to send it to: {exc}")
             return
         self.scheduler.assign(assignment.request, route)
+        stream.resend()
         (self.metrics.migrated if output else self.metrics.retried).inc()
         what = f"migrating after {len(output)} tokens" if output else "retrying"
         logger.info("%s %s on %s", what, request_id, route.first.instance_id)

@@ -65,6 +65,11 @@ class RequestStream:
             self.sink(StreamEvent(self.request_id, origin, ready, arrival=at))
         return self.closed
 
+    def resend(self) -> None:
+        """The request is sent again: deltas held beyond a gap came from the attempt
+        that died, which will never fill the gap; the new attempt sends its own."""
+        self.pending.clear()
+
     def fail(self, message: str, arrival: float = 0.0) -> None:
         if not self.closed:
             self.closed = True

@@ -7,7 +7,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from starlette.requests import Request
@@ -39,6 +39,9 @@ from pdserve.scheduler.messages import InstanceInfo
 from pdserve.scheduler.routing import ROLES_THAT_DECODE, InstanceView
 from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pdserve.gateway.admin import PoolControl
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +119,8 @@ class Gateway:
         self.scheduler = GlobalScheduler(config.scheduler)
         self.dispatcher = Dispatcher(self.scheduler, self.metrics, config.zmq_host)
         self.model_card: ModelCard | None = None
+        # Starts and stops instances for /admin/* (set by `pdserve serve`; None: cannot).
+        self.pools: PoolControl | None = None
         self._registered: set[str] = set()  # ids, so a restart is not counted twice
 
     @property

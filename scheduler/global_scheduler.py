@@ -149,8 +149,21 @@ class GlobalScheduler:
         return view
 
     def live(self, roles: Iterable[str]) -> list[InstanceView]:
+        """Instances that take new requests: alive and not draining."""
         wanted = set(roles)
-        return [v for v in self.views.values() if v.alive and v.role in wanted]
+        return [v for v in self.views.values() if v.alive and not v.draining and v.role in wanted]
+
+    def drain(self, instance_id: str) -> InstanceView:
+        """Routing sends the instance nothing new from now on (KeyError: unknown or dead)."""
+        view = self.views.get(instance_id)
+        if view is None or not view.alive:
+            raise KeyError(instance_id)
+        view.draining = True
+        return view
+
+    def forget(self, instance_id: str) -> None:
+        """A drained instance was stopped: it leaves the books (and /health)."""
+        self.views.pop(instance_id, None)
 
     def observe(
         self,

@@ -2,7 +2,8 @@
 mid-stream loses no stream (each is migrated to the other decode instance with the
 tokens already streamed as output, and ends as a fault-free run would, greedy and
 seeded alike); the supervisor restarts it (a new process in a new epoch) and it serves
-again within a minute.
+again within a minute; under streaming load a pool scales up, an instance drains and a
+pool scales down without a request dropped or failed (behind the admin key).
 
 The tests run in file order on one server.
 """
@@ -21,7 +22,7 @@ import httpx
 import pytest
 
 from tests.cluster.serving import LOCAL, MODEL, served
-from tests.gateway.server import ServeProcess
+from tests.gateway.server import ADMIN_KEY, ServeProcess
 
 pytestmark = pytest.mark.slow
 
@@ -140,4 +141,33 @@ def test_a_killed_instance_is_restarted_and_serves_again(server) -> None:
     assert complete(server, GREEDY) == expected
     wait_for(lambda: alive(server, "decode-1"), 60, "decode-1 to be back")
     assert counter(server, "num_instances_restarted_total") == 2.0
+    server.assert_blocks_free_or_cached()
+
+
+def pool(server: ServeProcess, role: str) -> list[str]:
+    entries = server.get("/health").json()["instances"]
+    return sorted(e["id"] for e in entries if e["role"] == role and e["alive"])
+
+
+def test_scaling_and_draining_under_load_drop_no_request(server) -> None:
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    for path in ("/admin/pools/decode/scale", "/admin/instances/decode-0/drain"):
+        assert server.post(path, json={"size": 3}).status_code == 403  # a tenant's key
+    expected = complete(server, GREEDY)
+    scaled = server.post("/admin/pools/decode/scale", json={"size": 3}, headers=admin)
+    assert scaled.json() == {"role": "decode", "size": 3, "starting": ["decode-2"], "draining": []}
+    wait_for(lambda: "decode-2" in pool(server, "decode"), 60, "decode-2 to join its pool")
+
+    streams = []
+    for _ in range(3):  # round robin: one on each decode instance
+        streams.append(Stream(server, GREEDY))
+        wait_for(lambda s=streams[-1]: len(s.chunks) >= 2, 60, "the stream to begin")
+    assert server.post("/admin/instances/decode-0/drain", headers=admin).status_code == 200
+    scaled = server.post("/admin/pools/decode/scale", json={"size": 1}, headers=admin)
+    assert scaled.json()["draining"] == ["decode-2"]  # the newest goes
+    assert all(stream.join(120) == expected for stream in streams)
+    wait_for(lambda: pool(server, "decode") == ["decode-1"], 30, "the drained ones to leave")
+    assert complete(server, GREEDY) == expected
+    assert counter(server, "requests_migrated_total") == 2.0  # none since the kill
+    assert counter(server, "num_instances_restarted_total") == 2.0  # drained stay down
     server.assert_blocks_free_or_cached()

@@ -30,7 +30,7 @@ class RecordingLauncher(Launcher):
     def shutdown(self) -> None:
         self.stopping.set()
 
-    def restart(self, spec, on_ready) -> bool:
+    def start_instance(self, spec, on_ready) -> bool:
         self.restarted.append(spec)
         self.done.set()
         return True
