@@ -2,6 +2,8 @@
 
     launcher.launch(specs, on_ready)     # blocks until all are ready (progress on stderr)
     launcher.watch(on_exit)              # a thread reports instances that die later
+    launcher.start_instance(spec, ready)  # one more, or one that died again (if supported)
+    launcher.stop_instance(instance_id)  # one drained instance
     launcher.shutdown()                  # stops them all and frees their ports
 
 `cancel()` (from a signal handler's thread) makes a `launch` still waiting give up.
@@ -43,6 +45,18 @@ class Launcher(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
+
+    def start_instance(self, spec: InstanceSpec, on_ready: ReadyCallback) -> bool:
+        """Starts one instance after the launch: one whose process exited, again
+        (`cluster/supervisor.py`), or one more for its pool (`cluster/pools.py`).
+        `on_ready` once its weights loaded; a later exit goes to `watch`'s callback as
+        any other. False: this launcher cannot."""
+        return False
+
+    def stop_instance(self, instance_id: str) -> bool:
+        """Stops one instance (drained); its exit goes to `watch`'s callback. False:
+        this launcher cannot."""
+        return False
 
     def cancel(self) -> None:
         self.cancelled.set()

@@ -2,7 +2,9 @@
 
 The same topology as the Ray launcher, for one machine, tests, and hosts without Ray.
 A child prints one READY (or FAILED) line on stdout when its weights are loaded; it
-gets SIGTERM when this process dies (PDSERVE_PARENT_PID), so none outlives it.
+gets SIGTERM when this process dies (PDSERVE_PARENT_PID), so none outlives it. An
+instance can be started after the launch (`start_instance`: again, or one more), its
+READY line then coming to the watch thread, and stopped alone (`stop_instance`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class LocalLauncher(Launcher):
         self._events: queue.Queue[tuple[str, str, str]] = queue.Queue()
         self._readers: list[threading.Thread] = []
         self._watcher: threading.Thread | None = None
+        self._starting: dict[str, ReadyCallback] = {}  # started after the launch, loading
+        self._lock = threading.Lock()  # starts (other threads) against shutdown
 
     # ---- launching --------------------------------------------------------------------
 
@@ -81,6 +85,25 @@ class LocalLauncher(Launcher):
             env["CUDA_VISIBLE_DEVICES"] = spec.gpu
         return env
 
+    def start_instance(self, spec: InstanceSpec, on_ready: ReadyCallback) -> bool:
+        with self._lock:
+            if self.stopping.is_set():
+                return False
+            self._starting[spec.instance_id] = on_ready
+            self._spawn(spec)
+        return True
+
+    def stop_instance(self, instance_id: str) -> bool:
+        """SIGTERM (the step loop ends after its step), SIGKILL after the grace period."""
+        process = self.processes.get(instance_id)
+        if process is None or process.poll() is not None:
+            return False
+        process.send_signal(signal.SIGTERM)
+        timer = threading.Timer(STOP_GRACE_S, lambda: process.poll() is None and process.kill())
+        timer.daemon = True
+        timer.start()
+        return True
+
     def _spawn(self, spec: InstanceSpec) -> None:
         env = self.child_env(spec)
         command = [
@@ -116,10 +139,14 @@ class LocalLauncher(Launcher):
         def run() -> None:
             while not self.stopping.is_set():
                 try:
-                    instance_id, kind, _ = self._events.get(timeout=0.5)
+                    instance_id, kind, payload = self._events.get(timeout=0.5)
                 except queue.Empty:
                     continue
-                if kind == "eof" and not self.stopping.is_set():
+                if kind == "ready" and instance_id in self._starting:
+                    on_ready = self._starting.pop(instance_id)
+                    on_ready(msgspec.json.decode(payload, type=InstanceInfo))
+                elif kind == "eof" and not self.stopping.is_set():
+                    self._starting.pop(instance_id, None)  # died while loading
                     code = self.processes[instance_id].wait()
                     on_exit(instance_id, f"its process exited with code {code}")
 
@@ -130,7 +157,8 @@ class LocalLauncher(Launcher):
 
     def shutdown(self) -> None:
         """SIGTERM to every child, SIGKILL to any still alive after the grace period."""
-        self.stopping.set()
+        with self._lock:  # no process starts after this
+            self.stopping.set()
         for process in self.processes.values():
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)

@@ -6,7 +6,8 @@ inventory; make the deployment secret (unless the environment brings one); start
 gateway (its ZMQ output socket) and the HTTP server
 (/health and /v1/models answer 503 until every instance is ready); launch the
 instances, registering each with the gateway as it becomes ready; print one "serving"
-line; serve until SIGINT/SIGTERM; then stop the HTTP server, the instances and the
+line; serve until SIGINT/SIGTERM, restarting instances whose process exits
+(`cluster/supervisor.py`); then stop the HTTP server, the instances and the
 gateway, in that order. A second Ctrl-C skips the graceful wait.
 """
 
@@ -29,6 +30,8 @@ from pdserve.cluster.launcher import Launcher, LaunchError
 from pdserve.cluster.local_launcher import LocalLauncher
 from pdserve.cluster.placement import load_waves
 from pdserve.cluster.plan import ServeError, ServePlan
+from pdserve.cluster.pools import Pools
+from pdserve.cluster.supervisor import Supervisor
 from pdserve.engine.embedded import EmbeddedModelError, embedded_model_path
 from pdserve.gateway.app import create_app
 from pdserve.gateway.state import Gateway, GatewayConfig
@@ -161,6 +164,18 @@ def instance_specs(
     return waves
 
 
+def exited(gateway: Gateway, supervisor: Supervisor, instance_id: str, reason: str) -> None:
+    """(event loop) An instance's process exited: the gateway retires it (its requests
+    migrated, retried or failed), then the supervisor starts it again in the next epoch;
+    one drained and stopped leaves the books."""
+    gateway.instance_lost(instance_id, reason)
+    if not supervisor.knows(instance_id):
+        gateway.scheduler.forget(instance_id)
+        return
+    view = gateway.scheduler.views.get(instance_id)
+    supervisor.instance_exited(instance_id, view.epoch if view is not None else 0)
+
+
 def instance_summary(info: InstanceInfo) -> str:
     """One line per ready instance: what it runs, its KV cache, and how many requests
     of full length (`max_model_len`) its blocks hold at once."""
@@ -187,27 +202,29 @@ def describe(plan: ServePlan) -> str:
     return ", ".join(parts)
 
 
-def gateway_config(plan: ServePlan, model_path: str, zmq_host: str) -> GatewayConfig:
+def make_gateway(plan: ServePlan, model_path: str, zmq_host: str) -> Gateway:
     args = plan.args
-    return GatewayConfig(
-        model_path=model_path,
-        served_model_names=plan.served_model_names,
-        max_model_len=args.max_model_len,
-        api_key=plan.api_key,
-        enable_test_hooks=args.enable_test_hooks,
-        scheduler=plan.scheduler,
-        expected_instances=len(plan.instances),
-        tokenizer_path=args.tokenizer,
-        chat_template=plan.chat_template,
-        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-        trust_request_chat_template=args.trust_request_chat_template,
-        enable_log_requests=args.enable_log_requests,
-        api_keys=plan.api_keys,
-        admin_api_key=plan.admin_api_key,
-        metrics_public=args.metrics_public,
-        deployment_secret=deployment_secret(),
-        request_timeout_s=args.request_timeout,
-        zmq_host=zmq_host,
+    return Gateway(
+        GatewayConfig(
+            model_path=model_path,
+            served_model_names=plan.served_model_names,
+            max_model_len=args.max_model_len,
+            api_key=plan.api_key,
+            enable_test_hooks=args.enable_test_hooks,
+            scheduler=plan.scheduler,
+            expected_instances=len(plan.instances),
+            tokenizer_path=args.tokenizer,
+            chat_template=plan.chat_template,
+            tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+            trust_request_chat_template=args.trust_request_chat_template,
+            enable_log_requests=args.enable_log_requests,
+            api_keys=plan.api_keys,
+            admin_api_key=plan.admin_api_key,
+            metrics_public=args.metrics_public,
+            deployment_secret=deployment_secret(),
+            request_timeout_s=args.request_timeout,
+            zmq_host=zmq_host,
+        )
     )
 
 
@@ -218,7 +235,7 @@ async def serve(
     instances may run on other nodes)."""
     args = plan.args
     host, port = listener.getsockname()[:2]
-    gateway = Gateway(gateway_config(plan, model_path, zmq_host))
+    gateway = make_gateway(plan, model_path, zmq_host)
     gateway.start()
     server = _Server(uvicorn_config(create_app(gateway), args.log_level))
     launcher = make_launcher(plan, port)
@@ -235,7 +252,7 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     serving = loop.create_task(server.serve(sockets=[listener]))
-    code = 0
+    code, supervisor = 0, None
     try:
         waves = instance_specs(plan, model_path, gateway.output_address, args.launcher == "ray")
         specs = [spec for wave in waves for spec in wave]
@@ -252,7 +269,11 @@ async def serve(
 
         for wave in waves:
             await loop.run_in_executor(None, launcher.launch, wave, on_ready)
-        launcher.watch(lambda i, why: loop.call_soon_threadsafe(gateway.instance_lost, i, why))
+        supervisor = Supervisor(launcher, specs, on_ready)
+        gateway.pools = Pools(launcher, supervisor, on_ready)
+        launcher.watch(
+            lambda i, why: loop.call_soon_threadsafe(exited, gateway, supervisor, i, why)
+        )
         print(f"pdserve: serving {gateway.model_name} on http://{host}:{port}", flush=True)
         waiter = loop.create_task(stop.wait())
         await asyncio.wait({waiter, serving}, return_when=asyncio.FIRST_COMPLETED)
@@ -266,6 +287,8 @@ async def serve(
         server.should_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(serving, timeout=10)
+        if supervisor is not None:
+            supervisor.close()
         await loop.run_in_executor(None, launcher.shutdown)
         await gateway.close()
         listener.close()

@@ -328,7 +328,9 @@ def _add_scheduler_flags(scheduling: argparse._ArgumentGroup) -> None:
         "--max-request-retries",
         type=int,
         default=2,
-        help="times a request whose instance died before its first token is sent again",
+        help="times a request whose instance died is sent again (before its first token "
+        "from the start; mid-stream migrated with the tokens already streamed as output), "
+        "then it ends with an error",
     )
 
 

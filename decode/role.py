@@ -85,11 +85,21 @@ class DecodeRole:
 
     def admit(self, task: GenerateTask) -> None:
         """A request sent here without a prefill instance: it is computed here from its
-        prompt (the global scheduler's decode-side prefill of short prompts)."""
+        prompt (the global scheduler's decode-side prefill of short prompts), or from its
+        prompt and output so far (a request migrated off a dead instance)."""
+        if self.id_in_use(task.request_id):
+            # An earlier attempt (aborted: its prefill instance died) still pulls into
+            # its blocks here.
+            self.link.defer(task)
+            return
         engine = self.engine
         engine.add_request(
             engine.make_request(
-                task.request_id, task.prompt_token_ids, task.sampling_params, task.cache_salt
+                task.request_id,
+                task.prompt_token_ids,
+                task.sampling_params,
+                task.cache_salt,
+                output_token_ids=task.output_token_ids,
             )
         )
 
@@ -129,6 +139,15 @@ class DecodeRole:
             return self._reject(handoff, str(exc))
         return None
 
+    def _admit_deferred(self, task: KVHandoff | GenerateTask) -> RequestDelta | None:
+        if isinstance(task, KVHandoff):
+            return self.take_handoff(task)
+        try:
+            self.admit(task)
+        except ValueError as exc:
+            return error_delta(task.request_id, str(exc), len(task.prompt_token_ids))
+        return None
+
     def _reject(self, handoff: KVHandoff, message: str) -> RequestDelta:
         logger.warning("%s: %s", self.instance_id, message)
         return error_delta(handoff.request_id, message, handoff.num_prompt_tokens, 1)
@@ -158,8 +177,8 @@ class DecodeRole:
         return self.link.task_wait_s(self.engine.scheduler, idle_wait_s, busy)
 
     def before_step(self) -> None:
-        for handoff in self.link.take_admissible(self.id_in_use):
-            delta = self.take_handoff(handoff)
+        for task in self.link.take_admissible(self.id_in_use):
+            delta = self._admit_deferred(task)
             if delta is not None:
                 self.link.emit(delta)
         if self.held_pulls is not None:

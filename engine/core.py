@@ -166,14 +166,19 @@ class EngineCore:
         sampling_params: SamplingParams,
         cache_salt: str = "",
         arrival_time: float | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> Request:
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.info.vocab_size]
-        if bad:
-            raise ValueError(f"prompt holds token id {bad[0]} outside the vocabulary")
+        """`output_token_ids`: output a migrated request already has (sampling goes on
+        from the next output index, as after a preemption)."""
+        for what, tokens in (("prompt", prompt_token_ids), ("output", output_token_ids or ())):
+            bad = [t for t in tokens if not 0 <= t < self.info.vocab_size]
+            if bad:
+                raise ValueError(f"{what} holds token id {bad[0]} outside the vocabulary")
         seed = sampling_params.seed
         return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
+            output_token_ids=list(output_token_ids or ()),
             sampling_params=sampling_params,
             eos_token_ids=self.eos_token_ids,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,

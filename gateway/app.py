@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
+from pdserve.gateway.admin import admin_router
 from pdserve.gateway.auth import (
     require_admin,
     require_metrics_reader,
@@ -92,6 +93,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     _add_routes(app, gateway, OPEN_ROUTES)
     _add_routes(app, gateway, METRICS_ROUTES, [Depends(require_metrics_reader)])
     _add_routes(app, gateway, PROTECTED_ROUTES, [Depends(require_tenant)])
+    app.include_router(admin_router(gateway), dependencies=[Depends(require_admin)])
     if gateway.config.enable_test_hooks:  # operator endpoints: the admin key only
         app.include_router(debug_router(gateway), dependencies=[Depends(require_admin)])
     return app

@@ -8,7 +8,9 @@ Sockets (all used from the event loop's thread):
 Outputs are decoded as they arrive and their deltas handed to each request's
 `RequestStream` (which orders them). The global scheduler hears every output (its
 stats and heartbeats); an instance silent past the timeout, or reported gone by the
-launcher, is taken out, and the requests that still need it are retried or failed. One
+launcher, is taken out, and the requests that still need it are sent again or failed:
+one whose stream has begun is migrated with the tokens its client already has as its
+output, so the stream goes on at the next index (`_retry`). One
 taken out for silence alone (a paused process) that speaks again is sent a `ResetTask`
 and re-admitted once its outputs carry the new epoch.
 
@@ -116,8 +118,26 @@ class Dispatcher:
     # ---- instances --------------------------------------------------------------------
 
     def register(self, info: InstanceInfo) -> None:
+        """A ready instance joins routing: a new one, or a dead one's restarted process."""
+        instance_id = info.address.instance_id
+        restarted = instance_id in self.scheduler.views
+        if restarted:
+            self._disconnect(instance_id)  # the old process's sockets went with it
         self.scheduler.add_instance(info, time.monotonic())
         self._connect(info)
+        if restarted:
+            logger.warning("instance %s restarted (epoch %d): re-admitted", instance_id, info.epoch)
+            self.metrics.restarted.inc()
+
+    def _disconnect(self, instance_id: str) -> None:
+        sock = self._task_sockets.pop(instance_id, None)
+        if sock is not None:
+            sock.close(linger=0)
+        view = self.scheduler.views.get(instance_id)
+        if view is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._event_socket.disconnect(view.info.events_address)
+        self._snapshot_requested.discard(instance_id)
 
     def _connect(self, info: InstanceInfo) -> None:
         instance_id = info.address.instance_id
@@ -145,16 +165,13 @@ class Dispatcher:
         if view is None:
             return
         failover = self.scheduler.mark_dead(instance_id, may_rejoin)
-        sock = self._task_sockets.pop(instance_id, None)  # reopened only to reset it
-        if sock is not None:
-            sock.close(linger=0)
+        # Its task socket too if it was reopened only to reset it; should it rejoin, it
+        # owes a fresh snapshot.
+        self._disconnect(instance_id)
         if failover.already_dead:
             return  # (if its process exited meanwhile, it is no longer reset)
         logger.warning("instance %s is gone: %s", instance_id, reason)
         self.metrics.mark_down(view.role, instance_id)
-        with contextlib.suppress(zmq.ZMQError):
-            self._event_socket.disconnect(view.info.events_address)
-        self._snapshot_requested.discard(instance_id)  # should it rejoin, it owes a fresh one
         for (other, prefill_id), request_ids in failover.abort.items():
             self._send(other, AbortTask(request_ids, handoffs_from=prefill_id))
         retries = self.scheduler.config.max_attempts - 1
@@ -164,7 +181,7 @@ class Dispatcher:
                 message += f" (no retries left: --max-request-retries {retries})"
             self._fail(request_id, message)
         for request_id in failover.retry:
-            self._retry(request_id)
+            self._retry(request_id, f"instance {instance_id} failed mid-request: {reason}")
         for (owner, _), future in list(self._inspections.items()):
             if owner == instance_id and not future.done():
                 future.set_result(None)
@@ -209,20 +226,29 @@ class Dispatcher:
             task = msgspec.structs.replace(task, decode_target=None)
         self._send(route.first.instance_id, task)
 
-    def _retry(self, request_id: str) -> None:
+    def _retry(self, request_id: str, why: str) -> None:
+        """Sends a request whose instance died again. With no token released to its
+        client yet it starts over on any route; otherwise it is migrated: its released
+        tokens ride as output to one instance that computes prompt and output and
+        samples from the next index (seeded sampling is keyed on the index, so the
+        stream goes on as it would have)."""
         assignment = self.scheduler.assignments.get(request_id)
         task = self._tasks.get(request_id)
-        if assignment is None or task is None:
+        stream = self.streams.get(request_id)
+        if assignment is None or task is None or stream is None:
             return
+        output = list(stream.token_ids)
         try:
-            route = self.scheduler.route(assignment.request)
+            route = self.scheduler.route(assignment.request, with_prefill=not output)
         except AdmissionRejected as exc:
-            self._fail(request_id, f"no instance left to retry on: {exc}")
+            self._fail(request_id, f"{why}; no instance left to send it to: {exc}")
             return
         self.scheduler.assign(assignment.request, route)
-        self.metrics.retried.inc()
-        logger.info("retrying %s on %s", request_id, route.first.instance_id)
-        self._dispatch(task, route)
+        stream.resend()
+        (self.metrics.migrated if output else self.metrics.retried).inc()
+        what = f"migrating after {len(output)} tokens" if output else "retrying"
+        logger.info("%s %s on %s", what, request_id, route.first.instance_id)
+        self._dispatch(msgspec.structs.replace(task, output_token_ids=output), route)
 
     def _fail(self, request_id: str, message: str) -> None:
         self.scheduler.finish(request_id)

@@ -252,7 +252,18 @@ class GatewayMetrics:
             "Requests sent again after their instance died before their first token",
             registry=self.registry,
         )
-
+        self.migrated = Counter(
+            PREFIX + "requests_migrated",
+            "Requests whose instance died mid-stream, sent with the tokens already "
+            "streamed to another instance that went on from the next one",
+            registry=self.registry,
+        )
+        self.restarted = Counter(
+            PREFIX + "num_instances_restarted",
+            "Instances whose process exited, started again by the supervisor and "
+            "re-admitted once their weights loaded",
+            registry=self.registry,
+        )
         self.rejoined = Counter(
             PREFIX + "num_instances_rejoined",
             "Instances taken for dead by silence that spoke again: reset (their requests "

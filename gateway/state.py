@@ -7,7 +7,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from starlette.requests import Request
@@ -39,6 +39,9 @@ from pdserve.scheduler.messages import InstanceInfo
 from pdserve.scheduler.routing import ROLES_THAT_DECODE, InstanceView
 from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pdserve.gateway.admin import PoolControl
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +119,9 @@ class Gateway:
         self.scheduler = GlobalScheduler(config.scheduler)
         self.dispatcher = Dispatcher(self.scheduler, self.metrics, config.zmq_host)
         self.model_card: ModelCard | None = None
-        self._registered = 0
+        # Starts and stops instances for /admin/* (set by `pdserve serve`; None: cannot).
+        self.pools: PoolControl | None = None
+        self._registered: set[str] = set()  # ids, so a restart is not counted twice
 
     @property
     def model_name(self) -> str:
@@ -143,7 +148,7 @@ class Gateway:
             limit = min(limit, self.model_card.max_model_len)
         self.model_card = ModelCard(limit, info.vocab_size, dict(info.generation_defaults))
         self.dispatcher.register(info)
-        self._registered += 1
+        self._registered.add(info.address.instance_id)
 
     def instance_lost(self, instance_id: str, reason: str) -> None:
         self.dispatcher.instance_lost(instance_id, reason)
@@ -155,8 +160,8 @@ class Gateway:
 
     def not_ready_reason(self) -> str | None:
         expected = self.config.expected_instances
-        if self._registered < expected:
-            return f"starting: {self._registered}/{expected} instances ready"
+        if len(self._registered) < expected:
+            return f"starting: {len(self._registered)}/{expected} instances ready"
         if not self.scheduler.live(ROLES_THAT_DECODE):
             return "no decode or colocated instance is ready"
         return None

@@ -32,7 +32,11 @@ class ColocatedRole:
     def admit(self, task: GenerateTask) -> None:
         self.engine.add_request(
             self.engine.make_request(
-                task.request_id, task.prompt_token_ids, task.sampling_params, task.cache_salt
+                task.request_id,
+                task.prompt_token_ids,
+                task.sampling_params,
+                task.cache_salt,
+                output_token_ids=task.output_token_ids,
             )
         )
 

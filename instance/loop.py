@@ -62,6 +62,7 @@ class StepLoop:
             spec.heartbeat_interval_s,
             self.kind.task_type,
         )
+        self.io.epoch = spec.epoch
         self.engine: EngineCore | None = None
         self.role: Role | None = None
         self._stopped = threading.Event()
@@ -103,6 +104,7 @@ class StepLoop:
             kernels=engine.kernels_status(),
             dtype=engine.info.kv.dtype,
             device=self.engine_config.device,
+            epoch=self.io.epoch,
         )
 
     def run(self) -> None:

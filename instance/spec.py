@@ -30,3 +30,6 @@ class InstanceSpec(msgspec.Struct, kw_only=True):
     kv_transfer: dict[str, Any] = {}
     cpus: list[int] = []  # cores to pin to (empty: no pinning)
     gpu: str | None = None  # CUDA_VISIBLE_DEVICES for a local process (None: leave as is)
+    # The epoch its outputs start in: a restarted instance goes on from the one the
+    # gateway retired with its predecessor, so nothing of the old life passes for new.
+    epoch: int = 0

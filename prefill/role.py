@@ -77,9 +77,16 @@ class PrefillRole:
         if self.id_in_use(task.request_id):
             self.link.defer(task)  # an earlier attempt's blocks are still on loan
             return
+        if task.output_token_ids and task.decode_target is not None:
+            # A handoff carries one first token; a migrated request runs where it lands.
+            raise ValueError("a request with output so far is never handed off")
         engine = self.engine
         request = engine.make_request(
-            task.request_id, task.prompt_token_ids, task.sampling_params, task.cache_salt
+            task.request_id,
+            task.prompt_token_ids,
+            task.sampling_params,
+            task.cache_salt,
+            output_token_ids=task.output_token_ids,
         )
         if task.decode_target is None:
             engine.add_request(request)  # no decode instance: it runs here to the end

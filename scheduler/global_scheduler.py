@@ -6,10 +6,12 @@ requests the gateway sent them). For each request it admits or refuses (a bounde
 queue beyond the running seats), then picks a route: a prefill instance and a decode
 instance, or one instance that runs the whole request (colocated instances, or a
 prompt that skips the prefill pool). When an instance dies, requests that still need
-it and have not produced a token yet are retried elsewhere; the others that still need
-it fail (a request whose KV already reached its decode instance no longer needs its
-prefill instance). An instance taken for dead by silence alone that speaks again is
-reset into a new epoch and re-admitted (`ResetTask`).
+it are sent again elsewhere, up to `max_attempts` dispatches, then fail (a request whose
+KV already reached its decode instance no longer needs its prefill instance). One that
+already streamed tokens is migrated: the gateway sends it, with those tokens as its
+output, to an instance that runs it to the end (`route(..., with_prefill=False)`).
+An instance taken for dead by silence alone that speaks again is reset into a new
+epoch and re-admitted (`ResetTask`).
 
 Pure bookkeeping: no sockets, no clock of its own (callers pass `now`), no torch.
 """
@@ -100,19 +102,20 @@ class Assignment:
     request: RouteRequest
     route: Route
     attempts: int = 1
-    started: bool = False  # a token reached the gateway: a retry would repeat output
+    started: bool = False  # a token reached the gateway: its prompt is computed
 
 
 @dataclass
 class Failover:
-    """What to do after an instance died: re-route `retry`, fail `fail`; `abort` maps
+    """What to do after an instance died: send `retry` again (resumed where its stream
+    stopped), fail `fail`; `abort` maps
     (surviving instance, the request's prefill instance or "") to the requests that
     instance must drop either way — a decode instance also voids late handoffs of them
     from that prefill instance."""
 
     retry: list[str] = field(default_factory=list)
     fail: list[str] = field(default_factory=list)
-    exhausted: list[str] = field(default_factory=list)  # of `fail`: out of retries, unstarted
+    exhausted: list[str] = field(default_factory=list)  # of `fail`: out of retries
     already_dead: bool = False  # nothing was done: the instance was taken out before
     abort: dict[tuple[str, str], list[str]] = field(default_factory=dict)
 
@@ -130,16 +133,37 @@ class GlobalScheduler:
     # ---- instances -------------------------------------------------------------------
 
     def add_instance(self, info: InstanceInfo, now: float) -> InstanceView:
+        """A new instance, or a dead one's replacement (a restarted process under the
+        same id), which must start in an epoch its predecessor never spoke in."""
         instance_id = info.address.instance_id
-        if instance_id in self.views and self.views[instance_id].alive:
+        previous = self.views.get(instance_id)
+        if previous is not None and previous.alive:
             raise ValueError(f"instance {instance_id} is already registered")
-        view = InstanceView(info=info, last_seen=now, turned_at=now)
+        if previous is not None and info.epoch < previous.epoch:
+            raise ValueError(
+                f"instance {instance_id} starts in epoch {info.epoch}, "
+                f"already retired ({previous.epoch})"
+            )
+        view = InstanceView(info=info, last_seen=now, turned_at=now, epoch=info.epoch)
         self.views[instance_id] = view
         return view
 
     def live(self, roles: Iterable[str]) -> list[InstanceView]:
+        """Instances that take new requests: alive and not draining."""
         wanted = set(roles)
-        return [v for v in self.views.values() if v.alive and v.role in wanted]
+        return [v for v in self.views.values() if v.alive and not v.draining and v.role in wanted]
+
+    def drain(self, instance_id: str) -> InstanceView:
+        """Routing sends the instance nothing new from now on (KeyError: unknown or dead)."""
+        view = self.views.get(instance_id)
+        if view is None or not view.alive:
+            raise KeyError(instance_id)
+        view.draining = True
+        return view
+
+    def forget(self, instance_id: str) -> None:
+        """A drained instance was stopped: it leaves the books (and /health)."""
+        self.views.pop(instance_id, None)
 
     def observe(
         self,
@@ -236,8 +260,10 @@ class GlobalScheduler:
                 self.config.retry_after_s,
             )
 
-    def route(self, request: RouteRequest) -> Route:
-        """Picks live instances for the request (raises AdmissionRejected if none)."""
+    def route(self, request: RouteRequest, with_prefill: bool = True) -> Route:
+        """Picks live instances for the request (raises AdmissionRejected if none).
+        Without `with_prefill` it runs whole on one instance (a migrated request: its
+        output so far is recomputed there, and a handoff carries only a first token)."""
         decoders = self.live(ROLES_THAT_DECODE)
         prefillers = self.live(("prefill",))
         colocated = [v for v in decoders if v.role == "colocated"]
@@ -246,7 +272,7 @@ class GlobalScheduler:
         if not decoders:
             raise AdmissionRejected("no decode instance is available", self.config.retry_after_s)
         decode = self.policy.pick_decode(decoders, request)
-        if not prefillers or self.skip_decider.should_skip(request, decode):
+        if not with_prefill or not prefillers or self.skip_decider.should_skip(request, decode):
             return Route(None, decode)
         return Route(self.policy.pick_prefill(prefillers, request), decode)
 
@@ -300,8 +326,8 @@ class GlobalScheduler:
         """Takes the instance out of routing and says what becomes of the requests that
         still need it (`in_flight`).
 
-        A request with no token out yet is retried (up to `max_attempts` dispatches);
-        one whose output has begun fails, since its stream cannot be resumed unseen.
+        Each is sent again (up to `max_attempts` dispatches, retries and migrations
+        alike: the gateway resumes a stream that has begun), then fails.
         `may_rejoin`: taken for dead by silence only; its epoch is retired either way.
         """
         failover = Failover()
@@ -323,9 +349,7 @@ class GlobalScheduler:
                 if other is not view and other.alive:
                     key = (other.instance_id, handoffs_from(assignment.route, other))
                     failover.abort.setdefault(key, []).append(rid)
-            if assignment.started:
-                failover.fail.append(rid)
-            elif assignment.attempts < self.config.max_attempts:
+            if assignment.attempts < self.config.max_attempts:
                 failover.retry.append(rid)
             else:
                 failover.fail.append(rid)

@@ -73,6 +73,11 @@ class GenerateTask(msgspec.Struct, tag="generate"):
     cache_salt: str = ""
     # Prefill role: the decode instance this request is handed to after its first token.
     decode_target: InstanceAddress | None = None
+    # A migrated request (its instance died mid-stream): the output tokens the client
+    # already has. The instance computes prompt + these and samples from the next output
+    # index on, so penalties, stop checks and seeded sampling go on as if nothing happened.
+    # Sent only to an instance that runs the request to its end (never with decode_target).
+    output_token_ids: list[int] = []
 
 
 class AbortTask(msgspec.Struct, tag="abort"):
@@ -191,3 +196,5 @@ class InstanceInfo(msgspec.Struct, frozen=True):
     # What the startup summary names: the KV cache's dtype and the engine's device.
     dtype: str = ""
     device: str = ""
+    # The epoch its outputs start in (a restarted instance: its predecessor's last + 1).
+    epoch: int = 0

@@ -73,6 +73,9 @@ class InstanceView:
     # it is reset and re-admitted. An instance whose process exited never returns.
     may_rejoin: bool = False
     reset_sent_at: float | None = None
+    # An operator drains it: routing sends it nothing new; once `in_flight` is empty the
+    # cluster stops it (`gateway/admin.py`).
+    draining: bool = False
     in_flight: set[str] = field(default_factory=set)  # requests assigned here, not finished
     # Prompt tokens of requests sent here for their prefill that have no first token yet.
     unstarted_tokens: dict[str, int] = field(default_factory=dict)

@@ -150,9 +150,13 @@ def test_a_request_whose_instance_dies_before_its_first_token_is_retried(server)
 
 
 def test_an_instance_without_heartbeats_is_taken_out(server) -> None:
-    survivor = pids(server)["colocated-1"]
-    os.kill(survivor, signal.SIGSTOP)
-    server.frozen = [survivor]  # type: ignore[attr-defined]
+    # The killed colocated-0 is restarted: once it is back, both go silent.
+    deadline = time.monotonic() + 60
+    while not server.instances()["colocated-0"]["alive"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    server.frozen = list(pids(server).values())  # type: ignore[attr-defined]
+    for pid in server.frozen:  # type: ignore[attr-defined]
+        os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + 30
     while server.get("/health").status_code == 200 and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -1,7 +1,8 @@
 """The decode kind: handoffs from a real prefill instance (pull only what the local
 prefix cache lacks, continuous batching, aborts) and handcrafted ones that cannot be
 served (another KV layout, an unreachable prefill instance under each failure policy,
-a handoff voided by an abort before it arrived)."""
+a handoff voided by an abort before it arrived); a request migrated here with its output
+so far, whose aborted pull still held its id."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from pdserve.instance.loop import StepLoop
 from pdserve.kvtransfer import KVHandoff, KVSource
-from pdserve.scheduler.messages import AbortTask
+from pdserve.scheduler.messages import AbortTask, GenerateTask
 from pdserve.scheduler.sampling_params import SamplingParams
 from tests.prefill.instances import Gateway, Running, reference_tokens, spec, until
 
@@ -164,3 +165,22 @@ def test_a_handoff_voided_by_an_abort_is_dropped_but_a_retry_is_not(gateway, ins
     gateway.send(decode, crafted(decode, "late", PROMPT, expected[0], source_id="p-new"))
     got = gateway.wait_finished("late")
     assert [t for r in got for t in r.delta.new_token_ids] == expected[1:]
+
+
+def test_a_migrated_request_waits_for_its_aborted_pull_then_goes_on(gateway, instances) -> None:
+    decode = instances["decode"].runtime
+    expected = reference_tokens(PROMPT, 4)
+    handoff = crafted(decode, "moved", PROMPT, expected[0])  # its prefill instance is gone
+    gateway.send(decode, handoff)
+    until(lambda: "moved" in gateway.inspect(decode).unfinished_request_ids, what="the pull")
+    # The gateway saw the prefill instance die: it drops the request here, then migrates
+    # it here with the tokens its client already has, as output.
+    gateway.send(decode, AbortTask(["moved"], handoffs_from="p-gone"))
+    migrated = GenerateTask("moved", PROMPT, handoff.sampling_params, arrival_time=time.time(),
+                            output_token_ids=expected[:2])  # fmt: skip
+    gateway.send(decode, migrated)
+    got = gateway.wait_finished("moved")
+    assert [r.delta.error for r in got] == [None] * len(got)
+    assert [t for r in got for t in r.delta.new_token_ids] == expected[2:]
+    assert min(r.delta.output_index for r in got) == 2
+    assert gateway.idle_books(decode).block_owners == {}

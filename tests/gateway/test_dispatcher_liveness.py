@@ -42,6 +42,7 @@ from pdserve.scheduler.wire_auth import Sealer
 from pdserve.text.tokenizer import Tokenizer
 
 TIMEOUT_S = 0.3  # the dispatcher checks every 0.5 s: death is noticed within ~1 s
+SEAL = Sealer(name="test")  # this process's secret, which the dispatcher uses too
 
 
 class ScriptedInstance:
@@ -74,14 +75,14 @@ class ScriptedInstance:
         output = InstanceOutput(
             self.address, list(deltas), epoch=self.epoch, stats=InstanceStats(num_running=running)
         )
-        self.outputs.send(Sealer().seal(msgspec.msgpack.encode(output)))
+        self.outputs.send(SEAL.seal(msgspec.msgpack.encode(output)))
 
     async def next_task(self, kind: type, timeout_s: float = 5.0):
         """The next task of `kind` (others are skipped); heartbeats meanwhile."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while asyncio.get_running_loop().time() < deadline:
             if self.tasks.poll(0):
-                task = self._decoder.decode(Sealer().open(self.tasks.recv()))
+                task = self._decoder.decode(SEAL.open(self.tasks.recv()))
                 if isinstance(task, kind):
                     return task
             else:
@@ -144,6 +145,10 @@ def test_a_prefill_death_spares_requests_whose_kv_reached_decode() -> None:
     run(prefill_dies_after_handoff)
 
 
+def test_a_stream_whose_instance_dies_goes_on_elsewhere_then_runs_out_of_retries() -> None:
+    run(migrated_twice)
+
+
 async def paused_then_back(dispatcher: Dispatcher, context: zmq.Context) -> None:
     d0 = ScriptedInstance(context, "d0", "colocated", dispatcher.output_address)
     try:
@@ -195,14 +200,21 @@ async def prefill_dies_after_handoff(dispatcher: Dispatcher, context: zmq.Contex
         await until(lambda: len(events) == 3, 5, "the first tokens", keep_alive=[p0, d0])
 
         dispatcher.instance_lost("p0", "its process exited with code -9")
-        failed = [e.request_id for e in events if e.error]
-        assert failed == ["prefilling"]  # still needed p0's KV
+        assert not any(e.error for e in events)
+        # "prefilling" still needed p0's KV: dropped on d0, then migrated there alone
+        # with the token its client has, and d0 computes it from the prompt.
         assert (await d0.next_task(AbortTask)).request_ids == ["prefilling"]
+        moved = await d0.next_task(GenerateTask)
+        assert moved.request_id == "prefilling" and moved.output_token_ids == [5]
+        assert moved.decode_target is None
+        assert dispatcher.metrics.migrated._value.get() == 1
 
         d0.say(RequestDelta("decoding", [9], 2, finish_reason="length"))
-        await until(lambda: len(events) == 5, 5, "the decoding request to finish")
-        assert events[-1].request_id == "decoding" and events[-1].delta.finished
+        d0.say(RequestDelta("prefilling", [6], 1, finish_reason="length"))
+        await until(lambda: len(events) == 5, 5, "both to finish", keep_alive=[d0])
+        assert all(e.delta.finished for e in events[-2:]) and not any(e.error for e in events)
         assert [e.delta.new_token_ids[0] for e in events if e.request_id == "decoding"] == [7, 8, 9]
+        assert [e.delta.new_token_ids[0] for e in events if e.request_id == "prefilling"] == [5, 6]
     finally:
         for instance in (p0, d0):
             instance.close()
@@ -228,3 +240,41 @@ async def past_the_deadline(dispatcher: Dispatcher, context: zmq.Context) -> Non
         assert "slow-0" not in dispatcher.scheduler.assignments
     finally:
         c0.close()
+
+
+async def migrated_twice(dispatcher: Dispatcher, context: zmq.Context) -> None:
+    instances = [
+        ScriptedInstance(context, f"c{i}", "colocated", dispatcher.output_address) for i in range(3)
+    ]
+    try:
+        for instance in instances:
+            dispatcher.register(instance.info)
+        events: list[StreamEvent] = []
+        dispatcher.submit(task("r"), events.append)
+        first = dispatcher.scheduler.assignments["r"].route.decode.instance_id
+        c0 = next(i for i in instances if i.address.instance_id == first)
+        await c0.next_task(GenerateTask)
+        c0.say(RequestDelta("r", [7, 8], 0), RequestDelta("r", [10], 3))  # index 2 never came
+        await until(lambda: len(events) == 1, 5, "the first tokens", keep_alive=instances)
+
+        dispatcher.instance_lost(first, "its process exited with code -9")
+        second = dispatcher.scheduler.assignments["r"].route.decode.instance_id
+        c1 = next(i for i in instances if i.address.instance_id == second)
+        moved = await c1.next_task(GenerateTask)
+        assert moved.output_token_ids == [7, 8]  # what the client has, no more
+        # The new instance's deltas go on at index 2; a repeat of released tokens is cut.
+        c1.say(RequestDelta("r", [8, 9], 1), RequestDelta("r", [10], 3))
+        await until(lambda: len(events) == 3, 5, "the migrated tokens", keep_alive=instances)
+        assert [e.delta.new_token_ids for e in events] == [[7, 8], [9], [10]]
+        assert [e.delta.output_index for e in events] == [0, 2, 3]
+
+        dispatcher.instance_lost(second, "its process exited with code -9")  # attempt 3
+        third = next(i for i in instances if i.address.instance_id not in (first, second))
+        assert (await third.next_task(GenerateTask)).output_token_ids == [7, 8, 9, 10]
+        assert dispatcher.metrics.migrated._value.get() == 2
+        dispatcher.instance_lost(third.address.instance_id, "killed")  # max_attempts: 3
+        assert events[-1].error and "no retries left" in events[-1].error
+        assert "r" not in dispatcher.scheduler.assignments
+    finally:
+        for instance in instances:
+            instance.close()

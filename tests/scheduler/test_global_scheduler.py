@@ -99,7 +99,7 @@ def test_stats_reset_the_pending_block_estimate_and_heartbeats_keep_alive() -> N
     assert not gs.observe("ghost", None, now=1.0)
 
 
-def test_death_retries_unstarted_requests_and_fails_started_ones() -> None:
+def test_death_sends_started_and_unstarted_requests_again() -> None:
     gs = scheduler(
         info("p0", "prefill"), info("p1", "prefill"), info("d0", "decode", max_num_seqs=8),
         routing_policy="round_robin",
@@ -107,17 +107,19 @@ def test_death_retries_unstarted_requests_and_fails_started_ones() -> None:
     send(gs, "early")  # p0
     send(gs, "other")  # p1
     send(gs, "late")  # p0
-    gs.mark_started("late")
+    gs.mark_started("late")  # its first token is out: the gateway migrates it
     failover = gs.mark_dead("p0")
-    assert failover.retry == ["early"]
-    assert failover.fail == ["late"]
+    assert failover.retry == ["early", "late"] and failover.fail == []
     # d0 also voids handoffs of these requests still on their way from p0.
     assert failover.abort == {("d0", "p0"): ["early", "late"]}
-    assert "late" not in gs.assignments and "early" in gs.assignments
+    assert "late" in gs.assignments and "early" in gs.assignments
     route = gs.route(gs.assignments["early"].request)
     assert route.prefill.instance_id == "p1"  # the dead one is never picked again
     gs.assign(gs.assignments["early"].request, route)
     assert gs.assignments["early"].attempts == 2
+    # A migrated request runs whole on one instance: its output so far is computed there.
+    migrated = gs.route(gs.assignments["late"].request, with_prefill=False)
+    assert migrated.prefill is None and migrated.decode.instance_id == "d0"
     assert gs.mark_dead("p0").retry == []  # idempotent
 
 

@@ -42,7 +42,7 @@ def test_a_silent_instance_that_speaks_again_is_reset_then_readmitted() -> None:
     gs = scheduler(("c0", "colocated"))
     send(gs, "r")
     gs.mark_started("r")
-    assert gs.mark_dead("c0", may_rejoin=True).fail == ["r"]
+    assert gs.mark_dead("c0", may_rejoin=True).retry == ["r"]
     view = gs.views["c0"]
     assert view.epoch == 1 and view.stats == InstanceStats(num_free_blocks=100,
                                                            num_total_blocks=100)  # fmt: skip
@@ -74,7 +74,7 @@ def test_a_prefill_death_spares_requests_whose_kv_reached_decode() -> None:
         gs.mark_started(rid)
     gs.release_prefill("handed")  # d0 sent its first output of it
     failover = gs.mark_dead("p0")
-    assert failover.fail == ["prefilling"] and failover.abort == {("d0", "p0"): ["prefilling"]}
+    assert failover.retry == ["prefilling"] and failover.abort == {("d0", "p0"): ["prefilling"]}
     assert "handed" in gs.assignments and "handed" in gs.views["d0"].in_flight
 
 

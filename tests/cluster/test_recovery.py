@@ -1,0 +1,173 @@
+"""One prefill and two decode instances (local processes): a decode instance killed
+mid-stream loses no stream (each is migrated to the other decode instance with the
+tokens already streamed as output, and ends as a fault-free run would, greedy and
+seeded alike); the supervisor restarts it (a new process in a new epoch) and it serves
+again within a minute; under streaming load a pool scales up, an instance drains and a
+pool scales down without a request dropped or failed (behind the admin key).
+
+The tests run in file order on one server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.cluster.serving import LOCAL, MODEL, served
+from tests.gateway.server import ADMIN_KEY, ServeProcess
+
+pytestmark = pytest.mark.slow
+
+ARGS = (
+    *LOCAL, "--num-prefill", "1", "--num-decode", "2", "--dtype", "bfloat16",
+    "--kv-cache-memory", "24MiB", "--max-model-len", "512", "--routing-policy", "round_robin",
+)  # fmt: skip
+PROMPT = "The capital of France is"
+MAX_TOKENS = 64
+GREEDY = {"temperature": 0}
+SEEDED = {"temperature": 0.8, "seed": 1234}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServeProcess]:
+    with served(*ARGS) as process:
+        yield process
+
+
+def body(sampling: dict, stream: bool) -> dict:
+    return {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "stream": stream, **sampling}  # fmt: skip
+
+
+def complete(server: ServeProcess, sampling: dict) -> str:
+    response = server.post("/v1/completions", json=body(sampling, stream=False))
+    response.raise_for_status()
+    return response.json()["choices"][0]["text"]
+
+
+class Stream:
+    """A streaming completion read on a thread: its text chunks and any error event."""
+
+    def __init__(self, server: ServeProcess, sampling: dict) -> None:
+        self.chunks: list[str] = []
+        self.errors: list[str] = []
+        self.done = False
+        self._thread = threading.Thread(
+            target=self._read, args=(server, body(sampling, stream=True)), daemon=True
+        )
+        self._thread.start()
+
+    def _read(self, server: ServeProcess, request: dict) -> None:
+        with (
+            httpx.Client(base_url=server.base_url, headers=server.headers, timeout=120) as client,
+            client.stream("POST", "/v1/completions", json=request) as response,
+        ):
+            for line in response.iter_lines():
+                if line.startswith('data: {"error"'):
+                    self.errors.append(line)
+                elif line.startswith("data: {"):
+                    self.chunks.append(json.loads(line[6:])["choices"][0]["text"])
+        self.done = True
+
+    def join(self, timeout_s: float) -> str:
+        self._thread.join(timeout_s)
+        assert self.done, "the stream did not end"
+        assert self.errors == []
+        return "".join(self.chunks)
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+KILLED: dict[str, tuple[int, float]] = {}  # instance id → (its pid, when it was killed)
+
+
+def kill(server: ServeProcess, instance_id: str) -> tuple[int, float]:
+    pid = server.instances()[instance_id]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    return pid, time.monotonic()
+
+
+def alive(server: ServeProcess, instance_id: str) -> bool:
+    return any(
+        entry["id"] == instance_id and entry["alive"]
+        for entry in server.get("/health").json()["instances"]
+    )
+
+
+def counter(server: ServeProcess, name: str) -> float:
+    match = re.search(rf"^pdserve:{name} (\S+)$", server.get("/metrics").text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_streams_of_a_killed_decode_instance_are_migrated_token_for_token(server) -> None:
+    expected = {"greedy": complete(server, GREEDY), "seeded": complete(server, SEEDED)}
+    # Round robin: of greedy, greedy, seeded, seeded, each decode instance gets one of each.
+    streams = []
+    for kind, sampling in (("greedy", GREEDY), ("greedy", GREEDY),
+                           ("seeded", SEEDED), ("seeded", SEEDED)):  # fmt: skip
+        stream = Stream(server, sampling)
+        wait_for(lambda s=stream: len(s.chunks) >= 2, 60, "the stream to begin")
+        streams.append((kind, stream))
+    assert all(len(s.chunks) < MAX_TOKENS for _, s in streams)  # all mid-stream
+    KILLED["decode-0"] = kill(server, "decode-0")
+    for kind, stream in streams:
+        assert stream.join(120) == expected[kind], kind
+    assert counter(server, "requests_migrated_total") == 2.0
+    server.assert_blocks_free_or_cached()
+
+
+def test_a_killed_instance_is_restarted_and_serves_again(server) -> None:
+    pid, killed_at = KILLED["decode-0"]  # by the test before
+    wait_for(lambda: alive(server, "decode-0"), 60 - (time.monotonic() - killed_at),
+             "decode-0 to be back within a minute of its death")  # fmt: skip
+    assert server.instances()["decode-0"]["pid"] != pid  # a new process
+    assert counter(server, "num_instances_restarted_total") == 1.0
+    expected = complete(server, GREEDY)
+    kill(server, "decode-1")  # decode-0 alone serves until decode-1 is back
+    wait_for(lambda: not alive(server, "decode-1"), 10, "decode-1's death to be seen")
+    assert complete(server, GREEDY) == expected
+    wait_for(lambda: alive(server, "decode-1"), 60, "decode-1 to be back")
+    assert counter(server, "num_instances_restarted_total") == 2.0
+    server.assert_blocks_free_or_cached()
+
+
+def pool(server: ServeProcess, role: str) -> list[str]:
+    entries = server.get("/health").json()["instances"]
+    return sorted(e["id"] for e in entries if e["role"] == role and e["alive"])
+
+
+def test_scaling_and_draining_under_load_drop_no_request(server) -> None:
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    for path in ("/admin/pools/decode/scale", "/admin/instances/decode-0/drain"):
+        assert server.post(path, json={"size": 3}).status_code == 403  # a tenant's key
+    expected = complete(server, GREEDY)
+    scaled = server.post("/admin/pools/decode/scale", json={"size": 3}, headers=admin)
+    assert scaled.json() == {"role": "decode", "size": 3, "starting": ["decode-2"], "draining": []}
+    wait_for(lambda: "decode-2" in pool(server, "decode"), 60, "decode-2 to join its pool")
+
+    streams = []
+    for _ in range(3):  # round robin: one on each decode instance
+        streams.append(Stream(server, GREEDY))
+        wait_for(lambda s=streams[-1]: len(s.chunks) >= 2, 60, "the stream to begin")
+    assert server.post("/admin/instances/decode-0/drain", headers=admin).status_code == 200
+    scaled = server.post("/admin/pools/decode/scale", json={"size": 1}, headers=admin)
+    assert scaled.json()["draining"] == ["decode-2"]  # the newest goes
+    assert all(stream.join(120) == expected for stream in streams)
+    wait_for(lambda: pool(server, "decode") == ["decode-1"], 30, "the drained ones to leave")
+    assert complete(server, GREEDY) == expected
+    assert counter(server, "requests_migrated_total") == 2.0  # none since the kill
+    assert counter(server, "num_instances_restarted_total") == 2.0  # drained stay down
+    server.assert_blocks_free_or_cached()
