@@ -9,6 +9,7 @@ checks. Every error is described by one OpenAI-style error body.
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Any
 
 import msgspec
@@ -90,7 +91,12 @@ ERROR = {
 }
 
 
-def openapi_document(title: str = "pdserve", version: str = "") -> dict[str, Any]:
+def openapi_document(title: str = "pdserve", version: str | None = None) -> dict[str, Any]:
+    if version is None:
+        try:
+            version = importlib.metadata.version("pdserve")
+        except importlib.metadata.PackageNotFoundError:  # a bare checkout
+            version = "unreleased"
     (_, components) = msgspec.json.schema_components(list(BODIES.values()), ref_template=REF)
     for name, schema in components.items():
         if name in {t.__name__ for t in BODIES.values()}:
