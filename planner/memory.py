@@ -82,20 +82,22 @@ def kv_bytes_per_token(shape: ModelShape, kv_dtype: str, tp: int = 1) -> float:
 
 
 def kv_heads_per_gpu(shape: ModelShape, tp: int) -> int:
-    """KV heads split across TP ranks; with more ranks than heads, each keeps a copy."""
+    """KV heads split across TP ranks (serve's rule: `engine.config.check_tp_size`)."""
     if shape.num_kv_heads % tp == 0:
         return shape.num_kv_heads // tp
-    if tp % shape.num_kv_heads == 0:
-        return 1
     raise ValueError(f"TP {tp} does not divide the {shape.num_kv_heads} KV heads")
 
 
 def valid_tp_sizes(shape: ModelShape) -> list[int]:
+    """The TP sizes `pdserve serve` can run for this shape: a size that divides the KV
+    heads, the attention heads and the MLP width (the same rule as serve's; the planner
+    may not import the engine, so it is repeated here and tested against it)."""
     return [
         tp
         for tp in TP_CANDIDATES
         if shape.num_attention_heads % tp == 0
-        and (shape.num_kv_heads % tp == 0 or tp % shape.num_kv_heads == 0)
+        and shape.num_kv_heads % tp == 0
+        and shape.intermediate_size % tp == 0
     ]
 
 

@@ -84,9 +84,11 @@ def test_kv_bytes_per_token_matches_the_worked_examples() -> None:
     # 2 x 80 x 8 x 128 x 2 = 327680 B = 320 KiB.
     assert kv_bytes_per_token(ModelShape.from_config(LLAMA3_70B), "bfloat16") == 320 * KIB
     assert kv_bytes_per_token(shape_with(64), "fp8") == 128 * KIB
-    # Tensor parallelism splits the KV heads; beyond 8 ranks each keeps one head.
+    # Tensor parallelism splits the KV heads; serve refuses more ranks than KV heads
+    # (no replicated heads), and so does the planner.
     assert kv_bytes_per_token(shape_with(64), "bfloat16", tp=4) == 64 * KIB
-    assert kv_bytes_per_token(shape_with(64), "bfloat16", tp=16) == 32 * KIB
+    with pytest.raises(ValueError, match="does not divide"):
+        kv_bytes_per_token(shape_with(64), "bfloat16", tp=16)
     with pytest.raises(ValueError, match="does not divide"):
         kv_bytes_per_token(shape_with(64, kv_heads=6), "bfloat16", tp=4)
 
@@ -128,7 +130,8 @@ def test_memory_plan_finds_the_tensor_parallelism_needed() -> None:
     inputs = MemoryInputs(max_model_len=8192, max_num_seqs=32, gpu_memory_gib=80.0)
     plan = plan_memory(shape, inputs)
     assert plan["weights_gib"] == pytest.approx(70_553_706_496 * 2 / GIB)
-    assert [m["tp"] for m in plan["per_tp"]] == [1, 2, 4, 8, 16, 32, 64]
+    # Only what serve can run: sizes dividing the 8 KV heads, 64 heads and the MLP.
+    assert [m["tp"] for m in plan["per_tp"]] == [1, 2, 4, 8]
     # 131 GiB of weights cannot sit on one 80 GiB GPU; on two there is room for one
     # 8192-token sequence (1.25 GiB of KV per GPU) but not 32 of them (40 GiB).
     assert plan["tp_needed_for_one_sequence"] == 2
@@ -224,3 +227,21 @@ def test_config_and_checkpoint_reading(tmp_path) -> None:
     assert checkpoint_parameter_count(str(tmp_path)) == 17
     with pytest.raises(ValueError, match="no config.json"):
         load_config(str(tmp_path / "missing"))
+
+
+def test_the_planner_offers_exactly_the_tp_sizes_serve_accepts() -> None:
+    from pdserve.engine.config import TensorParallelError, check_tp_size
+    from pdserve.planner.memory import TP_CANDIDATES, valid_tp_sizes
+
+    for config in (LLAMA3_70B, LLAMA3_8B, SMOLLM2_135M):
+        shape = ModelShape.from_config(config)
+        accepted = []
+        for tp in TP_CANDIDATES:
+            try:
+                check_tp_size(
+                    tp, shape.num_attention_heads, shape.num_kv_heads, shape.intermediate_size
+                )
+                accepted.append(tp)
+            except TensorParallelError:
+                pass
+        assert valid_tp_sizes(shape) == accepted
