@@ -213,10 +213,11 @@ class WorkerGroupExecutor:
 
     def _watch(self) -> None:
         """Between steps too: the first rank to die takes the group down at once."""
-        wait([p.sentinel for p in self._processes])
+        sentinels = {p.sentinel: i for i, p in enumerate(self._processes)}
+        ready = wait(list(sentinels))
         if self._closing.is_set():
             return
-        dead = next(i for i, p in enumerate(self._processes) if not p.is_alive())
+        dead = sentinels[ready[0]]  # not is_alive(): the stepping thread may reap it first
         self._processes[dead].join(timeout=1)
         reason = (
             f"rank {dead} of the worker group died (exit code {self._processes[dead].exitcode})"

@@ -14,24 +14,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.cluster.conftest import RAY_ENV
 from tests.cluster.serving import MODEL, served
 from tests.gateway.server import ServeProcess
 
 pytestmark = pytest.mark.slow
-
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-
-
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[str]:
-    """One local Ray cluster for the session (started by, and stopped with, this process)."""
-    os.environ.update(RAY_ENV)
-    ray = pytest.importorskip("ray")
-    context = ray.init(num_cpus=2, namespace="pdserve-tests", logging_level="ERROR")
-    try:
-        yield context.address_info["gcs_address"]
-    finally:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -133,28 +120,3 @@ def test_prefill_and_decode_instances_are_ray_actors(pd_server, ray_cluster) -> 
     assert 'pdserve:kv_transfer_blocks_total{instance="decode-0",role="decode"} 1.0' in metrics
     assert 'pdserve:generation_tokens_total{instance="decode-0",role="decode"} 3.0' in metrics
     pd_server.assert_blocks_free_or_cached()
-
-
-def placement_groups(address: str) -> list[dict]:
-    result = subprocess.run(
-        [os.path.join(os.path.dirname(sys.executable), "ray"), "list", "placement-groups",
-         "--address", address, "--format", "json", "--detail"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, **RAY_ENV},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
-
-
-def test_a_tensor_parallel_instance_reserves_one_bundle_per_rank(ray_cluster) -> None:
-    with served(
-        "--mode", "colocated", "--launcher", "ray", "--ray-address", ray_cluster,
-        "--num-colocated", "1", "-tp", "3", "--kv-cache-memory", "64MiB",
-        "--max-model-len", "512", "--enable-test-hooks", env=RAY_ENV,
-    ) as server:  # fmt: skip
-        result = server.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=3)
-        assert result.choices[0].text is not None
-        groups = [g for g in placement_groups(ray_cluster) if g["state"] == "CREATED"]
-        [group] = [g for g in groups if g["name"] == "colocated-0-ranks"]
-        assert len(group["bundles"]) == 3, group
-    left = [g for g in placement_groups(ray_cluster) if g["name"] == "colocated-0-ranks"]
-    assert all(g["state"] == "REMOVED" for g in left)

@@ -1,0 +1,22 @@
+"""The one Ray cluster of a test session, shared by the modules that serve through Ray."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[str]:
+    """One local Ray cluster for the session (started by, and stopped with, this process)."""
+    os.environ.update(RAY_ENV)
+    ray = pytest.importorskip("ray")
+    context = ray.init(num_cpus=2, namespace="pdserve-tests", logging_level="ERROR")
+    try:
+        yield context.address_info["gcs_address"]
+    finally:
+        ray.shutdown()
