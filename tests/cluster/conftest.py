@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -20,3 +23,14 @@ def ray_cluster() -> Iterator[str]:
         yield context.address_info["gcs_address"]
     finally:
         ray.shutdown()
+
+
+def ray_list(kind: str, address: str) -> list[dict]:
+    """`ray list KIND` (actors, placement-groups, ...) of the cluster at `address`."""
+    result = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "ray"), "list", kind,
+         "--address", address, "--format", "json", "--detail"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **RAY_ENV},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+import httpx
 
 from tests.gateway.server import ServeProcess
 
@@ -33,3 +37,33 @@ def served(
         code = process.stop(timeout_s=stop_timeout_s)
         if clean or exit_zero:
             assert code == 0, f"pdserve serve exited with {code}:\n{process.log()}"
+
+
+class BackgroundStream:
+    """A streaming completion (`body`) read on a thread: its text chunks and any error
+    event, for tests that break the server while it streams."""
+
+    def __init__(self, server: ServeProcess, body: dict) -> None:
+        self.chunks: list[str] = []
+        self.errors: list[str] = []
+        self.done = False
+        self._thread = threading.Thread(target=self._read, args=(server, body), daemon=True)
+        self._thread.start()
+
+    def _read(self, server: ServeProcess, body: dict) -> None:
+        with (
+            httpx.Client(base_url=server.base_url, headers=server.headers, timeout=120) as client,
+            client.stream("POST", "/v1/completions", json=body) as response,
+        ):
+            for line in response.iter_lines():
+                if line.startswith('data: {"error"'):
+                    self.errors.append(line)
+                elif line.startswith("data: {"):
+                    self.chunks.append(json.loads(line[6:])["choices"][0]["text"])
+        self.done = True
+
+    def join(self, timeout_s: float) -> str:
+        """The text streamed, once the stream ended (within `timeout_s`)."""
+        self._thread.join(timeout_s)
+        assert self.done, "the stream did not end"
+        return "".join(self.chunks)

@@ -8,18 +8,15 @@ The tests run in file order on one server.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import threading
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
-from tests.cluster.serving import LOCAL, MODEL, served
+from tests.cluster.serving import LOCAL, MODEL, BackgroundStream, served
 from tests.gateway.server import ServeProcess
 
 pytestmark = pytest.mark.slow
@@ -46,33 +43,13 @@ def complete(server: ServeProcess, max_tokens: int) -> str:
     ).choices[0].text  # fmt: skip
 
 
-class Stream:
+class Stream(BackgroundStream):
     """A greedy streaming completion read on a thread: its text and any error event."""
 
     def __init__(self, server: ServeProcess, max_tokens: int) -> None:
-        self.chunks: list[str] = []
-        self.errors: list[str] = []
-        self.done = False
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
-        self._thread = threading.Thread(target=self._read, args=(server, body), daemon=True)
-        self._thread.start()
-
-    def _read(self, server: ServeProcess, body: dict) -> None:
-        with (
-            httpx.Client(base_url=server.base_url, headers=server.headers, timeout=120) as client,
-            client.stream("POST", "/v1/completions", json=body) as response,
-        ):
-            for line in response.iter_lines():
-                if line.startswith('data: {"error"'):
-                    self.errors.append(line)
-                elif line.startswith("data: {"):
-                    self.chunks.append(json.loads(line[6:])["choices"][0]["text"])
-        self.done = True
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)
-        assert self.done, "the stream did not end"
+        super().__init__(server, body)
 
 
 def wait_for(condition, timeout_s: float, what: str) -> None:

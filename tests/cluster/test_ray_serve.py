@@ -3,18 +3,16 @@ instances, then one prefill and one decode instance (actors PrefillInstance, Dec
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from tests.cluster.conftest import RAY_ENV
+from tests.cluster.conftest import RAY_ENV, ray_list
 from tests.cluster.serving import MODEL, served
 from tests.gateway.server import ServeProcess
 
@@ -33,13 +31,7 @@ def server(ray_cluster: str) -> Iterator[ServeProcess]:
 
 
 def ray_actors(address: str) -> list[dict]:
-    result = subprocess.run(
-        [os.path.join(os.path.dirname(sys.executable), "ray"), "list", "actors",
-         "--address", address, "--format", "json", "--detail"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, **RAY_ENV},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    return ray_list("actors", address)
 
 
 def test_serves_through_ray_actors(server, ray_cluster) -> None:

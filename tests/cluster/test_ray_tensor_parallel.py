@@ -4,27 +4,16 @@ while their module runs)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.cluster.conftest import RAY_ENV
+from tests.cluster.conftest import RAY_ENV, ray_list
 from tests.cluster.serving import MODEL, served
 
 pytestmark = pytest.mark.slow
 
 
 def placement_groups(address: str) -> list[dict]:
-    result = subprocess.run(
-        [os.path.join(os.path.dirname(sys.executable), "ray"), "list", "placement-groups",
-         "--address", address, "--format", "json", "--detail"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, **RAY_ENV},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    return ray_list("placement-groups", address)
 
 
 def test_a_tensor_parallel_instance_reserves_one_bundle_per_rank(ray_cluster) -> None:

@@ -10,18 +10,15 @@ The tests run in file order on one server.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import threading
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
-from tests.cluster.serving import LOCAL, MODEL, served
+from tests.cluster.serving import LOCAL, MODEL, BackgroundStream, served
 from tests.gateway.server import ADMIN_KEY, ServeProcess
 
 pytestmark = pytest.mark.slow
@@ -53,35 +50,16 @@ def complete(server: ServeProcess, sampling: dict) -> str:
     return response.json()["choices"][0]["text"]
 
 
-class Stream:
+class Stream(BackgroundStream):
     """A streaming completion read on a thread: its text chunks and any error event."""
 
     def __init__(self, server: ServeProcess, sampling: dict) -> None:
-        self.chunks: list[str] = []
-        self.errors: list[str] = []
-        self.done = False
-        self._thread = threading.Thread(
-            target=self._read, args=(server, body(sampling, stream=True)), daemon=True
-        )
-        self._thread.start()
-
-    def _read(self, server: ServeProcess, request: dict) -> None:
-        with (
-            httpx.Client(base_url=server.base_url, headers=server.headers, timeout=120) as client,
-            client.stream("POST", "/v1/completions", json=request) as response,
-        ):
-            for line in response.iter_lines():
-                if line.startswith('data: {"error"'):
-                    self.errors.append(line)
-                elif line.startswith("data: {"):
-                    self.chunks.append(json.loads(line[6:])["choices"][0]["text"])
-        self.done = True
+        super().__init__(server, body(sampling, stream=True))
 
     def join(self, timeout_s: float) -> str:
-        self._thread.join(timeout_s)
-        assert self.done, "the stream did not end"
+        text = super().join(timeout_s)
         assert self.errors == []
-        return "".join(self.chunks)
+        return text
 
 
 def wait_for(condition, timeout_s: float, what: str) -> None:
