@@ -252,6 +252,13 @@ class GatewayMetrics:
             "Requests sent again after their instance died before their first token",
             registry=self.registry,
         )
+        self.rank_kv_bytes = Counter(
+            PREFIX + "kv_transfer_rank_bytes",
+            "KV bytes moved by each rank of an instance (a tensor-parallel rank moves its "
+            "heads' slice)",
+            (*LABELS, "rank"),
+            registry=self.registry,
+        )
         self.migrated = Counter(
             PREFIX + "requests_migrated",
             "Requests whose instance died mid-stream, sent with the tokens already "
@@ -312,6 +319,8 @@ class GatewayMetrics:
                 for value in values:
                     child.observe(value)
                 self.vllm.observe(name, role, instance, values)
+        for rank, moved in output.metrics.rank_kv_bytes.items():
+            self.rank_kv_bytes.labels(role, instance, str(rank)).inc(moved)
 
     def record_stats(self, role: str, instance: str, stats: InstanceStats) -> None:
         for name, read in _STAT_GAUGES.items():

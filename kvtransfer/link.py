@@ -6,7 +6,8 @@ link carries the metadata there and the ranks' reports back (merged so a request
 reported once every rank is done with it), and keeps what both roles need around that:
 - transfer metrics: the ranks' counter deltas go out with each output as
   `kv_transfer_bytes_total`, `kv_transfers_total`, `kv_transfer_failures_total`,
-  `kv_transfer_lease_expiries_total` and the `kv_transfer_seconds` histogram; an
+  `kv_transfer_lease_expiries_total`, the `kv_transfer_seconds` histogram and each
+  rank's bytes (`MetricsDelta.rank_kv_bytes`); an
   output is sent whenever they moved, even with no token to report;
 - short task waits while a transfer is open, so reports are acted on within
   milliseconds instead of at the next idle timeout;
@@ -62,6 +63,8 @@ class KVLink:
         self._aggregator = ReportAggregator(len(rank_addresses))
         self.stats = KVTransferStats()  # the ranks' counters at their last report, summed
         self._stats_sent = KVTransferStats()
+        self.rank_bytes = [0] * len(rank_addresses)  # each rank's bytes at its last report
+        self._rank_bytes_sent = [0] * len(rank_addresses)
         self._deferred: list[tuple[float, Any]] = []
         self._pending: list[RequestDelta] = []
         self._news = False
@@ -77,6 +80,7 @@ class KVLink:
             self._aggregator.add(rank, rank_report.report)
         if reports:
             self.stats = sum_stats([r.stats for r in reports])
+            self.rank_bytes = [r.stats.bytes_total for r in reports]
         return self._aggregator.pop()
 
     # ---- the loop ---------------------------------------------------------------------
@@ -160,6 +164,16 @@ class KVLink:
                 counters[name] = float(value)
         counters.update(role_counters)
         metrics.counters = {k: v for k, v in counters.items() if v}
+        moved = {
+            rank: float(now - sent)
+            for rank, (now, sent) in enumerate(
+                zip(self.rank_bytes, self._rank_bytes_sent, strict=True)
+            )
+            if now > sent
+        }
+        self._rank_bytes_sent = list(self.rank_bytes)
+        if moved:
+            metrics.rank_kv_bytes = moved
         seconds = transfer_observations(delta)
         if seconds:
             metrics.histograms = {**metrics.histograms, "kv_transfer_seconds": seconds}

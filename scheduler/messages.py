@@ -144,6 +144,9 @@ class MetricsDelta(msgspec.Struct):
 
     counters: dict[str, float] = {}
     histograms: dict[str, list[float]] = {}
+    # KV bytes each rank of the instance moved since the previous output, by rank index
+    # (`kv_transfer_bytes_total` is their sum).
+    rank_kv_bytes: dict[int, float] = {}
 
 
 class InstanceInspection(msgspec.Struct):

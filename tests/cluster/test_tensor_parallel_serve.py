@@ -40,6 +40,14 @@ def _kv_bytes(text: str, role: str) -> float:
     return sum(float(v) for v in re.findall(pattern, text, re.MULTILINE))
 
 
+def _rank_kv_bytes(text: str, role: str) -> dict[str, float]:
+    pattern = rf'^pdserve:kv_transfer_rank_bytes_total{{([^}}]*role="{role}"[^}}]*)}} (\S+)$'
+    found = {}
+    for labels, value in re.findall(pattern, text, re.MULTILINE):
+        found[re.search(r'rank="(\d+)"', labels).group(1)] = float(value)
+    return found
+
+
 @pytest.mark.parametrize(
     "sizes",
     [("--prefill-tensor-parallel-size", "3"), ("--decode-tensor-parallel-size", "3")],
@@ -56,6 +64,14 @@ def test_mixed_tp_sizes_serve_the_single_engines_text(greedy, sizes) -> None:
         metrics = server.get("/metrics").text
         assert _kv_bytes(metrics, "prefill") > 0
         assert _kv_bytes(metrics, "decode") == _kv_bytes(metrics, "prefill")
+        # Per rank: the TP=3 side's three ranks each moved a third (their heads' slice),
+        # the TP=1 side's one rank all of it.
+        total = _kv_bytes(metrics, "prefill")
+        wide, narrow = (
+            ("prefill", "decode") if sizes[0].startswith("--prefill") else ("decode", "prefill")
+        )
+        assert _rank_kv_bytes(metrics, wide) == {str(r): total / 3 for r in range(3)}
+        assert _rank_kv_bytes(metrics, narrow) == {"0": total}
 
 
 def test_a_killed_rank_fails_its_requests_at_once_and_ends_the_instance() -> None:
