@@ -22,7 +22,13 @@ class _InstanceActor:
         spec = msgspec.json.decode(spec_json, type=InstanceSpec)
         # On a cluster the spec names no address: this node's is only known here.
         spec = msgspec.structs.replace(spec, host=resolve_host(spec.host))
-        self.loop = StepLoop(spec)
+        ranks = None
+        if int(spec.engine.get("tensor_parallel_size", 1)) > 1:
+            from pdserve.cluster.ray_ranks import RayRanks, stage_count
+
+            # Its ranks are actors of their own, in the bundles the launcher reserved.
+            ranks = RayRanks(spec.host, spec.instance_id, stage_count(spec.engine))
+        self.loop = StepLoop(spec, ranks=ranks)
 
     def load(self) -> bytes:
         """Loads the weights; returns the InstanceInfo as JSON."""
