@@ -80,6 +80,12 @@ def driver_options(groups: list) -> dict:
     return {"num_cpus": 0, "num_gpus": 0, "scheduling_strategy": strategy}
 
 
+def rank_options(bundle: dict[str, float]) -> dict:
+    """A rank actor asks for all of its bundle: CPUs, GPU share, custom resources."""
+    shape = dict(bundle)
+    return {"num_cpus": shape.pop("CPU", 0), "num_gpus": shape.pop("GPU", 0), "resources": shape}
+
+
 class TensorParallelRank:
     """One rank of a worker group (what `ray list actors` shows, with its repr)."""
 
@@ -155,11 +161,8 @@ class RayRanks:
         for job in jobs:
             placement = groups[job.rank // per_stage]
             index = job.rank % per_stage
-            shape = dict(placement.bundle_specs[index])
             actor = rank_class.options(
-                num_cpus=shape.pop("CPU", 0),
-                num_gpus=shape.pop("GPU", 0),
-                resources=shape,
+                **rank_options(placement.bundle_specs[index]),
                 max_restarts=0,
                 max_concurrency=2,  # serve() holds one thread; pid() takes the other
                 # The secret rides in the environment, never in the actor's arguments.

@@ -129,3 +129,31 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+class _Driver:
+    """Stands in for an instance actor: owns a rank actor, as RayRanks makes it."""
+
+    def start_rank(self) -> int:
+        import ray
+
+        from pdserve.cluster.ray_ranks import TensorParallelRank
+
+        self.rank = ray.remote(TensorParallelRank).options(num_cpus=0).remote("orphan-test")
+        return ray.get(self.rank.pid.remote())
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_rank_actors_die_with_their_driver_actor(ray_cluster) -> None:
+    import ray  # the session fixture's connection
+
+    driver = ray.remote(_Driver).options(num_cpus=0).remote()
+    rank_pid = ray.get(driver.start_rank.remote(), timeout=60)
+    assert _alive(rank_pid)
+    os.kill(ray.get(driver.pid.remote(), timeout=30), signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while _alive(rank_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(rank_pid), "a rank actor outlived its driver"
