@@ -117,13 +117,12 @@ class RayLauncher(Launcher):
         cpus = self.num_cpus.get(spec.instance_id, 1.0)
         gpus = self.num_gpus.get(spec.instance_id, 0.0)
         custom = self.resources.get(spec.role, {})
-        ranks = int(spec.engine.get("tensor_parallel_size", 1))
+        stages = stage_count(spec.engine)
+        ranks = int(spec.engine.get("tensor_parallel_size", 1)) * stages
         if ranks <= 1:
             return {"num_cpus": cpus, "num_gpus": gpus, "resources": custom}
         bundle = {"CPU": cpus / ranks, **({"GPU": gpus} if gpus else {}), **custom}
-        groups = reserve_rank_groups(
-            spec.instance_id, ranks, stage_count(spec.engine), bundle, self.ready_timeout_s
-        )
+        groups = reserve_rank_groups(spec.instance_id, ranks, stages, bundle, self.ready_timeout_s)
         self.placement_groups[spec.instance_id] = groups
         return driver_options(groups)
 
