@@ -17,12 +17,16 @@ from pdserve.instance.spec import InstanceSpec
 
 class _InstanceActor:
     def __init__(self, spec_json: bytes) -> None:
+        from pdserve.cluster.ray_ranks import RayRanks, stage_count
         from pdserve.instance.loop import StepLoop
 
         spec = msgspec.json.decode(spec_json, type=InstanceSpec)
         # On a cluster the spec names no address: this node's is only known here.
         spec = msgspec.structs.replace(spec, host=resolve_host(spec.host))
-        self.loop = StepLoop(spec)
+        # A worker group's ranks are actors of their own, in the bundles the launcher
+        # reserved (unused by an instance of one rank).
+        ranks = RayRanks(spec.host, spec.instance_id, stage_count(spec.engine))
+        self.loop = StepLoop(spec, ranks=ranks)
 
     def load(self) -> bytes:
         """Loads the weights; returns the InstanceInfo as JSON."""

@@ -28,6 +28,7 @@ from pdserve.cluster.launcher import (
 )
 from pdserve.cluster.ray_actors import ACTOR_CLASSES
 from pdserve.cluster.ray_cluster import join, one_line, ray_module
+from pdserve.cluster.ray_ranks import driver_options, reserve_rank_groups, stage_count
 from pdserve.instance.spec import InstanceSpec
 from pdserve.scheduler.messages import InstanceInfo
 from pdserve.scheduler.wire_auth import SECRET_ENV, ensure_secret
@@ -55,7 +56,7 @@ class RayLauncher(Launcher):
         self.actors: dict[str, object] = {}
         self.run_refs: dict[object, str] = {}
         self.started_cluster = False
-        self.placement_groups: dict[str, object] = {}  # instance id → its ranks' bundles
+        self.placement_groups: dict[str, list] = {}  # instance id → its ranks' bundles
         self._watcher: threading.Thread | None = None
 
     def _ray(self):
@@ -109,36 +110,21 @@ class RayLauncher(Launcher):
                 self.run_refs[self.actors[instance_id].run.remote()] = instance_id
 
     def _placement(self, spec: InstanceSpec) -> dict:
-        """The actor's resources. A tensor-parallel instance runs its ranks as child
-        processes of the actor: it reserves a placement group of one bundle per rank
-        (its share of the CPUs and the pool's custom resources each), packed on one node
-        (STRICT_PACK: the ranks talk over loopback), and its actor takes the first."""
+        """The actor's resources. A tensor-parallel instance runs each rank as an actor
+        of its own (cluster/ray_ranks.py): it reserves a STRICT_PACK placement group per
+        stage of one bundle per rank (its share of the CPUs, its GPU share and the
+        pool's custom resources each), and its actor sits beside rank 0 asking nothing."""
         cpus = self.num_cpus.get(spec.instance_id, 1.0)
         gpus = self.num_gpus.get(spec.instance_id, 0.0)
         custom = self.resources.get(spec.role, {})
-        ranks = int(spec.engine.get("tensor_parallel_size", 1))
+        stages = stage_count(spec.engine)
+        ranks = int(spec.engine.get("tensor_parallel_size", 1)) * stages
         if ranks <= 1:
             return {"num_cpus": cpus, "num_gpus": gpus, "resources": custom}
-        if gpus:
-            raise LaunchError(
-                f"{spec.instance_id}: tensor parallelism on GPUs under the Ray launcher is "
-                "not built yet; use --launcher local"
-            )
-        ray = self._ray()
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        bundle = {"CPU": cpus / ranks, **custom}
-        group = placement_group([dict(bundle) for _ in range(ranks)], strategy="STRICT_PACK",
-                                name=f"{spec.instance_id}-ranks")  # fmt: skip
-        self.placement_groups[spec.instance_id] = group
-        ready, _ = ray.wait([group.ready()], timeout=self.ready_timeout_s)
-        if not ready:
-            raise LaunchError(
-                f"{spec.instance_id}: no node has room for its {ranks} rank bundles {bundle}"
-            )
-        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-        return {"num_cpus": cpus / ranks, "resources": custom, "scheduling_strategy": strategy}
+        bundle = {"CPU": cpus / ranks, **({"GPU": gpus} if gpus else {}), **custom}
+        groups = reserve_rank_groups(spec.instance_id, ranks, stages, bundle, self.ready_timeout_s)
+        self.placement_groups[spec.instance_id] = groups
+        return driver_options(groups)
 
     def watch(self, on_exit: ExitCallback) -> None:
         ray = self._ray()
@@ -174,9 +160,10 @@ class RayLauncher(Launcher):
         for actor in self.actors.values():
             with contextlib.suppress(Exception):
                 ray.kill(actor)
-        for group in self.placement_groups.values():
-            with contextlib.suppress(Exception):
-                ray.util.remove_placement_group(group)
+        for groups in self.placement_groups.values():
+            for group in groups:
+                with contextlib.suppress(Exception):
+                    ray.util.remove_placement_group(group)
         if self._watcher is not None:
             self._watcher.join(timeout=2.0)
         # Stops a cluster started here; only disconnects from one joined with --ray-address.

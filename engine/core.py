@@ -12,7 +12,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.executor import ConnectorFactory, Executor, InProcessExecutor
@@ -24,6 +24,9 @@ from pdserve.scheduler.outputs import SchedulerOutput
 from pdserve.scheduler.request import Request, RequestStatus
 from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.scheduler.step_scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from pdserve.engine.ranks import RankLauncher
 
 
 @dataclass
@@ -75,13 +78,15 @@ def default_executor(
     config: EngineConfig,
     connector: ConnectorFactory | None = None,
     on_failure: Callable[[str], None] | None = None,
+    ranks: RankLauncher | None = None,
 ) -> Executor:
-    """One rank in this process, or a worker group of `tensor_parallel_size` processes
-    (`on_failure`: told when the group dies between steps), each rank with its connector."""
+    """One rank in this process, or a worker group of `tensor_parallel_size` ranks
+    (`on_failure`: told when the group dies between steps), each rank with its connector,
+    started by `ranks` (default: child processes)."""
     if config.tensor_parallel_size > 1:
         from pdserve.engine.worker_group import WorkerGroupExecutor
 
-        return WorkerGroupExecutor(config, connector, on_failure)
+        return WorkerGroupExecutor(config, connector, on_failure, ranks)
     return InProcessExecutor(config, connector(0, 1) if connector is not None else None)
 
 

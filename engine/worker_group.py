@@ -1,34 +1,30 @@
 """A tensor-parallel worker group: one process per rank behind the executor seam.
 
 The driver (an instance's step loop, or the offline `LLM`) keeps the step scheduler;
-each rank is a child process holding its slice of the weights and of the KV heads
-(`engine/parallel.py`), joined to the others by a torch.distributed group (gloo on CPU,
-NCCL on GPU). Per step the driver writes the same encoded `StepPlan` to every rank's
-pipe; the ranks run the model together (all-reduces inside it), every rank samples the
-same tokens from the same gathered logits (so their request mirrors agree), and each
-sends back its `StepResult`: the driver takes rank 0's tokens and every rank's KV report.
+each rank holds its slice of the weights and of the KV heads (`engine/parallel.py`),
+joined to the others by a torch.distributed group (gloo on CPU, NCCL on GPU). How ranks
+start and what carries their messages is the `RankLauncher`'s (`engine/ranks.py`):
+child processes with a pipe each by default, Ray actors under the Ray launcher. Per step
+the driver sends the same encoded `StepPlan` to every rank; the ranks run the model
+together (all-reduces inside it), every rank samples the same tokens from the same
+gathered logits (so their request mirrors agree), and each sends back its `StepResult`:
+the driver takes rank 0's tokens and every rank's KV report.
 
-A rank that dies takes the group with it: the driver notices at once (its process
-sentinel, even between steps), kills every other rank and fails the step; ranks die with
-their driver (`PR_SET_PDEATHSIG`, and the pipe's end). No orphan keeps memory or ports.
+A rank that dies takes the group with it: the driver notices at once (the launcher's
+death signal, even between steps), kills every other rank and fails the step; ranks die
+with their driver. No orphan keeps memory or ports.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import dataclasses
 import logging
-import multiprocessing as mp
-import os
-import signal
-import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
-from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import msgspec
@@ -36,16 +32,23 @@ import msgspec
 from pdserve.engine.config import EngineConfig, check_tp_size
 from pdserve.engine.executor import ConnectorFactory
 from pdserve.engine.plan import StepPlan, StepResult, WorkerInfo
+from pdserve.engine.ranks import (
+    ProcessRanks,
+    RankChannel,
+    RankGroup,
+    RankJob,
+    RankLauncher,
+    WorkerGroupFailed,
+    free_port,
+)
 from pdserve.scheduler.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["WorkerGroupExecutor", "WorkerGroupFailed", "run_rank"]
+
 _PLAN, _STOP, _OK, _FAILED = b"P", b"S", b"K", b"E"
 GROUP_TIMEOUT_S = 120.0  # a collective that waits longer than this has lost a peer
-
-
-class WorkerGroupFailed(RuntimeError):
-    """A rank died or failed: the whole group is gone."""
 
 
 class WorkerGroupExecutor:
@@ -54,16 +57,17 @@ class WorkerGroupExecutor:
         config: EngineConfig,
         connector: ConnectorFactory | None = None,
         on_failure: Callable[[str], None] | None = None,
+        launcher: RankLauncher | None = None,
     ):
         self.config = config
         self.size = config.tensor_parallel_size
         self.connector = connector  # built in each rank's process
+        self.launcher: RankLauncher = launcher or ProcessRanks()
         self._report_type = getattr(connector, "report_type", None)
         # Called once, from the watcher thread, when a rank dies between steps.
         self.on_failure = on_failure
-        self._processes: list[mp.process.BaseProcess] = []
-        self._pipes: list[Connection] = []
-        self._lock = threading.Lock()  # one step at a time on the pipes
+        self._group: RankGroup | None = None
+        self._lock = threading.Lock()  # one step at a time on the channels
         self._closing = threading.Event()
         self._failure: str | None = None
         self._grammars: Any = None
@@ -75,23 +79,15 @@ class WorkerGroupExecutor:
 
     def load(self) -> WorkerInfo:
         self._check_split()
-        context = mp.get_context("spawn")
-        port = _free_port()
-        rank_config = self._rank_config()
-        for rank in range(self.size):
-            ours, theirs = context.Pipe()
-            process = context.Process(
-                target=_rank_main,
-                args=(rank_config, rank, self.size, port, theirs, self.connector),
-                name=f"pdserve-tp-rank-{rank}",
-                daemon=True,
-            )
-            process.start()
-            theirs.close()
-            self._processes.append(process)
-            self._pipes.append(ours)
+        host = self.launcher.master_host()
+        master = f"{host}:{free_port(host)}"
+        jobs = [
+            RankJob(self._rank_config(rank), rank, self.size, master, self.connector)
+            for rank in range(self.size)
+        ]
+        self._group = self.launcher.start(jobs)
         try:
-            infos = [msgspec.msgpack.decode(reply, type=WorkerInfo) for reply in self._gather(None)]
+            infos = [msgspec.msgpack.decode(reply, type=WorkerInfo) for reply in self._gather()]
         except BaseException:
             self.kill()
             raise
@@ -115,24 +111,26 @@ class WorkerGroupExecutor:
 
     @property
     def rank_pids(self) -> list[int | None]:
-        return [process.pid for process in self._processes]
+        return self._group.pids() if self._group is not None else []
 
-    def _rank_config(self) -> EngineConfig:
-        """Each rank: its share of the cores and of the instance's KV memory."""
+    def _rank_config(self, rank: int) -> EngineConfig:
+        """Each rank: its share of the cores and of the instance's KV memory, and the
+        device it sees its GPU as (the launcher's to say)."""
         cores = self.config.resolved_threads()
         return dataclasses.replace(
             self.config,
             num_threads=max(1, cores // self.size),
             kv_cache_memory=max(1, self.config.kv_cache_memory // self.size),
+            device=self.launcher.device_of(rank, self.config.device),
         )
 
     def execute(self, plan: StepPlan) -> StepResult:
         with self._lock:
             self._raise_if_failed()
             message = _PLAN + self._encoder.encode(plan)
-            for pipe in self._pipes:
-                pipe.send_bytes(message)
-            results = [self._decoder.decode(reply) for reply in self._gather(None)]
+            for rank in range(self.size):
+                self._send(rank, message)
+            results = [self._decoder.decode(reply) for reply in self._gather()]
         reports = [report for result in results for report in result.kv_reports]
         if self._report_type is not None:  # decoded as plain data: back to the connector's type
             reports = [msgspec.convert(r, self._report_type) for r in reports]
@@ -156,47 +154,39 @@ class WorkerGroupExecutor:
 
     def shutdown(self) -> None:
         self._closing.set()
-        for pipe in self._pipes:
-            with contextlib.suppress(OSError):
-                pipe.send_bytes(_STOP)
-        for process in self._processes:
-            process.join(timeout=10)
-        self.kill()
+        if self._group is not None:
+            for rank in range(self.size):
+                with contextlib.suppress(WorkerGroupFailed):
+                    self._group.send(rank, _STOP)
+            self._group.close(timeout_s=10)
         if self._grammars is not None:
             self._grammars.shutdown()
 
     def kill(self) -> None:
-        """Every rank ends now (SIGKILL: a rank blocked in a collective hears nothing else)."""
-        for process in self._processes:
-            if process.is_alive():
-                process.kill()
-        for process in self._processes:
-            process.join(timeout=10)
+        """Every rank ends now (a rank blocked in a collective hears nothing else)."""
+        if self._group is not None:
+            self._group.kill()
 
     # ---- talking to the ranks -----------------------------------------------------------
 
-    def _gather(self, timeout_s: float | None) -> list[bytes]:
+    def _send(self, rank: int, message: bytes) -> None:
+        assert self._group is not None
+        try:
+            self._group.send(rank, message)
+        except WorkerGroupFailed as exc:
+            self._fail(str(exc))
+
+    def _gather(self) -> list[bytes]:
         """One reply from every rank, in rank order; a rank that dies or fails ends the
         group (WorkerGroupFailed)."""
+        assert self._group is not None
         replies: dict[int, bytes] = {}
-        sentinels = {p.sentinel: i for i, p in enumerate(self._processes)}
-        pipes = {id(pipe): i for i, pipe in enumerate(self._pipes)}
         while len(replies) < self.size:
-            waiting = [p for i, p in enumerate(self._pipes) if i not in replies]
-            ready = wait([*waiting, *sentinels], timeout=timeout_s)
-            if not ready:
-                self._fail("no reply from the group in time")
-            for item in ready:
-                if isinstance(item, int):  # a process sentinel: that rank is gone
-                    rank = sentinels[item]
-                    self._processes[rank].join(timeout=1)  # reaped: its exit code is known
-                    code = self._processes[rank].exitcode
-                    self._fail(f"rank {rank} of the worker group died (exit code {code})")
-                rank = pipes[id(item)]
-                try:
-                    data = item.recv_bytes()
-                except (EOFError, OSError):
-                    self._fail(f"rank {rank} of the worker group died")
+            try:
+                ready = self._group.receive(set(range(self.size)) - set(replies))
+            except WorkerGroupFailed as exc:
+                self._fail(str(exc))
+            for rank, data in ready:
                 if data[:1] == _FAILED:
                     self._fail(f"rank {rank}: {data[1:].decode(errors='replace')}")
                 replies[rank] = data[1:]
@@ -213,15 +203,12 @@ class WorkerGroupExecutor:
 
     def _watch(self) -> None:
         """Between steps too: the first rank to die takes the group down at once."""
-        sentinels = {p.sentinel: i for i, p in enumerate(self._processes)}
-        ready = wait(list(sentinels))
-        if self._closing.is_set():
+        assert self._group is not None
+        died = self._group.wait_for_death()
+        if died is None or self._closing.is_set():
             return
-        dead = sentinels[ready[0]]  # not is_alive(): the stepping thread may reap it first
-        self._processes[dead].join(timeout=1)
-        reason = (
-            f"rank {dead} of the worker group died (exit code {self._processes[dead].exitcode})"
-        )
+        rank, why = died
+        reason = f"rank {rank} of the worker group died ({why})"
         logger.error("%s: stopping the group", reason)
         self._failure = self._failure or reason
         self.kill()
@@ -229,56 +216,32 @@ class WorkerGroupExecutor:
             self.on_failure(reason)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when the driver dies, however it dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() == 1:  # the driver died before we got here
-        os._exit(1)
-
-
-def _rank_main(
-    config: EngineConfig,
-    rank: int,
-    size: int,
-    port: int,
-    pipe: Connection,
-    connector_factory: ConnectorFactory | None,
-) -> None:
-    _die_with_parent()
+def run_rank(job: RankJob, channel: RankChannel) -> None:
+    """A rank's life, wherever it runs: join the group, load its slice, report, then
+    run each plan the driver sends until it says stop or goes away."""
     import torch.distributed as dist
 
     from pdserve.engine.parallel import TensorParallel
     from pdserve.engine.worker import ModelWorker
 
-    backend = "gloo" if config.device == "cpu" else "nccl"
-    if backend == "nccl":
-        config = dataclasses.replace(config, device=f"cuda:{rank}")
+    config, rank, size = job.config, job.rank, job.size
     dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        "gloo" if config.device == "cpu" else "nccl",
+        init_method=f"tcp://{job.master}",
         rank=rank,
         world_size=size,
         timeout=timedelta(seconds=GROUP_TIMEOUT_S),
     )
-    connector = connector_factory(rank, size) if connector_factory is not None else None
-    metadata_type = getattr(connector_factory, "metadata_type", None)
+    factory = job.connector
+    connector = factory(rank, size) if factory is not None else None
+    metadata_type = getattr(factory, "metadata_type", None)
     worker = ModelWorker(config, connector, TensorParallel(rank, size))
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(StepPlan)
     try:
-        pipe.send_bytes(_OK + encoder.encode(worker.load()))
+        channel.send_bytes(_OK + encoder.encode(worker.load()))
         while True:
             try:
-                message = pipe.recv_bytes()
+                message = channel.recv_bytes()
             except EOFError:
                 break  # the driver is gone
             if message[:1] == _STOP:
@@ -287,11 +250,10 @@ def _rank_main(
             if plan.kv_connector is not None and metadata_type is not None:
                 plan.kv_connector = msgspec.convert(plan.kv_connector, metadata_type)
             result = worker.execute(plan)
-            pipe.send_bytes(_OK + encoder.encode(result))
+            channel.send_bytes(_OK + encoder.encode(result))
     except Exception as exc:  # reported to the driver, which ends the group
         logger.exception("rank %d failed", rank)
-        with contextlib.suppress(OSError):
-            pipe.send_bytes(_FAILED + f"{type(exc).__name__}: {exc}".encode())
+        channel.send_bytes(_FAILED + f"{type(exc).__name__}: {exc}".encode())
     finally:
         worker.shutdown()
         dist.destroy_process_group()

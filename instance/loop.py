@@ -30,7 +30,7 @@ import msgspec
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import EngineCore, default_executor
 from pdserve.engine.executor import Executor
-from pdserve.engine.worker_group import WorkerGroupFailed
+from pdserve.engine.ranks import RankLauncher, WorkerGroupFailed
 from pdserve.instance.hooks import TestHooks
 from pdserve.instance.io import InstanceIO
 from pdserve.instance.kinds import Role, role_kind
@@ -42,14 +42,20 @@ logger = logging.getLogger(__name__)
 
 
 class StepLoop:
-    def __init__(self, spec: InstanceSpec, executor: Executor | None = None) -> None:
+    def __init__(
+        self,
+        spec: InstanceSpec,
+        executor: Executor | None = None,
+        ranks: RankLauncher | None = None,
+    ) -> None:
         """`executor`: the ranks behind the seam (default: one rank in this process,
-        with the role's KV connector beside its cache)."""
+        with the role's KV connector beside its cache, or a worker group whose ranks
+        `ranks` starts: child processes unless told otherwise)."""
         self.spec = spec
         self.kind = role_kind(spec.role)
         self.engine_config = EngineConfig.from_kwargs(**spec.engine)
         self.executor = executor or default_executor(
-            self.engine_config, self.kind.connector(spec), self._on_group_failure
+            self.engine_config, self.kind.connector(spec), self._on_group_failure, ranks
         )
         self.hooks = TestHooks() if spec.test_hooks else None
         # Set when a rank of the executor's worker group died: the instance ends.

@@ -1,31 +1,159 @@
-"""A tensor-parallel instance under the Ray launcher reserves a placement group of one
-bundle per rank (its own module: the Ray modules' servers hold the session cluster's CPUs
-while their module runs)."""
+"""A tensor-parallel instance under the Ray launcher: each rank is a Ray actor of its own in
+the instance's STRICT_PACK placement group (one bundle per rank), greedy text equals the
+single-process engine's, and a killed rank actor takes the group down at once (its own
+module: the Ray modules' servers hold the session cluster's CPUs while their module
+runs)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from collections.abc import Iterator
+
 import pytest
 
+from pdserve.scheduler.sampling_params import SamplingParams
 from tests.cluster.conftest import RAY_ENV, ray_list
-from tests.cluster.serving import MODEL, served
+from tests.cluster.serving import MODEL, BackgroundStream, served
+from tests.gateway.server import ServeProcess
 
 pytestmark = pytest.mark.slow
 
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+MAX_TOKENS = 8
+GROUP = "colocated-0-ranks"
 
-def placement_groups(address: str) -> list[dict]:
-    return ray_list("placement-groups", address)
 
-
-def test_a_tensor_parallel_instance_reserves_one_bundle_per_rank(ray_cluster) -> None:
+@pytest.fixture(scope="module")
+def server(ray_cluster: str) -> Iterator[ServeProcess]:
     with served(
         "--mode", "colocated", "--launcher", "ray", "--ray-address", ray_cluster,
-        "--num-colocated", "1", "-tp", "3", "--kv-cache-memory", "64MiB",
-        "--max-model-len", "512", "--enable-test-hooks", env=RAY_ENV,
-    ) as server:  # fmt: skip
-        result = server.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=3)
-        assert result.choices[0].text is not None
-        groups = [g for g in placement_groups(ray_cluster) if g["state"] == "CREATED"]
-        [group] = [g for g in groups if g["name"] == "colocated-0-ranks"]
-        assert len(group["bundles"]) == 3, group
-    left = [g for g in placement_groups(ray_cluster) if g["name"] == "colocated-0-ranks"]
-    assert all(g["state"] == "REMOVED" for g in left)
+        "--num-colocated", "1", "-tp", "3", "--dtype", "float32", "--kv-cache-memory",
+        "64MiB", "--max-model-len", "512", "--enable-test-hooks", env=RAY_ENV,
+    ) as process:  # fmt: skip
+        yield process
+    left = [g for g in ray_list("placement-groups", ray_cluster) if g["name"] == GROUP]
+    assert left and all(g["state"] == "REMOVED" for g in left)
+
+
+@pytest.fixture(scope="module")
+def greedy() -> list[str]:
+    from pdserve import LLM
+
+    llm = LLM(dtype="float32", num_threads=1, kv_cache_memory=64 << 20, max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    return [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
+
+
+def our_group(address: str) -> dict:
+    [group] = [
+        g for g in ray_list("placement-groups", address)
+        if g["name"] == GROUP and g["state"] == "CREATED"
+    ]  # fmt: skip
+    return group
+
+
+def rank_actors(address: str, group_id: str) -> list[dict]:
+    return sorted(
+        (a for a in ray_list("actors", address)
+         if a["class_name"] == "TensorParallelRank" and a["placement_group_id"] == group_id),
+        key=lambda a: a["repr_name"],
+    )  # fmt: skip
+
+
+def test_each_rank_is_an_actor_in_its_bundle_and_serves_the_engines_text(
+    server, ray_cluster, greedy
+) -> None:
+    client = server.openai()
+    for prompt, want in zip(PROMPTS, greedy, strict=True):
+        result = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
+        assert result.choices[0].text == want, prompt
+    group = our_group(ray_cluster)
+    assert len(group["bundles"]) == 3, group
+    import ray  # the session fixture's connection
+
+    table = ray.util.placement_group_table()[group["placement_group_id"]]
+    assert table["strategy"] == "STRICT_PACK", table
+    ranks = rank_actors(ray_cluster, group["placement_group_id"])
+    assert [a["repr_name"] for a in ranks] == [f"colocated-0-rank-{r}" for r in range(3)]
+    assert all(a["state"] == "ALIVE" for a in ranks), ranks
+    assert len({a["pid"] for a in ranks}) == 3  # a process each
+    pg = group["placement_group_id"]
+    for rank, actor in enumerate(ranks):  # in bundle `rank`, its share: 2 CPUs over 3 ranks
+        asked = actor["required_resources"]
+        assert asked.get(f"CPU_group_{rank}_{pg}") == pytest.approx(2 / 3, abs=1e-3), asked
+    [driver] = [
+        a for a in ray_list("actors", ray_cluster)
+        if a["name"] == "colocated-0" and a["state"] == "ALIVE"
+    ]  # fmt: skip
+    assert driver["placement_group_id"] == group["placement_group_id"]
+    assert not [k for k in driver["required_resources"] if k.startswith("CPU")], driver
+    assert driver["pid"] not in {a["pid"] for a in ranks}
+    server.assert_blocks_free_or_cached()
+
+
+def test_a_killed_rank_actor_ends_its_group_and_instance_at_once(server, ray_cluster) -> None:
+    group_id = our_group(ray_cluster)["placement_group_id"]
+    ranks = rank_actors(ray_cluster, group_id)
+    body = {"model": MODEL, "prompt": "Tell a long story", "max_tokens": 400,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    stream = BackgroundStream(server, body)
+    deadline = time.monotonic() + 30
+    while not stream.chunks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stream.chunks, "the stream never started"
+    os.kill(ranks[1]["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    stream.join(timeout_s=15)
+    assert time.monotonic() - killed < 10, "the stream outlived its group by far"
+    assert stream.errors and "lost its worker group" in stream.errors[0], stream.errors
+    assert "rank 1" in stream.errors[0], stream.errors
+    deadline = time.monotonic() + 15
+    while server.get("/health").status_code != 503 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.get("/health").status_code == 503  # its only instance is gone
+    while time.monotonic() < deadline:
+        if all(a["state"] == "DEAD" for a in rank_actors(ray_cluster, group_id)):
+            break
+        time.sleep(0.3)
+    assert all(a["state"] == "DEAD" for a in rank_actors(ray_cluster, group_id))
+    assert not [pid for pid in (a["pid"] for a in ranks) if _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class _Driver:
+    """Stands in for an instance actor: owns a rank actor, as RayRanks makes it."""
+
+    def start_rank(self) -> int:
+        import ray
+
+        from pdserve.cluster.ray_ranks import TensorParallelRank
+
+        self.rank = ray.remote(TensorParallelRank).options(num_cpus=0).remote("orphan-test")
+        return ray.get(self.rank.pid.remote())
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_rank_actors_die_with_their_driver_actor(ray_cluster) -> None:
+    import ray  # the session fixture's connection
+
+    driver = ray.remote(_Driver).options(num_cpus=0).remote()
+    rank_pid = ray.get(driver.start_rank.remote(), timeout=60)
+    assert _alive(rank_pid)
+    os.kill(ray.get(driver.pid.remote(), timeout=30), signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while _alive(rank_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(rank_pid), "a rank actor outlived its driver"

@@ -1,0 +1,300 @@
+"""A worker group's ranks as Ray actors: the Ray `RankLauncher` (engine/ranks.py).
+
+Placement: a tensor-parallel instance reserves one STRICT_PACK placement group per
+pipeline stage (`reserve_rank_groups`; a TP group's ranks talk over loopback, stages may
+land on different nodes), one bundle per rank asking for the rank's share of the
+instance's CPUs (fractional where ranks share cores), its GPU share when the instance
+uses GPUs, and the pool's custom resources. The instance's actor (the group's driver:
+step loop and scheduler) sits in bundle 0 of stage 0 asking for nothing, so rank 0 and
+the rendezvous it binds are on the driver's node. Rank r runs in bundle r % tp of
+stage r // tp's group.
+
+Channel: each rank actor connects a ZMQ DEALER to a ROUTER the driver binds on its
+node's address, and the same small encoded plans and results as the pipes cross it,
+every frame sealed with the deployment secret (`scheduler/wire_auth.py`); no tensor is
+pickled and Ray carries no per-step call. Death: each rank's long-running `serve()`
+call completes only when its rank loop ends or its actor dies (ray.kill, its process
+killed, its node lost: RayActorError, ActorUnavailableError first for a lost node), so
+a thread waiting on those calls ends the group at once. Rank actors are owned by the
+instance's actor: Ray kills them when it dies, and the group kills them when it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+
+import zmq
+
+from pdserve.cluster.launcher import LaunchError
+from pdserve.cluster.ray_cluster import one_line, ray_module
+from pdserve.engine.ranks import RankGroup, RankJob, WorkerGroupFailed
+from pdserve.scheduler.wire_auth import MAX_FRAME_BYTES, SECRET_ENV, Sealer, ensure_secret
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 50  # how often a waiting driver looks at the death flag between frames
+PID_TIMEOUT_S = 30.0
+
+
+def group_name(instance_id: str, stage: int) -> str:
+    return f"{instance_id}-ranks" if stage == 0 else f"{instance_id}-ranks-stage{stage}"
+
+
+def stage_count(engine: dict) -> int:
+    return int(engine.get("pipeline_parallel_size", 1))
+
+
+def reserve_rank_groups(
+    instance_id: str, ranks: int, stages: int, bundle: dict[str, float], timeout_s: float
+) -> list:
+    """One STRICT_PACK placement group of `ranks // stages` bundles per stage, ready."""
+    ray = ray_module()
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    per_stage = ranks // stages
+    groups = [
+        placement_group([dict(bundle) for _ in range(per_stage)], strategy="STRICT_PACK",
+                        name=group_name(instance_id, stage))
+        for stage in range(stages)
+    ]  # fmt: skip
+    ready, _ = ray.wait([g.ready() for g in groups], num_returns=stages, timeout=timeout_s)
+    if len(ready) < stages:
+        for group in groups:
+            with contextlib.suppress(Exception):
+                remove_placement_group(group)
+        raise LaunchError(
+            f"{instance_id}: no node has room for its {per_stage} rank bundles {bundle}"
+            + (f" (x{stages} stages)" if stages > 1 else "")
+        )
+    return groups
+
+
+def driver_options(groups: list) -> dict:
+    """The instance actor's options: beside rank 0, asking for nothing of its own."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    strategy = PlacementGroupSchedulingStrategy(groups[0], placement_group_bundle_index=0)
+    return {"num_cpus": 0, "num_gpus": 0, "scheduling_strategy": strategy}
+
+
+def rank_options(bundle: dict[str, float]) -> dict:
+    """A rank actor asks for all of its bundle: CPUs, GPU share, custom resources."""
+    shape = dict(bundle)
+    return {"num_cpus": shape.pop("CPU", 0), "num_gpus": shape.pop("GPU", 0), "resources": shape}
+
+
+class TensorParallelRank:
+    """One rank of a worker group (what `ray list actors` shows, with its repr)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def __repr__(self) -> str:
+        return self.label
+
+    def serve(self, job: RankJob, driver: str) -> None:
+        """The rank's whole life; returns when the driver says stop."""
+        from pdserve.engine.worker_group import run_rank
+
+        channel = SealedChannel(driver, job.rank)
+        try:
+            run_rank(job, channel)
+        finally:
+            channel.close()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class SealedChannel:
+    """A rank's end: a DEALER to the driver's ROUTER, every frame sealed."""
+
+    def __init__(self, driver: str, rank: int) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, str(rank).encode())
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self.socket.setsockopt(zmq.LINGER, 1000)
+        self.socket.connect(driver)
+        self.sealer = Sealer(name=f"rank {rank}")
+
+    def send_bytes(self, data: bytes) -> None:
+        self.socket.send(self.sealer.seal(data), copy=False)
+
+    def recv_bytes(self) -> bytes:
+        while True:
+            payload = self.sealer.open(self.socket.recv(), "the group's driver")
+            if payload is not None:  # a forged frame is dropped (and logged)
+                return payload
+
+    def close(self) -> None:
+        self.socket.close()
+        self.context.term()
+
+
+class RayRanks:
+    """Starts each rank as a `TensorParallelRank` actor in its bundle."""
+
+    def __init__(self, host: str, instance_id: str, stages: int = 1) -> None:
+        self.host = host  # this node's address: the ROUTER and the rendezvous bind it
+        self.instance_id = instance_id
+        self.stages = stages
+
+    def master_host(self) -> str:
+        return self.host
+
+    def device_of(self, rank: int, device: str) -> str:
+        return "cpu" if device == "cpu" else "cuda"  # Ray shows each rank its own GPU as 0
+
+    def start(self, jobs: list[RankJob]) -> RankGroup:
+        ray = ray_module()
+        from ray.util import get_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        groups = [get_placement_group(group_name(self.instance_id, s)) for s in range(self.stages)]
+        per_stage = len(jobs) // self.stages
+        group = RayRankGroup(self.host)
+        rank_class = ray.remote(TensorParallelRank)
+        for job in jobs:
+            placement = groups[job.rank // per_stage]
+            index = job.rank % per_stage
+            actor = rank_class.options(
+                **rank_options(placement.bundle_specs[index]),
+                max_restarts=0,
+                max_concurrency=2,  # serve() holds one thread; pid() takes the other
+                # The secret rides in the environment, never in the actor's arguments.
+                runtime_env={"env_vars": {SECRET_ENV: ensure_secret()}},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement, placement_group_bundle_index=index
+                ),
+            ).remote(f"{self.instance_id}-rank-{job.rank}")
+            group.add(actor, actor.serve.remote(job, group.address))
+        group.watch()
+        return group
+
+
+class RayRankGroup:
+    """The driver's end: one ROUTER for every rank, and a thread watching the actors."""
+
+    def __init__(self, host: str) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone rank raises
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        port = self.socket.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self.sealer = Sealer(name="worker group driver")
+        self.actors: list = []
+        self.serving: dict = {}  # each rank's serve() call → its rank
+        self.dead: tuple[int, str] | None = None
+        self._death = threading.Event()  # set when a rank died or the group closed
+        self._closed = False
+        self._lock = threading.Lock()  # the socket: the step thread and shutdown
+        self._pids: list[int | None] = []
+        self._heard: set[int] = set()  # ranks whose frames passed the secret check
+
+    def add(self, actor, serving) -> None:
+        self.serving[serving] = len(self.actors)
+        self.actors.append(actor)
+
+    def watch(self) -> None:
+        threading.Thread(target=self._watch, name="tp-ray-ranks-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        ray = ray_module()
+        pending = list(self.serving)
+        while not self._closed:
+            done, _ = ray.wait(pending, num_returns=1, timeout=0.5)
+            if done and not self._closed:
+                self.dead = self.serving[done[0]], self._why(done[0])
+                self._death.set()
+                return
+
+    def _why(self, serving) -> str:
+        ray = ray_module()
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        try:
+            ray.get(serving, timeout=5)
+            return "its rank loop ended"
+        except ActorUnavailableError as exc:
+            return f"its actor is unreachable, its node lost? {one_line(exc)}"
+        except RayActorError as exc:
+            return f"its actor died: {one_line(exc)}"
+        except Exception as exc:  # the rank raised before it could report
+            return one_line(exc)
+
+    # ---- RankGroup ----------------------------------------------------------------------
+
+    def send(self, rank: int, data: bytes) -> None:
+        self._raise_if_dead()
+        try:
+            with self._lock:
+                self.socket.send_multipart([str(rank).encode(), self.sealer.seal(data)])
+        except zmq.ZMQError as exc:
+            reason = f"rank {rank} of the worker group is unreachable: {exc}"
+            raise WorkerGroupFailed(reason) from None
+
+    def receive(self, waiting: set[int]) -> list[tuple[int, bytes]]:
+        while True:
+            self._raise_if_dead()
+            replies = []
+            with self._lock:
+                if self.socket.poll(POLL_MS):
+                    while self.socket.poll(0):
+                        replies.extend(self._open(*self.socket.recv_multipart()))
+            if replies:
+                return replies
+
+    def _open(self, identity: bytes, frame: bytes) -> list[tuple[int, bytes]]:
+        """A rank's frame, checked. Until a rank has been heard from, a refused frame in
+        its name ends the group (a rank with another secret would hang the load);
+        after, it is dropped and logged like any forged frame."""
+        name = identity.decode(errors="replace")
+        payload = self.sealer.open(frame, f"rank {name!r}")
+        if not name.isdigit():
+            return []
+        rank = int(name)
+        if payload is None:
+            if rank not in self._heard:
+                raise WorkerGroupFailed(
+                    f"rank {rank}'s frames fail the deployment secret check (is "
+                    f"{SECRET_ENV} the same on every node?)"
+                )
+            return []
+        self._heard.add(rank)
+        return [(rank, payload)]
+
+    def _raise_if_dead(self) -> None:
+        if self.dead is not None:
+            rank, why = self.dead
+            raise WorkerGroupFailed(f"rank {rank} of the worker group died ({why})")
+
+    def wait_for_death(self) -> tuple[int, str] | None:
+        self._death.wait()
+        return None if self._closed else self.dead
+
+    def pids(self) -> list[int | None]:
+        if not self._pids:
+            ray = ray_module()
+            self._pids = ray.get([a.pid.remote() for a in self.actors], timeout=PID_TIMEOUT_S)
+        return self._pids
+
+    def close(self, timeout_s: float) -> None:
+        self._closed = True
+        self._death.set()
+        ray_module().wait(list(self.serving), num_returns=len(self.serving), timeout=timeout_s)
+        self.kill()
+        with self._lock:
+            self.socket.close()
+            self.context.term()
+
+    def kill(self) -> None:
+        ray = ray_module()
+        for actor in self.actors:
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(actor, no_restart=True)

@@ -1,0 +1,59 @@
+"""The shape of a tensor-parallel instance's Ray resources, on GPUs too (no GPU here: the
+placement group is not reserved, its bundle and the actors' options are inspected)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("ray")
+
+from pdserve.cluster import ray_launcher  # noqa: E402
+from pdserve.cluster.ray_ranks import RayRanks, rank_options  # noqa: E402
+from pdserve.instance.spec import InstanceSpec  # noqa: E402
+
+
+def placement_of(monkeypatch, gpus: float, tp: int) -> tuple[dict, dict]:
+    """(the bundle each rank gets, the instance actor's options)."""
+    launcher = ray_launcher.RayLauncher(
+        num_cpus={"decode-0": 2.0}, num_gpus={"decode-0": gpus},
+        resources={"decode": {"gpu_node": 1.0}},
+    )  # fmt: skip
+    asked: dict = {}
+
+    def reserve(instance_id, ranks, stages, bundle, timeout_s):  # stands in for the GPUs
+        asked.update(instance_id=instance_id, ranks=ranks, stages=stages, bundle=bundle)
+        return ["the stage-0 group"]
+
+    monkeypatch.setattr(ray_launcher, "reserve_rank_groups", reserve)
+    spec = InstanceSpec(
+        instance_id="decode-0", role="decode", gateway_address="tcp://g:1",
+        engine={"tensor_parallel_size": tp},
+    )  # fmt: skip
+    options = launcher._placement(spec)
+    assert (asked["instance_id"], asked["ranks"], asked["stages"]) == ("decode-0", tp, 1)
+    return asked["bundle"], options
+
+
+def test_each_rank_bundle_asks_a_gpu_share_its_cpus_and_the_pools_resources(monkeypatch):
+    bundle, driver = placement_of(monkeypatch, gpus=1.0, tp=2)
+    assert bundle == {"CPU": 1.0, "GPU": 1.0, "gpu_node": 1.0}
+    assert rank_options(bundle) == {"num_cpus": 1.0, "num_gpus": 1.0,
+                                    "resources": {"gpu_node": 1.0}}  # fmt: skip
+    # The instance actor sits beside rank 0 asking for nothing: the ranks hold it all.
+    assert (driver["num_cpus"], driver["num_gpus"]) == (0, 0)
+    strategy = driver["scheduling_strategy"]
+    assert (strategy.placement_group, strategy.placement_group_bundle_index) == (
+        "the stage-0 group", 0,
+    )  # fmt: skip
+
+
+def test_ranks_sharing_cores_get_fractional_cpus_and_no_gpu_on_cpu(monkeypatch):
+    bundle, _ = placement_of(monkeypatch, gpus=0.0, tp=3)
+    assert bundle == {"CPU": pytest.approx(2 / 3), "gpu_node": 1.0}
+    assert rank_options(bundle)["num_gpus"] == 0
+
+
+def test_a_rank_actor_sees_its_gpu_as_device_zero() -> None:
+    ranks = RayRanks("127.0.0.1", "decode-0")
+    assert [ranks.device_of(r, "cuda") for r in range(2)] == ["cuda", "cuda"]
+    assert ranks.device_of(1, "cpu") == "cpu"
