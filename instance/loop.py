@@ -190,8 +190,6 @@ class StepLoop:
             return self._admit(role, task)
         if isinstance(task, wire.AbortTask):
             role.abort(task)
-        elif isinstance(task, wire.ResetTask):
-            self._reset(role, task)
         elif isinstance(task, wire.SnapshotTask):
             self._pending_snapshot = self.require_engine().scheduler.block_cache_snapshot()
         elif isinstance(task, wire.InspectTask):
@@ -219,23 +217,6 @@ class StepLoop:
             message = f"internal error: {type(exc).__name__}: {exc}"
             return wire.error_delta(task.request_id, message, len(task.prompt_token_ids))
         return None
-
-    def _reset(self, role: Role, task: wire.ResetTask) -> None:
-        """The gateway took this instance for dead and dealt with its requests: every
-        one still here is dropped (their blocks freed or quarantined as on an abort),
-        then the new epoch makes the gateway take this instance back. The gateway repeats
-        the task until it hears the new epoch: a repeat must not drop newer requests."""
-        if task.epoch <= self.io.epoch:
-            return
-        request_ids = sorted(role.request_ids())
-        logger.warning(
-            "%s: taken for dead by the gateway; dropping %d requests, rejoining as epoch %d",
-            self.spec.instance_id,
-            len(request_ids),
-            task.epoch,
-        )
-        role.abort(wire.AbortTask(request_ids))
-        self.io.epoch = task.epoch  # after the abort: the new epoch's outputs owe nothing
 
     # ---- stepping ---------------------------------------------------------------------
 
