@@ -174,12 +174,12 @@ class RayLauncher(Launcher):
         ray = self._ray()
         if not ray.is_initialized():
             return
-        for actor in self.actors.values():
+        for actor in list(self.actors.values()):
             with contextlib.suppress(Exception):  # already dead
                 actor.stop.remote()
         if self.run_refs:
             ray.wait(list(self.run_refs), num_returns=len(self.run_refs), timeout=STOP_GRACE_S)
-        for actor in self.actors.values():
+        for actor in list(self.actors.values()):
             with contextlib.suppress(Exception):
                 ray.kill(actor)
         for group in self.placement_groups.values():

@@ -166,6 +166,8 @@ class ActorWatch:
         with self._lock:
             self.launcher.actors[instance_id] = actor
             self._calls[actor.load.remote()] = _Call(instance_id, actor, on_ready, time.monotonic())
+        if self.launcher.stopping.is_set():  # shutdown began meanwhile, maybe past this one
+            self._kill(actor)
 
     def _create_named(self, spec: InstanceSpec) -> object | None:
         """The actor, or None (reported) if it cannot be created."""
