@@ -225,7 +225,7 @@ class StepLoop:
             return role.step()
         except WorkerGroupFailed as exc:  # the ranks are gone: this instance cannot go on
             self.failure = str(exc)
-            return self._fail_all(f"instance {self.spec.instance_id} lost its worker group: {exc}")
+            return []  # its requests go on elsewhere once it exited (`_end_after_failure`)
         except Exception as exc:  # a broken step must not take the instance down
             logger.exception("%s: engine step failed", self.spec.instance_id)
             return self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
@@ -236,10 +236,15 @@ class StepLoop:
         self.io.wake()
 
     def _end_after_failure(self) -> None:
-        """Fails what is left, says so, and stops the loop (the process then exits 1)."""
-        logger.error("%s: %s; stopping", self.spec.instance_id, self.failure)
-        message = f"instance {self.spec.instance_id} lost its worker group: {self.failure}"
-        self.flush(self._fail_all(message))
+        """Stops the loop (the process then exits 1) without failing a request: its exit
+        is the launcher's news, and the gateway sends the requests that still need this
+        instance elsewhere (retried, or migrated with their output so far) within
+        `--max-request-retries`; the supervisor starts a new instance with new ranks."""
+        logger.error(
+            "%s: lost its worker group: %s; exiting so that its requests go on elsewhere",
+            self.spec.instance_id,
+            self.failure,
+        )
         self._stopped.set()
 
     def _fail_all(self, message: str) -> list[wire.RequestDelta]:
