@@ -81,14 +81,11 @@ class Supervisor:
         logger.warning("%s: restarting in %g s (epoch %d)", instance_id, delay, epoch)
 
     def fence(self, instance_id: str) -> None:
-        """The gateway fenced the instance (its epoch retired): kill it, off the caller's
-        thread (a kill may wait on Ray); its exit then restarts it. Any thread."""
+        """The gateway fenced the instance (its epoch retired): kill it; its exit then
+        restarts it. Called on the gateway's loop, where exits are handled too, so the
+        kill never reaches a replacement (a kill is a signal, or one quick call to Ray)."""
         if self.launcher.stopping.is_set():
             return
-        thread = threading.Thread(target=self._kill, args=(instance_id,), daemon=True)
-        thread.start()
-
-    def _kill(self, instance_id: str) -> None:
         if self.launcher.kill_instance(instance_id):
             logger.warning("%s: fenced, killed; its replacement starts next", instance_id)
         else:
