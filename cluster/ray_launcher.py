@@ -182,7 +182,7 @@ class RayLauncher(Launcher):
         for actor in list(self.actors.values()):
             with contextlib.suppress(Exception):
                 ray.kill(actor)
-        for group in self.placement_groups.values():
+        for group in list(self.placement_groups.values()):
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(group)
         self.actor_watch.join()
