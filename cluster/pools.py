@@ -50,7 +50,7 @@ class Pools:
             instance_id = f"{role}-{self._next[role]}"
             spec = msgspec.structs.replace(template, instance_id=instance_id, epoch=0)
             if not self.launcher.start_instance(spec, self.on_ready):
-                raise ValueError("this launcher cannot start instances (--launcher local can)")
+                raise ValueError("this launcher cannot start instances")
             self._next[role] += 1
             self.supervisor.add(spec)
             started.append(instance_id)

@@ -63,6 +63,7 @@ class ActorWatch:
         self._lock = threading.Lock()
         self._on_exit: ExitCallback | None = None
         self._thread: threading.Thread | None = None
+        self._stopped: set[str] = set()  # drained for good (an id is never reused)
 
     # ---- watching ---------------------------------------------------------------------
 
@@ -110,6 +111,9 @@ class ActorWatch:
             return
         if call.on_ready is None:
             self._gone(call, "its step loop ended")
+            return
+        if call.instance_id in self._stopped:  # drained while it was being started again
+            self._gone(call, "stopped while it loaded")
             return
         call.on_ready(msgspec.json.decode(result, type=InstanceInfo))
         run = call.actor.run.remote()
@@ -166,7 +170,9 @@ class ActorWatch:
         with self._lock:
             self.launcher.actors[instance_id] = actor
             self._calls[actor.load.remote()] = _Call(instance_id, actor, on_ready, time.monotonic())
-        if self.launcher.stopping.is_set():  # shutdown began meanwhile, maybe past this one
+        # Shutdown began, or it was drained, meanwhile (maybe past this actor): its load
+        # then fails, and its end is reported as any other.
+        if self.launcher.stopping.is_set() or instance_id in self._stopped:
             self._kill(actor)
 
     def _create_named(self, spec: InstanceSpec) -> object | None:
@@ -193,6 +199,7 @@ class ActorWatch:
     def stop_instance(self, instance_id: str) -> bool:
         """Asks its step loop to end (drained: nothing left to finish), killed after a
         grace period; one still loading is killed at once."""
+        self._stopped.add(instance_id)
         actor = self.launcher.actors.get(instance_id)
         if actor is None:
             return False
