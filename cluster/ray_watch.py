@@ -106,8 +106,12 @@ class ActorWatch:
         try:
             result = ray.get(ref)
         except Exception as exc:  # RayActorError (died, unavailable), or a failed load
-            what = "failed to load" if call.on_ready is not None else "the actor died"
-            self._gone(call, f"{what}: {one_line(exc)}")
+            if call.on_ready is None:
+                self._gone(call, f"the actor died: {one_line(exc)}")
+                return
+            # (e.g. placed on a node whose loss Ray had not noticed yet)
+            logger.warning("%s: its actor failed to load: %s", call.instance_id, one_line(exc))
+            self._gone(call, f"failed to load: {one_line(exc)}")
             return
         if call.on_ready is None:
             self._gone(call, "its step loop ended")
