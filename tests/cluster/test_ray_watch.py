@@ -13,6 +13,7 @@ import pytest
 
 from pdserve.cluster import ray_watch
 from pdserve.instance.spec import InstanceSpec
+from pdserve.scheduler.wire_auth import SECRET_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -23,6 +24,7 @@ def test_an_actor_no_node_can_take_waits_without_blocking_and_stops_at_once(
     from pdserve.cluster.ray_launcher import RayLauncher
 
     monkeypatch.setattr(ray_watch, "PLACEMENT_NOTE_S", 0.5)
+    monkeypatch.setenv(SECRET_ENV, "ab" * 32)  # what the actor would get; not left behind
     launcher = RayLauncher(
         address=ray_cluster, num_cpus={"decode-0": 0.1}, resources={"decode": {"nowhere": 1.0}}
     )
