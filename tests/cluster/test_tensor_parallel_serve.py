@@ -58,46 +58,48 @@ def test_mixed_tp_sizes_serve_the_single_engines_text(greedy, sizes) -> None:
         assert _kv_bytes(metrics, "decode") == _kv_bytes(metrics, "prefill")
 
 
-def test_a_killed_rank_ends_its_instance_and_its_stream_goes_on_elsewhere() -> None:
-    args = (*LOCAL, "--mode", "colocated", "--num-colocated", "2", "-tp", "3", "--dtype",
-            "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "512")  # fmt: skip
+def test_a_killed_rank_ends_its_instance_which_fails_no_request_itself() -> None:
+    """The instance exits rather than fail its requests: the gateway handles them as for
+    any exit (migrated while another instance lives: test_recovery.py; here none does,
+    so the stream ends saying its instance's process exited), and it is restarted."""
+    args = (*LOCAL, "--mode", "colocated", "--num-colocated", "1", "-tp", "3",
+            "--kv-cache-memory", "64MiB", "--max-model-len", "512")  # fmt: skip
     with served(*args) as server:
         client = server.openai()
-        request = {"model": MODEL, "prompt": "Tell a long story", "max_tokens": 60,
-                   "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
-        expected = client.completions.create(**request).choices[0].text
-        text: list[str] = []
+        assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
+        ranks = _rank_pids(server.process.pid)
+        assert len(ranks) == 3
+        outcome: dict[str, object] = {}
 
         def stream() -> None:
-            for chunk in client.completions.create(**request, stream=True):
-                text.append(chunk.choices[0].text)
+            try:
+                for _ in client.completions.create(
+                    model=MODEL, prompt="Tell a long story", max_tokens=400, stream=True,
+                    extra_body={"ignore_eos": True},
+                ):  # fmt: skip
+                    outcome["started"] = True
+            except Exception as exc:  # noqa: BLE001 - the test inspects it
+                outcome["error"] = str(exc)
 
         worker = threading.Thread(target=stream)
         worker.start()
         deadline = time.monotonic() + 30
-        while not (len(text) >= 2 and (owner := _owner(server))):
-            assert time.monotonic() < deadline, "the stream did not start"
+        while "started" not in outcome and time.monotonic() < deadline:
             time.sleep(0.05)
-        ranks = _rank_pids(server.instances()[owner]["pid"])
-        assert len(ranks) == 3
+        pid = server.instances()["colocated-0"]["pid"]
         os.kill(ranks[1], signal.SIGKILL)
-        worker.join(timeout=60)
+        worker.join(timeout=15)
         assert not worker.is_alive(), "the stream hung after a rank died"
-        assert "".join(text) == expected  # migrated to the other instance, no error
+        error = str(outcome.get("error"))
+        assert "failed mid-request: its process exited with code 1" in error, outcome
         deadline = time.monotonic() + 15
-        while _alive(ranks) and time.monotonic() < deadline:
+        while _alive([*ranks, pid]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(ranks)  # the instance exited with its group
-        metrics = server.get("/metrics").text
-        assert re.search(r"^pdserve:requests_migrated_total 1\.0$", metrics, re.M)
-
-
-def _owner(server) -> str | None:
-    """The instance the one request in flight runs on, once it streams."""
-    for instance_id, found in server.instances().items():
-        if found["in_flight"] and found["alive"]:
-            return instance_id
-    return None
+        assert not _alive([*ranks, pid])  # the instance with its group
+        deadline = time.monotonic() + 60
+        while server.instances()["colocated-0"]["pid"] == pid:
+            assert time.monotonic() < deadline, "colocated-0 was not started again"
+            time.sleep(0.2)
 
 
 def _rank_pids(root: int) -> list[int]:
