@@ -144,6 +144,8 @@ class LocalLauncher(Launcher):
     # ---- watching ---------------------------------------------------------------------
 
     def watch(self, on_exit: ExitCallback) -> None:
+        last_words: dict[str, str] = {}  # why an instance is about to exit, in its words
+
         def run() -> None:
             while not self.stopping.is_set():
                 try:
@@ -153,10 +155,13 @@ class LocalLauncher(Launcher):
                 if kind == "ready" and instance_id in self._starting:
                     on_ready = self._starting.pop(instance_id)
                     on_ready(msgspec.json.decode(payload, type=InstanceInfo))
+                elif kind == "failed":
+                    last_words[instance_id] = payload
                 elif kind == "eof" and not self.stopping.is_set():
                     self._starting.pop(instance_id, None)  # died while loading
                     code = self.processes[instance_id].wait()
-                    on_exit(instance_id, f"its process exited with code {code}")
+                    why = last_words.pop(instance_id, None)
+                    on_exit(instance_id, why or f"its process exited with code {code}")
 
         self._watcher = threading.Thread(target=run, name="local-launcher-watch", daemon=True)
         self._watcher.start()

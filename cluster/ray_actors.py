@@ -32,8 +32,9 @@ class _InstanceActor:
         """Loads the weights; returns the InstanceInfo as JSON."""
         return msgspec.json.encode(self.loop.load())
 
-    def run(self) -> None:
-        self.loop.run()
+    def run(self) -> str | None:
+        """Returns when the loop ends: None after `stop()`, else why it ended."""
+        return self.loop.run()
 
     def stop(self) -> None:
         self.loop.stop()

@@ -114,7 +114,7 @@ class ActorWatch:
             self._gone(call, f"failed to load: {one_line(exc)}")
             return
         if call.on_ready is None:
-            self._gone(call, "its step loop ended")
+            self._gone(call, result if isinstance(result, str) else "its step loop ended")
             return
         if call.instance_id in self._stopped:  # drained while it was being started again
             self._gone(call, "stopped while it loaded")

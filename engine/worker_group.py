@@ -49,6 +49,7 @@ __all__ = ["WorkerGroupExecutor", "WorkerGroupFailed", "run_rank"]
 
 _PLAN, _STOP, _OK, _FAILED = b"P", b"S", b"K", b"E"
 GROUP_TIMEOUT_S = 120.0  # a collective that waits longer than this has lost a peer
+DEATH_GRACE_S = 1.0  # how long a failed step waits to learn whether a rank died
 
 
 class WorkerGroupExecutor:
@@ -69,6 +70,7 @@ class WorkerGroupExecutor:
         self._group: RankGroup | None = None
         self._lock = threading.Lock()  # one step at a time on the channels
         self._closing = threading.Event()
+        self._death_named = threading.Event()  # the watcher saw a rank die
         self._failure: str | None = None
         self._grammars: Any = None
         self.rank_infos: list[WorkerInfo] = []  # what each rank reported when it loaded
@@ -188,6 +190,9 @@ class WorkerGroupExecutor:
                 self._fail(str(exc))
             for rank, data in ready:
                 if data[:1] == _FAILED:
+                    # A collective that fails is most often a peer that died: give the
+                    # watcher a moment to name it, the cause rather than the symptom.
+                    self._death_named.wait(DEATH_GRACE_S)
                     self._fail(f"rank {rank}: {data[1:].decode(errors='replace')}")
                 replies[rank] = data[1:]
         return [replies[i] for i in range(self.size)]
@@ -211,6 +216,7 @@ class WorkerGroupExecutor:
         reason = f"rank {rank} of the worker group died ({why})"
         logger.error("%s: stopping the group", reason)
         self._failure = self._failure or reason
+        self._death_named.set()
         self.kill()
         if self.on_failure is not None:
             self.on_failure(reason)

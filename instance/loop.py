@@ -113,14 +113,16 @@ class StepLoop:
             epoch=self.io.epoch,
         )
 
-    def run(self) -> None:
-        """The step loop; returns after `stop()`, having sent what it owed."""
+    def run(self) -> str | None:
+        """The step loop; returns after `stop()`, having sent what it owed, or after its
+        worker group was lost: then with the reason (the launcher's news of its end)."""
         self.require_role()
         try:
             while not self._stopped.is_set():
                 self.run_once()
         finally:
             self.close()
+        return None if self.failure is None else f"it lost its worker group: {self.failure}"
 
     def stop(self) -> None:
         """Thread-safe: the loop ends after its current step."""

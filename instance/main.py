@@ -78,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: loop.stop())
     print(READY_PREFIX + msgspec.json.encode(info).decode(), flush=True)
-    loop.run()
-    return 1 if loop.failure is not None else 0
+    ended = loop.run()
+    if ended is not None:
+        print(f"{FAILED_PREFIX}{' '.join(ended.split())}", flush=True)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

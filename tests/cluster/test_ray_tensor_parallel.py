@@ -95,7 +95,9 @@ def test_each_rank_is_an_actor_in_its_bundle_and_serves_the_engines_text(
     server.assert_blocks_free_or_cached()
 
 
-def test_a_killed_rank_actor_ends_its_group_and_instance_at_once(server, ray_cluster) -> None:
+def test_a_killed_rank_actor_ends_its_group_and_the_instance_is_started_again(
+    server, ray_cluster, greedy
+) -> None:
     group_id = our_group(ray_cluster)["placement_group_id"]
     ranks = rank_actors(ray_cluster, group_id)
     body = {"model": MODEL, "prompt": "Tell a long story", "max_tokens": 400,
@@ -109,18 +111,29 @@ def test_a_killed_rank_actor_ends_its_group_and_instance_at_once(server, ray_clu
     killed = time.monotonic()
     stream.join(timeout_s=15)
     assert time.monotonic() - killed < 10, "the stream outlived its group by far"
+    # Its only instance is gone, so the stream cannot move: it ends with the reason.
     assert stream.errors and "lost its worker group" in stream.errors[0], stream.errors
     assert "rank 1" in stream.errors[0], stream.errors
     deadline = time.monotonic() + 15
-    while server.get("/health").status_code != 503 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert server.get("/health").status_code == 503  # its only instance is gone
     while time.monotonic() < deadline:
         if all(a["state"] == "DEAD" for a in rank_actors(ray_cluster, group_id)):
             break
         time.sleep(0.3)
     assert all(a["state"] == "DEAD" for a in rank_actors(ray_cluster, group_id))
     assert not [pid for pid in (a["pid"] for a in ranks) if _alive(pid)]
+    # The supervisor starts it again: new placement group, three new rank actors.
+    deadline = time.monotonic() + 90
+    while server.get("/health").status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert server.get("/health").status_code == 200, server.log()
+    fresh = our_group(ray_cluster)["placement_group_id"]
+    assert fresh != group_id
+    assert [a["state"] for a in rank_actors(ray_cluster, fresh)] == ["ALIVE"] * 3
+    client = server.openai()
+    result = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert result.choices[0].text == greedy[0]
 
 
 def _alive(pid: int) -> bool:

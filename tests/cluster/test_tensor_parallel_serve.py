@@ -77,7 +77,7 @@ def test_mixed_tp_sizes_serve_the_single_engines_text(greedy, sizes) -> None:
 def test_a_killed_rank_ends_its_instance_which_fails_no_request_itself() -> None:
     """The instance exits rather than fail its requests: the gateway handles them as for
     any exit (migrated while another instance lives: test_recovery.py; here none does,
-    so the stream ends saying its instance's process exited), and it is restarted."""
+    so the stream ends naming the rank its instance lost), and it is restarted."""
     args = (*LOCAL, "--mode", "colocated", "--num-colocated", "1", "-tp", "3",
             "--kv-cache-memory", "64MiB", "--max-model-len", "512")  # fmt: skip
     with served(*args) as server:
@@ -107,7 +107,7 @@ def test_a_killed_rank_ends_its_instance_which_fails_no_request_itself() -> None
         worker.join(timeout=15)
         assert not worker.is_alive(), "the stream hung after a rank died"
         error = str(outcome.get("error"))
-        assert "failed mid-request: its process exited with code 1" in error, outcome
+        assert "failed mid-request: it lost its worker group: rank 1" in error, outcome
         deadline = time.monotonic() + 15
         while _alive([*ranks, pid]) and time.monotonic() < deadline:
             time.sleep(0.1)
