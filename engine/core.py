@@ -76,9 +76,10 @@ def default_executor(
     connector: ConnectorFactory | None = None,
     on_failure: Callable[[str], None] | None = None,
 ) -> Executor:
-    """One rank in this process, or a worker group of `tensor_parallel_size` processes
-    (`on_failure`: told when the group dies between steps), each rank with its connector."""
-    if config.tensor_parallel_size > 1:
+    """One rank in this process, or a worker group of `tensor_parallel_size` ×
+    `pipeline_parallel_size` processes (`on_failure`: told when the group dies between
+    steps), each rank with its connector."""
+    if config.world_size > 1:
         from pdserve.engine.worker_group import WorkerGroupExecutor
 
         return WorkerGroupExecutor(config, connector, on_failure)

@@ -1,4 +1,5 @@
-"""A tensor-parallel worker group: one process per rank behind the executor seam.
+"""A tensor- and pipeline-parallel worker group: one process per rank behind the
+executor seam.
 
 The driver (an instance's step loop, or the offline `LLM`) keeps the step scheduler;
 each rank is a child process holding its slice of the weights and of the KV heads
@@ -7,6 +8,9 @@ NCCL on GPU). Per step the driver writes the same encoded `StepPlan` to every ra
 pipe; the ranks run the model together (all-reduces inside it), every rank samples the
 same tokens from the same gathered logits (so their request mirrors agree), and each
 sends back its `StepResult`: the driver takes rank 0's tokens and every rank's KV report.
+With pipeline stages (`engine/pipeline.py`) the group holds tp × pp ranks, stage-major;
+the stages pass hidden states to each other within the step, and the tokens come from
+the last stage's first rank.
 
 A rank that dies takes the group with it: the driver notices at once (its process
 sentinel, even between steps), kills every other rank and fails the step; ranks die with
@@ -27,13 +31,12 @@ import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import msgspec
 
-from pdserve.engine.config import EngineConfig, check_tp_size
+from pdserve.engine.config import EngineConfig, check_pp_size, check_tp_size
 from pdserve.engine.executor import ConnectorFactory
 from pdserve.engine.plan import StepPlan, StepResult, WorkerInfo
 from pdserve.scheduler.structured_output import StructuredOutput
@@ -56,7 +59,9 @@ class WorkerGroupExecutor:
         on_failure: Callable[[str], None] | None = None,
     ):
         self.config = config
-        self.size = config.tensor_parallel_size
+        self.size = config.world_size  # tp ranks per stage, stage after stage
+        # The rank whose tokens (and logprobs) the driver takes: the last stage's first.
+        self._sampling_rank = self.size - config.tensor_parallel_size
         self.connector = connector  # built in each rank's process
         self._report_type = getattr(connector, "report_type", None)
         # Called once, from the watcher thread, when a rank dies between steps.
@@ -110,8 +115,12 @@ class WorkerGroupExecutor:
 
         mc = load_model_config(self.config.model or embedded_model_path())
         check_tp_size(
-            self.size, mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size
+            self.config.tensor_parallel_size,
+            mc.num_attention_heads,
+            mc.num_key_value_heads,
+            mc.intermediate_size,
         )
+        check_pp_size(self.config.pipeline_parallel_size, mc.num_hidden_layers)
 
     @property
     def rank_pids(self) -> list[int | None]:
@@ -136,10 +145,12 @@ class WorkerGroupExecutor:
         reports = [report for result in results for report in result.kv_reports]
         if self._report_type is not None:  # decoded as plain data: back to the connector's type
             reports = [msgspec.convert(r, self._report_type) for r in reports]
+        sampler = results[self._sampling_rank]
         return StepResult(
-            sampled=results[0].sampled,
+            sampled=sampler.sampled,
             kv_reports=reports,
-            collective_seconds=results[0].collective_seconds,
+            collective_seconds=sampler.collective_seconds,
+            stage_transfer_seconds=max(r.stage_transfer_seconds for r in results),
         )
 
     def prepare_grammar(self, spec: StructuredOutput) -> Future[Any]:
@@ -257,22 +268,13 @@ def _rank_main(
     _die_with_parent()
     import torch.distributed as dist
 
-    from pdserve.engine.parallel import TensorParallel
+    from pdserve.engine.pipeline import join_group
     from pdserve.engine.worker import ModelWorker
 
-    backend = "gloo" if config.device == "cpu" else "nccl"
-    if backend == "nccl":
-        config = dataclasses.replace(config, device=f"cuda:{rank}")
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=size,
-        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
-    )
-    connector = connector_factory(rank, size) if connector_factory is not None else None
+    config, tp, stage = join_group(config, rank, port, GROUP_TIMEOUT_S)
+    connector = connector_factory(tp.rank, tp.size) if connector_factory is not None else None
     metadata_type = getattr(connector_factory, "metadata_type", None)
-    worker = ModelWorker(config, connector, TensorParallel(rank, size))
+    worker = ModelWorker(config, connector, tp, stage)
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(StepPlan)
     try:
         pipe.send_bytes(_OK + encoder.encode(worker.load()))
