@@ -116,7 +116,9 @@ class RayLauncher(Launcher):
         cpus = self.num_cpus.get(spec.instance_id, 1.0)
         gpus = self.num_gpus.get(spec.instance_id, 0.0)
         custom = self.resources.get(spec.role, {})
-        ranks = int(spec.engine.get("tensor_parallel_size", 1))
+        ranks = int(spec.engine.get("tensor_parallel_size", 1)) * int(
+            spec.engine.get("pipeline_parallel_size", 1)
+        )
         if ranks <= 1:
             return {"num_cpus": cpus, "num_gpus": gpus, "resources": custom}
         if gpus:

@@ -1,0 +1,113 @@
+"""Pipeline-parallel worker groups on CPU (gloo): stages of contiguous layers compute
+what the whole model does (alone and with TP inside each stage), each stage holds only
+its layers, a size above the layer count is refused in one line, a step's chunks split
+into micro-batches, and a rank that dies takes its group down."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from pdserve.engine.config import PipelineParallelError, stage_layers
+from pdserve.engine.pipeline import micro_batches
+from pdserve.engine.worker_group import WorkerGroupFailed
+from pdserve.scheduler.outputs import ScheduledChunk
+from pdserve.scheduler.sampling_params import SamplingParams
+from tests.engine.test_tensor_parallel import PROMPTS, _assert_same, _gone, _llm, _run, qwen3
+
+__all__ = ["qwen3"]  # the tiny random Qwen3 fixture (2 layers, 4 KV heads), shared
+
+
+def _pp(model: str | None, tp: int, pp: int, **kwargs):
+    return _llm(model, tp, pipeline_parallel_size=pp, **kwargs)
+
+
+@pytest.mark.slow
+def test_pp2_and_tp2_pp2_compute_what_tp1_does_on_a_tiny_qwen3(qwen3) -> None:
+    whole_llm = _llm(qwen3, 1)
+    whole = _run(whole_llm, PROMPTS)
+    whole_weights = whole_llm.engine.info.weight_bytes
+    for tp in (1, 2):
+        split_llm = _pp(qwen3, tp, 2)
+        _assert_same(whole, _run(split_llm, PROMPTS), 1e-4)
+        ranks = split_llm.engine.executor.rank_infos
+        split_llm.engine.shutdown()
+        assert len(ranks) == 2 * tp
+        # Stage 0: the embedding and layer 0; stage 1: layer 1, the norm and the head.
+        assert [r.kv.first_layer for r in ranks] == [0] * tp + [1] * tp
+        assert all(r.kv.num_layers == 1 and r.kv.model_layers == 2 for r in ranks)
+        assert all(r.weight_bytes <= 0.6 * whole_weights / tp for r in ranks), (
+            [r.weight_bytes for r in ranks], whole_weights)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_pp2_on_the_embedded_model() -> None:
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    whole = _run(_llm(None, 1), prompts)
+    split_llm = _pp(None, 1, 2)
+    _assert_same(whole, _run(split_llm, prompts), 1e-4)
+    split_llm.engine.shutdown()
+
+
+def test_a_pp_size_above_the_layer_count_is_refused_in_one_line(qwen3) -> None:
+    started = time.monotonic()
+    with pytest.raises(PipelineParallelError) as refused:
+        _pp(qwen3, 1, 3)
+    message = str(refused.value)
+    assert "\n" not in message and "3 exceeds the model's 2 layers" in message
+    assert time.monotonic() - started < 5  # refused before any rank process started
+
+
+def test_stages_split_the_layers_contiguously_and_unevenly() -> None:
+    assert [stage_layers(30, 4, s) for s in range(4)] == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    assert [stage_layers(2, 2, s) for s in range(2)] == [(0, 1), (1, 2)]
+
+
+class _Request:
+    def __init__(self, n: int) -> None:
+        self.request_id, self.num_computed_tokens = f"r{n}", 0
+
+
+def test_a_step_splits_into_micro_batches_of_whole_requests_balanced_by_tokens() -> None:
+    def chunks(*sizes: int) -> list[ScheduledChunk]:
+        return [ScheduledChunk(_Request(i), 0, n, []) for i, n in enumerate(sizes)]
+
+    def sizes(groups) -> list[list[int]]:
+        return [[c.num_new_tokens for c in g] for g in groups]
+
+    assert sizes(micro_batches(chunks(1, 1, 1, 1), 2)) == [[1, 1], [1, 1]]
+    assert sizes(micro_batches(chunks(1, 1, 1), 4)) == [[1], [1], [1]]  # fewer than stages
+    assert sizes(micro_batches(chunks(40, 1, 1, 1), 2)) == [[40], [1, 1, 1]]
+    assert sizes(micro_batches(chunks(1, 1, 1, 40), 2)) == [[1, 1, 1], [40]]
+    assert sizes(micro_batches(chunks(5), 2)) == [[5]]
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_takes_the_pipeline_group_down(qwen3) -> None:
+    llm = _pp(qwen3, 1, 2, max_num_seqs=4)
+    pids = llm.engine.executor.rank_pids
+    failure: list[BaseException] = []
+
+    def generate() -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        try:
+            llm.generate([PROMPTS[1]] * 4, params)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            failure.append(exc)
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    time.sleep(1.0)  # under way
+    os.kill(pids[0], signal.SIGKILL)  # the first stage: the last one waits on its sends
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "generation hung after a rank died"
+    assert failure and isinstance(failure[0], WorkerGroupFailed), failure
+    assert "rank 0" in str(failure[0])
+    deadline = time.monotonic() + 10
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(pid) for pid in pids)
