@@ -34,6 +34,7 @@ class EngineStats:
     mixed_steps: int = 0  # steps that ran prefill chunks beside decodes
     model_seconds: float = 0.0
     collective_seconds: float = 0.0  # of model_seconds: tensor-parallel collectives (rank 0)
+    stage_transfer_seconds: float = 0.0  # of model_seconds: sends/receives between stages
 
 
 class StepPlanner:
@@ -255,6 +256,7 @@ class EngineCore:
             return failed, result.kv_reports
         self.stats.model_seconds += time.perf_counter() - started
         self.stats.collective_seconds += result.collective_seconds
+        self.stats.stage_transfer_seconds += result.stage_transfer_seconds
         self._count(output)
         sampled = {s.request_id: s.token_id for s in result.sampled}
         self.scheduler.update_from_output(output, sampled)
