@@ -173,6 +173,7 @@ def run_stage(worker: ModelWorker, chunks: list[ScheduledChunk]) -> list[Sampled
     stage, model = worker.stage, worker.model
     hidden_size = model.cfg.hidden_size
     sends: list[Any] = []
+    in_flight: list[Tensor] = []  # what the sends read, alive until they complete
     sampled: list[SampledToken] = []
     sampling = []
     for group in micro_batches(chunks, stage.size):
@@ -185,6 +186,7 @@ def run_stage(worker: ModelWorker, chunks: list[ScheduledChunk]) -> list[Sampled
         sampling.extend(batch.sampling_requests)
         if not stage.is_last:
             sends.append(stage.send(out))
+            in_flight.append(out)
         elif batch.sampling_requests:
             logits = model.compute_logits(out[batch.logits_indices])
             sampled.extend(worker.sample(logits, batch.sampling_requests))

@@ -142,7 +142,6 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.tp = tp = tp or TensorParallel()
         self.stage = stage = stage or PipelineStage.of(cfg.num_hidden_layers)
-        self.hidden_dtype = torch.get_default_dtype()  # what flows between stages
         vocab_rows = tp.vocab_rows(cfg.vocab_size)[2]
         tied_head = stage.is_last and cfg.tie_word_embeddings
         self.embed = (
@@ -166,6 +165,12 @@ class LlamaForCausalLM(nn.Module):
             ),
             persistent=False,
         )
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        """The compute dtype: what flows between layers and stages (the embedding table
+        may be stored narrower, precision.py); every stage holds at least one layer."""
+        return self.layers[0].input_norm.weight.dtype
 
     @property
     def sliding_window(self) -> int | None:
