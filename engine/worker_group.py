@@ -209,9 +209,22 @@ class WorkerGroupExecutor:
                 except (EOFError, OSError):
                     self._fail(f"rank {rank} of the worker group died")
                 if data[:1] == _FAILED:
-                    self._fail(f"rank {rank}: {data[1:].decode(errors='replace')}")
+                    reason = f"rank {rank}: {data[1:].decode(errors='replace')}"
+                    self._fail(self._killed_rank() or reason)
                 replies[rank] = data[1:]
         return [replies[i] for i in range(self.size)]
+
+    def _killed_rank(self, within_s: float = 1.0) -> str | None:
+        """A rank's failed collective is mostly a peer that died (a pipeline stage hears
+        of it before the driver sees the process end): name that one if there is one."""
+        sentinels = {p.sentinel: i for i, p in enumerate(self._processes)}
+        for sentinel in wait(list(sentinels), timeout=within_s):
+            rank = sentinels[sentinel]
+            self._processes[rank].join(timeout=1)
+            code = self._processes[rank].exitcode
+            if code not in (0, None):  # a rank that reported its failure exits with 0
+                return f"rank {rank} of the worker group died (exit code {code})"
+        return None
 
     def _fail(self, reason: str) -> None:
         self._failure = self._failure or reason

@@ -6,13 +6,16 @@ into micro-batches, and a rank that dies takes its group down."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
 
 import pytest
+import torch
 
 from pdserve.engine.config import PipelineParallelError, stage_layers
+from pdserve.engine.embedded import embedded_model_path
 from pdserve.engine.pipeline import micro_batches
 from pdserve.engine.worker_group import WorkerGroupFailed
 from pdserve.scheduler.outputs import ScheduledChunk
@@ -42,6 +45,37 @@ def test_pp2_and_tp2_pp2_compute_what_tp1_does_on_a_tiny_qwen3(qwen3) -> None:
         assert all(r.kv.num_layers == 1 and r.kv.model_layers == 2 for r in ranks)
         assert all(r.weight_bytes <= 0.6 * whole_weights / tp for r in ranks), (
             [r.weight_bytes for r in ranks], whole_weights)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def odd_qwen3(tmp_path_factory) -> str:
+    """3 layers (stages of 2 and 1) and a tied head (the last stage holds the table too)."""
+    import transformers as tf
+
+    torch.manual_seed(1)
+    config = tf.Qwen3Config(
+        vocab_size=1001, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+        max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("qwen3") / "odd"
+    tf.Qwen3ForCausalLM(config).eval().save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(embedded_model_path() / name, folder / name)
+    return str(folder)
+
+
+@pytest.mark.slow
+def test_uneven_stages_with_a_tied_head_and_chunked_prompts(odd_qwen3) -> None:
+    prompts = [*PROMPTS, [4] * 70]  # 70 tokens: chunks of 32, mid-prompt steps sample nothing
+    whole = _run(_llm(odd_qwen3, 1, max_num_batched_tokens=32), prompts)
+    split_llm = _pp(odd_qwen3, 1, 2, max_num_batched_tokens=32)
+    _assert_same(whole, _run(split_llm, prompts), 1e-4)
+    ranks = split_llm.engine.executor.rank_infos
+    split_llm.engine.shutdown()
+    assert [(r.kv.first_layer, r.kv.num_layers) for r in ranks] == [(0, 2), (2, 1)]
+    assert ranks[0].kv.num_blocks == ranks[1].kv.num_blocks  # the smaller pool bounds both
 
 
 @pytest.mark.slow
@@ -95,7 +129,7 @@ def test_a_rank_that_dies_takes_the_pipeline_group_down(qwen3) -> None:
     def generate() -> None:
         params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         try:
-            llm.generate([PROMPTS[1]] * 4, params)
+            llm.generate([PROMPTS[1]] * 32, params)  # 8 waves of 4: still running at 1 s
         except BaseException as exc:  # noqa: BLE001 - the test inspects it
             failure.append(exc)
 
