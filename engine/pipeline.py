@@ -16,6 +16,7 @@ every rank's request mirrors (and the first stage's next embeddings) agree.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -50,7 +51,9 @@ class PipelineStage:
     clock: CollectiveClock = field(default_factory=CollectiveClock, compare=False)
 
     @classmethod
-    def of(cls, num_layers: int, size: int = 1, stage: int = 0, tp_rank: int = 0, tp_size: int = 1):
+    def of(
+        cls, num_layers: int, size: int = 1, stage: int = 0, tp_rank: int = 0, tp_size: int = 1
+    ) -> PipelineStage:
         start, stop = stage_layers(num_layers, size, stage)
         return cls(stage, size, start, stop, num_layers, tp_rank, tp_size)
 
@@ -129,8 +132,6 @@ def join_group(
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     backend = "gloo" if config.device == "cpu" else "nccl"
     if backend == "nccl":
-        import dataclasses
-
         config = dataclasses.replace(config, device=f"cuda:{rank}")
     dist.init_process_group(
         backend,
