@@ -145,3 +145,101 @@ def test_a_rank_that_dies_takes_the_pipeline_group_down(qwen3) -> None:
     while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(_gone(pid) for pid in pids)
+
+
+# ---- micro-batches overlap: two real gloo ranks, a model that only takes time ----------
+
+STEP_S = 0.3  # one micro-batch's compute on one stage
+
+
+class _SlowModel:
+    """Each micro-batch costs STEP_S on every stage (a sleep: it needs no core)."""
+
+    class cfg:  # noqa: N801 - shaped like a model config
+        hidden_size = 8
+
+    hidden_dtype = torch.float32
+
+    def __init__(self, last: bool) -> None:
+        self.last = last
+
+    def __call__(self, token_ids, positions, layers, meta, carried=None):
+        time.sleep(STEP_S)
+        n = token_ids.shape[0]
+        return torch.zeros(n, 8) if self.last else torch.zeros(2, n, 8)
+
+    def compute_logits(self, hidden):
+        return torch.zeros(hidden.shape[0], 4)
+
+
+class _FakeWorker:
+    def __init__(self, stage) -> None:
+        from types import SimpleNamespace
+
+        self.stage, self.device = stage, torch.device("cpu")
+        self.model = _SlowModel(stage.is_last)
+        self.kv_cache = SimpleNamespace(layers=[])
+        self.runner = SimpleNamespace(prepare=self._prepare)
+
+    @staticmethod
+    def _prepare(group):
+        from types import SimpleNamespace
+
+        tokens = sum(c.num_new_tokens for c in group)
+        return SimpleNamespace(
+            num_tokens=tokens, token_ids=torch.zeros(tokens, dtype=torch.long), positions=None,
+            meta=None, sampling_requests=[c.request for c in group],
+            logits_indices=torch.arange(len(group)),
+        )  # fmt: skip
+
+    def sample(self, logits, requests):
+        from pdserve.engine.plan import SampledToken
+
+        for request in requests:  # as ModelWorker.sample: the mirror takes its token
+            request.output_token_ids.append(7)
+        return [SampledToken(r.request_id, 7) for r in requests]
+
+
+class _Mirror:
+    def __init__(self, n: int) -> None:
+        self.request_id, self.output_token_ids = f"r{n}", []
+
+
+def _stage_rank(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    from pdserve.engine.pipeline import PipelineStage, run_stage
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    worker = _FakeWorker(PipelineStage.of(2, 2, rank))
+    timings = []
+    for _ in range(2):  # the first step also sets up the connections
+        chunks = [ScheduledChunk(_Mirror(i), 0, 4, []) for i in range(4)]
+        started = time.perf_counter()
+        run_stage(worker, chunks)
+        timings.append(time.perf_counter() - started)
+        assert all(c.request.output_token_ids == [7] for c in chunks)  # both stages learn them
+    results.put((rank, timings[-1]))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_micro_batches_overlap_across_stages() -> None:
+    """2 stages, 2 micro-batches of STEP_S each: overlapped, a step takes 3 x STEP_S
+    (stage 1 computes micro-batch 0 while stage 0 computes 1); one after the other, 4;
+    as one batch (the fake model costs STEP_S a call, whatever its size), 2."""
+    import multiprocessing as mp
+
+    from pdserve.engine.worker_group import _free_port
+
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    ranks = [context.Process(target=_stage_rank, args=(r, port, results)) for r in range(2)]
+    for process in ranks:
+        process.start()
+    timings = dict(results.get(timeout=120) for _ in ranks)
+    for process in ranks:
+        process.join(timeout=30)
+    assert all(p.exitcode == 0 for p in ranks)
+    assert 2.9 * STEP_S < timings[1] < 3.5 * STEP_S, timings
