@@ -21,7 +21,12 @@ from pdserve.cluster.placement import (
     place_on_gpus,
     resolve_device,
 )
-from pdserve.engine.config import TensorParallelError, check_tp_size
+from pdserve.engine.config import (
+    PipelineParallelError,
+    TensorParallelError,
+    check_pp_size,
+    check_tp_size,
+)
 from pdserve.engine.embedded import MODEL_NAME
 from pdserve.engine.model_source import ModelNotFound
 from pdserve.engine.model_source import resolve_model as resolve_model_source
@@ -111,6 +116,7 @@ class ServePlan:
             "device": device,
             "tokenizer": args.tokenizer,
             "generation_config": args.generation_config,
+            "pipeline_parallel_size": args.pipeline_parallel_size,
         }
         try:
             scheduler = GlobalSchedulerConfig(
@@ -158,15 +164,16 @@ def api_keys_of(
 
 
 def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> dict[str, int]:
-    """Ranks per instance by role, checked against the model's heads (one rule:
-    `engine.config.check_tp_size`)."""
+    """Ranks per stage by role, checked against the model's heads (one rule:
+    `engine.config.check_tp_size`), and the pipeline size against its layers
+    (`check_pp_size`)."""
     default = args.tensor_parallel_size
     sizes = {
         "prefill": args.prefill_tensor_parallel_size or default,
         "decode": args.decode_tensor_parallel_size or default,
         "colocated": default,
     }
-    if set(sizes.values()) == {1}:
+    if set(sizes.values()) == {1} and args.pipeline_parallel_size == 1:
         return sizes
     from pdserve.engine.checkpoint import CheckpointError, load_model_config
     from pdserve.engine.embedded import embedded_model_path
@@ -175,6 +182,10 @@ def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> d
         mc = load_model_config(model_path or embedded_model_path())
     except CheckpointError as exc:
         raise ServeError(str(exc)) from None
+    try:  # one PP size for every pool: a stage's layers move to the same stage
+        check_pp_size(args.pipeline_parallel_size, mc.num_hidden_layers)
+    except PipelineParallelError as exc:
+        raise ServeError(f"--pipeline-parallel-size: {exc}") from None
     for role, size in sizes.items():
         try:
             check_tp_size(
@@ -291,11 +302,6 @@ def check_flags(args: argparse.Namespace) -> None:
         if getattr(args, name) < 0:
             raise ServeError(f"--{name.replace('_', '-')} must be >= 0 (0: none)")
     parse_size(args.kv_cache_memory)
-    if args.pipeline_parallel_size != 1:
-        raise ServeError(
-            "--pipeline-parallel-size: only 1 is built so far (tensor parallelism is: "
-            "--tensor-parallel-size)"
-        )
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ServeError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
     source = args.generation_config

@@ -227,7 +227,8 @@ def _add_topology_flags(topology: argparse._ArgumentGroup) -> None:
         "-pp",
         type=int,
         default=1,
-        help="pipeline stages per instance (only 1 is built so far)",
+        help="pipeline stages per instance, each a contiguous range of the layers on "
+        "--tensor-parallel-size ranks of its own (the same in every pool)",
     )
     _add_kv_transfer_flags(topology)
     topology.add_argument(

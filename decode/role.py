@@ -71,9 +71,7 @@ class DecodeRole:
         self.instance_id = instance_id
         self.engine = engine
         self.link = link
-        self.kv = DecodeKVScheduler(
-            link.layout, len(link.rank_addresses), link.config.failure_policy
-        )
+        self.kv = DecodeKVScheduler(link.layout, link.tp_size, link.config.failure_policy)
         self.held_pulls = held_pulls
         self.voided = VoidedHandoffs()
         self._pulling: dict[str, int] = {}  # request id → blocks its pull moves

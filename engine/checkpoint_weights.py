@@ -69,13 +69,17 @@ Shard = tuple[int, int, int] | None  # (dim, start, stop) of a tensor to read; N
 
 
 def iter_weights(
-    folder: str | Path, shard_of: Callable[[str], Shard] | None = None
+    folder: str | Path,
+    shard_of: Callable[[str], Shard] | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of the checkpoint, one file open at a time; with
-    `shard_of`, only the part of each tensor it names is read from the file."""
+    `shard_of`, only the part of each tensor it names is read from the file; with
+    `keep`, only the tensors it keeps (a pipeline stage's) are read at all."""
     by_file: dict[Path, list[str]] = {}
     for name, path in weight_files(folder).items():
-        by_file.setdefault(path, []).append(name)
+        if keep is None or keep(name):
+            by_file.setdefault(path, []).append(name)
     for path, names in by_file.items():
         try:
             with SafetensorsReader(path) as reader:

@@ -39,6 +39,30 @@ def check_tp_size(
         )
 
 
+class PipelineParallelError(ValueError):
+    """A PP size the model's layers cannot be split by."""
+
+
+def check_pp_size(pp_size: int, num_layers: int) -> None:
+    """The one rule for pipeline stages (`serve` and the executor share it): every stage
+    holds at least one layer."""
+    if pp_size < 1:
+        raise PipelineParallelError(f"pipeline parallel size must be at least 1, got {pp_size}")
+    if pp_size > num_layers:
+        raise PipelineParallelError(
+            f"pipeline parallel size {pp_size} exceeds the model's {num_layers} layers "
+            f"(use at most {num_layers})"
+        )
+
+
+def stage_layers(num_layers: int, pp_size: int, stage: int) -> tuple[int, int]:
+    """Stage `stage`'s contiguous layers [start, stop): an even split, the first
+    `num_layers % pp_size` stages one layer more (the last one also runs the LM head)."""
+    base, extra = divmod(num_layers, pp_size)
+    start = stage * base + min(stage, extra)
+    return start, start + base + (1 if stage < extra else 0)
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # a Hugging Face checkpoint folder; None: the embedded model
@@ -63,6 +87,8 @@ class EngineConfig:
     cuda_graph_sizes: list[int] | None = None  # decode batch sizes to capture; None: defaults
     # Ranks of a tensor-parallel worker group (one process each; 1: in the driver's process).
     tensor_parallel_size: int = 1
+    # Pipeline stages, each a contiguous layer range on tensor_parallel_size ranks of its own.
+    pipeline_parallel_size: int = 1
     # A structured-output grammar that takes longer to compile fails its request.
     grammar_compile_timeout_s: float = 30.0
 
@@ -74,6 +100,7 @@ class EngineConfig:
             "max_num_seqs",
             "max_num_batched_tokens",
             "tensor_parallel_size",
+            "pipeline_parallel_size",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -107,6 +134,11 @@ class EngineConfig:
         import torch
 
         return getattr(torch, self.dtype_name(checkpoint_dtype))
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of the executor: tensor_parallel_size per pipeline stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def resolved_threads(self) -> int:
         return self.num_threads or max(1, os.cpu_count() or 1)

@@ -37,6 +37,7 @@ class EngineStats:
     mixed_steps: int = 0  # steps that ran prefill chunks beside decodes
     model_seconds: float = 0.0
     collective_seconds: float = 0.0  # of model_seconds: tensor-parallel collectives (rank 0)
+    stage_transfer_seconds: float = 0.0  # of model_seconds: sends/receives between stages
 
 
 class StepPlanner:
@@ -80,10 +81,10 @@ def default_executor(
     on_failure: Callable[[str], None] | None = None,
     ranks: RankLauncher | None = None,
 ) -> Executor:
-    """One rank in this process, or a worker group of `tensor_parallel_size` ranks
-    (`on_failure`: told when the group dies between steps), each rank with its connector,
-    started by `ranks` (default: child processes)."""
-    if config.tensor_parallel_size > 1:
+    """One rank in this process, or a worker group of `tensor_parallel_size` ×
+    `pipeline_parallel_size` ranks (`on_failure`: told when the group dies between
+    steps), each rank with its connector, started by `ranks` (default: child processes)."""
+    if config.world_size > 1:
         from pdserve.engine.worker_group import WorkerGroupExecutor
 
         return WorkerGroupExecutor(config, connector, on_failure, ranks)
@@ -259,6 +260,7 @@ class EngineCore:
             return failed, result.kv_reports
         self.stats.model_seconds += time.perf_counter() - started
         self.stats.collective_seconds += result.collective_seconds
+        self.stats.stage_transfer_seconds += result.stage_transfer_seconds
         self._count(output)
         sampled = {s.request_id: s.token_id for s in result.sampled}
         self.scheduler.update_from_output(output, sampled)

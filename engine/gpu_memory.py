@@ -89,12 +89,19 @@ def profile_memory(
     torch.cuda.synchronize(device)
     before_step = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    hidden = model(token_ids, positions, scratch.layers, meta)
-    rows = min(max_num_seqs, max_num_tokens)
-    logits = model.compute_logits(hidden[-rows:])
-    # The sampler's worst case holds probabilities and a sorted copy with its indices.
-    probs = logits.softmax(dim=-1)
-    ordered = logits.sort(dim=-1, descending=True)
+    stage = model.stage  # a later pipeline stage starts from the stage before's states
+    carried = None
+    if not stage.is_first:
+        carried = torch.zeros(2, max_num_tokens, model.cfg.hidden_size, device=device)
+        carried = carried.to(model.hidden_dtype)
+    hidden = model(token_ids, positions, scratch.layers, meta, carried)
+    logits = probs = ordered = None
+    if stage.is_last:
+        rows = min(max_num_seqs, max_num_tokens)
+        logits = model.compute_logits(hidden[-rows:])
+        # The sampler's worst case holds probabilities and a sorted copy with its indices.
+        probs = logits.softmax(dim=-1)
+        ordered = logits.sort(dim=-1, descending=True)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     del hidden, logits, probs, ordered, scratch

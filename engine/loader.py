@@ -12,6 +12,7 @@ from pdserve.engine.models import model_class
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.precision import compute_dtype, store_matrices_narrow
 from pdserve.engine.parallel import TensorParallel
+from pdserve.engine.pipeline import PipelineStage
 
 
 def load_model(
@@ -20,20 +21,22 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     tp: TensorParallel | None = None,
+    stage: PipelineStage | None = None,
 ) -> LlamaForCausalLM:
-    """With `tp`, the rank's slice of the model, read as slices from the files."""
+    """With `tp`, the rank's slice of the model, read as slices from the files; with
+    `stage`, only the tensors of the stage's layers (and ends) are read."""
     cls = model_class(config.architecture)
     compute = compute_dtype(dtype, device)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(compute)  # parameters are created directly in the compute dtype
     try:
         with torch.device(device):  # ...and on the serving device: no host copy of the model
-            model = cls(config, tp)
+            model = cls(config, tp, stage)
     finally:
         torch.set_default_dtype(previous)
     # Shapes and presence are checked from the file headers before any tensor is read.
     check_weights(folder, model.expected_weights())
-    model.load_weights(iter_weights(folder, model.shard_of))
+    model.load_weights(iter_weights(folder, model.shard_of, model.holds))
     if compute != dtype:
         store_matrices_narrow(model, dtype)
     return model.eval()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,8 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     clock: CollectiveClock = field(default_factory=CollectiveClock, compare=False)
+    # The process group of this rank's TP peers (a pipeline stage's); None: the whole group.
+    group: Any = field(default=None, compare=False)
 
     @property
     def enabled(self) -> bool:
@@ -53,7 +56,7 @@ class TensorParallel:
     def all_reduce(self, x: Tensor) -> Tensor:
         if self.enabled:
             started = time.perf_counter()
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
             self.clock.seconds += time.perf_counter() - started
         return x
 
@@ -63,7 +66,7 @@ class TensorParallel:
             return x
         started = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
+        dist.all_gather(parts, x.contiguous(), group=self.group)
         self.clock.seconds += time.perf_counter() - started
         return torch.cat(parts, dim=-1)
 

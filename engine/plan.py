@@ -29,6 +29,12 @@ class KVGeometry(msgspec.Struct, frozen=True):
     block_size: int
     dtype: str  # float32 | bfloat16 | float16
     num_blocks: int
+    # Pipeline parallel: this rank's stage holds layers [first_layer, first_layer +
+    # num_layers) of the model's model_layers (0: num_layers, no pipeline).
+    first_layer: int = 0
+    model_layers: int = 0
+    pipeline_stage: int = 0
+    pipeline_parallel_size: int = 1
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):
@@ -93,5 +99,7 @@ class StepResult(msgspec.Struct):
     sampled: list[SampledToken] = []
     # One entry per rank: its KV connector's report (opaque to the engine).
     kv_reports: list[Any] = []
-    # Of this step, the seconds rank 0 spent in tensor-parallel collectives.
+    # Of this step, the seconds the sampling rank spent in tensor-parallel collectives,
+    # and the most any rank spent waiting on sends and receives between pipeline stages.
     collective_seconds: float = 0.0
+    stage_transfer_seconds: float = 0.0

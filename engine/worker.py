@@ -23,7 +23,7 @@ from pdserve.engine.checkpoint import (
     load_generation_config,
     load_model_config,
 )
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig, check_pp_size
 from pdserve.engine.device_executor import DeviceExecutor
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.engine.executor import RankConnector
@@ -31,6 +31,7 @@ from pdserve.engine.grammar import GrammarBook
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
 from pdserve.engine.loader import load_model
 from pdserve.engine.parallel import TensorParallel, check_tp_size
+from pdserve.engine.pipeline import PipelineStage, run_stage
 from pdserve.engine.plan import KVGeometry, SampledToken, StepPlan, StepResult, WorkerInfo
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler
@@ -77,10 +78,12 @@ class ModelWorker:
         config: EngineConfig,
         connector: RankConnector | None = None,
         tp: TensorParallel | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         self.config = config
         self.connector = connector
         self.tp = tp or TensorParallel()  # this rank's place in its tensor-parallel group
+        self._stage = stage  # its pipeline stage (None: the whole model)
         self.requests: dict[str, Request] = {}
         self.block_tables: dict[str, list[int]] = {}
 
@@ -96,25 +99,31 @@ class ModelWorker:
         check_tp_size(
             self.tp.size, mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size
         )
+        self.stage = stage = self._stage or PipelineStage.of(mc.num_hidden_layers)
+        check_pp_size(stage.size, mc.num_hidden_layers)
         generation_config = load_generation_config(self.model_path)
         self.dtype = config.torch_dtype(mc.torch_dtype)
         self.device = torch.device(config.device)
         on_cuda = self.device.type == "cuda"
         free_before_load = gpu_memory.free_device_memory(self.device) if on_cuda else 0
-        self.model = load_model(self.model_path, mc, self.dtype, self.device, self.tp)
+        self.model = load_model(self.model_path, mc, self.dtype, self.device, self.tp, stage)
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         shape = KVCacheShape(
-            num_layers=mc.num_hidden_layers,
+            num_layers=stage.num_layers,  # a stage's cache holds only its layers
             num_kv_heads=mc.num_key_value_heads // self.tp.size,
             head_dim=mc.head_dim,
             block_size=config.block_size,
             dtype=self.dtype,
         )
-        self.kv_cache = KVCache(shape, self._num_blocks(shape, free_before_load), self.device)
+        num_blocks = self._num_blocks(shape, free_before_load)
+        if stage.enabled:  # block ids are shared by the stages: the smallest pool bounds them
+            num_blocks = stage.agree_min(num_blocks, self.device)
+        self.kv_cache = KVCache(shape, num_blocks, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
-        if on_cuda:  # decode graphs are captured here, once the KV cache exists
+        # Decode graphs are captured here, once the KV cache exists (whole model only).
+        if on_cuda and not stage.enabled:
             self.runner.device_executor = DeviceExecutor.for_engine(
                 self.model, self.kv_cache, config, self.max_model_len
             )
@@ -132,6 +141,10 @@ class ModelWorker:
             block_size=shape.block_size,
             dtype=str(self.dtype).removeprefix("torch."),
             num_blocks=self.kv_cache.num_blocks,
+            first_layer=stage.layer_start,
+            model_layers=mc.num_hidden_layers,
+            pipeline_stage=stage.stage,
+            pipeline_parallel_size=stage.size,
         )
         addresses = []
         if self.connector is not None:
@@ -201,11 +214,15 @@ class ModelWorker:
         exchange = self.connector is not None and plan.kv_connector is not None
         if exchange:
             self.connector.apply(plan.kv_connector)
-        in_collectives = self.tp.clock.seconds
+        in_collectives, in_sends = self.tp.clock.seconds, self.stage.clock.seconds
         sampled = self._run(plan) if plan.chunks else []
         reports = [self.connector.report()] if exchange else []
-        collective = self.tp.clock.seconds - in_collectives
-        return StepResult(sampled=sampled, kv_reports=reports, collective_seconds=collective)
+        return StepResult(
+            sampled=sampled,
+            kv_reports=reports,
+            collective_seconds=self.tp.clock.seconds - in_collectives,
+            stage_transfer_seconds=self.stage.clock.seconds - in_sends,
+        )
 
     def _update_requests(self, plan: StepPlan) -> None:
         for request_id in plan.finished_ids:
@@ -214,7 +231,7 @@ class ModelWorker:
             self.grammars.drop(request_id)
         for new in plan.new_requests:
             spec = new.sampling_params.structured_outputs
-            if spec is not None:
+            if spec is not None and self.stage.is_last:  # only the sampling stage masks
                 self.grammars.start(new.request_id, spec, new.output_token_ids)
             self.requests[new.request_id] = Request(
                 request_id=new.request_id,
@@ -233,14 +250,20 @@ class ModelWorker:
             table.extend(planned.new_block_ids)
             request = self.requests[planned.request_id]
             chunks.append(ScheduledChunk(request, planned.start, planned.num_new_tokens, table))
+        if self.stage.enabled:
+            return run_stage(self, chunks)
         batch = self.runner.prepare(chunks)
         logits = self.runner.execute(batch)
         if not batch.sampling_requests:  # a step of mid-prompt chunks samples nothing
             return []
-        self.grammars.mask(logits, [r.request_id for r in batch.sampling_requests])
-        tokens, logprobs = self.sampler.sample(logits, batch.sampling_requests)
+        return self.sample(logits, batch.sampling_requests)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+        """Tokens for `requests` from their logits rows; appended to their mirrors."""
+        self.grammars.mask(logits, [r.request_id for r in requests])
+        tokens, logprobs = self.sampler.sample(logits, requests)
         sampled = []
-        for request, token, lp in zip(batch.sampling_requests, tokens, logprobs, strict=True):
+        for request, token, lp in zip(requests, tokens, logprobs, strict=True):
             request.output_token_ids.append(token)
             self.grammars.advance(request.request_id, token)
             sampled.append(SampledToken(request.request_id, token, lp))

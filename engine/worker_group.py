@@ -1,4 +1,5 @@
-"""A tensor-parallel worker group: one process per rank behind the executor seam.
+"""A tensor- and pipeline-parallel worker group: one process per rank behind the
+executor seam.
 
 The driver (an instance's step loop, or the offline `LLM`) keeps the step scheduler;
 each rank holds its slice of the weights and of the KV heads (`engine/parallel.py`),
@@ -8,7 +9,10 @@ child processes with a pipe each by default, Ray actors under the Ray launcher. 
 the driver sends the same encoded `StepPlan` to every rank; the ranks run the model
 together (all-reduces inside it), every rank samples the same tokens from the same
 gathered logits (so their request mirrors agree), and each sends back its `StepResult`:
-the driver takes rank 0's tokens and every rank's KV report.
+the driver takes the sampling rank's tokens and every rank's KV report.
+With pipeline stages (`engine/pipeline.py`) the group holds tp × pp ranks, stage-major;
+the stages pass hidden states to each other within the step, and the tokens come from
+the last stage's first rank.
 
 A rank that dies takes the group with it: the driver notices at once (the launcher's
 death signal, even between steps), kills every other rank and fails the step; ranks die
@@ -24,12 +28,11 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from datetime import timedelta
 from typing import Any
 
 import msgspec
 
-from pdserve.engine.config import EngineConfig, check_tp_size
+from pdserve.engine.config import EngineConfig, check_pp_size, check_tp_size
 from pdserve.engine.executor import ConnectorFactory
 from pdserve.engine.plan import StepPlan, StepResult, WorkerInfo
 from pdserve.engine.ranks import (
@@ -61,7 +64,9 @@ class WorkerGroupExecutor:
         launcher: RankLauncher | None = None,
     ):
         self.config = config
-        self.size = config.tensor_parallel_size
+        self.size = config.world_size  # tp ranks per stage, stage after stage
+        # The rank whose tokens (and logprobs) the driver takes: the last stage's first.
+        self._sampling_rank = self.size - config.tensor_parallel_size
         self.connector = connector  # built in each rank's process
         self.launcher: RankLauncher = launcher or ProcessRanks()
         self._report_type = getattr(connector, "report_type", None)
@@ -108,8 +113,12 @@ class WorkerGroupExecutor:
 
         mc = load_model_config(self.config.model or embedded_model_path())
         check_tp_size(
-            self.size, mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size
+            self.config.tensor_parallel_size,
+            mc.num_attention_heads,
+            mc.num_key_value_heads,
+            mc.intermediate_size,
         )
+        check_pp_size(self.config.pipeline_parallel_size, mc.num_hidden_layers)
 
     @property
     def rank_pids(self) -> list[int | None]:
@@ -136,10 +145,12 @@ class WorkerGroupExecutor:
         reports = [report for result in results for report in result.kv_reports]
         if self._report_type is not None:  # decoded as plain data: back to the connector's type
             reports = [msgspec.convert(r, self._report_type) for r in reports]
+        sampler = results[self._sampling_rank]
         return StepResult(
-            sampled=results[0].sampled,
+            sampled=sampler.sampled,
             kv_reports=reports,
-            collective_seconds=results[0].collective_seconds,
+            collective_seconds=sampler.collective_seconds,
+            stage_transfer_seconds=max(r.stage_transfer_seconds for r in results),
         )
 
     def prepare_grammar(self, spec: StructuredOutput) -> Future[Any]:
@@ -227,21 +238,15 @@ def run_rank(job: RankJob, channel: RankChannel) -> None:
     run each plan the driver sends until it says stop or goes away."""
     import torch.distributed as dist
 
-    from pdserve.engine.parallel import TensorParallel
+    from pdserve.engine.pipeline import join_group
     from pdserve.engine.worker import ModelWorker
 
-    config, rank, size = job.config, job.rank, job.size
-    dist.init_process_group(
-        "gloo" if config.device == "cpu" else "nccl",
-        init_method=f"tcp://{job.master}",
-        rank=rank,
-        world_size=size,
-        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
-    )
+    config, rank = job.config, job.rank
+    config, tp, stage = join_group(config, rank, job.master, GROUP_TIMEOUT_S)
     factory = job.connector
-    connector = factory(rank, size) if factory is not None else None
+    connector = factory(tp.rank, tp.size) if factory is not None else None
     metadata_type = getattr(factory, "metadata_type", None)
-    worker = ModelWorker(config, connector, TensorParallel(rank, size))
+    worker = ModelWorker(config, connector, tp, stage)
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(StepPlan)
     try:
         channel.send_bytes(_OK + encoder.encode(worker.load()))

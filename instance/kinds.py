@@ -76,7 +76,10 @@ def kv_link(loop: StepLoop) -> KVLink:
     engine = loop.require_engine()
     return KVLink(
         kv_transfer_config(loop.spec),
-        layout_of(engine.info.kv, len(engine.info.connector_addresses)),
+        layout_of(
+            engine.info.kv,
+            len(engine.info.connector_addresses) // engine.info.kv.pipeline_parallel_size,
+        ),
         list(engine.info.connector_addresses),
         engine.exchange_kv,
     )

@@ -47,7 +47,15 @@ class TransferConnector:
         """`geometry`: the rank's KV cache shape (block size, layers, kv heads on this
         rank, head dim, dtype); returns the control address peers hand-shake with."""
         layout = layout_of(geometry, self.tp_size)
-        self.worker = KVTransferWorker(self.config, storage, layout, self.tp_rank, self.tp_size)
+        self.worker = KVTransferWorker(
+            self.config,
+            storage,
+            layout,
+            self.tp_rank,
+            self.tp_size,
+            pp_stage=getattr(geometry, "pipeline_stage", 0),
+            stage_layers=geometry.num_layers,
+        )
         self.worker.start()
         return self.worker.control_address
 

@@ -97,7 +97,7 @@ class DecodeSide(RankSide):
             self._fail(request, f"invalid pull for request {spec.request_id}: {exc}")
             return
         for piece in source_slices(self._layout, self._tp_rank, self._tp_size, spec.source.tp_size):
-            address = spec.source.rank_addresses[piece.src_rank]
+            address = spec.source.address_of(self._pp_stage, piece.src_rank)
             part = PullSlice(request, address, piece.src_rank, piece.start, piece.end, runs)
             request.slices.append(part)
             if not runs:
@@ -131,21 +131,27 @@ class DecodeSide(RankSide):
             self._requests[request_id] = request
             self._fail(request, str(exc))
             return request
-        addresses = [source.rank_addresses[p.src_rank] for p in pieces]
+        # The same stage's ranks there: this stage's layers, the overlapping heads.
+        addresses = [source.address_of(self._pp_stage, p.src_rank) for p in pieces]
         request = PullRequest(request_id, source, addresses)
         self._requests[request_id] = request
         for piece, address in zip(pieces, addresses, strict=True):
             if address not in self._sources:
                 client = ControlClient(self._context, address, self._name)
                 self._sources[address] = PrefillRank(
-                    address, piece.src_rank, source.tp_size, source.instance_id, client
+                    address,
+                    piece.src_rank,
+                    source.tp_size,
+                    source.instance_id,
+                    client,
+                    pp_stage=self._pp_stage,
                 )
         return request
 
     # ---- handshake and pull ---------------------------------------------------------
 
     def _handshake(self, source: PrefillRank, now: float) -> None:
-        hello = Hello(*self._rank.introduction(), self._transport.info)
+        hello = Hello(*self._rank.introduction(), self._transport.info, self._pp_stage)
         source.handshake(hello, now + self._config.handshake_timeout_s)
 
     def _start(self, part: PullSlice) -> None:

@@ -27,9 +27,13 @@ def _is_torch(obj: Any) -> bool:
 
 
 class KVMemory:
-    def __init__(self, storage: Any, layout: KVLayout, tp_size: int = 1):
+    def __init__(
+        self, storage: Any, layout: KVLayout, tp_size: int = 1, num_layers: int | None = None
+    ):
+        """`num_layers`: the layers this rank's storage holds (a pipeline stage's)."""
         heads = layout.num_kv_heads // tp_size
-        expected = (layout.num_layers, 2, heads, layout.block_size, layout.head_dim)
+        layers = num_layers or layout.num_layers
+        expected = (layers, 2, heads, layout.block_size, layout.head_dim)
         shape = tuple(storage.shape)
         if len(shape) != 6 or shape[1:] != expected:
             raise KVLayoutMismatch(
@@ -56,7 +60,7 @@ class KVMemory:
                 raise ValueError("KV storage must be C-contiguous")
             self._bytes = storage.view(np.uint8).reshape(*shape[:4], row)
         self._storage = storage  # keeps the memory alive while transfers use it
-        self.bytes_per_block = layout.num_layers * 2 * heads * row
+        self.bytes_per_block = layers * 2 * heads * row
 
     def check_blocks(self, start: int, count: int) -> None:
         if start < 0 or count < 1 or start + count > self.num_blocks:

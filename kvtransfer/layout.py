@@ -20,16 +20,18 @@ class KVLayoutMismatch(ValueError):
 
 
 def layout_of(shape: object, tp_size: int = 1) -> KVLayout:
-    """The KVLayout of an engine `KVCacheShape` (whose kv heads are per rank)."""
+    """The KVLayout of an engine `KVCacheShape` or `KVGeometry` (whose kv heads are per
+    rank, and whose layers a pipeline stage's: the geometry names the model's)."""
     dtype = str(shape.dtype).removeprefix("torch.")  # type: ignore[attr-defined]
     if dtype not in DTYPE_SIZES:
         raise KVLayoutMismatch(f"KV dtype {dtype} is not supported for transfer")
     return KVLayout(
         block_size=shape.block_size,  # type: ignore[attr-defined]
-        num_layers=shape.num_layers,  # type: ignore[attr-defined]
+        num_layers=getattr(shape, "model_layers", 0) or shape.num_layers,  # type: ignore[attr-defined]
         num_kv_heads=shape.num_kv_heads * tp_size,  # type: ignore[attr-defined]
         head_dim=shape.head_dim,  # type: ignore[attr-defined]
         dtype=dtype,
+        pipeline_parallel_size=getattr(shape, "pipeline_parallel_size", 1),
     )
 
 
@@ -42,7 +44,14 @@ def check_tp_split(layout: KVLayout, tp_size: int, side: str) -> None:
 
 def check_compatible(local: KVLayout, remote: KVLayout, remote_name: str) -> None:
     """Raise a one-line KVLayoutMismatch naming every field that differs."""
-    fields = ("block_size", "num_layers", "num_kv_heads", "head_dim", "dtype")
+    fields = (
+        "block_size",
+        "num_layers",
+        "num_kv_heads",
+        "head_dim",
+        "dtype",
+        "pipeline_parallel_size",
+    )
     diffs = [
         f"{name} {getattr(remote, name)} there vs {getattr(local, name)} here"
         for name in fields

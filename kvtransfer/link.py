@@ -69,6 +69,11 @@ class KVLink:
         self._pending: list[RequestDelta] = []
         self._news = False
 
+    @property
+    def tp_size(self) -> int:
+        """Ranks per pipeline stage (the addresses are every stage's ranks)."""
+        return len(self.rank_addresses) // self.layout.pipeline_parallel_size
+
     # ---- reports ----------------------------------------------------------------------
 
     def exchange(self, metadata: KVConnectorMetadata) -> TransferReport:

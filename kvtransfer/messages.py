@@ -29,17 +29,20 @@ DTYPE_SIZES = {
 
 
 class KVLayout(msgspec.Struct, frozen=True):
-    """The whole model's KV geometry; a rank holds num_kv_heads / tp_size heads.
+    """The whole model's KV geometry; a rank holds num_kv_heads / tp_size heads, and with
+    pipeline stages only its stage's layers (engine/config.py:stage_layers).
 
     Storage per rank (engine/kv_cache.py):
-    [num_blocks, num_layers, 2, num_kv_heads / tp_size, block_size, head_dim].
+    [num_blocks, stage_layers, 2, num_kv_heads / tp_size, block_size, head_dim].
     """
 
     block_size: int
-    num_layers: int
+    num_layers: int  # all stages together
     num_kv_heads: int  # all ranks together
     head_dim: int
     dtype: str  # "bfloat16", "float32", ...
+    # Both sides must use the same stages: stage s's layers move to stage s.
+    pipeline_parallel_size: int = 1
 
     @property
     def itemsize(self) -> int:
@@ -60,14 +63,18 @@ class KVSource(msgspec.Struct, frozen=True):
     """Where a handed-off request's KV lives: the prefill instance and its blocks."""
 
     instance_id: str
-    # Control address (tcp://host:port) of each TP rank's kvtransfer I/O thread, by rank.
+    # Control address (tcp://host:port) of each rank's kvtransfer I/O thread, by rank:
+    # the TP ranks of pipeline stage 0, then of stage 1, ...
     rank_addresses: list[str]
     block_ids: list[int]  # the same ids on every rank, covering the prompt
     layout: KVLayout
 
     @property
     def tp_size(self) -> int:
-        return len(self.rank_addresses)
+        return len(self.rank_addresses) // self.layout.pipeline_parallel_size
+
+    def address_of(self, pp_stage: int, tp_rank: int) -> str:
+        return self.rank_addresses[pp_stage * self.tp_size + tp_rank]
 
 
 class KVHandoff(msgspec.Struct, tag="kv_handoff", kw_only=True):
@@ -101,6 +108,7 @@ class Hello(msgspec.Struct, tag="hello"):
     layout: KVLayout
     transport: str  # "ucx", "ucx-listener" or "zmq": both sides must agree
     transport_info: bytes  # a UCX worker address, or host:port of a listener/socket
+    pp_stage: int = 0  # the pipeline stage whose layers this rank holds
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply"):
@@ -110,6 +118,7 @@ class HelloReply(msgspec.Struct, tag="hello_reply"):
     layout: KVLayout
     transport: str
     error: str = ""  # non-empty: the peer refused (layout or transport mismatch)
+    pp_stage: int = 0
 
 
 class BlockRun(msgspec.Struct, array_like=True):

@@ -131,7 +131,12 @@ class PrefillSide(RankSide):
         try:
             check_compatible(self._layout, hello.layout, name)
             check_tp_split(hello.layout, hello.tp_size, name)
-            if hello.transport != self._transport.name:
+            if hello.pp_stage != self._pp_stage:
+                error = (
+                    f"pipeline stage mismatch: {name} holds stage {hello.pp_stage}'s layers, "
+                    f"this rank stage {self._pp_stage}'s"
+                )
+            elif hello.transport != self._transport.name:
                 error = (
                     f"KV transport mismatch: {name} uses {hello.transport}, "
                     f"prefill instance {self._config.instance_id} uses {self._transport.name}"
@@ -141,7 +146,8 @@ class PrefillSide(RankSide):
         if not error:
             self._peers[peer] = hello
             self._transport.add_peer(peer.hex(), hello.transport_info)
-        self._server.send(peer, HelloReply(*self._rank.introduction(), error))
+        reply = HelloReply(*self._rank.introduction(), error, self._pp_stage)
+        self._server.send(peer, reply)
 
     def _reject(self, peer: bytes, pull: Pull, reason: str) -> None:
         self._server.send(peer, PullRejected(pull.request_id, pull.transfer_id, reason))

@@ -59,6 +59,7 @@ class PrefillRank:
     instance_id: str
     client: ControlClient
     state: str = "idle"  # idle → waiting (Hello sent) → ready
+    pp_stage: int = 0  # the pipeline stage both ranks hold
     hello_deadline: float = 0.0
     waiting: list[PullSlice] = field(default_factory=list)
 
@@ -82,6 +83,8 @@ class PrefillRank:
             check_compatible(layout, reply.layout, self.name)
         except KVLayoutMismatch as exc:
             return str(exc)
+        if reply.pp_stage != self.pp_stage:
+            return f"{self.name}: holds pipeline stage {reply.pp_stage}, not {self.pp_stage}"
         if (reply.tp_rank, reply.tp_size) != (self.rank, self.tp_size):
             return (
                 f"{self.name}: handshake reports TP rank {reply.tp_rank} of {reply.tp_size}, "

@@ -22,6 +22,7 @@ class RankIO:
     memory: KVMemory
     transport: Transport
     stats: KVTransferStats
+    pp_stage: int = 0  # a rank of stage s serves and pulls stage s's layers only
 
     @property
     def heads(self) -> tuple[int, int]:
@@ -47,4 +48,5 @@ class RankSide:
         self._tp_rank, self._tp_size = rank.tp_rank, rank.tp_size
         self._memory, self._transport, self._stats = rank.memory, rank.transport, rank.stats
         self._heads = rank.heads
+        self._pp_stage = rank.pp_stage
         self._rank = rank

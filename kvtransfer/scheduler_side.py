@@ -63,7 +63,8 @@ class _WorkerCommands:
 class PrefillKVScheduler(_WorkerCommands):
     def __init__(self, instance_id: str, layout: KVLayout, rank_addresses: list[str]):
         super().__init__()
-        check_tp_split(layout, len(rank_addresses), f"instance {instance_id}")
+        tp_size = len(rank_addresses) // layout.pipeline_parallel_size
+        check_tp_split(layout, tp_size, f"instance {instance_id}")
         self.instance_id = instance_id
         self.layout = layout
         self.rank_addresses = list(rank_addresses)

@@ -46,16 +46,19 @@ class KVTransferWorker:
         layout: KVLayout,
         tp_rank: int = 0,
         tp_size: int = 1,
+        pp_stage: int = 0,
+        stage_layers: int | None = None,
     ):
         """`kv_storage`: this rank's KV tensor (torch, CPU or CUDA) or numpy array in
-        the engine layout [num_blocks, layers, 2, kv_heads/tp_size, block_size, head_dim]."""
+        the engine layout [num_blocks, layers, 2, kv_heads/tp_size, block_size, head_dim];
+        with pipeline stages, stage `pp_stage`'s `stage_layers` layers."""
         check_tp_split(layout, tp_size, f"instance {config.instance_id}")
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} outside TP size {tp_size}")
         self.config = config
         self.layout = layout
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self._memory = KVMemory(kv_storage, layout, tp_size)
+        self.tp_rank, self.tp_size, self.pp_stage = tp_rank, tp_size, pp_stage
+        self._memory = KVMemory(kv_storage, layout, tp_size, stage_layers)
         self._lock = threading.Lock()
         self._commands: list[KVConnectorMetadata] = []
         self._report = TransferReport()
@@ -178,6 +181,7 @@ class KVTransferWorker:
                 self._memory,
                 transport,
                 self._stats,
+                self.pp_stage,
             )
             prefill = PrefillSide(rank, server, self._record)
             decode = DecodeSide(rank, self._context, self._record)

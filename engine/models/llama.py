@@ -15,6 +15,7 @@ from torch import nn
 
 from pdserve.engine.models.rope import cos_sin_cache
 from pdserve.engine.parallel import TensorParallel
+from pdserve.engine.pipeline import PipelineStage
 from pdserve.kernels import AttentionMetadata, linear, paged_attention, rms_norm, rotary_embedding
 
 Tensor = torch.Tensor
@@ -132,20 +133,30 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Also serves Mistral, Qwen2 and Qwen3: they differ only in config flags. With
-    `tp`, the rank's slice of it (`engine/parallel.py`)."""
+    `tp`, the rank's slice of it (`engine/parallel.py`); with `stage`, only the stage's
+    layers, the embedding on the first stage, the final norm and LM head on the last
+    (`engine/pipeline.py`)."""
 
-    def __init__(self, cfg, tp: TensorParallel | None = None):
+    def __init__(self, cfg, tp: TensorParallel | None = None, stage: PipelineStage | None = None):
         super().__init__()
         self.cfg = cfg
         self.tp = tp = tp or TensorParallel()
+        self.stage = stage = stage or PipelineStage.of(cfg.num_hidden_layers)
         vocab_rows = tp.vocab_rows(cfg.vocab_size)[2]
-        self.embed = nn.Parameter(torch.zeros(vocab_rows, cfg.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        tied_head = stage.is_last and cfg.tie_word_embeddings
+        self.embed = (
+            nn.Parameter(torch.zeros(vocab_rows, cfg.hidden_size), requires_grad=False)
+            if stage.is_first or tied_head
+            else None
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, tp) for i in range(stage.layer_start, stage.layer_end)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.is_last else None
         self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nn.Parameter(torch.zeros(vocab_rows, cfg.hidden_size), requires_grad=False)
+            nn.Parameter(torch.zeros(vocab_rows, cfg.hidden_size), requires_grad=False)
+            if stage.is_last and not cfg.tie_word_embeddings
+            else None
         )
         self.register_buffer(
             "cos_sin",
@@ -154,6 +165,12 @@ class LlamaForCausalLM(nn.Module):
             ),
             persistent=False,
         )
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        """The compute dtype: what flows between layers and stages (the embedding table
+        may be stored narrower, precision.py); every stage holds at least one layer."""
+        return self.layers[0].input_norm.weight.dtype
 
     @property
     def sliding_window(self) -> int | None:
@@ -165,13 +182,21 @@ class LlamaForCausalLM(nn.Module):
         positions: Tensor,
         kv_caches: list[Tensor],
         meta: AttentionMetadata,
+        carried: Tensor | None = None,
     ) -> Tensor:
-        """Hidden states after the final norm: [num_tokens, hidden]."""
-        # The table may be stored narrower than the compute dtype (precision.py).
-        hidden = self.tp.embed(token_ids, self.embed, self.cfg.vocab_size, self.norm.weight.dtype)
-        residual = None
+        """Hidden states after the final norm: [num_tokens, hidden]. A later pipeline
+        stage starts from `carried` instead of the tokens, and a stage before the last
+        returns [2, num_tokens, hidden]: hidden states and residual for the next one."""
+        if carried is None:
+            # The table may be stored narrower than the compute dtype (precision.py).
+            hidden = self.tp.embed(token_ids, self.embed, self.cfg.vocab_size, self.hidden_dtype)
+            residual = None
+        else:
+            hidden, residual = carried[0], carried[1]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.cos_sin)
+        if self.norm is None:
+            return torch.stack((hidden, residual))
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -189,11 +214,13 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.cfg
         h, d = cfg.hidden_size, cfg.head_dim
         q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-        yield "model.embed_tokens.weight", (cfg.vocab_size, h)
-        yield "model.norm.weight", (h,)
-        if not cfg.tie_word_embeddings:
+        if self.embed is not None:
+            yield "model.embed_tokens.weight", (cfg.vocab_size, h)
+        if self.norm is not None:
+            yield "model.norm.weight", (h,)
+        if self.lm_head is not None:
             yield "lm_head.weight", (cfg.vocab_size, h)
-        for i in range(cfg.num_hidden_layers):
+        for i in range(self.stage.layer_start, self.stage.layer_end):
             p = f"model.layers.{i}."
             yield p + "input_layernorm.weight", (h,)
             yield p + "post_attention_layernorm.weight", (h,)
@@ -214,6 +241,19 @@ class LlamaForCausalLM(nn.Module):
                 yield p + "mlp.gate_proj.bias", (cfg.intermediate_size,)
                 yield p + "mlp.up_proj.bias", (cfg.intermediate_size,)
                 yield p + "mlp.down_proj.bias", (h,)
+
+    def holds(self, name: str) -> bool:
+        """Whether this stage reads the tensor at all (other stages' layers, and the
+        embedding, norm and head where they do not live, stay unread in the file)."""
+        if name.startswith("model.layers."):
+            return self.stage.holds_layer(int(name.split(".")[2]))
+        if name == "model.embed_tokens.weight":
+            return self.embed is not None
+        if name == "model.norm.weight":
+            return self.norm is not None
+        if name == "lm_head.weight":
+            return self.lm_head is not None
+        return True  # anything else: load_weights decides (ignored or refused)
 
     def shard_of(self, name: str) -> tuple[int, int, int] | None:
         """The part of a Hugging Face tensor this rank holds: (dim, start, stop), or None
@@ -251,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
         if name == "lm_head.weight":
             return self.lm_head, 0
         parts = name.split(".")
-        layer = self.layers[int(parts[2])]
+        layer = self.layers[int(parts[2]) - self.stage.layer_start]
         key = ".".join(parts[3:])
         attn = layer.attn
         qkv_offsets = {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size}

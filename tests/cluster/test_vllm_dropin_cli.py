@@ -118,5 +118,8 @@ def test_tensor_parallel_sizes_are_checked_against_the_heads() -> None:
         plan_of("--tensor-parallel-size", "2")
     with pytest.raises(ServeError, match="--prefill-tensor-parallel-size"):
         plan_of("--prefill-tensor-parallel-size", "2")
-    with pytest.raises(ServeError, match="pipeline"):
-        plan_of("-pp", "2")
+    assert plan_of("-pp", "2", "-tp", "3").engine_args["pipeline_parallel_size"] == 2
+    with pytest.raises(
+        ServeError, match=r"--pipeline-parallel-size: .* exceeds the model's \d+ layers"
+    ):
+        plan_of("-pp", "1000")

@@ -14,7 +14,7 @@ from pdserve.kvtransfer.layout import (
     layout_of,
     source_slices,
 )
-from pdserve.kvtransfer.messages import KVLayout
+from pdserve.kvtransfer.messages import KVLayout, KVSource
 
 LAYOUT = KVLayout(block_size=16, num_layers=4, num_kv_heads=8, head_dim=64, dtype="bfloat16")
 
@@ -63,3 +63,24 @@ def test_source_slices_cover_each_decode_rank_exactly(src_tp, dst_tp):
         for piece in slices:
             s_lo, s_hi = head_range(LAYOUT, piece.src_rank, src_tp)
             assert s_lo <= piece.start < piece.end <= s_hi
+
+
+def test_pipeline_stages_must_match_and_address_the_same_stage():
+    """Both pools use the same PP size: a stage's layers move to the same stage, so a
+    different size is refused in one line, and a stage's source ranks are its own."""
+    staged = KVLayout(16, 4, 8, 64, "bfloat16", pipeline_parallel_size=2)
+    with pytest.raises(KVLayoutMismatch) as info:
+        check_compatible(LAYOUT, staged, "prefill instance p0")
+    message = str(info.value)
+    assert "pipeline_parallel_size 2 there vs 1 here" in message and "\n" not in message
+    source = KVSource("p0", ["s0r0", "s0r1", "s1r0", "s1r1"], [0], staged)
+    assert source.tp_size == 2
+    assert [source.address_of(1, r) for r in range(2)] == ["s1r0", "s1r1"]
+
+
+def test_layout_of_a_pipeline_stage_names_the_whole_model():
+    from pdserve.engine.plan import KVGeometry
+
+    stage = KVGeometry(2, 3, 64, 16, "float32", 10, first_layer=2, model_layers=4,
+                       pipeline_stage=1, pipeline_parallel_size=2)  # fmt: skip
+    assert layout_of(stage, tp_size=1) == KVLayout(16, 4, 3, 64, "float32", 2)
