@@ -230,11 +230,11 @@ def test_micro_batches_overlap_across_stages() -> None:
     as one batch (the fake model costs STEP_S a call, whatever its size), 2."""
     import multiprocessing as mp
 
-    from pdserve.engine.worker_group import _free_port
+    from pdserve.engine.ranks import free_port
 
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     ranks = [context.Process(target=_stage_rank, args=(r, port, results)) for r in range(2)]
     for process in ranks:
         process.start()
