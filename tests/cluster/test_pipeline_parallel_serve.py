@@ -1,7 +1,8 @@
-"""Disaggregated serving with pipeline stages on both sides (local processes, a tiny
-random Qwen3 with 2 layers and 4 KV heads): P at TP=2 × PP=2 hands each stage's layers,
-head slice by head slice, to the same stage of D at TP=1 × PP=2; greedy text and
-logprobs equal the single-process engine's and both sides count the same KV bytes."""
+"""Disaggregated serving of a tiny random Qwen3 (2 layers, 4 KV heads; local processes)
+with different groups on each side: P at TP=2 × PP=2 hands each stage's layers, head
+slice by head slice, to the same stage of D at TP=1 × PP=2; P at TP=1 hands its heads to
+D at TP=2. Greedy text and logprobs equal the single-process engine's, both sides count
+the same KV bytes, and each rank the bytes of its slice."""
 
 from __future__ import annotations
 
@@ -25,17 +26,42 @@ def _metric(text: str, name: str, role: str) -> float:
     return sum(float(v) for v in re.findall(pattern, text, re.MULTILINE))
 
 
-def test_pp2_prefill_and_decode_serve_the_single_engines_text_and_logprobs(qwen3) -> None:
+def _rank_bytes(text: str, role: str) -> list[float]:
+    pattern = rf'^pdserve:kv_transfer_rank_bytes_total{{[^}}]*role="{role}"[^}}]*}} (\S+)$'
+    return sorted(float(v) for v in re.findall(pattern, text, re.MULTILINE))
+
+
+@pytest.fixture(scope="module")
+def offline(qwen3) -> list:
     from pdserve import LLM
 
     llm = LLM(model=qwen3, dtype="float32", num_threads=1, kv_cache_memory=16 << 20,
               max_model_len=256)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True)
-    offline = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    return [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "prefill_ranks", "decode_ranks"),
+    [
+        (("-pp", "2", "--prefill-tensor-parallel-size", "2"), 4, 2),
+        (
+            (
+                "--decode-tensor-parallel-size",
+                "2",
+            ),
+            1,
+            2,
+        ),
+    ],
+    ids=["P-tp2pp2-D-tp1pp2", "P-tp1-D-tp2"],
+)
+def test_groups_of_different_shapes_serve_the_single_engines_text_and_logprobs(
+    qwen3, offline, sizes, prefill_ranks, decode_ranks
+) -> None:
     args = (
         *LOCAL, "--model", qwen3, "--num-prefill", "1", "--num-decode", "1",
-        "--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "256",
-        "-pp", "2", "--prefill-tensor-parallel-size", "2",
+        "--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "256", *sizes,
     )  # fmt: skip
     with served(*args, clean=True) as server:
         client = server.openai()
@@ -51,8 +77,11 @@ def test_pp2_prefill_and_decode_serve_the_single_engines_text_and_logprobs(qwen3
             assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < 1e-3
         metrics = server.get("/metrics").text
         # Every prompt block (1 + 3), all 2 layers and 4 KV heads, float32, pulled once.
-        block = 2 * 2 * 4 * 16 * 16 * 4
-        assert _metric(metrics, "kv_transfer_bytes_total", "decode") == 4 * block
-        assert _metric(metrics, "kv_transfer_bytes_total", "prefill") == 4 * block
+        moved = 4 * 2 * 2 * 4 * 16 * 16 * 4
+        assert _metric(metrics, "kv_transfer_bytes_total", "decode") == moved
+        assert _metric(metrics, "kv_transfer_bytes_total", "prefill") == moved
+        # Each rank moved its slice: its stage's layers and its heads.
+        assert _rank_bytes(metrics, "prefill") == [moved / prefill_ranks] * prefill_ranks
+        assert _rank_bytes(metrics, "decode") == [moved / decode_ranks] * decode_ranks
         assert _metric(metrics, "kv_transfer_failures_total", "decode") == 0
         assert _metric(metrics, "kv_transfer_recomputed_requests_total", "decode") == 0
