@@ -10,6 +10,14 @@ import re
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from pdserve.scheduler.model_split import (
+    PipelineParallelError,
+    TensorParallelError,
+    check_pp_size,
+    check_tp_size,
+    stage_layers,
+)
+
 if TYPE_CHECKING:
     import torch
 
@@ -17,50 +25,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 GiB = 1 << 30
 
 
-class TensorParallelError(ValueError):
-    """A TP size the model's shape cannot be split by."""
-
-
-def check_tp_size(
-    tp_size: int, num_heads: int, num_kv_heads: int, intermediate_size: int | None = None
-) -> None:
-    """The one rule for splitting a model (`serve`, `plan` and `kvtransfer` share it)."""
-    if tp_size < 1:
-        raise TensorParallelError(f"tensor parallel size must be at least 1, got {tp_size}")
-    if num_kv_heads % tp_size or num_heads % tp_size:
-        raise TensorParallelError(
-            f"tensor parallel size {tp_size} does not divide the model's {num_kv_heads} KV "
-            f"heads and {num_heads} attention heads (use a divisor of {num_kv_heads})"
-        )
-    if intermediate_size is not None and intermediate_size % tp_size:
-        raise TensorParallelError(
-            f"tensor parallel size {tp_size} does not divide the MLP's intermediate size "
-            f"{intermediate_size}"
-        )
-
-
-class PipelineParallelError(ValueError):
-    """A PP size the model's layers cannot be split by."""
-
-
-def check_pp_size(pp_size: int, num_layers: int) -> None:
-    """The one rule for pipeline stages (`serve` and the executor share it): every stage
-    holds at least one layer."""
-    if pp_size < 1:
-        raise PipelineParallelError(f"pipeline parallel size must be at least 1, got {pp_size}")
-    if pp_size > num_layers:
-        raise PipelineParallelError(
-            f"pipeline parallel size {pp_size} exceeds the model's {num_layers} layers "
-            f"(use at most {num_layers})"
-        )
-
-
-def stage_layers(num_layers: int, pp_size: int, stage: int) -> tuple[int, int]:
-    """Stage `stage`'s contiguous layers [start, stop): an even split, the first
-    `num_layers % pp_size` stages one layer more (the last one also runs the LM head)."""
-    base, extra = divmod(num_layers, pp_size)
-    start = stage * base + min(stage, extra)
-    return start, start + base + (1 if stage < extra else 0)
+# The split rule lives with the torch-free rooms (kvtransfer checks it too); the engine
+# re-exports it for its callers.
+__all__ = [
+    "EngineConfig", "PipelineParallelError", "TensorParallelError",
+    "check_pp_size", "check_tp_size", "stage_layers",
+]  # fmt: skip
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.kvtransfer.messages import DTYPE_SIZES, KVLayout
+from pdserve.scheduler.model_split import TensorParallelError, check_tp_size
 
 
 class KVLayoutMismatch(ValueError):
@@ -36,10 +37,11 @@ def layout_of(shape: object, tp_size: int = 1) -> KVLayout:
 
 
 def check_tp_split(layout: KVLayout, tp_size: int, side: str) -> None:
-    if tp_size < 1 or layout.num_kv_heads % tp_size:
-        raise KVLayoutMismatch(
-            f"{side}: {layout.num_kv_heads} kv heads cannot be split over TP size {tp_size}"
-        )
+    """The engine's split rule (scheduler/model_split.py) on what a layout knows."""
+    try:
+        check_tp_size(tp_size, None, layout.num_kv_heads)
+    except TensorParallelError as exc:
+        raise KVLayoutMismatch(f"{side}: {exc}") from None
 
 
 def check_compatible(local: KVLayout, remote: KVLayout, remote_name: str) -> None:

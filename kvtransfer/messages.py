@@ -30,7 +30,7 @@ DTYPE_SIZES = {
 
 class KVLayout(msgspec.Struct, frozen=True):
     """The whole model's KV geometry; a rank holds num_kv_heads / tp_size heads, and with
-    pipeline stages only its stage's layers (engine/config.py:stage_layers).
+    pipeline stages only its stage's layers (scheduler/model_split.py:stage_layers).
 
     Storage per rank (engine/kv_cache.py):
     [num_blocks, stage_layers, 2, num_kv_heads / tp_size, block_size, head_dim].
