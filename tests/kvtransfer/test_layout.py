@@ -49,9 +49,7 @@ def test_compatibility_names_every_difference():
 
 def test_tp_split_must_divide_heads():
     check_tp_split(LAYOUT, 8, "x")
-    with pytest.raises(
-        KVLayoutMismatch, match="size 3 does not divide the model's 8 KV heads"
-    ):
+    with pytest.raises(KVLayoutMismatch, match="size 3 does not divide the model's 8 KV heads"):
         check_tp_split(LAYOUT, 3, "x")
 
 
