@@ -26,11 +26,12 @@ import torch.distributed as dist
 
 from pdserve.engine.config import EngineConfig, stage_layers
 from pdserve.engine.parallel import CollectiveClock, TensorParallel
-from pdserve.engine.plan import SampledToken
-from pdserve.scheduler.outputs import ScheduledChunk
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: the model (models/llama.py) imports this module,
+    # and the GPU check runs the model with torch alone (no msgspec there)
+    from pdserve.engine.plan import SampledToken
     from pdserve.engine.worker import ModelWorker
+    from pdserve.scheduler.outputs import ScheduledChunk
 
 Tensor = torch.Tensor
 
