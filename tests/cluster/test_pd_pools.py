@@ -100,7 +100,12 @@ def test_40_mixed_requests_complete_and_free_every_block(server, policy: str) ->
     assert sum(generated[f"decode-{i}"] for i in range(2)) == sum(outputs) - len(outputs)
     assert set(grown("kv_transfer_failures_total").values()) == {0.0}
     computed = grown("prompt_tokens_computed_total")
-    assert computed["decode-0"] == computed["decode-1"] == 0
+    preempted = grown("num_preemptions_total")
+    for decode in ("decode-0", "decode-1"):
+        # A decode instance computes prompt tokens only to bring back a request it
+        # preempted for lack of blocks (how many it preempts depends on timing).
+        if preempted.get(decode, 0.0) == 0:
+            assert computed[decode] == 0, (decode, computed)
     if policy == "round_robin":
         assert prompts["prefill-0"] > 0 and prompts["prefill-1"] > 0
         assert generated["decode-0"] > 0 and generated["decode-1"] > 0
