@@ -29,7 +29,7 @@ from experiments.chaos import (
 
 pytestmark = pytest.mark.slow
 
-SCENARIOS = {scenario.name: scenario for scenario in LOCAL_SCENARIOS}
+SCENARIOS = {scenario.name: scenario for scenario in [*LOCAL_SCENARIOS, NODE_LOSS]}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def chaos() -> Iterator[Chaos]:
 
 
 def run(chaos: Chaos, name: str) -> Row:
-    row = run_scenario(chaos, SCENARIOS[name] if name in SCENARIOS else NODE_LOSS)
+    row = run_scenario(chaos, SCENARIOS[name])
     print(row)
     assert row.sent > 0 and row.completed == row.sent, row  # none failed, none lost
     assert (row.failed, row.lost, row.wrong, row.leaked_blocks) == (0, 0, 0, 0), row
