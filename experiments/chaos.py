@@ -46,7 +46,7 @@ INSTANCE_TIMEOUT_S = 6.0
 KV_TRANSFER_TIMEOUT_S = 2.0
 SHORT_PROMPTS = ("The capital of France is", "Write a haiku about the sea:", "1, 2, 3, 4,")
 # Token ids: a prompt of exactly this length, whatever the tokenizer.
-LONG_PROMPT = [1000 + (37 * i) % 20000 for i in range(448)]
+LONG_PROMPT = [1000 + (37 * i) % 20000 for i in range(320)]
 
 LOCAL_SIZES = {"prefill": 2, "decode": 2}
 LOCAL_ARGS = (
@@ -137,7 +137,7 @@ class Scenario:
     name: str
     inject: Callable[[Chaos, Load], None]
     long: bool = False  # long prompts: prefill takes a while
-    short_within_s: float = 10.0  # how soon a pool may be seen short
+    short_within_s: float = 5.0  # how soon a pool may be seen short
 
 
 LOCAL_SCENARIOS = [
@@ -145,7 +145,9 @@ LOCAL_SCENARIOS = [
     Scenario("kill prefill after handoff", kill_prefill_after_handoff),
     Scenario("kill decode mid-decode", kill_mid_decode),
     Scenario("kill decode waiting for KV", kill_waiting_for_kv),
-    Scenario("sever a transfer", sever_transfer),
+    Scenario(
+        "sever a transfer", sever_transfer, short_within_s=KV_DELAY_S + KV_TRANSFER_TIMEOUT_S + 4
+    ),
     Scenario("pause decode past timeout", pause_decode, short_within_s=INSTANCE_TIMEOUT_S + 4),
 ]
 
