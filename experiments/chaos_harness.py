@@ -178,8 +178,11 @@ COUNTERS = {
 
 
 def counters(server: ServeProcess) -> dict[str, float]:
-    """The chaos-relevant counters of /metrics, summed over their labels."""
-    text = server.get("/metrics").text
+    return read_counters(server.get("/metrics").text)
+
+
+def read_counters(text: str) -> dict[str, float]:
+    """The chaos-relevant counters of a /metrics text, summed over their labels."""
     found = {}
     for key, name in COUNTERS.items():
         values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
