@@ -228,7 +228,8 @@ def table(rows: list[Row]) -> str:
 def details(rows: list[Row]) -> str:
     out = []
     for r in rows:
-        out.append(f"{r.scenario}: counters {r.counters}, {r.elapsed_s:.0f} s in all")
+        phases = ", ".join(f"{k} at {v:.0f} s" for k, v in r.phases.items())
+        out.append(f"{r.scenario}: counters {r.counters}; {phases}, {r.elapsed_s:.0f} s in all")
         out.extend(f"  {note}" for note in r.notes[:10])
     return "\n".join(out)
 

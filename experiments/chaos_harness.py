@@ -162,6 +162,7 @@ class Row:
     leaked_blocks: int = 0
     pools_full_s: float | None = None  # None: not full again within the limit
     elapsed_s: float = 0.0  # the whole run, load and idle check included
+    phases: dict[str, float] = field(default_factory=dict)  # seconds into the run
     counters: dict[str, float] = field(default_factory=dict)  # deltas of /metrics
     notes: list[str] = field(default_factory=list)
 
@@ -312,13 +313,17 @@ class Chaos:
             inject(self, load)  # it waits for the state its fault needs
             self._watch()
             assert self.watch is not None
+            faulted = time.monotonic()
             row.pools_full_s = self.watch.wait()
             sent = len(load.probes)  # a round more on the pools as they are again
             wait_for(lambda: sum(p.done for p in load.probes[sent:]) >= concurrency, 120,
                      "the load after the fault")  # fmt: skip
         load.join(240)
+        drained = time.monotonic()
         self._score(row, load.probes)
         row.leaked_blocks = self._leaked_blocks(row)
+        row.phases = {"fault": faulted - started, "drained": drained - started,
+                      "idle": time.monotonic() - started}  # fmt: skip
         after = counters(self.server)
         row.counters = {k: after[k] - before[k] for k in after if after[k] != before[k]}
         row.migrated = int(row.counters.get("migrated", 0))
