@@ -175,6 +175,7 @@ COUNTERS = {
     "fenced": "pdserve:num_instances_fenced_total",
     "recomputed": "pdserve:kv_transfer_recomputed_requests_total",
     "kv_failures": "pdserve:kv_transfer_failures_total",
+    "lease_expiries": "pdserve:kv_transfer_lease_expiries_total",
 }
 
 
