@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -63,26 +64,33 @@ LOCAL_ENV = {"PDSERVE_TEST_KV_DELAY_S": str(KV_DELAY_S)}
 
 
 def shapes(long: bool = False) -> list[Shape]:
-    """A round of the load: greedy streams and one seeded stream."""
-    prompts: list[str | list[int]] = [LONG_PROMPT] if long else list(SHORT_PROMPTS)
-    kind = "long " if long else ""
-    greedy = [Shape(f"{kind}greedy-{i}", p, GREEDY) for i, p in enumerate(prompts)]
-    return [*greedy, Shape(f"{kind}seeded", prompts[0], SEEDED)]
+    """A round of the load: greedy streams and one seeded stream; with `long`, a long
+    greedy prompt in front of the short ones (its prefill takes a while)."""
+    greedy = [Shape(f"greedy-{i}", p, GREEDY) for i, p in enumerate(SHORT_PROMPTS)]
+    seeded = Shape("seeded", SHORT_PROMPTS[0], SEEDED)
+    if long:
+        return [Shape("long greedy", LONG_PROMPT, GREEDY), greedy[0], seeded, greedy[1]]
+    return [*greedy, seeded]
 
 
 # ---- the scenarios ------------------------------------------------------------------
 
 
-def first_ids(load: Load) -> set[str]:
-    """Request ids (as instances know them: choice 0) of the streams that have a token."""
-    return {f"{p.request_id}-0" for p in load.probes if p.request_id}
-
-
 def kill_mid_prefill(chaos: Chaos, load: Load) -> None:
-    # A request on prefill-0 whose first token has not come: its prompt is computing.
-    wait_for(lambda: bool(chaos.in_flight("prefill-0") - first_ids(load)), 60,
-             "a request in prefill on prefill-0")  # fmt: skip
-    chaos.kill("prefill-0")
+    # Two long prompts sent back to back (round robin: one on each prefill instance),
+    # and prefill-0 killed while its one computes (asking an instance would wait for
+    # its step, which is that prefill).
+    wait_for(lambda: len(decoding(load, 2)) >= 1, 60, "streams decoding")
+    pid = chaos.instances()["prefill-0"]["pid"]
+    load.hold()
+    try:
+        long = next(shape for shape in load.kinds if isinstance(shape.prompt, list))
+        load.send(long)
+        load.send(long)
+        time.sleep(0.2)
+        chaos.kill("prefill-0", pid)
+    finally:
+        load.resume()
 
 
 def kill_prefill_after_handoff(chaos: Chaos, load: Load) -> None:

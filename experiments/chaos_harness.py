@@ -260,8 +260,10 @@ class Chaos:
     def instances(self) -> dict[str, dict]:
         return self.server.instances()
 
-    def kill(self, instance_id: str) -> None:
-        pid = self.instances()[instance_id]["pid"]
+    def kill(self, instance_id: str, pid: int | None = None) -> None:
+        """SIGKILL to the instance's process (`pid`: known already; asking the gateway
+        waits for every instance's step to end)."""
+        pid = pid or self.instances()[instance_id]["pid"]
         self._watch()
         os.kill(pid, signal.SIGKILL)
 
