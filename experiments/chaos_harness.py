@@ -11,6 +11,7 @@ run's), blocks held once idle (`/debug/instances`), and the counters of `/metric
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -275,7 +276,8 @@ class Chaos:
         try:
             time.sleep(seconds)
         finally:
-            os.kill(pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):  # fenced meanwhile: killed
+                os.kill(pid, signal.SIGCONT)
 
     def _watch(self) -> None:
         if self.watch is None:
