@@ -45,9 +45,6 @@ from tests.cluster.two_nodes import (
 KV_DELAY_S = 1.0  # every pull waits this long: requests sit in WAITING_FOR_REMOTE_KVS
 INSTANCE_TIMEOUT_S = 6.0
 KV_TRANSFER_TIMEOUT_S = 2.0
-# A prefill instance whose sends to a pull given up cannot cancel them (UCX) holds the
-# blocks until the lease runs out: short, so the server is idle soon after a sever.
-KV_LEASE_S = 6.0
 SHORT_PROMPTS = ("The capital of France is", "Write a haiku about the sea:", "1, 2, 3, 4,")
 # Token ids: a prompt of exactly this length, whatever the tokenizer.
 LONG_PROMPT = [1000 + (37 * i) % 20000 for i in range(320)]
@@ -57,8 +54,7 @@ LOCAL_ARGS = (
     *LOCAL, "--num-prefill", "2", "--num-decode", "2", "--dtype", "bfloat16",
     "--kv-cache-memory", "32MiB", "--max-model-len", "512", "--routing-policy", "round_robin",
     "--instance-timeout", str(INSTANCE_TIMEOUT_S),
-    "--kv-transfer-timeout", str(KV_TRANSFER_TIMEOUT_S), "--kv-lease-seconds", str(KV_LEASE_S),
-    "--request-timeout", "180",
+    "--kv-transfer-timeout", str(KV_TRANSFER_TIMEOUT_S), "--request-timeout", "180",
 )  # fmt: skip
 LOCAL_ENV = {"PDSERVE_TEST_KV_DELAY_S": str(KV_DELAY_S)}
 
