@@ -320,8 +320,8 @@ class Chaos:
             assert self.watch is not None
             faulted = time.monotonic()
             row.pools_full_s = self.watch.wait()
-            sent = len(load.probes)  # a round more on the pools as they are again
-            wait_for(lambda: sum(p.done for p in load.probes[sent:]) >= concurrency, 120,
+            sent = len(load.probes)  # streams on the pools as they are again
+            wait_for(lambda: sum(p.done for p in load.probes[sent:]) >= 2, 120,
                      "the load after the fault")  # fmt: skip
         load.join(240)
         drained = time.monotonic()
