@@ -4,6 +4,7 @@
     launcher.watch(on_exit)              # a thread reports instances that die later
     launcher.start_instance(spec, ready)  # one more, or one that died again (if supported)
     launcher.stop_instance(instance_id)  # one drained instance
+    launcher.kill_instance(instance_id)  # one fenced (paused or hung) instance, at once
     launcher.shutdown()                  # stops them all and frees their ports
 
 `cancel()` (from a signal handler's thread) makes a `launch` still waiting give up.
@@ -56,6 +57,11 @@ class Launcher(ABC):
     def stop_instance(self, instance_id: str) -> bool:
         """Stops one instance (drained); its exit goes to `watch`'s callback. False:
         this launcher cannot."""
+        return False
+
+    def kill_instance(self, instance_id: str) -> bool:
+        """Kills one instance at once, whatever it is doing (fenced: paused or hung);
+        its exit goes to `watch`'s callback. False: this launcher cannot, or it is gone."""
         return False
 
     def cancel(self) -> None:

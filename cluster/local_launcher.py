@@ -104,6 +104,14 @@ class LocalLauncher(Launcher):
         timer.start()
         return True
 
+    def kill_instance(self, instance_id: str) -> bool:
+        """SIGKILL: a stopped (SIGSTOP) or hung process dies too."""
+        process = self.processes.get(instance_id)
+        if process is None or process.poll() is not None:
+            return False
+        process.kill()
+        return True
+
     def _spawn(self, spec: InstanceSpec) -> None:
         env = self.child_env(spec)
         command = [

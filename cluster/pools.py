@@ -4,8 +4,9 @@ instances a pool has, one more started, one drained stopped for good.
 A pool's members are the supervisor's: planned or added, loaded or loading, not
 retired. One more instance is a copy of the pool's first planned spec under the next
 unused id (`decode-2`, ...; an id is never reused, so no retired epoch can be mistaken
-for a new life) on the same cores and GPU: scaling up on a GPU needs room planned for
-it. Only launchers that can start and stop single instances (the local one) scale.
+for a new life): on the same cores and GPU with the local launcher (scaling up on a GPU
+needs room planned for it), with the same resource request under Ray (the actor waits
+until a node has room).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Pools:
             instance_id = f"{role}-{self._next[role]}"
             spec = msgspec.structs.replace(template, instance_id=instance_id, epoch=0)
             if not self.launcher.start_instance(spec, self.on_ready):
-                raise ValueError("this launcher cannot start instances (--launcher local can)")
+                raise ValueError("this launcher cannot start instances")
             self._next[role] += 1
             self.supervisor.add(spec)
             started.append(instance_id)

@@ -6,7 +6,8 @@ every actor through its environment (`runtime_env`), never its arguments.
 
 Readiness: every actor's `load()` is awaited, with progress while weights load. Health:
 each actor's long-running `run()` call finishes only if the step loop ends or the actor
-dies, so waiting on those calls is the death watch. Shutdown asks every step loop to
+dies, so waiting on those calls is the death watch (`cluster/ray_watch.py`, which also
+starts, stops and kills single actors after the launch). Shutdown asks every step loop to
 stop, waits a little, then kills the actors (their ports close with their processes);
 a cluster started here is shut down too.
 """
@@ -14,7 +15,6 @@ a cluster started here is shut down too.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 
 import msgspec
@@ -28,6 +28,7 @@ from pdserve.cluster.launcher import (
 )
 from pdserve.cluster.ray_actors import ACTOR_CLASSES
 from pdserve.cluster.ray_cluster import join, one_line, ray_module
+from pdserve.cluster.ray_watch import ActorWatch
 from pdserve.instance.spec import InstanceSpec
 from pdserve.scheduler.messages import InstanceInfo
 from pdserve.scheduler.wire_auth import SECRET_ENV, ensure_secret
@@ -56,7 +57,7 @@ class RayLauncher(Launcher):
         self.run_refs: dict[object, str] = {}
         self.started_cluster = False
         self.placement_groups: dict[str, object] = {}  # instance id → its ranks' bundles
-        self._watcher: threading.Thread | None = None
+        self.actor_watch = ActorWatch(self)
 
     def _ray(self):
         return ray_module()
@@ -72,15 +73,8 @@ class RayLauncher(Launcher):
         # actor's arguments.
         runtime_env = {"env_vars": {SECRET_ENV: ensure_secret()}}
         for spec in specs:
-            actor_class = ray.remote(ACTOR_CLASSES[spec.role])
             try:
-                actor = actor_class.options(
-                    name=spec.instance_id,
-                    runtime_env=runtime_env,
-                    max_concurrency=4,
-                    max_restarts=0,
-                    **self._placement(spec),
-                ).remote(msgspec.json.encode(spec))
+                actor = self.create_actor(spec, runtime_env)
             except ValueError as exc:  # a name already taken in this namespace
                 raise LaunchError(f"cannot create actor {spec.instance_id}: {exc}") from None
             self.actors[spec.instance_id] = actor
@@ -107,6 +101,27 @@ class RayLauncher(Launcher):
                 on_ready(info)
                 progress.mark_ready(instance_id, info.kernels)
                 self.run_refs[self.actors[instance_id].run.remote()] = instance_id
+
+    def create_actor(self, spec: InstanceSpec, runtime_env: dict | None = None) -> object:
+        """The instance's actor, named after it (ValueError: the name is taken)."""
+        if runtime_env is None:
+            runtime_env = {"env_vars": {SECRET_ENV: ensure_secret()}}
+        actor_class = self._ray().remote(ACTOR_CLASSES[spec.role])
+        return actor_class.options(
+            name=spec.instance_id,
+            runtime_env=runtime_env,
+            max_concurrency=4,
+            max_restarts=0,
+            **self._placement(spec),
+        ).remote(msgspec.json.encode(spec))
+
+    def inherit_share(self, spec: InstanceSpec) -> None:
+        """An instance added to a pool asks for what the pool's first one asks."""
+        for shares in (self.num_cpus, self.num_gpus):
+            if spec.instance_id not in shares:
+                same = sorted(i for i in shares if i.rsplit("-", 1)[0] == spec.role)
+                if same:
+                    shares[spec.instance_id] = shares[same[0]]
 
     def _placement(self, spec: InstanceSpec) -> dict:
         """The actor's resources. A tensor-parallel instance runs its ranks as child
@@ -140,44 +155,36 @@ class RayLauncher(Launcher):
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
         return {"num_cpus": cpus / ranks, "resources": custom, "scheduling_strategy": strategy}
 
+    # ---- after the launch: cluster/ray_watch.py -----------------------------------------
+
     def watch(self, on_exit: ExitCallback) -> None:
-        ray = self._ray()
+        self.actor_watch.start(on_exit)
 
-        def run() -> None:
-            pending = dict(self.run_refs)
-            while pending and not self.stopping.is_set():
-                done, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
-                for ref in done:
-                    instance_id = pending.pop(ref)
-                    if self.stopping.is_set():
-                        return
-                    try:
-                        ray.get(ref)
-                        reason = "its step loop ended"
-                    except Exception as exc:
-                        reason = f"the actor died: {one_line(exc)}"
-                    on_exit(instance_id, reason)
+    def start_instance(self, spec: InstanceSpec, on_ready: ReadyCallback) -> bool:
+        return self.actor_watch.start_instance(spec, on_ready)
 
-        self._watcher = threading.Thread(target=run, name="ray-launcher-watch", daemon=True)
-        self._watcher.start()
+    def stop_instance(self, instance_id: str) -> bool:
+        return self.actor_watch.stop_instance(instance_id)
+
+    def kill_instance(self, instance_id: str) -> bool:
+        return self.actor_watch.kill_instance(instance_id)
 
     def shutdown(self) -> None:
         self.stopping.set()
         ray = self._ray()
         if not ray.is_initialized():
             return
-        for actor in self.actors.values():
+        for actor in list(self.actors.values()):
             with contextlib.suppress(Exception):  # already dead
                 actor.stop.remote()
         if self.run_refs:
             ray.wait(list(self.run_refs), num_returns=len(self.run_refs), timeout=STOP_GRACE_S)
-        for actor in self.actors.values():
+        for actor in list(self.actors.values()):
             with contextlib.suppress(Exception):
                 ray.kill(actor)
-        for group in self.placement_groups.values():
+        for group in list(self.placement_groups.values()):
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(group)
-        if self._watcher is not None:
-            self._watcher.join(timeout=2.0)
+        self.actor_watch.join()
         # Stops a cluster started here; only disconnects from one joined with --ray-address.
         ray.shutdown()

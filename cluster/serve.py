@@ -271,6 +271,7 @@ async def serve(
             await loop.run_in_executor(None, launcher.launch, wave, on_ready)
         supervisor = Supervisor(launcher, specs, on_ready)
         gateway.pools = Pools(launcher, supervisor, on_ready)
+        gateway.dispatcher.on_fenced = supervisor.fence
         launcher.watch(
             lambda i, why: loop.call_soon_threadsafe(exited, gateway, supervisor, i, why)
         )

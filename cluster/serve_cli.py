@@ -306,15 +306,16 @@ def _add_scheduler_flags(scheduling: argparse._ArgumentGroup) -> None:
         "--instance-timeout",
         type=float,
         default=10.0,
-        help="seconds without a heartbeat before an instance is dead (one that speaks "
-        "again is reset and re-admitted)",
+        help="seconds without a heartbeat before an instance is fenced: taken for dead, "
+        "killed and replaced",
     )
     scheduling.add_argument(
         "--instance-stall-timeout",
         type=float,
         default=120.0,
         help="seconds an instance may heartbeat while its step loop completes no step "
-        "before it is taken for hung; longer than your longest step (0: never)",
+        "before it is fenced as hung (killed and replaced); longer than your longest "
+        "step (0: never)",
     )
     scheduling.add_argument(
         "--request-timeout",

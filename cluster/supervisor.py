@@ -1,13 +1,14 @@
-"""Restarts instances whose process exited, so a pool goes back to its planned size.
+"""Restarts instances whose process exited or that were fenced, so a pool goes back to
+its planned size.
 
 The launcher's watch reports an exit; the gateway takes the instance out (its epoch
 retired, its requests migrated or retried); then `instance_exited` has the launcher start
 it again under the same id from its spec, in the epoch the gateway retired it into, and
 the gateway re-admits it once its weights have loaded (`Dispatcher.register`). One that
 keeps dying soon after a restart waits longer each time (1 s, 2 s, ... up to a minute),
-so a crash loop does not spin. Instances taken for dead while their process lives
-(silent, or a stalled loop) are not restarted here: they rejoin when they speak again
-(`ResetTask`). Launchers that cannot restart (Ray, for now) leave the pool short.
+so a crash loop does not spin. An instance taken for dead while its process may live
+on (silent: paused; or a stalled loop: hung) is fenced by the gateway, killed here
+(`fence`: SIGKILL, or `ray.kill`), and its exit restarts it as any other.
 """
 
 from __future__ import annotations
@@ -79,6 +80,17 @@ class Supervisor:
         timer.start()
         logger.warning("%s: restarting in %g s (epoch %d)", instance_id, delay, epoch)
 
+    def fence(self, instance_id: str) -> None:
+        """The gateway fenced the instance (its epoch retired): kill it; its exit then
+        restarts it. Called on the gateway's loop, where exits are handled too, so the
+        kill never reaches a replacement (a kill is a signal, or one quick call to Ray)."""
+        if self.launcher.stopping.is_set():
+            return
+        if self.launcher.kill_instance(instance_id):
+            logger.warning("%s: fenced, killed; its replacement starts next", instance_id)
+        else:
+            logger.warning("%s: fenced, but there was no process to kill", instance_id)
+
     def _restart(self, spec: InstanceSpec) -> None:
         if self.launcher.stopping.is_set():
             return
@@ -86,7 +98,7 @@ class Supervisor:
             return  # retired (drained) meanwhile
         if not self.launcher.start_instance(spec, self.on_ready):
             logger.warning(
-                "%s is not restarted: this launcher does not restart instances; its pool "
+                "%s is not restarted: this launcher cannot start instances; its pool "
                 "stays one short",
                 spec.instance_id,
             )

@@ -29,6 +29,7 @@ def debug_router(gateway: Gateway) -> APIRouter:
                 "role": view.role,
                 "pid": view.info.pid,
                 "alive": view.alive,
+                "epoch": view.epoch,
                 "in_flight": sorted(view.in_flight),
                 "inspection": None if inspection is None else msgspec.to_builtins(inspection),
             }

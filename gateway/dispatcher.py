@@ -10,9 +10,9 @@ Outputs are decoded as they arrive and their deltas handed to each request's
 stats and heartbeats); an instance silent past the timeout, or reported gone by the
 launcher, is taken out, and the requests that still need it are sent again or failed:
 one whose stream has begun is migrated with the tokens its client already has as its
-output, so the stream goes on at the next index (`_retry`). One
-taken out for silence alone (a paused process) that speaks again is sent a `ResetTask`
-and re-admitted once its outputs carry the new epoch.
+output, so the stream goes on at the next index (`_retry`). One silent or stalled
+(a paused or hung process) is fenced: its epoch retired (whatever it sends later is
+dropped) and `on_fenced` tells the cluster to kill it and start a replacement.
 
 Every frame is sealed with the deployment's MAC (`pdserve.scheduler.wire_auth`); an
 output or event batch without a valid one is dropped before it is decoded.
@@ -49,7 +49,6 @@ from pdserve.scheduler.messages import (
     InstanceOutput,
     LeakBlocksTask,
     RequestDelta,
-    ResetTask,
     SnapshotTask,
     Task,
 )
@@ -94,6 +93,8 @@ class Dispatcher:
         self._batch_decoder = msgspec.msgpack.Decoder(BlockEventBatch)
         self._background: list[asyncio.Task] = []
         self.on_instance_lost: Callable[[str, str], None] | None = None
+        # The cluster's: kills a fenced instance and starts its replacement.
+        self.on_fenced: Callable[[str], None] | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -158,18 +159,15 @@ class Dispatcher:
         view = self.scheduler.views.get(instance_id)
         return view.role if view else "unknown"
 
-    def instance_lost(self, instance_id: str, reason: str, may_rejoin: bool = False) -> None:
-        """Takes a dead instance out; retries or fails the requests that still need it.
-        `may_rejoin`: only silent (maybe paused), so it is re-admitted if it speaks again."""
+    def instance_lost(self, instance_id: str, reason: str) -> None:
+        """Takes a dead instance out; retries or fails the requests that still need it."""
         view = self.scheduler.views.get(instance_id)
         if view is None:
             return
-        failover = self.scheduler.mark_dead(instance_id, may_rejoin)
-        # Its task socket too if it was reopened only to reset it; should it rejoin, it
-        # owes a fresh snapshot.
+        failover = self.scheduler.mark_dead(instance_id)
         self._disconnect(instance_id)
         if failover.already_dead:
-            return  # (if its process exited meanwhile, it is no longer reset)
+            return
         logger.warning("instance %s is gone: %s", instance_id, reason)
         self.metrics.mark_down(view.role, instance_id)
         for (other, prefill_id), request_ids in failover.abort.items():
@@ -313,11 +311,11 @@ class Dispatcher:
     def _on_output(self, output: InstanceOutput, arrival: float) -> None:
         instance_id = output.instance.instance_id
         now = time.monotonic()
-        # Not registered yet, or taken for dead, or from a retired epoch: nothing of it
-        # counts; a dead instance that speaks again is reset, then re-admitted.
+        # Not registered yet, or taken for dead, or from a retired epoch (a fenced
+        # instance that resumed before it was killed): nothing of it counts.
         if not self.scheduler.observe(
             instance_id, output.stats, now, output.epoch, output.loop_turns
-        ) and not self._rejoin(instance_id, output.epoch, now):
+        ):
             return
         self.metrics.record_output(output)
         for delta in output.deltas:
@@ -330,21 +328,6 @@ class Dispatcher:
             self._snapshot_requested.discard(instance_id)
             if not self.scheduler.apply_snapshot(instance_id, output.block_snapshot):
                 self._request_snapshot(instance_id)
-
-    def _rejoin(self, instance_id: str, epoch: int, now: float) -> bool:
-        """True if this output re-admitted its instance (it reset into its new epoch)."""
-        view = self.scheduler.rejoin(instance_id, epoch, now)
-        if view is not None:
-            logger.warning("instance %s speaks again, reset: re-admitted", instance_id)
-            self.metrics.rejoined.inc()
-            self._connect(view.info)
-            return True
-        new_epoch = self.scheduler.reset_due(instance_id, epoch, now)
-        if new_epoch is not None:
-            logger.warning("instance %s taken for dead speaks again: resetting it", instance_id)
-            self._connect_tasks(self.scheduler.views[instance_id].info)
-            self._send(instance_id, ResetTask(new_epoch))
-        return False
 
     def _on_delta(self, instance_id: str, delta: RequestDelta, arrival: float) -> None:
         request_id = delta.request_id
@@ -390,7 +373,17 @@ class Dispatcher:
             config, now = self.scheduler.config, time.monotonic()
             for instance_id in self.scheduler.find_silent(now):
                 reason = f"no output or heartbeat for {config.instance_timeout_s:g} s"
-                self.instance_lost(instance_id, reason, may_rejoin=True)
+                self.fence(instance_id, reason)
             for instance_id in self.scheduler.find_stalled(now):
                 reason = f"its step loop made no progress for {config.instance_stall_timeout_s:g} s"
-                self.instance_lost(instance_id, reason, may_rejoin=True)
+                self.fence(instance_id, reason)
+
+    def fence(self, instance_id: str, reason: str) -> None:
+        """An instance whose process may live on (paused, hung) is taken out as if dead
+        and its epoch retired; the cluster kills it and starts a replacement in the next
+        epoch (`on_fenced`). Without a cluster (a bare gateway) it stays out."""
+        role = self.role_of(instance_id)
+        self.instance_lost(instance_id, f"fenced: {reason}")
+        self.metrics.fenced.labels(role, instance_id).inc()
+        if self.on_fenced is not None:
+            self.on_fenced(instance_id)

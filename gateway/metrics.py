@@ -264,10 +264,11 @@ class GatewayMetrics:
             "re-admitted once their weights loaded",
             registry=self.registry,
         )
-        self.rejoined = Counter(
-            PREFIX + "num_instances_rejoined",
-            "Instances taken for dead by silence that spoke again: reset (their requests "
-            "dropped) and re-admitted",
+        self.fenced = Counter(
+            PREFIX + "num_instances_fenced",
+            "Instances silent past --instance-timeout or stalled past "
+            "--instance-stall-timeout: their epoch retired, killed and replaced",
+            LABELS,
             registry=self.registry,
         )
 
@@ -281,6 +282,7 @@ class GatewayMetrics:
         """Every series of the instance shows from the start, at zero."""
         for metric in (*self.gauges.values(), *self.counters.values(), *self.histograms.values()):
             metric.labels(role, instance_id)
+        self.fenced.labels(role, instance_id)
         self.vllm.add_instance(role, instance_id)
         self.gauges["instance_up"].labels(role, instance_id).set(1)
 

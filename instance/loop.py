@@ -190,8 +190,6 @@ class StepLoop:
             return self._admit(role, task)
         if isinstance(task, wire.AbortTask):
             role.abort(task)
-        elif isinstance(task, wire.ResetTask):
-            self._reset(role, task)
         elif isinstance(task, wire.SnapshotTask):
             self._pending_snapshot = self.require_engine().scheduler.block_cache_snapshot()
         elif isinstance(task, wire.InspectTask):
@@ -220,23 +218,6 @@ class StepLoop:
             return wire.error_delta(task.request_id, message, len(task.prompt_token_ids))
         return None
 
-    def _reset(self, role: Role, task: wire.ResetTask) -> None:
-        """The gateway took this instance for dead and dealt with its requests: every
-        one still here is dropped (their blocks freed or quarantined as on an abort),
-        then the new epoch makes the gateway take this instance back. The gateway repeats
-        the task until it hears the new epoch: a repeat must not drop newer requests."""
-        if task.epoch <= self.io.epoch:
-            return
-        request_ids = sorted(role.request_ids())
-        logger.warning(
-            "%s: taken for dead by the gateway; dropping %d requests, rejoining as epoch %d",
-            self.spec.instance_id,
-            len(request_ids),
-            task.epoch,
-        )
-        role.abort(wire.AbortTask(request_ids))
-        self.io.epoch = task.epoch  # after the abort: the new epoch's outputs owe nothing
-
     # ---- stepping ---------------------------------------------------------------------
 
     def _step(self, role: Role) -> list[wire.RequestDelta]:
@@ -244,7 +225,7 @@ class StepLoop:
             return role.step()
         except WorkerGroupFailed as exc:  # the ranks are gone: this instance cannot go on
             self.failure = str(exc)
-            return self._fail_all(f"instance {self.spec.instance_id} lost its worker group: {exc}")
+            return []  # its requests go on elsewhere once it exited (`_end_after_failure`)
         except Exception as exc:  # a broken step must not take the instance down
             logger.exception("%s: engine step failed", self.spec.instance_id)
             return self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
@@ -255,10 +236,15 @@ class StepLoop:
         self.io.wake()
 
     def _end_after_failure(self) -> None:
-        """Fails what is left, says so, and stops the loop (the process then exits 1)."""
-        logger.error("%s: %s; stopping", self.spec.instance_id, self.failure)
-        message = f"instance {self.spec.instance_id} lost its worker group: {self.failure}"
-        self.flush(self._fail_all(message))
+        """Stops the loop (the process then exits 1) without failing a request: its exit
+        is the launcher's news, and the gateway sends the requests that still need this
+        instance elsewhere (retried, or migrated with their output so far) within
+        `--max-request-retries`; the supervisor starts a new instance with new ranks."""
+        logger.error(
+            "%s: lost its worker group: %s; exiting so that its requests go on elsewhere",
+            self.spec.instance_id,
+            self.failure,
+        )
         self._stopped.set()
 
     def _fail_all(self, message: str) -> list[wire.RequestDelta]:

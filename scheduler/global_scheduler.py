@@ -10,8 +10,8 @@ it are sent again elsewhere, up to `max_attempts` dispatches, then fail (a reque
 KV already reached its decode instance no longer needs its prefill instance). One that
 already streamed tokens is migrated: the gateway sends it, with those tokens as its
 output, to an instance that runs it to the end (`route(..., with_prefill=False)`).
-An instance taken for dead by silence alone that speaks again is reset into a new
-epoch and re-admitted (`ResetTask`).
+An instance taken for dead never returns in its epoch: the cluster kills it and starts
+a replacement in the next (`add_instance`).
 
 Pure bookkeeping: no sockets, no clock of its own (callers pass `now`), no torch.
 """
@@ -65,11 +65,6 @@ class GlobalSchedulerConfig:
             )
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
-
-
-# A dead instance that keeps speaking in its retired epoch is sent a ResetTask again
-# after this long (a task sent while its socket reconnected may be lost).
-RESET_RESEND_S = 2.0
 
 
 class AdmissionRejected(Exception):
@@ -210,27 +205,6 @@ class GlobalScheduler:
         view.unsynced_batches.clear()
         return all([view.mirror.apply(batch) for batch in pending])
 
-    def reset_due(self, instance_id: str, epoch: int, now: float) -> int | None:
-        """A dead instance spoke with `epoch`: the epoch to send it in a `ResetTask`
-        (again after `RESET_RESEND_S`, in case one was lost), or None."""
-        view = self.views.get(instance_id)
-        if view is None or view.alive or not view.may_rejoin or epoch >= view.epoch:
-            return None
-        if view.reset_sent_at is not None and now - view.reset_sent_at < RESET_RESEND_S:
-            return None
-        view.reset_sent_at = now
-        return view.epoch
-
-    def rejoin(self, instance_id: str, epoch: int, now: float) -> InstanceView | None:
-        """A dead instance spoke in its new epoch: it dropped its former requests and
-        routing takes it again. None if this output is no such proof."""
-        view = self.views.get(instance_id)
-        if view is None or view.alive or not view.may_rejoin or epoch != view.epoch:
-            return None
-        view.alive, view.may_rejoin, view.reset_sent_at = True, False, None
-        view.last_seen = view.turned_at = now
-        return view
-
     def find_silent(self, now: float) -> list[str]:
         """Live instances not heard from within the timeout."""
         limit = self.config.instance_timeout_s
@@ -322,22 +296,20 @@ class GlobalScheduler:
         assignment.route.prefill.in_flight.discard(request_id)
         assignment.route.prefill.unstarted_tokens.pop(request_id, None)
 
-    def mark_dead(self, instance_id: str, may_rejoin: bool = False) -> Failover:
+    def mark_dead(self, instance_id: str) -> Failover:
         """Takes the instance out of routing and says what becomes of the requests that
         still need it (`in_flight`).
 
         Each is sent again (up to `max_attempts` dispatches, retries and migrations
-        alike: the gateway resumes a stream that has begun), then fails.
-        `may_rejoin`: taken for dead by silence only; its epoch is retired either way.
+        alike: the gateway resumes a stream that has begun), then fails. Its epoch is
+        retired: nothing it sends from now on counts.
         """
         failover = Failover()
         view = self.views.get(instance_id)
         if view is None or not view.alive:
             failover.already_dead = True
-            if view is not None:
-                view.may_rejoin = view.may_rejoin and may_rejoin  # its process exited
             return failover
-        view.alive, view.may_rejoin, view.reset_sent_at = False, may_rejoin, None
+        view.alive = False
         view.epoch += 1
         # Its last load is no longer true: nothing routes on it, nothing reports it.
         total = view.info.num_blocks

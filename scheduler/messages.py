@@ -109,17 +109,7 @@ class LeakBlocksTask(msgspec.Struct, tag="leak_blocks"):
     owner: str = "leaked-on-purpose"
 
 
-class ResetTask(msgspec.Struct, tag="reset"):
-    """The gateway took this instance for dead (silent past `--instance-timeout`: e.g.
-    paused) and already retried or failed its requests, yet hears from it again. The
-    instance drops every request it holds, then stamps its outputs with `epoch`; the
-    gateway drops outputs of a retired epoch and re-admits the instance once one of the
-    new epoch arrives, so nothing from its former life reaches a client."""
-
-    epoch: int
-
-
-Task = GenerateTask | AbortTask | SnapshotTask | InspectTask | LeakBlocksTask | ResetTask
+Task = GenerateTask | AbortTask | SnapshotTask | InspectTask | LeakBlocksTask
 
 
 class InstanceStats(msgspec.Struct):
@@ -167,8 +157,8 @@ class InstanceOutput(msgspec.Struct):
     metrics: MetricsDelta | None = None
     inspection: InstanceInspection | None = None
     block_snapshot: BlockCacheSnapshot | None = None
-    # The instance's life as the gateway numbers it (0 from registration, then each
-    # `ResetTask`'s): outputs of a retired epoch are dropped.
+    # The instance's life as the gateway numbers it (`InstanceSpec.epoch`: 0 at launch,
+    # a replacement's is past every retired one): outputs of a retired epoch are dropped.
     epoch: int = 0
     # Turns the step loop has completed (it turns at least every `idle_wait_s`, idle or
     # not): heartbeats come from the I/O thread, so this tells a loop that progresses

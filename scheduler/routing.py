@@ -66,13 +66,10 @@ class InstanceView:
     mirror: CachedHashMirror = field(default_factory=CachedHashMirror)
     unsynced_batches: list[BlockEventBatch] = field(default_factory=list)
     alive: bool = True
-    # The instance's current life (see `ResetTask`): bumped when it is taken for dead, so
-    # whatever it sent from its former life is told apart and dropped.
+    # The instance's current life: bumped when it is taken for dead (its epoch retired),
+    # so whatever it sent from its former life is told apart and dropped; its
+    # replacement starts in this epoch.
     epoch: int = 0
-    # Taken for dead by silence alone (the process may be paused): if it speaks again,
-    # it is reset and re-admitted. An instance whose process exited never returns.
-    may_rejoin: bool = False
-    reset_sent_at: float | None = None
     # An operator drains it: routing sends it nothing new; once `in_flight` is empty the
     # cluster stops it (`gateway/admin.py`).
     draining: bool = False

@@ -1,9 +1,7 @@
-"""One prefill and one decode instance (local processes), a short `--instance-timeout`:
-a decode instance paused past the timeout and resumed is reset and re-admitted (no
-permanent 503); a prefill instance killed while its request decodes on the decode
-instance leaves that stream whole, and its load leaves /health and /metrics at once.
-
-The tests run in file order on one server.
+"""One prefill and one decode instance (local processes): a prefill instance killed while
+its request decodes on the decode instance leaves that stream whole, and its load leaves
+/health and /metrics at once. (A paused instance, fenced and replaced:
+tests/cluster/test_recovery.py.)
 """
 
 from __future__ import annotations
@@ -66,26 +64,6 @@ def prefill_alive(server: ServeProcess) -> bool:
 
 def health(server: ServeProcess) -> int:
     return server.get("/health").status_code
-
-
-def test_a_paused_decode_instance_is_readmitted_when_it_resumes(server) -> None:
-    expected = complete(server, 8)
-    pid = server.instances()["decode-0"]["pid"]
-    stream = Stream(server, 400)
-    wait_for(lambda: len(stream.chunks) >= 5, 60, "the stream to decode")
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        wait_for(lambda: health(server) == 503, TIMEOUT_S + 10, "the pause to be noticed")
-        stream.join(30)
-        assert stream.errors and "failed mid-request" in stream.errors[0], stream.errors
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    # It speaks again: reset (its former requests dropped), then re-admitted.
-    wait_for(lambda: health(server) == 200, 20, "the decode instance to rejoin")
-    assert complete(server, 8) == expected
-    text = server.get("/metrics").text
-    assert re.search(r"^pdserve:num_instances_rejoined_total 1\.0$", text, re.M)
-    server.assert_blocks_free_or_cached()  # the dropped stream's blocks too
 
 
 def test_a_prefill_death_spares_a_stream_decoding_elsewhere(server) -> None:

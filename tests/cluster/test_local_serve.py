@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import threading
@@ -149,7 +150,7 @@ def test_a_request_whose_instance_dies_before_its_first_token_is_retried(server)
     server.assert_blocks_free_or_cached()  # checks the survivor
 
 
-def test_an_instance_without_heartbeats_is_taken_out(server) -> None:
+def test_instances_without_heartbeats_are_fenced_and_killed(server) -> None:
     # The killed colocated-0 is restarted: once it is back, both go silent.
     deadline = time.monotonic() + 60
     while not server.instances()["colocated-0"]["alive"] and time.monotonic() < deadline:
@@ -164,12 +165,26 @@ def test_an_instance_without_heartbeats_is_taken_out(server) -> None:
     response = server.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert response.status_code == 503
     assert "no instance" in response.json()["error"]["message"]
+    text = server.get("/metrics").text
+    assert len(re.findall(r"^pdserve:num_instances_fenced_total{.*} 1\.0$", text, re.M)) == 2
+    deadline = time.monotonic() + 10
+    while any(_exists(pid) for pid in server.frozen) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_exists(pid) for pid in server.frozen)  # killed, paused as they were
+
+
+def _exists(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_sigterm_stops_everything_and_frees_the_port(server) -> None:
     children = list(pids(server).values())
     for pid in getattr(server, "frozen", []):
-        os.kill(pid, signal.SIGCONT)
+        _signal(pid, signal.SIGCONT)
     port = int(server.base_url.rsplit(":", 1)[1])
     assert server.stop(timeout_s=30) == 0
     for pid in children:

@@ -2,14 +2,18 @@
 mid-stream loses no stream (each is migrated to the other decode instance with the
 tokens already streamed as output, and ends as a fault-free run would, greedy and
 seeded alike); the supervisor restarts it (a new process in a new epoch) and it serves
-again within a minute; under streaming load a pool scales up, an instance drains and a
-pool scales down without a request dropped or failed (behind the admin key).
+again within a minute; one paused (SIGSTOP) past `--instance-timeout` under streams is
+fenced: its streams migrate alike, it is killed (gone even once resumed) and replaced,
+the fence and the restart counted in /metrics; under streaming load a pool scales up,
+an instance drains and a pool scales down without a request dropped or failed (behind
+the admin key).
 
 The tests run in file order on one server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -23,9 +27,11 @@ from tests.gateway.server import ADMIN_KEY, ServeProcess
 
 pytestmark = pytest.mark.slow
 
+TIMEOUT_S = 3.0
 ARGS = (
     *LOCAL, "--num-prefill", "1", "--num-decode", "2", "--dtype", "bfloat16",
     "--kv-cache-memory", "24MiB", "--max-model-len", "512", "--routing-policy", "round_robin",
+    "--instance-timeout", str(TIMEOUT_S),
 )  # fmt: skip
 PROMPT = "The capital of France is"
 MAX_TOKENS = 64
@@ -122,6 +128,41 @@ def test_a_killed_instance_is_restarted_and_serves_again(server) -> None:
     server.assert_blocks_free_or_cached()
 
 
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"  # killed, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+def test_a_paused_decode_instance_is_fenced_killed_and_replaced(server) -> None:
+    expected = {"greedy": complete(server, GREEDY), "seeded": complete(server, SEEDED)}
+    streams = []
+    for kind, sampling in (("greedy", GREEDY), ("greedy", GREEDY),
+                           ("seeded", SEEDED), ("seeded", SEEDED)):  # fmt: skip
+        stream = Stream(server, sampling)
+        wait_for(lambda s=stream: len(s.chunks) >= 2, 60, "the stream to begin")
+        streams.append((kind, stream))
+    pid = server.instances()["decode-0"]["pid"]
+    assert all(not s.done for _, s in streams)  # all mid-stream
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(TIMEOUT_S + 5)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # killed already, as it should be
+            os.kill(pid, signal.SIGCONT)
+    for kind, stream in streams:
+        assert stream.join(120) == expected[kind], kind
+    assert counter(server, "requests_migrated_total") == 4.0  # 2 of the kill, 2 of the pause
+    wait_for(lambda: gone(pid), 10, "the paused process to be killed")
+    wait_for(lambda: alive(server, "decode-0"), 60, "decode-0's replacement")
+    assert server.instances()["decode-0"]["pid"] != pid
+    assert counter(server, 'num_instances_fenced_total{instance="decode-0",role="decode"}') == 1.0
+    assert counter(server, "num_instances_restarted_total") == 3.0
+    server.assert_blocks_free_or_cached()
+
+
 def pool(server: ServeProcess, role: str) -> list[str]:
     entries = server.get("/health").json()["instances"]
     return sorted(e["id"] for e in entries if e["role"] == role and e["alive"])
@@ -146,6 +187,6 @@ def test_scaling_and_draining_under_load_drop_no_request(server) -> None:
     assert all(stream.join(120) == expected for stream in streams)
     wait_for(lambda: pool(server, "decode") == ["decode-1"], 30, "the drained ones to leave")
     assert complete(server, GREEDY) == expected
-    assert counter(server, "requests_migrated_total") == 2.0  # none since the kill
-    assert counter(server, "num_instances_restarted_total") == 2.0  # drained stay down
+    assert counter(server, "requests_migrated_total") == 4.0  # none since the pause
+    assert counter(server, "num_instances_restarted_total") == 3.0  # drained stay down
     server.assert_blocks_free_or_cached()

@@ -1,6 +1,7 @@
 """The supervisor's decisions without processes: a dead instance restarts at once in the
 epoch the gateway retired it into, one that keeps dying waits longer each time, none
-restarts while the launcher stops; the gateway's books refuse a replacement that would
+restarts while the launcher stops; a fenced instance is killed (its exit then restarts
+it); the gateway's books refuse a replacement that would
 speak in a retired epoch."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class RecordingLauncher(Launcher):
     def __init__(self) -> None:
         super().__init__()
         self.restarted: list[InstanceSpec] = []
+        self.killed: list[str] = []
         self.done = threading.Event()
 
     def launch(self, specs, on_ready) -> None: ...
@@ -33,6 +35,10 @@ class RecordingLauncher(Launcher):
     def start_instance(self, spec, on_ready) -> bool:
         self.restarted.append(spec)
         self.done.set()
+        return True
+
+    def kill_instance(self, instance_id) -> bool:
+        self.killed.append(instance_id)
         return True
 
 
@@ -50,6 +56,16 @@ def test_a_dead_instance_restarts_at_once_in_its_next_epoch() -> None:
     supervisor.instance_exited("decode-0", epoch=4)  # stopping: never again
     supervisor.close()
     assert len(launcher.restarted) == 1
+
+
+def test_a_fenced_instance_is_killed_not_restarted_until_it_exits() -> None:
+    launcher = RecordingLauncher()
+    supervisor = Supervisor(launcher, [SPEC], on_ready=lambda info: None)
+    supervisor.fence("decode-0")
+    assert launcher.killed == ["decode-0"] and launcher.restarted == []
+    launcher.shutdown()
+    supervisor.fence("decode-0")  # stopping: the shutdown stops it anyway
+    assert launcher.killed == ["decode-0"]
 
 
 def test_an_instance_that_keeps_dying_waits_longer_each_time() -> None:

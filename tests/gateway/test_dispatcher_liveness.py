@@ -1,8 +1,10 @@
 """The dispatcher's liveness against scripted instances (plain ZMQ sockets, no model):
-an instance taken for dead by silence that speaks again is reset into a new epoch and
-re-admitted; a dead instance's gauges leave /metrics at once; a prefill instance's
-death spares a request whose decode instance already streams it; a request past
-`--request-timeout` fails and is aborted on its instance."""
+an instance silent past the timeout (paused) is fenced: its epoch retired (what it
+says when it resumes counts for nothing), the cluster told to kill and replace it, the
+fence counted, and its replacement in the next epoch serves; a dead instance's gauges
+leave /metrics at once; a prefill instance's death spares a request whose decode
+instance already streams it; a request past `--request-timeout` fails and is aborted
+on its instance."""
 
 from __future__ import annotations
 
@@ -33,7 +35,6 @@ from pdserve.scheduler.messages import (
     InstanceOutput,
     InstanceStats,
     RequestDelta,
-    ResetTask,
     SnapshotTask,
     Task,
 )
@@ -137,8 +138,8 @@ def test_a_request_past_its_deadline_fails_and_is_aborted_on_its_instance() -> N
     run(past_the_deadline)
 
 
-def test_a_paused_instance_that_speaks_again_is_reset_and_readmitted() -> None:
-    run(paused_then_back)
+def test_a_paused_instance_is_fenced_and_its_replacement_serves() -> None:
+    run(paused_then_replaced)
 
 
 def test_a_prefill_death_spares_requests_whose_kv_reached_decode() -> None:
@@ -149,8 +150,11 @@ def test_a_stream_whose_instance_dies_goes_on_elsewhere_then_runs_out_of_retries
     run(migrated_twice)
 
 
-async def paused_then_back(dispatcher: Dispatcher, context: zmq.Context) -> None:
+async def paused_then_replaced(dispatcher: Dispatcher, context: zmq.Context) -> None:
+    fenced: list[str] = []
+    dispatcher.on_fenced = fenced.append
     d0 = ScriptedInstance(context, "d0", "colocated", dispatcher.output_address)
+    replacement = None
     try:
         dispatcher.register(d0.info)
         d0.say(running=1)
@@ -159,30 +163,42 @@ async def paused_then_back(dispatcher: Dispatcher, context: zmq.Context) -> None
         assert (await d0.next_task(GenerateTask)).request_id == "r1"
         d0.say(RequestDelta("r1", [7], 0), running=1)  # it started, then it pauses
         view = dispatcher.scheduler.views["d0"]
-        await until(lambda: not view.alive, 5, "d0 to be taken for dead")
+        await until(lambda: not view.alive, 5, "d0 to be fenced")
+        assert fenced == ["d0"] and view.epoch == 1
         assert events[-1].error and "failed mid-request" in events[-1].error
+        assert "fenced" in events[-1].error
         assert gauge_lines(dispatcher, "d0") == []  # its last load went with it
+        text = dispatcher.metrics.render().decode()
+        assert re.search(r'^pdserve:num_instances_fenced_total{[^}]*"d0"[^}]*} 1\.0$', text, re.M)
         with pytest.raises(AdmissionRejected, match="no instance"):
             dispatcher.scheduler.admit()
 
-        # It resumes: what it sent in its former life counts for nothing; it is reset.
-        d0.say(RequestDelta("r1", [8], 1), running=1)
-        reset = await d0.next_task(ResetTask)
-        assert reset.epoch == 1 and not view.alive
-        d0.epoch = reset.epoch  # as the step loop does, after dropping every request
-        await until(lambda: view.alive, 5, "d0 to be re-admitted", keep_alive=[d0])
-        await d0.next_task(SnapshotTask)  # its prefix cache is mirrored afresh
-        assert dispatcher.metrics.rejoined._value.get() == 1
-        assert gauge_lines(dispatcher, "d0")  # its gauges are back
+        # It resumes before the cluster killed it: what it says counts for nothing.
+        count = len(events)
+        for _ in range(5):
+            d0.say(RequestDelta("r1", [8], 1), running=1)
+            await asyncio.sleep(0.05)
+        assert not view.alive and len(events) == count
+        d0.close()
 
+        # Its replacement starts in the next epoch and serves.
+        replacement = ScriptedInstance(context, "d0", "colocated", dispatcher.output_address)
+        replacement.epoch = 1
+        dispatcher.register(msgspec.structs.replace(replacement.info, epoch=1))
+        assert dispatcher.metrics.restarted._value.get() == 1
+        await replacement.next_task(SnapshotTask)  # its prefix cache is mirrored afresh
+        assert gauge_lines(dispatcher, "d0")  # its gauges are back
         dispatcher.scheduler.admit()
         dispatcher.submit(task("r2"), events.append)
-        assert (await d0.next_task(GenerateTask)).request_id == "r2"
-        d0.say(RequestDelta("r2", [9], 0, finish_reason="length"))
-        await until(lambda: events[-1].request_id == "r2", 5, "r2 to finish", keep_alive=[d0])
+        assert (await replacement.next_task(GenerateTask)).request_id == "r2"
+        replacement.say(RequestDelta("r2", [9], 0, finish_reason="length"))
+        await until(lambda: events[-1].request_id == "r2", 5, "r2 to finish",
+                    keep_alive=[replacement])  # fmt: skip
         assert events[-1].delta is not None and events[-1].delta.finished
     finally:
         d0.close()
+        if replacement is not None:
+            replacement.close()
 
 
 async def prefill_dies_after_handoff(dispatcher: Dispatcher, context: zmq.Context) -> None:

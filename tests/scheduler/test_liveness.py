@@ -1,13 +1,13 @@
-"""The global scheduler's liveness books: silence and stalls, retired epochs, rejoining,
-and a prefill instance's death sparing requests whose KV reached their decode instance."""
+"""The global scheduler's liveness books: silence and stalls, retired epochs (a dead
+instance never returns in its epoch, only a replacement in a later one), and a prefill
+instance's death sparing requests whose KV reached their decode instance."""
 
 from __future__ import annotations
 
-from pdserve.scheduler.global_scheduler import (
-    RESET_RESEND_S,
-    GlobalScheduler,
-    GlobalSchedulerConfig,
-)
+import msgspec
+import pytest
+
+from pdserve.scheduler.global_scheduler import GlobalScheduler, GlobalSchedulerConfig
 from pdserve.scheduler.messages import InstanceStats
 from pdserve.scheduler.routing import RouteRequest
 from tests.scheduler.instances import instance_info
@@ -38,33 +38,24 @@ def test_a_long_step_is_no_stall_but_a_loop_that_never_turns_is() -> None:
     assert never.find_stalled(1e9) == []
 
 
-def test_a_silent_instance_that_speaks_again_is_reset_then_readmitted() -> None:
+def test_a_dead_instance_never_returns_in_its_epoch_only_a_replacement() -> None:
     gs = scheduler(("c0", "colocated"))
     send(gs, "r")
     gs.mark_started("r")
-    assert gs.mark_dead("c0", may_rejoin=True).retry == ["r"]
+    assert gs.mark_dead("c0").retry == ["r"]  # fenced, or its process exited
     view = gs.views["c0"]
     assert view.epoch == 1 and view.stats == InstanceStats(num_free_blocks=100,
                                                            num_total_blocks=100)  # fmt: skip
-    assert not gs.observe("c0", None, 5.0, epoch=0)  # its former life counts for nothing
-    assert gs.reset_due("c0", 0, 5.0) == 1
-    assert gs.reset_due("c0", 0, 5.0 + RESET_RESEND_S / 2) is None  # not twice at once
-    assert gs.reset_due("c0", 0, 5.0 + RESET_RESEND_S * 2) == 1  # in case one was lost
-    assert gs.rejoin("c0", 0, 9.0) is None  # only the new epoch proves the reset
-    assert gs.rejoin("c0", 1, 9.0) is view and view.alive
-    assert gs.observe("c0", None, 9.5, epoch=1) and not gs.observe("c0", None, 9.5, epoch=0)
+    for epoch in (0, 1):  # its former life counts for nothing, whatever it claims
+        assert not gs.observe("c0", None, 5.0, epoch=epoch) and not view.alive
+    assert gs.mark_dead("c0").already_dead
+    old = instance_info("c0", "colocated")
+    with pytest.raises(ValueError, match="already retired"):
+        gs.add_instance(old, now=6.0)
+    replacement = gs.add_instance(msgspec.structs.replace(old, epoch=1), now=6.0)
+    assert replacement.alive and gs.observe("c0", None, 7.0, epoch=1)
     send(gs, "next")
-    assert "next" in view.in_flight
-
-
-def test_an_instance_whose_process_exited_is_never_reset() -> None:
-    gs = scheduler(("c0", "colocated"))
-    gs.mark_dead("c0")  # the launcher saw it exit
-    assert gs.reset_due("c0", 0, 1.0) is None and gs.rejoin("c0", 1, 1.0) is None
-    paused = scheduler(("c0", "colocated"))
-    paused.mark_dead("c0", may_rejoin=True)  # silent: maybe paused
-    assert paused.mark_dead("c0").already_dead  # then the launcher saw it exit
-    assert paused.reset_due("c0", 0, 1.0) is None
+    assert "next" in replacement.in_flight
 
 
 def test_a_prefill_death_spares_requests_whose_kv_reached_decode() -> None:

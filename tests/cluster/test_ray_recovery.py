@@ -1,0 +1,117 @@
+"""Restarts, drain and scale under the Ray launcher: one prefill and two decode actors on
+the session's Ray cluster (2 CPUs). A decode actor's process killed (SIGKILL) under
+streams loses no stream (greedy and seeded at temperature 0.8 end as a fault-free run
+would); the supervisor starts a new actor in the next epoch and it rejoins within a
+minute; a decode instance drained and the pool scaled up again under streams drop
+nothing (the new actor takes the drained one's CPUs: the cluster has no more).
+
+The tests run in file order on one server.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.cluster.conftest import RAY_ENV, ray_list
+from tests.cluster.serving import MODEL, BackgroundStream, served
+from tests.gateway.server import ADMIN_KEY, ServeProcess
+
+pytestmark = pytest.mark.slow
+
+ARGS = (
+    "--launcher", "ray", "--num-prefill", "1", "--num-decode", "2", "--dtype", "float32",
+    "--kv-cache-memory", "48MiB", "--max-model-len", "512", "--routing-policy", "round_robin",
+    "--threads-per-instance", "1", "--enable-test-hooks",
+)  # fmt: skip
+PROMPT = "The capital of France is"
+MAX_TOKENS = 48
+GREEDY = {"temperature": 0}
+SEEDED = {"temperature": 0.8, "seed": 4321}
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster: str) -> Iterator[ServeProcess]:
+    with served(*ARGS, "--ray-address", ray_cluster, env=RAY_ENV, stop_timeout_s=60) as process:
+        yield process
+
+
+def body(sampling: dict, stream: bool) -> dict:
+    return {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "stream": stream, **sampling}  # fmt: skip
+
+
+def complete(server: ServeProcess, sampling: dict) -> str:
+    response = server.post("/v1/completions", json=body(sampling, stream=False))
+    response.raise_for_status()
+    return response.json()["choices"][0]["text"]
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def pool(server: ServeProcess, role: str) -> list[str]:
+    entries = server.get("/health").json()["instances"]
+    return sorted(e["id"] for e in entries if e["role"] == role and e["alive"])
+
+
+def counter(server: ServeProcess, name: str) -> float:
+    match = re.search(rf"^pdserve:{name} (\S+)$", server.get("/metrics").text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def start_streams(server: ServeProcess, samplings: list[dict]) -> list[BackgroundStream]:
+    streams = []
+    for sampling in samplings:  # round robin: alternating decode instances
+        streams.append(BackgroundStream(server, body(sampling, stream=True)))
+        wait_for(lambda s=streams[-1]: len(s.chunks) >= 2, 60, "the stream to begin")
+    return streams
+
+
+def test_a_killed_decode_actor_loses_no_stream_and_is_restarted(server, ray_cluster) -> None:
+    expected = [complete(server, s) for s in (GREEDY, SEEDED)]
+    pid = server.instances()["decode-0"]["pid"]
+    streams = start_streams(server, [GREEDY, GREEDY, SEEDED, SEEDED])
+    assert all(len(s.chunks) < MAX_TOKENS for s in streams)  # all mid-stream
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    for stream, want in zip(streams, [expected[0]] * 2 + [expected[1]] * 2, strict=True):
+        assert stream.join(120) == want and stream.errors == []
+    assert counter(server, "requests_migrated_total") == 2.0
+    wait_for(lambda: pool(server, "decode") == ["decode-0", "decode-1"],
+             60 - (time.monotonic() - killed_at), "decode-0 back within a minute")  # fmt: skip
+    assert server.get("/health").status_code == 200
+    restarted = server.instances()["decode-0"]
+    assert restarted["pid"] != pid and restarted["epoch"] == 1
+    assert counter(server, "num_instances_restarted_total") == 1.0
+    actors = [a for a in ray_list("actors", ray_cluster) if a["name"] == "decode-0"]
+    assert sorted(a["state"] for a in actors)[-2:] == ["ALIVE", "DEAD"]
+    assert [complete(server, s) for s in (GREEDY, SEEDED)] == expected
+    server.assert_blocks_free_or_cached()
+
+
+def test_draining_and_scaling_up_under_load_drop_nothing(server) -> None:
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    expected = complete(server, GREEDY)
+    streams = start_streams(server, [GREEDY, GREEDY])  # one on each decode instance
+    assert server.post("/admin/instances/decode-1/drain", headers=admin).status_code == 200
+    scaled = server.post("/admin/pools/decode/scale", json={"size": 2}, headers=admin)
+    assert scaled.json() == {"role": "decode", "size": 2, "starting": ["decode-2"], "draining": []}
+    more = start_streams(server, [GREEDY])  # while decode-1 drains: on decode-0
+    assert all(s.join(120) == expected and s.errors == [] for s in streams + more)
+    # decode-1 stops once empty; decode-2 gets its CPUs and joins.
+    wait_for(lambda: pool(server, "decode") == ["decode-0", "decode-2"], 60, "decode-2 to join")
+    streams = start_streams(server, [GREEDY, GREEDY])
+    assert all(s.join(120) == expected and s.errors == [] for s in streams)
+    assert counter(server, "requests_migrated_total") == 2.0  # none since the kill
+    assert counter(server, "num_instances_restarted_total") == 1.0  # the drained one stays down
+    server.assert_blocks_free_or_cached()
