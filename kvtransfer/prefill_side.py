@@ -7,7 +7,10 @@ each case the blocks are reported only once no send out of them is in flight.
 The lease bounds everything, releases included: when it runs out with sends still
 in flight, the decode side has stopped reading (it died, or its own transfer deadline,
 which is shorter than the lease, made it give up and cancel its receives). Those sends
-are then *abandoned* and the blocks released. They cannot be cancelled: with error
+are then *abandoned* and the blocks released. A decode rank's `Abort` says the same
+sooner (it is sent once that rank's receives ended), so the sends to it are abandoned
+on arrival: a pull served late (this side was paused while the decode side gave up)
+does not hold its blocks for a whole lease. They cannot be cancelled: with error
 handling off, UCX has no forced endpoint close, and a flushing close would wait on
 the silent peer forever. Abandoning is safe because a decode side past its deadline
 never uses what it receives, and its own blocks stay quarantined until its receives
@@ -121,6 +124,12 @@ class PrefillSide(RankSide):
                 if held is not None and held.release is None:
                     held.deadline = now + self._config.lease_s
         elif isinstance(message, Abort):
+            # The decode rank sends it only once its receives ended (completed or
+            # cancelled): nothing of ours can land in its blocks any more, so our sends
+            # to it are abandoned now rather than when the lease runs out.
+            held = self._held.get(message.request_id)
+            if held is not None:
+                self._abandon_sends(held, f"the decode side gave up ({message.reason})", peer)
             self.abort(message.request_id, now)
         else:
             logger.warning("unexpected %s on the serving socket", type(message).__name__)
@@ -245,7 +254,7 @@ class PrefillSide(RankSide):
                 if held.release is None:
                     held.release = "expired"
                     self._stats.lease_expiries_total += 1
-                self._abandon_sends(held)
+                self._abandon_sends(held, "its lease ran out")
             if held.release is not None and not held.sends_in_flight:
                 del self._held[request_id]
                 self._active.discard(request_id)
@@ -283,12 +292,14 @@ class PrefillSide(RankSide):
             if serving.confirmed:
                 del held.serving[key]
 
-    def _abandon_sends(self, held: _Held) -> None:
+    def _abandon_sends(self, held: _Held, why: str, peer: bytes | None = None) -> None:
+        """Gives up the sends still in flight (to `peer` only, if given)."""
         for key, serving in list(held.serving.items()):
-            if serving.in_flight:
+            if serving.in_flight and peer in (None, serving.peer):
                 logger.warning(
-                    "lease of %s ran out with %d sends in flight to %r; abandoning them",
+                    "%s: %s with %d sends in flight to %r; abandoning them",
                     held.request_id,
+                    why,
                     sum(not op.done for op in serving.ops),
                     serving.peer,
                 )

@@ -7,6 +7,7 @@ namespace and the veth pair are deleted, when the context ends.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,8 +146,26 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
+A_RESOURCES = {"node_a": 8}
+B_RESOURCES = {"node_b": 8}
+
+
+def _ports() -> list[str]:
+    """Free ports for the per-node servers Ray would otherwise put on fixed ones."""
+    flags = (
+        "--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port",
+    )  # fmt: skip
+    return [x for flag in flags for x in (flag, str(free_port()))]
+
+
 @contextmanager
-def two_nodes(log_dir: Path) -> Iterator[TwoNodes]:
+def two_nodes(
+    log_dir: Path,
+    a_resources: dict[str, float] = A_RESOURCES,
+    b_resources: dict[str, float] = B_RESOURCES,
+) -> Iterator[TwoNodes]:
+    """`a_resources`, `b_resources`: each node's custom resources (both have 2 CPUs)."""
     make_network()
     nodes: list[subprocess.Popen] = []
     # Ray's unix sockets live under its temp dir: a pytest path is too long for them.
@@ -154,18 +173,13 @@ def two_nodes(log_dir: Path) -> Iterator[TwoNodes]:
     try:
         port = free_port(HEAD_IP)
         address = f"{HEAD_IP}:{port}"
-        ports = {flag: str(free_port()) for flag in (
-            "--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
-            "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port",
-        )}  # fmt: skip
         head = [RAY, "start", "--head", "--block", "--node-ip-address", HEAD_IP,
-                "--port", str(port), "--num-cpus", "2", "--resources", '{"node_a": 8}',
-                "--include-dashboard=false", "--temp-dir", ray_temp,
-                *[x for pair in ports.items() for x in pair]]  # fmt: skip
+                "--port", str(port), "--num-cpus", "2", "--resources", json.dumps(a_resources),
+                "--include-dashboard=false", "--temp-dir", ray_temp, *_ports()]  # fmt: skip
         nodes.append(_start_node(head, log_dir / "head.log"))
         node_b = ["ip", "netns", "exec", NAMESPACE, RAY, "start", "--block",
                   "--address", address, "--node-ip-address", NODE_B_IP, "--num-cpus", "2",
-                  "--resources", '{"node_b": 8}']  # fmt: skip
+                  "--resources", json.dumps(b_resources)]  # fmt: skip
         _wait_for_port(HEAD_IP, port, nodes[0], log_dir)  # the head's GCS first
         nodes.append(_start_node(node_b, log_dir / "node_b.log"))
         _wait_for_nodes(address, 2, nodes, log_dir)
@@ -175,6 +189,51 @@ def two_nodes(log_dir: Path) -> Iterator[TwoNodes]:
             _stop(node)
         _cleanup_network()
         shutil.rmtree(ray_temp, ignore_errors=True)
+
+
+def start_spare_node(nodes: TwoNodes, resources: dict[str, float], name: str) -> Callable[[], None]:
+    """One more Ray node on node A's address (room for instances once node B is lost);
+    returns what stops it. `name` must be one of its resources."""
+    temp = tempfile.mkdtemp(prefix="r13s-", dir="/tmp")
+    command = [RAY, "start", "--block", "--address", nodes.address, "--node-ip-address",
+               HEAD_IP, "--num-cpus", "2", "--resources", json.dumps(resources),
+               "--temp-dir", temp, *_ports()]  # fmt: skip
+    process = _start_node(command, nodes.log_dir / "spare.log")
+
+    def stop() -> None:
+        _stop(process)
+        shutil.rmtree(temp, ignore_errors=True)
+
+    try:
+        _wait_for_resource(nodes, name, process)
+    except BaseException:
+        stop()
+        raise
+    return stop
+
+
+def _wait_for_resource(nodes: TwoNodes, name: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"a ray node exited with {process.returncode}; see {nodes.log_dir}")
+        status = subprocess.run(
+            [RAY, "status", "--address", nodes.address], capture_output=True, text=True,
+            timeout=60, env={**os.environ, **NODE_ENV},
+        )  # fmt: skip
+        if name in status.stdout:
+            return
+        time.sleep(1)
+    raise RuntimeError(f"the node with {name} did not join within 90 s; see {nodes.log_dir}")
+
+
+def kill_node_b() -> list[int]:
+    """SIGKILL to every process in node B's namespace (its raylet, workers, actors):
+    the node is lost as a machine that dies would be. Returns their pids."""
+    pids = [int(pid) for pid in run("ip", "netns", "pids", NAMESPACE).stdout.split()]
+    for pid in pids:
+        _signal(pid, signal.SIGKILL)
+    return pids
 
 
 def established(namespace: str | None = None) -> list[tuple[str, str, str]]:

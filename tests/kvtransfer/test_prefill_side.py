@@ -9,13 +9,22 @@ import numpy as np
 
 from pdserve.kvtransfer import KVLayout, KVTransferConfig, KVTransferStats
 from pdserve.kvtransfer.kv_memory import KVMemory
-from pdserve.kvtransfer.messages import BlockRun, Done, Hello, HelloReply, HoldSpec, Pull
+from pdserve.kvtransfer.messages import (
+    Abort,
+    BlockRun,
+    Done,
+    Hello,
+    HelloReply,
+    HoldSpec,
+    Pull,
+)
 from pdserve.kvtransfer.prefill_side import PrefillSide
 from pdserve.kvtransfer.rank_io import RankIO
 from pdserve.kvtransfer.transport import TransferOp, Transport
 
 LAYOUT = KVLayout(block_size=4, num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
 PEER = b"decode-rank"
+OTHER = b"another-decode-rank"
 
 
 class HeldOp(TransferOp):
@@ -97,3 +106,30 @@ def test_done_before_the_sends_complete_still_counts_them_once() -> None:
     assert (stats.transfers_total, stats.in_flight, stats.seconds_count) == (1, 0, 1)
     side.poll(now=0.4)
     assert reports == [("finished_sending", "r")] and side.num_held == 0
+
+
+def test_an_abort_from_the_decode_side_abandons_its_sends_at_once() -> None:
+    # This side was paused past the decode side's deadline: the pull and the Abort were
+    # both queued. The pull's sends can never complete (their receives were cancelled);
+    # the Abort says so, and the blocks go back without waiting for the lease.
+    storage = np.zeros((8, 2, 2, 2, 4, 8), dtype=np.float32)
+    transport, server, stats = ManualTransport(), RecordingServer(), KVTransferStats()
+    reports: list[tuple[str, str]] = []
+    config = KVTransferConfig(instance_id="p", lease_s=30.0)
+    rank = RankIO(config, LAYOUT, 0, 1, KVMemory(storage, LAYOUT), transport, stats)
+    side = PrefillSide(rank, server, lambda kind, rid: reports.append((kind, rid)))
+    side.hold(HoldSpec("r", [2, 3]), now=0.0)
+    side.hold(HoldSpec("other", [5]), now=0.0)
+    side.on_message(PEER, Hello("d", 0, 1, LAYOUT, "ucx", b"addr"), now=0.0)
+    side.on_message(PEER, Pull("r", 7, 0, 2, [BlockRun(2, 2, 1)]), now=12.0)
+    side.on_message(OTHER, Hello("d2", 0, 1, LAYOUT, "ucx", b"addr2"), now=12.0)
+    side.on_message(OTHER, Pull("other", 8, 0, 2, [BlockRun(5, 1, 1)]), now=12.0)
+    assert len(transport.sent) == 2 and stats.in_flight == 2
+    side.on_message(PEER, Abort("r", "timed out after 10s"), now=12.0)
+    side.on_message(PEER, Abort("other", "not its pull"), now=12.0)  # another rank's sends
+    side.poll(now=12.1)
+    assert reports == [("aborted", "r")], "released on the Abort, not at the lease (30 s)"
+    assert (stats.in_flight, stats.failures_total) == (1, 1)
+    transport.sent[1].complete = True  # the other decode rank's sends end normally
+    side.poll(now=12.2)
+    assert reports == [("aborted", "r"), ("aborted", "other")] and side.num_held == 0
