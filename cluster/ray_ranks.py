@@ -22,12 +22,14 @@ instance's actor: Ray kills them when it dies, and the group kills them when it 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
 
 import zmq
 
+from pdserve.cluster.addresses import LOOPBACK, node_host
 from pdserve.cluster.launcher import LaunchError
 from pdserve.cluster.ray_cluster import one_line, ray_module
 from pdserve.engine.ranks import RankGroup, RankJob, WorkerGroupFailed
@@ -101,12 +103,27 @@ class TensorParallelRank:
 
         channel = SealedChannel(driver, job.rank)
         try:
-            run_rank(job, channel)
+            run_rank(on_this_node(job), channel)
         finally:
             channel.close()
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def on_this_node(job: RankJob) -> RankJob:
+    """The job as this rank must run it where Ray placed it: a rank on another node than
+    its driver (a pipeline stage placed elsewhere) binds and advertises its KV connector
+    on its own node's address, not the driver's."""
+    factory = job.connector
+    config = getattr(factory, "config", None)
+    if config is None or getattr(config, "host", LOOPBACK) == LOOPBACK:
+        return job  # one machine: everything on loopback
+    here = node_host()
+    if here == config.host:
+        return job
+    moved = dataclasses.replace(factory, config=dataclasses.replace(config, host=here))
+    return dataclasses.replace(job, connector=moved)
 
 
 class SealedChannel:

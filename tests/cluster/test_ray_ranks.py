@@ -57,3 +57,26 @@ def test_a_rank_actor_sees_its_gpu_as_device_zero() -> None:
     ranks = RayRanks("127.0.0.1", "decode-0")
     assert [ranks.device_of(r, "cuda") for r in range(2)] == ["cuda", "cuda"]
     assert ranks.device_of(1, "cpu") == "cpu"
+
+
+def _job(host: str):
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.ranks import RankJob
+    from pdserve.kvtransfer.config import KVTransferConfig
+    from pdserve.kvtransfer.connector import TransferConnectorFactory
+
+    factory = TransferConnectorFactory(KVTransferConfig(instance_id="p", host=host))
+    return RankJob(EngineConfig(), 2, 4, "10.77.0.1:29500", factory)
+
+
+def test_a_rank_on_another_node_binds_its_kv_connector_on_its_own_node(monkeypatch) -> None:
+    from pdserve.cluster import ray_ranks
+
+    monkeypatch.setenv("PDSERVE_ADVERTISE_HOST", "10.77.0.2")  # this rank's node
+    moved = ray_ranks.on_this_node(_job("10.77.0.1"))  # the driver's node
+    assert moved.connector.config.host == "10.77.0.2"
+    assert moved.master == "10.77.0.1:29500"  # the rendezvous stays on the driver's node
+    same = _job("10.77.0.2")
+    assert ray_ranks.on_this_node(same) is same
+    local = _job("127.0.0.1")  # one machine: nothing moves
+    assert ray_ranks.on_this_node(local) is local
