@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -67,3 +69,22 @@ class BackgroundStream:
         self._thread.join(timeout_s)
         assert self.done, "the stream did not end"
         return "".join(self.chunks)
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def pool(server: ServeProcess, role: str) -> list[str]:
+    """The live instances of `role`, as /health lists them."""
+    entries = server.get("/health").json()["instances"]
+    return sorted(e["id"] for e in entries if e["role"] == role and e["alive"])
+
+
+def counter(server: ServeProcess, name: str) -> float:
+    """An unlabelled `pdserve:` counter's value from /metrics (0 when absent)."""
+    match = re.search(rf"^pdserve:{name} (\S+)$", server.get("/metrics").text, re.M)
+    return float(match.group(1)) if match else 0.0

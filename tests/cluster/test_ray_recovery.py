@@ -11,7 +11,6 @@ The tests run in file order on one server.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.cluster.conftest import RAY_ENV, ray_list
-from tests.cluster.serving import MODEL, BackgroundStream, served
+from tests.cluster.serving import MODEL, BackgroundStream, counter, pool, served, wait_for
 from tests.gateway.server import ADMIN_KEY, ServeProcess
 
 pytestmark = pytest.mark.slow
@@ -50,23 +49,6 @@ def complete(server: ServeProcess, sampling: dict) -> str:
     response = server.post("/v1/completions", json=body(sampling, stream=False))
     response.raise_for_status()
     return response.json()["choices"][0]["text"]
-
-
-def wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
-def pool(server: ServeProcess, role: str) -> list[str]:
-    entries = server.get("/health").json()["instances"]
-    return sorted(e["id"] for e in entries if e["role"] == role and e["alive"])
-
-
-def counter(server: ServeProcess, name: str) -> float:
-    match = re.search(rf"^pdserve:{name} (\S+)$", server.get("/metrics").text, re.M)
-    return float(match.group(1)) if match else 0.0
 
 
 def start_streams(server: ServeProcess, samplings: list[dict]) -> list[BackgroundStream]:

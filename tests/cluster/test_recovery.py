@@ -15,14 +15,21 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from tests.cluster.serving import LOCAL, MODEL, BackgroundStream, served
+from tests.cluster.serving import (
+    LOCAL,
+    MODEL,
+    BackgroundStream,
+    counter,
+    pool,
+    served,
+    wait_for,
+)
 from tests.gateway.server import ADMIN_KEY, ServeProcess
 
 pytestmark = pytest.mark.slow
@@ -68,13 +75,6 @@ class Stream(BackgroundStream):
         return text
 
 
-def wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 KILLED: dict[str, tuple[int, float]] = {}  # instance id → (its pid, when it was killed)
 
 
@@ -89,11 +89,6 @@ def alive(server: ServeProcess, instance_id: str) -> bool:
         entry["id"] == instance_id and entry["alive"]
         for entry in server.get("/health").json()["instances"]
     )
-
-
-def counter(server: ServeProcess, name: str) -> float:
-    match = re.search(rf"^pdserve:{name} (\S+)$", server.get("/metrics").text, re.M)
-    return float(match.group(1)) if match else 0.0
 
 
 def test_streams_of_a_killed_decode_instance_are_migrated_token_for_token(server) -> None:
@@ -161,11 +156,6 @@ def test_a_paused_decode_instance_is_fenced_killed_and_replaced(server) -> None:
     assert counter(server, 'num_instances_fenced_total{instance="decode-0",role="decode"}') == 1.0
     assert counter(server, "num_instances_restarted_total") == 3.0
     server.assert_blocks_free_or_cached()
-
-
-def pool(server: ServeProcess, role: str) -> list[str]:
-    entries = server.get("/health").json()["instances"]
-    return sorted(e["id"] for e in entries if e["role"] == role and e["alive"])
 
 
 def test_scaling_and_draining_under_load_drop_no_request(server) -> None:
