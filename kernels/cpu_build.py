@@ -26,6 +26,7 @@ SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 SOURCES = (
     "common.h",
     "attention.h",
+    "attend.h",
     "info.c",
     "kv_write.c",
     "decode.c",
@@ -34,11 +35,39 @@ SOURCES = (
 )
 # Tried in order: the first that compiles wins. -march=native auto-vectorises for
 # this CPU (AVX2/FMA/F16C where present); a compiler that refuses it still builds.
-FLAG_SETS = (
-    ("-O3", "-march=native", "-fopenmp"),
-    ("-O3", "-fopenmp"),
-)
-COMMON_FLAGS = ("-shared", "-fPIC", "-std=gnu11", "-fno-math-errno", "-Wno-psabi")
+# PDSERVE_CPU_ISA=avx2 builds for AVX2+FMA on any machine that has it (an AVX-512
+# machine then runs the kernels an AVX2 machine runs), and `apply_isa` points torch's
+# own kernels there too (ATEN_CPU_CAPABILITY).
+ISA_VARIABLE = "PDSERVE_CPU_ISA"
+ISA_FLAG_SETS = {
+    "native": (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp")),
+    "avx2": (("-O3", "-march=haswell", "-mtune=generic", "-fopenmp"),),
+}
+ISA_CPU_FLAGS = {"native": (), "avx2": ("avx2", "fma", "f16c")}
+
+
+def chosen_isa() -> str:
+    """PDSERVE_CPU_ISA's value (default native); ValueError naming the choices."""
+    isa = os.environ.get(ISA_VARIABLE, "native").strip().lower() or "native"
+    if isa not in ISA_FLAG_SETS:
+        raise ValueError(f"{ISA_VARIABLE} must be one of {', '.join(ISA_FLAG_SETS)}; got {isa!r}")
+    return isa
+
+
+def apply_isa() -> str:
+    """Checks PDSERVE_CPU_ISA and, for avx2, makes torch's CPU kernels use AVX2 too
+    (read on torch's first vectorised op, so this runs when `pdserve.kernels` loads)."""
+    isa = chosen_isa()
+    if isa == "avx2":
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+    return isa
+
+
+# -ffp-contract=off: the kernels fuse multiply-adds only where they say so (v8_fma), so
+# a value's rounding never depends on how the compiler treated the code around it.
+COMMON_FLAGS = (
+    "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno", "-Wno-psabi", "-ffp-contract=off",
+)  # fmt: skip
 COMPILE_TIMEOUT_S = 300
 
 
@@ -88,7 +117,7 @@ def build_key(compiler: str) -> str:
         digest.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes() + b"\0")
     stat = os.stat(compiler)
     digest.update(f"{compiler}\0{stat.st_mtime_ns}\0{stat.st_size}\0".encode())
-    digest.update(repr((FLAG_SETS, COMMON_FLAGS)).encode())
+    digest.update(repr((ISA_FLAG_SETS[chosen_isa()], COMMON_FLAGS)).encode())
     digest.update(cpu_signature().encode())
     return digest.hexdigest()[:20]
 
@@ -126,8 +155,12 @@ def _remove_abandoned_builds(folder: Path, max_age_s: float = 3600.0) -> None:
 
 
 def _compile(compiler: str, target: Path) -> None:
+    isa = chosen_isa()
+    missing = [f for f in ISA_CPU_FLAGS[isa] if f not in cpu_signature().split()]
+    if missing:
+        raise BuildError(f"{ISA_VARIABLE}={isa} needs a CPU with {', '.join(missing)}")
     errors = []
-    for flags in FLAG_SETS:
+    for flags in ISA_FLAG_SETS[isa]:
         with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as work:
             error = _compile_with(compiler, flags, Path(work))
             if error is None:

@@ -1,5 +1,4 @@
-"""CPU C kernels for the paged-attention ops and the bf16-weight linear layer, bound
-with ctypes.
+"""CPU C kernels for the paged-attention ops and the linear layer, bound with ctypes.
 
 Same signatures and semantics as `pdserve.kernels.reference` (the definition and the test
 oracle). The C sources in `kernels/cpu/` take raw data pointers and element strides,
@@ -51,14 +50,12 @@ _CALLS = {
     "decode": ("pd_decode_attention", struct.Struct("<30qd3q")),
     # query_start_loc, num_tokens, then a decode call's fields.
     "prefill": ("pd_prefill_attention", struct.Struct("<4q30qd3q")),
-    # x, its row stride, weight, its row stride, bias, bias dtype, y, its row stride,
-    # then m, n, k, threads.
-    "linear": ("pd_linear", struct.Struct("<13q")),
+    # x, its row stride, weight, its dtype, its row stride, bias, bias dtype, y, its row
+    # stride, then m, n, k, threads.
+    "linear": ("pd_linear", struct.Struct("<14q")),
 }
-# Up to this many rows the bf16-weight C linear layer streams the weights once and
-# wins (2-3x at decode batch sizes); above it the layer is compute-bound and widening
-# the weight for the BLAS matmul is as fast or faster (measured on AVX2, 2 threads).
-LINEAR_C_MAX_ROWS = 64
+# Weight dtypes the C linear layer reads (float32 activations against either).
+_LINEAR_WEIGHTS = (torch.float32, torch.bfloat16)
 
 
 class CpuKernels:
@@ -77,9 +74,6 @@ class CpuKernels:
             fn.argtypes = [ctypes.POINTER(ctypes.c_int64)]
             fn.restype = ctypes.c_int
             calls.append((fn, layout.pack_into, ctypes.c_int64 * (layout.size // 8)))
-        lib.pd_decode_splits.argtypes = [ctypes.c_int64] * 5
-        lib.pd_decode_splits.restype = ctypes.c_int64
-        self._decode_splits = lib.pd_decode_splits
         lib.pd_build_info.restype = ctypes.c_char_p
         self.build_info = lib.pd_build_info().decode()
         (self._write, self._pack_write, self._WriteArgs) = calls[0]
@@ -89,11 +83,6 @@ class CpuKernels:
 
     def describe(self) -> str:
         return f"C kernels ({self.build_info}; {self.path.name})"
-
-    def decode_splits(self, context_lens: list[int], num_kv_heads: int, threads: int) -> int:
-        """Context splits per (sequence, kv head) a decode call makes (no window)."""
-        seqs, tokens, longest = len(context_lens), sum(context_lens), max(context_lens)
-        return self._decode_splits(seqs, num_kv_heads, tokens, longest, threads)
 
     def write_kv_cache(self, key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tensor) -> None:
         shape = key.shape
@@ -174,13 +163,15 @@ class CpuKernels:
         return out
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        """`reference.linear_ref`; a float32 x against a bfloat16 weight with few rows
-        runs in C, reading the bf16 weight without widening it first."""
+        """`reference.linear_ref`; a float32 x against a float32 or bfloat16 weight runs
+        in C at every row count (a bf16 weight read without widening it first), each
+        row's output independent of the others (BLAS picks kernels by the row count,
+        so a token's output would depend on what shares its step)."""
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         if (
             x.dtype != torch.float32
-            or weight.dtype != torch.bfloat16
-            or not 0 < rows <= LINEAR_C_MAX_ROWS
+            or weight.dtype not in _LINEAR_WEIGHTS
+            or rows == 0
             or weight.dim() != 2
             or weight.stride(1) != 1
             or not weight.is_cpu
@@ -198,7 +189,8 @@ class CpuKernels:
         call = self._LinearArgs()
         self._pack_linear(
             call, 0,
-            x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0),
+            x2.data_ptr(), x2.stride(0), weight.data_ptr(), _dtype("weight", weight),
+            weight.stride(0),
             0 if bias is None else bias.data_ptr(),
             -1 if bias is None else _dtype("bias", bias),
             y.data_ptr(), y.stride(0), rows, n, k, torch.get_num_threads(), -1,

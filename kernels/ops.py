@@ -8,6 +8,6 @@ from pdserve.kernels import dispatch, reference
 rms_norm = dispatch.dispatched(reference.rms_norm_ref)
 # Picked by the query's device, the first float tensor of the call.
 rotary_embedding = dispatch.dispatched(reference.rotary_embedding_ref, like=1)
-# `weight` may be stored in bfloat16 while x is float32 (CPUs without native bf16 GEMM),
-# which the CPU C kernel reads as is.
+# `weight` may be stored in bfloat16 while x is float32 (a bf16 model on CPU), which the
+# CPU C kernel reads as is.
 linear = dispatch.dispatched(reference.linear_ref)

@@ -164,6 +164,18 @@ ALWAYS_INLINE void v8_store(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 
 ALWAYS_INLINE v8f v8_splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 
+/* a * b + c, fused where the CPU has FMA. The kernels build with -ffp-contract=off, so
+ * this is the only fused multiply-add: the compiler would otherwise fuse some a * b + c
+ * and not others depending on the surrounding code (a tile shape, an inlined caller),
+ * and the same token's output would then depend on the shape of the call. */
+ALWAYS_INLINE v8f v8_fma(v8f a, v8f b, v8f c) {
+#ifdef __FMA__
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
 ALWAYS_INLINE v8f v8_load_bf16(const uint16_t *p) {
 #ifdef __AVX2__
     __m128i x = _mm_loadu_si128((const __m128i *)p);
@@ -312,12 +324,12 @@ ALWAYS_INLINE v8f v8_exp2(v8f x) {
     n += (__builtin_convertvector(n, v8f) > t); /* -1 where truncation rounded up: floor */
     v8f f = x - __builtin_convertvector(n, v8f);
     v8f p = v8_splat(1.5403530393381606e-4f);
-    p = p * f + v8_splat(1.3333558146428443e-3f);
-    p = p * f + v8_splat(9.6181291076284772e-3f);
-    p = p * f + v8_splat(5.5504108664821580e-2f);
-    p = p * f + v8_splat(2.4022650695910072e-1f);
-    p = p * f + v8_splat(6.9314718055994531e-1f);
-    p = p * f + v8_splat(1.0f);
+    p = v8_fma(p, f, v8_splat(1.3333558146428443e-3f));
+    p = v8_fma(p, f, v8_splat(9.6181291076284772e-3f));
+    p = v8_fma(p, f, v8_splat(5.5504108664821580e-2f));
+    p = v8_fma(p, f, v8_splat(2.4022650695910072e-1f));
+    p = v8_fma(p, f, v8_splat(6.9314718055994531e-1f));
+    p = v8_fma(p, f, v8_splat(1.0f));
     v8i bits = (n + 127) << 23;
     return (v8f)(((v8i)(p * (v8f)bits)) & ~underflow);
 }

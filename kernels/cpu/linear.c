@@ -1,10 +1,17 @@
-/* Linear layer with bfloat16 weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
+/* Linear layer: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), for every M.
  *
- * x and y are float32, W is bfloat16 row-major [N, K] as checkpoints store it, the
- * bias float32 or bfloat16; products accumulate in float32. At small M the layer is
- * bound by streaming W from memory, so bf16 weights halve its time against float32.
+ * x and y are float32, W is float32 or bfloat16 row-major [N, K] as checkpoints store
+ * it, the bias float32 or bfloat16; products accumulate in float32. At small M the
+ * layer is bound by streaming W from memory, so bf16 weights halve its time.
  *
- * - Widening: 16 bf16 weights load as eight 32-bit lanes; `lane << 16` is the even
+ * Invariance: y[m, n] is one accumulator vector over K (lane j sums a fixed subset of
+ * k in increasing order) and one horizontal sum, whatever M, the tile shape, the
+ * thread count or the blocking: a row's output never depends on the other rows of the
+ * call (so a token's logits do not depend on what shares its step, nor on how its
+ * prompt was chunked). The one source compiles to the same arithmetic on AVX2 and
+ * AVX-512 (8-lane vectors, FMA).
+ *
+ * - Widening (bf16 W): 16 bf16 weights load as eight 32-bit lanes; `lane << 16` is the even
  *   weight in float32 and `lane & 0xffff0000` the odd one (two integer ops per 16
  *   weights). x is packed once per call with each 16-element chunk reordered to
  *   [8 even | 8 odd], so both halves meet their x lanes directly.
@@ -16,7 +23,8 @@
  * - Blocking: a thread owns a contiguous run of 12-row weight units (one stream per
  *   thread for the prefetcher); within it, a block of weight rows small enough for L2
  *   is reused by every 4-row block of x, and each x block is reused from L1 by every
- *   tile of the weight block. So W is read from memory once per call.
+ *   tile of the weight block. Rows go in blocks small enough for L2 (X_BLOCK_BYTES),
+ *   so W is read from memory once per block of rows (once per call at decode sizes).
  */
 #include "common.h"
 
@@ -24,11 +32,13 @@
 #define MAX_R 4
 #define MAX_C 12
 #define BLOCK_BYTES (96 << 10)   /* weight bytes per L2-resident block */
+#define X_BLOCK_BYTES (192 << 10) /* packed x bytes per block of rows */
 #define MIN_MACS_PER_THREAD (1 << 18)
 
 typedef struct {
     const float *xp; /* packed x, row stride K */
-    const uint16_t *w;
+    const void *w;
+    int w_dt; /* DT_F32 or DT_BF16 */
     int64_t w_rs;
     const void *bias;
     int bias_dt; /* -1: none */
@@ -41,10 +51,18 @@ typedef struct {
 ALWAYS_INLINE v8f widen_even(v8u32 raw) { return (v8f)(raw << 16); }
 ALWAYS_INLINE v8f widen_odd(v8u32 raw) { return (v8f)(raw & 0xffff0000u); }
 
-/* R rows of packed x (from xp) times C weight rows (from w): y[r][c] for the tile. */
-ALWAYS_INLINE void tile(const linear_args *A, const float *xp, const uint16_t *w, int64_t n,
-                        float *y, const int R, const int C) {
+/* The weight at (row, k): its lanes' partner in the tail loop. */
+ALWAYS_INLINE float weight_at(const void *w, int64_t i, const int WDT) {
+    return WDT == DT_BF16 ? bf16_to_float(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
+/* R rows of packed x (from xp) times C weight rows (from w): y[r][c] for the tile.
+ * WDT: the weight dtype, a compile-time constant. */
+ALWAYS_INLINE void tile(const linear_args *A, const float *xp, const void *w, int64_t n, float *y,
+                        const int R, const int C, const int WDT) {
     const int K = A->k, K16 = K & ~15;
+    const int64_t ws = (int64_t)dtype_size(WDT); /* weight bytes */
+    const char *wb = w;
     v8f acc[MAX_R][MAX_C];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
@@ -53,16 +71,24 @@ ALWAYS_INLINE void tile(const linear_args *A, const float *xp, const uint16_t *w
     for (int k = 0; k < K16; k += 16) {
 #pragma GCC unroll 12
         for (int c = 0; c < C; c++) {
-            v8u32 raw;
-            memcpy(&raw, w + c * A->w_rs + k, sizeof raw);
-            /* The next tile's rows, one line per 32 weights: C + c rows ahead stream in
-             * beside these (the prefetcher alone keeps too few lines in flight). */
-            if (!(k & 31)) __builtin_prefetch(w + (c + C) * A->w_rs + k, 0, 0);
-            const v8f we = widen_even(raw), wo = widen_odd(raw);
+            const char *row = wb + (c * A->w_rs + k) * ws;
+            /* The next tile's rows, one 64-byte line at a time: C + c rows ahead stream
+             * in beside these (the prefetcher alone keeps too few lines in flight). */
+            if (WDT == DT_F32 || !(k & 31)) __builtin_prefetch(row + C * A->w_rs * ws, 0, 0);
+            v8f w0, w1;
+            if (WDT == DT_BF16) {
+                v8u32 raw;
+                memcpy(&raw, row, sizeof raw);
+                w0 = widen_even(raw);
+                w1 = widen_odd(raw);
+            } else {
+                w0 = v8_load((const float *)row);
+                w1 = v8_load((const float *)row + 8);
+            }
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                acc[r][c] += v8_load(xp + r * K + k) * we;
-                acc[r][c] += v8_load(xp + r * K + k + 8) * wo;
+                acc[r][c] = v8_fma(v8_load(xp + r * K + k), w0, acc[r][c]);
+                acc[r][c] = v8_fma(v8_load(xp + r * K + k + 8), w1, acc[r][c]);
             }
         }
     }
@@ -71,8 +97,7 @@ ALWAYS_INLINE void tile(const linear_args *A, const float *xp, const uint16_t *w
 #pragma GCC unroll 12
         for (int c = 0; c < C; c++) {
             float s = v8_hsum(acc[r][c]);
-            for (int k = K16; k < K; k++)
-                s += xp[r * K + k] * bf16_to_float(w[c * A->w_rs + k]);
+            for (int k = K16; k < K; k++) s += xp[r * K + k] * weight_at(w, c * A->w_rs + k, WDT);
             if (A->bias_dt >= 0) s += load_scalar(A->bias, A->bias_dt, n + c);
             y[r * A->y_rs + c] = s;
         }
@@ -80,38 +105,70 @@ ALWAYS_INLINE void tile(const linear_args *A, const float *xp, const uint16_t *w
 
 /* Rows m0..m0+R of x against weight rows [n0, n1), in tiles of C. */
 ALWAYS_INLINE void rows_times_block(const linear_args *A, int64_t m0, int64_t n0, int64_t n1,
-                                    const int R) {
+                                    const int R, const int WDT) {
     const int C = R == 1 ? 12 : R == 2 ? 6 : R == 3 ? 4 : 3;
+    const int64_t ws = (int64_t)dtype_size(WDT);
     const float *xp = A->xp + m0 * A->k;
     float *y = A->y + m0 * A->y_rs;
+    const char *w = A->w;
     int64_t n = n0;
-    for (; n + C <= n1; n += C) tile(A, xp, A->w + n * A->w_rs, n, y + n, R, C);
-    for (; n < n1; n++) tile(A, xp, A->w + n * A->w_rs, n, y + n, R, 1);
+    for (; n + C <= n1; n += C) tile(A, xp, w + n * A->w_rs * ws, n, y + n, R, C, WDT);
+    for (; n < n1; n++) tile(A, xp, w + n * A->w_rs * ws, n, y + n, R, 1, WDT);
 }
 
-static void run_units(const linear_args *A, int64_t u0, int64_t u1) {
-    int64_t block = BLOCK_BYTES / ((int64_t)UNIT_N * A->k * 2);
+/* Rows [m0, m1) against weight units [u0, u1). */
+ALWAYS_INLINE void run_units_of(const linear_args *A, int64_t m0, int64_t m1, int64_t u0,
+                                int64_t u1, const int WDT) {
+    int64_t block = BLOCK_BYTES / ((int64_t)UNIT_N * A->k * (int64_t)dtype_size(WDT));
     if (block < 1) block = 1;
     for (int64_t b0 = u0; b0 < u1; b0 += block) {
         int64_t n0 = b0 * UNIT_N, n1 = (b0 + block < u1 ? b0 + block : u1) * UNIT_N;
         if (n1 > A->n) n1 = A->n;
-        int64_t m0 = 0;
-        for (; m0 + 4 <= A->m; m0 += 4) rows_times_block(A, m0, n0, n1, 4);
-        switch (A->m - m0) {
-        case 3: rows_times_block(A, m0, n0, n1, 3); break;
-        case 2: rows_times_block(A, m0, n0, n1, 2); break;
-        case 1: rows_times_block(A, m0, n0, n1, 1); break;
+        int64_t m = m0;
+        for (; m + 4 <= m1; m += 4) rows_times_block(A, m, n0, n1, 4, WDT);
+        switch (m1 - m) {
+        case 3: rows_times_block(A, m, n0, n1, 3, WDT); break;
+        case 2: rows_times_block(A, m, n0, n1, 2, WDT); break;
+        case 1: rows_times_block(A, m, n0, n1, 1, WDT); break;
         default: break;
         }
     }
 }
 
-/* x rows into the packed layout: per 16-chunk [x0 x2 .. x14 | x1 x3 .. x15], tail as is. */
-static void pack_x(const float *x, int64_t x_rs, int64_t m, int k, float *dst) {
+static __attribute__((noinline)) void run_units_bf16(const linear_args *A, int64_t m0, int64_t m1,
+                                                     int64_t u0, int64_t u1) {
+    run_units_of(A, m0, m1, u0, u1, DT_BF16);
+}
+
+static __attribute__((noinline)) void run_units_f32(const linear_args *A, int64_t m0, int64_t m1,
+                                                    int64_t u0, int64_t u1) {
+    run_units_of(A, m0, m1, u0, u1, DT_F32);
+}
+
+/* Every row against weight units [u0, u1), a block of rows at a time. */
+static void run_units(const linear_args *A, int64_t u0, int64_t u1) {
+    int64_t rows = X_BLOCK_BYTES / ((int64_t)A->k * 4) & ~(int64_t)3;
+    if (rows < 4) rows = 4;
+    for (int64_t m0 = 0; m0 < A->m; m0 += rows) {
+        int64_t m1 = m0 + rows < A->m ? m0 + rows : A->m;
+        if (A->w_dt == DT_BF16)
+            run_units_bf16(A, m0, m1, u0, u1);
+        else
+            run_units_f32(A, m0, m1, u0, u1);
+    }
+}
+
+/* x rows into the packed layout. bf16 W: per 16-chunk [x0 x2 .. x14 | x1 x3 .. x15],
+ * so each half meets its widened weights; f32 W: as is. The tail stays as is. */
+static void pack_x(const float *x, int64_t x_rs, int64_t m, int k, int w_dt, float *dst) {
     const int K16 = k & ~15;
     for (int64_t r = 0; r < m; r++) {
         const float *src = x + r * x_rs;
         float *out = dst + r * k;
+        if (w_dt == DT_F32) {
+            memcpy(out, src, sizeof(float) * k);
+            continue;
+        }
         for (int c = 0; c < K16; c += 16)
             for (int j = 0; j < 8; j++) {
                 out[c + j] = src[c + 2 * j];
@@ -136,14 +193,14 @@ static float *pack_space(size_t floats) {
     return pack_buffer;
 }
 
-static int linear_bf16(const float *x, int64_t x_rs, const uint16_t *w, int64_t w_rs,
-                       const void *bias, int bias_dt, float *y, int64_t y_rs, int64_t m, int64_t n,
-                       int64_t k, int num_threads) {
+static int linear(const float *x, int64_t x_rs, const void *w, int w_dt, int64_t w_rs,
+                  const void *bias, int bias_dt, float *y, int64_t y_rs, int64_t m, int64_t n,
+                  int64_t k, int num_threads) {
     if (m == 0 || n == 0) return PD_OK;
     float *xp = pack_space((size_t)(m * k));
     if (!xp) return PD_NO_MEMORY;
-    pack_x(x, x_rs, m, (int)k, xp);
-    linear_args A = {.xp = xp, .w = w, .w_rs = w_rs, .bias = bias, .bias_dt = bias_dt,
+    pack_x(x, x_rs, m, (int)k, w_dt, xp);
+    linear_args A = {.xp = xp, .w = w, .w_dt = w_dt, .w_rs = w_rs, .bias = bias, .bias_dt = bias_dt,
                      .y = y, .y_rs = y_rs, .m = m, .n = n, .k = (int)k};
     const int64_t units = (n + UNIT_N - 1) / UNIT_N;
     int threads = threads_for(num_threads, m * n * k, MIN_MACS_PER_THREAD);
@@ -166,13 +223,13 @@ static int linear_bf16(const float *x, int64_t x_rs, const uint16_t *w, int64_t 
 
 /* The call's arguments as one struct of 8-byte fields (kernels/cpu_ops.py packs it). */
 typedef struct {
-    int64_t x, x_rs, w, w_rs, bias, bias_dt, y, y_rs;
+    int64_t x, x_rs, w, w_dt, w_rs, bias, bias_dt, y, y_rs;
     int64_t m, n, k, num_threads, bad;
 } pd_linear_call;
 
 int64_t pd_linear_call_size(void) { return sizeof(pd_linear_call); }
 
 int pd_linear(pd_linear_call *c) {
-    return linear_bf16(PTR(c->x), c->x_rs, PTR(c->w), c->w_rs, PTR(c->bias), (int)c->bias_dt,
-                       PTR(c->y), c->y_rs, c->m, c->n, c->k, (int)c->num_threads);
+    return linear(PTR(c->x), c->x_rs, PTR(c->w), (int)c->w_dt, c->w_rs, PTR(c->bias),
+                  (int)c->bias_dt, PTR(c->y), c->y_rs, c->m, c->n, c->k, (int)c->num_threads);
 }

@@ -1,23 +1,21 @@
 /* Prefill attention: ragged causal attention of new tokens over the cached prefix
- * plus themselves, flash-style.
+ * plus themselves.
  *
  * - A work item is (sequence, tile of query tokens, kv head). Its rows are the tile's
- *   tokens x the GQA group's heads (about ROWS_TARGET rows), so each key/value tile
- *   is converted once for all of them.
- * - Keys stream in tiles of KEY_TILE tokens gathered through the block table (any
- *   block size): K is converted to fp32 and transposed ([head_dim][KEY_TILE]), V is
- *   converted row-major. Register-blocked micro-kernels compute S = Q K^T (6 rows x
- *   16 keys) and O += P V (6 rows x 16 dims) with fp32 accumulators.
- * - Online softmax in base 2 per row; the full score matrix never exists. Key tiles
- *   stop at the tile's last query position (causal) and start at its first query's
- *   window; masking runs only on tiles that straddle the diagonal or a window edge.
+ *   tokens x the GQA group's heads (about ROWS_TARGET rows); each key tile is read once
+ *   for all of them and stays in L1 while they pass over it in chunks of MAX_CHUNK rows.
+ * - Every row gets exactly the decode kernel's arithmetic (attend.h): the keys go block
+ *   by block in tiles of SCORE_TILE from each block's start; a row whose position falls
+ *   inside a tile takes the tile up to its position, as a decode step at that position
+ *   would. So a token's output does not depend on how its prompt was chunked, on the
+ *   other rows of the call, nor on whether it was computed here or in a decode step.
+ *   With a sliding window each token runs the decode kernel's own loop over its window
+ *   (the window's first tile starts at a position of its own).
+ * - Online softmax in base 2 per row; the full score matrix never exists.
  * - Items are sorted by cost (longest key range first) and scheduled dynamically.
  */
-#include "attention.h"
+#include "attend.h"
 
-#define KEY_TILE 32
-#define ROW_GROUP 6
-#define COL_CHUNK 16
 #define ROWS_TARGET 128
 
 typedef struct {
@@ -28,181 +26,107 @@ typedef struct {
 } prefill_item;
 
 typedef struct {
-    float *qf, *o, *s, *kt, *vf, *m, *l, *corr;
+    float *qf, *acc, *m, *l, *sc;
 } tile_scratch;
 
-/* A micro-kernel's accumulators into rows r..r+6, columns c..c+16 of dst. */
-ALWAYS_INLINE void store_row_group(float *dst, int row_stride, int r, int c,
-                                   v8f acc[ROW_GROUP][2]) {
-#pragma GCC unroll 6
-    for (int i = 0; i < ROW_GROUP; i++) {
-        v8_store(dst + (r + i) * row_stride + c, acc[i][0]);
-        v8_store(dst + (r + i) * row_stride + c + 8, acc[i][1]);
+/* Rows [r0, r1) of the item (token-major: row = token * group + head) over the n keys
+ * at kr / vr, in chunks of MAX_CHUNK. */
+ALWAYS_INLINE void attend_rows(const char *kr, const char *vr, int64_t row, int n, int d, int dp,
+                               int r0, int r1, const tile_scratch *w, v8f *dots, const int dt) {
+    for (int r = r0; r < r1; r += MAX_CHUNK) {
+        const float *q = w->qf + (int64_t)r * dp;
+        float *m = w->m + r, *l = w->l + r, *acc = w->acc + (int64_t)r * dp;
+        switch (r1 - r < MAX_CHUNK ? r1 - r : MAX_CHUNK) {
+        case 1: attend_tokens(kr, vr, row, n, d, dp, q, m, l, acc, w->sc, dots, 1, dt); break;
+        case 2: attend_tokens(kr, vr, row, n, d, dp, q, m, l, acc, w->sc, dots, 2, dt); break;
+        case 3: attend_tokens(kr, vr, row, n, d, dp, q, m, l, acc, w->sc, dots, 3, dt); break;
+        default: attend_tokens(kr, vr, row, n, d, dp, q, m, l, acc, w->sc, dots, 4, dt); break;
+        }
     }
 }
 
-/* S[r..r+6)[cc..cc+16) = Qf rows . KT columns. */
-ALWAYS_INLINE void qk_micro(const float *qf, const float *kt, float *s, int r, int cc, int dp) {
-    v8f acc[ROW_GROUP][2];
-#pragma GCC unroll 6
-    for (int i = 0; i < ROW_GROUP; i++) acc[i][0] = acc[i][1] = v8_splat(0.0f);
-    const float *q = qf + (int64_t)r * dp;
-    for (int c = 0; c < dp; c++) {
-        v8f k0 = v8_load(kt + c * KEY_TILE + cc), k1 = v8_load(kt + c * KEY_TILE + cc + 8);
-#pragma GCC unroll 6
-        for (int i = 0; i < ROW_GROUP; i++) {
-            v8f b = v8_splat(q[i * dp + c]);
-            acc[i][0] += b * k0;
-            acc[i][1] += b * k1;
+/* Causal attention without a window: each key tile once, every row that sees it. */
+ALWAYS_INLINE void attend_causal(const attention_args *A, const prefill_item *it,
+                                 const tile_scratch *w, const int dt, const int D) {
+    const int d = D ? D : A->head_dim, dp = D ? D : A->dp, bs = A->block_size, g = A->group;
+    const int64_t es = (int64_t)dtype_size(dt), row = A->c_st * es;
+    const int64_t pos0 = it->pos0, tokens = it->tokens, last = pos0 + tokens - 1;
+    v8f dots[MAX_CHUNK * 8];
+    for (int64_t blk = 0; blk * bs <= last; blk++) {
+        int64_t id = load_index(A->tables, A->t_ix, it->seq * A->t_ss + blk * A->t_sb);
+        const char *kb = A->cache + (id * A->c_sb + it->kv_head * A->c_sh) * es;
+        const char *vb = kb + A->c_skv * es;
+        const int64_t base = blk * bs;
+        const int hi = (int)(last + 1 - base < bs ? last + 1 - base : bs);
+        for (int t0 = 0; t0 < hi; t0 += SCORE_TILE) {
+            const int64_t j0 = base + t0;
+            const int whole = bs - t0 < SCORE_TILE ? bs - t0 : SCORE_TILE;
+            const char *kr = kb + t0 * row, *vr = vb + t0 * row;
+            /* Tokens before `full` end inside the tile: each takes it up to itself. */
+            int64_t seen = j0 - pos0 > 0 ? j0 - pos0 : 0;
+            int64_t full = j0 + whole - 1 - pos0 > 0 ? j0 + whole - 1 - pos0 : 0;
+            if (full > tokens) full = tokens;
+            for (int64_t t = seen; t < full; t++)
+                attend_rows(kr, vr, row, (int)(pos0 + t - j0 + 1), d, dp, (int)t * g,
+                            (int)(t + 1) * g, w, dots, dt);
+            if (full < tokens)
+                attend_rows(kr, vr, row, whole, d, dp, (int)full * g, (int)tokens * g, w, dots, dt);
         }
-    }
-    store_row_group(s, KEY_TILE, r, cc, acc);
-}
-
-/* O[r..r+6)[c0..c0+16) = O * corr + P[:, :n] V[:n]. */
-ALWAYS_INLINE void pv_micro(float *o, const float *p, const float *vf, const float *corr, int r,
-                            int c0, int n, int dp) {
-    v8f acc[ROW_GROUP][2];
-#pragma GCC unroll 6
-    for (int i = 0; i < ROW_GROUP; i++) {
-        v8f f = v8_splat(corr[r + i]);
-        acc[i][0] = v8_load(o + (r + i) * dp + c0) * f;
-        acc[i][1] = v8_load(o + (r + i) * dp + c0 + 8) * f;
-    }
-    for (int t = 0; t < n; t++) {
-        v8f v0 = v8_load(vf + t * dp + c0), v1 = v8_load(vf + t * dp + c0 + 8);
-#pragma GCC unroll 6
-        for (int i = 0; i < ROW_GROUP; i++) {
-            v8f b = v8_splat(p[(r + i) * KEY_TILE + t]);
-            acc[i][0] += b * v0;
-            acc[i][1] += b * v1;
-        }
-    }
-    store_row_group(o, dp, r, c0, acc);
-}
-
-/* Keys/values j0..j0+n of the item's sequence and kv head into KT / Vf. Keys go
- * through 8x8 register transposes, eight tokens at a time. */
-ALWAYS_INLINE void load_key_tile(const attention_args *A, const prefill_item *it, int64_t j0, int n,
-                                 const tile_scratch *w, const int dt) {
-    const int d = A->head_dim, d8 = d & ~7, dp = A->dp, bs = A->block_size;
-    const int64_t es = (int64_t)dtype_size(dt);
-    const char *krow[KEY_TILE];
-    for (int jj = 0; jj < n; jj++) {
-        int64_t j = j0 + jj;
-        int64_t id = load_index(A->tables, A->t_ix, it->seq * A->t_ss + (j / bs) * A->t_sb);
-        krow[jj] = A->cache + (id * A->c_sb + it->kv_head * A->c_sh + (j % bs) * A->c_st) * es;
-        const char *vr = krow[jj] + A->c_skv * es;
-        for (int c = 0; c < d8; c += 8) v8_store(w->vf + jj * dp + c, v8_load_as(vr, dt, c));
-        for (int c = d8; c < d; c++) w->vf[jj * dp + c] = load_scalar(vr, dt, c);
-    }
-    int jj = 0;
-    for (; jj + 8 <= n; jj += 8) {
-        for (int c = 0; c < d8; c += 8) {
-            v8f r[8];
-#pragma GCC unroll 8
-            for (int u = 0; u < 8; u++) r[u] = v8_load_as(krow[jj + u], dt, c);
-            v8_transpose8(r);
-#pragma GCC unroll 8
-            for (int u = 0; u < 8; u++) v8_store(w->kt + (c + u) * KEY_TILE + jj, r[u]);
-        }
-    }
-    for (; jj < n; jj++)
-        for (int c = 0; c < d8; c += 8) {
-            v8f kv = v8_load_as(krow[jj], dt, c);
-#pragma GCC unroll 8
-            for (int u = 0; u < 8; u++) w->kt[(c + u) * KEY_TILE + jj] = kv[u];
-        }
-    for (int t = 0; t < n; t++)
-        for (int c = d8; c < d; c++) w->kt[c * KEY_TILE + t] = load_scalar(krow[t], dt, c);
-    /* Columns n.. of KT keep stale values: their scores are masked to -inf by
-     * assignment, and no other column reads them. */
-}
-
-/* Causal / window mask of one key tile, then the online-softmax update of every row:
- * S becomes P, corr holds each row's rescale factor. */
-static void softmax_tile(const attention_args *A, const prefill_item *it, int64_t j0, int n,
-                         int rows_pad, const tile_scratch *w) {
-    const int g = A->group, rows = it->tokens * g;
-    const int64_t W = A->window;
-    const int64_t last_pos = it->pos0 + it->tokens - 1;
-    int full = j0 + n - 1 <= it->pos0 && (W <= 0 || j0 > last_pos - W);
-    for (int r = 0; r < rows_pad; r++) {
-        float *s = w->s + r * KEY_TILE;
-        if (r >= rows) { /* padding row: contributes nothing */
-            memset(s, 0, sizeof(float) * KEY_TILE);
-            w->corr[r] = 1.0f;
-            continue;
-        }
-        int hi = n - 1, lo = 0;
-        if (!full) {
-            int64_t p = it->pos0 + r / g;
-            if (p - j0 < hi) hi = (int)(p - j0);
-            if (W > 0 && p - W + 1 - j0 > lo) lo = (int)(p - W + 1 - j0);
-        }
-        for (int t = 0; t < KEY_TILE; t++)
-            if (t < lo || t > hi) s[t] = -INFINITY;
-        v8f mx8 = v8_max(v8_max(v8_load(s), v8_load(s + 8)), v8_max(v8_load(s + 16), v8_load(s + 24)));
-        float mx = v8_hmax(mx8);
-        if (mx == -INFINITY) { /* no visible key in this tile yet */
-            memset(s, 0, sizeof(float) * KEY_TILE);
-            w->corr[r] = 1.0f;
-            continue;
-        }
-        float mn = mx > w->m[r] ? mx : w->m[r];
-        w->corr[r] = exp2f(w->m[r] - mn);
-        w->m[r] = mn;
-        v8f mv = v8_splat(mn), sum = v8_splat(0.0f);
-        for (int t = 0; t < KEY_TILE; t += 8) {
-            v8f pr = v8_exp2(v8_load(s + t) - mv);
-            v8_store(s + t, pr);
-            sum += pr;
-        }
-        w->l[r] = w->l[r] * w->corr[r] + v8_hsum(sum);
     }
 }
 
 ALWAYS_INLINE void prefill_item_run(const attention_args *A, const prefill_item *it,
-                                    const tile_scratch *w, const int dt) {
-    const int g = A->group, dp = A->dp, d = A->head_dim, rows = it->tokens * g;
-    const int rows_pad = (rows + ROW_GROUP - 1) / ROW_GROUP * ROW_GROUP;
-    for (int r = 0; r < rows_pad; r++) {
-        float *qr = w->qf + r * dp;
-        if (r < rows) {
-            int head = it->kv_head * g + r % g;
-            load_row(A->q, A->q_dt, (it->q_row0 + r / g) * A->q_ss + head * A->q_sh, A->q_sd, d,
-                     dp, A->qmul, qr);
-        } else {
-            memset(qr, 0, sizeof(float) * dp);
-        }
-        memset(w->o + r * dp, 0, sizeof(float) * dp);
+                                    const tile_scratch *w, const int dt, const int D) {
+    const int g = A->group, dp = D ? D : A->dp, d = A->head_dim, rows = it->tokens * g;
+    for (int r = 0; r < rows; r++) {
+        int head = it->kv_head * g + r % g;
+        load_row(A->q, A->q_dt, (it->q_row0 + r / g) * A->q_ss + head * A->q_sh, A->q_sd, d, dp,
+                 A->qmul, w->qf + (int64_t)r * dp);
+        memset(w->acc + (int64_t)r * dp, 0, sizeof(float) * dp);
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
     }
-    for (int64_t j0 = it->key_lo; j0 <= it->key_hi; j0 += KEY_TILE) {
-        int n = (int)(it->key_hi + 1 - j0 < KEY_TILE ? it->key_hi + 1 - j0 : KEY_TILE);
-        load_key_tile(A, it, j0, n, w, dt);
-        for (int cc = 0; cc < n; cc += COL_CHUNK)
-            for (int r = 0; r < rows_pad; r += ROW_GROUP) qk_micro(w->qf, w->kt, w->s, r, cc, dp);
-        softmax_tile(A, it, j0, n, rows_pad, w);
-        for (int c0 = 0; c0 < dp; c0 += COL_CHUNK)
-            for (int r = 0; r < rows_pad; r += ROW_GROUP)
-                pv_micro(w->o, w->s, w->vf, w->corr, r, c0, n, dp);
+    if (A->window > 0) {
+        for (int t = 0; t < it->tokens; t++) {
+            int64_t p = it->pos0 + t, a = p + 1 > A->window ? p + 1 - A->window : 0;
+            attend_range(A, it->seq, it->kv_head, a, p + 1, w->qf + (int64_t)t * g * dp,
+                         w->m + t * g, w->l + t * g, w->acc + (int64_t)t * g * dp, w->sc, dt, D);
+        }
+    } else {
+        attend_causal(A, it, w, dt, D);
     }
     for (int r = 0; r < rows; r++) {
         int head = it->kv_head * g + r % g;
         store_row(A->out, A->o_dt, (it->q_row0 + r / g) * A->o_ss + head * A->o_sh, A->o_sd, d,
-                  w->o + r * dp, 1.0f / w->l[r]);
+                  w->acc + (int64_t)r * dp, w->l[r] > 0.0f ? 1.0f / w->l[r] : 0.0f);
     }
 }
 
-static void prefill_item_any(const attention_args *A, const prefill_item *it, const tile_scratch *w) {
-    if (A->c_dt == DT_BF16)
-        prefill_item_run(A, it, w, DT_BF16);
-    else if (A->c_dt == DT_F32)
-        prefill_item_run(A, it, w, DT_F32);
-    else
-        prefill_item_run(A, it, w, DT_F16);
+/* One function per (cache dtype, head_dim) specialisation, as in decode.c. */
+#define PREFILL_VARIANT(name, DT, D)                                                          \
+    static __attribute__((noinline)) void name(const attention_args *A, const prefill_item *it, \
+                                               const tile_scratch *w) {                        \
+        prefill_item_run(A, it, w, DT, D);                                                     \
+    }
+PREFILL_VARIANT(prefill_bf16_d64, DT_BF16, 64)
+PREFILL_VARIANT(prefill_bf16_d128, DT_BF16, 128)
+PREFILL_VARIANT(prefill_bf16_any, DT_BF16, 0)
+PREFILL_VARIANT(prefill_f32_d64, DT_F32, 64)
+PREFILL_VARIANT(prefill_f32_d128, DT_F32, 128)
+PREFILL_VARIANT(prefill_f32_any, DT_F32, 0)
+PREFILL_VARIANT(prefill_f16_d64, DT_F16, 64)
+PREFILL_VARIANT(prefill_f16_d128, DT_F16, 128)
+PREFILL_VARIANT(prefill_f16_any, DT_F16, 0)
+
+typedef void (*prefill_fn)(const attention_args *, const prefill_item *, const tile_scratch *);
+
+static prefill_fn prefill_variant(int dt, int head_dim) {
+    static const prefill_fn table[3][3] = {
+        {prefill_f32_d64, prefill_f32_d128, prefill_f32_any},
+        {prefill_bf16_d64, prefill_bf16_d128, prefill_bf16_any},
+        {prefill_f16_d64, prefill_f16_d128, prefill_f16_any},
+    };
+    return table[dt][head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2];
 }
 
 typedef struct {
@@ -223,14 +147,12 @@ static void prefill_worker(void *job) {
         return;
     }
     tile_scratch w = {.qf = buf};
-    w.o = w.qf + rows * dp;
-    w.s = w.o + rows * dp;
-    w.kt = w.s + rows * KEY_TILE;
-    w.vf = w.kt + dp * KEY_TILE;
-    w.m = w.vf + KEY_TILE * dp;
+    w.acc = w.qf + rows * dp;
+    w.m = w.acc + rows * dp;
     w.l = w.m + rows;
-    w.corr = w.l + rows;
-    for (int64_t i; (i = take_item(&J->queue)) < J->queue.end;) prefill_item_any(A, &J->items[i], &w);
+    w.sc = w.l + rows;
+    const prefill_fn run = prefill_variant(A->c_dt, A->head_dim);
+    for (int64_t i; (i = take_item(&J->queue)) < J->queue.end;) run(A, &J->items[i], &w);
     free(buf);
 }
 
@@ -308,10 +230,9 @@ static void list_items(const pd_prefill_call *call, const attention_args *A,
 
 int pd_prefill_attention(pd_prefill_call *call) {
     const pd_attention_call *c = &call->a;
-    const int dp = ((int)c->head_dim + COL_CHUNK - 1) / COL_CHUNK * COL_CHUNK;
-    attention_args A = attention_args_of(c, dp);
+    attention_args A = attention_args_of(c, ((int)c->head_dim + 7) & ~7);
     A.tile_tokens = ROWS_TARGET / A.group < 1 ? 1 : ROWS_TARGET / A.group;
-    A.rows_pad = (A.tile_tokens * A.group + ROW_GROUP - 1) / ROW_GROUP * ROW_GROUP;
+    A.rows_pad = A.tile_tokens * A.group;
     int64_t num_items = 0, work = 0;
     int rc = check_sequences(call, &A, &num_items, &work);
     if (rc != PD_OK || num_items == 0) return rc;
@@ -323,8 +244,7 @@ int pd_prefill_attention(pd_prefill_call *call) {
     if (threads > num_items) threads = (int)num_items;
     const size_t rows = (size_t)A.rows_pad;
     prefill_job job = {.A = &A, .items = items, .queue = {0, num_items},
-                       .scratch_floats = rows * dp * 2 + rows * KEY_TILE +
-                                         (size_t)dp * KEY_TILE * 2 + 3 * rows};
+                       .scratch_floats = rows * A.dp * 2 + 2 * rows + MAX_CHUNK * SCORE_TILE};
     run_workers(prefill_worker, &job, threads);
     free(items);
     return job.failed ? PD_NO_MEMORY : PD_OK;

@@ -66,16 +66,59 @@ def test_decode_matches_reference_over_the_grid(
 
 
 @pytest.mark.parametrize("window", [None, 300], ids=["full", "window"])
-def test_decode_split_k_matches_reference_and_one_thread(kernels, threads, window):
-    """One long sequence beside a short one: two threads cut contexts into splits
-    (the short one's later splits are empty) and merge them."""
-    lens = [3000, 3]
-    assert kernels.decode_splits(lens, 2, threads=2) > 1
+def test_decode_of_a_sequence_does_not_depend_on_its_batch(kernels, threads, window):
+    """Bit for bit: one long sequence alone at one or two threads, and beside 31 others
+    (the output rows of a batch must not change with what else is in it)."""
+    gen = torch.Generator().manual_seed(5)
+    lens = [3000] + [int(n) for n in torch.randint(1, 400, (31,), generator=gen)]
+    batch = make_paged_batch(lens, 2, 64, 16, BF16, gen)
+    query = torch.randn(len(lens), 6, 64, generator=gen)
+    tables, ctx = batch.block_tables, batch.context_lens
     threads(2)
-    split = _decode_case(kernels, 6, 2, 64, 16, F32, window, lens, seed=5)
-    threads(1)
-    single = _decode_case(kernels, 6, 2, 64, 16, F32, window, lens, seed=5)
-    torch.testing.assert_close(split, single, atol=1e-6, rtol=1e-6)
+    whole = kernels.decode_attention(query, batch.kv_cache, tables, ctx, 0.125, window)
+    for num_threads in (1, 2):
+        threads(num_threads)
+        alone = kernels.decode_attention(
+            query[:1], batch.kv_cache, tables[:1], ctx[:1], 0.125, window
+        )
+        assert torch.equal(alone, whole[:1]), num_threads
+
+
+# (block_size, dtype, window): tiles inside a block, blocks shorter than a tile, a block
+# size that is no power of two, and windows.
+INVARIANCE = [(16, BF16, None), (64, F32, None), (48, BF16, None), (16, BF16, 37), (32, F16, 100)]
+
+
+@pytest.mark.parametrize("block_size,dtype,window", INVARIANCE, ids=lambda c: str(c))
+def test_prefill_rows_equal_decode_steps_however_chunked(
+    kernels, threads, block_size, dtype, window
+):
+    """Each prompt token's prefill output equals, bit for bit, a decode step at its
+    position, whatever chunk it came in (one 200-token chunk, chunks of 1, 7 and 64
+    over the cached prefix) and whatever else shares the call: a recomputed request
+    (migrated, preempted, a prefix-cache hit) gets the same KV and logits."""
+    gen = torch.Generator().manual_seed(block_size)
+    heads, kv_heads, d, total = 9, 3, 64, 200
+    batch = make_paged_batch([total, 90], kv_heads, d, block_size, dtype, gen)
+    query = torch.randn(total, heads, d, generator=gen).to(dtype)
+    cache, tables = batch.kv_cache, batch.block_tables
+    steps = torch.empty_like(query)
+    for p in range(total):  # one decode step per position, this sequence alone
+        lens = torch.tensor([p + 1], dtype=torch.int32)
+        steps[p : p + 1] = kernels.decode_attention(
+            query[p : p + 1], cache, tables[:1], lens, 0.125, window
+        )
+    for chunk in (total, 1, 7, 64):
+        for num_threads in (1, 2):
+            threads(num_threads)
+            for start in range(0, total, chunk):
+                end = min(total, start + chunk)
+                # The other sequence's three tokens share the call.
+                q = torch.cat([query[start:end], torch.randn(3, heads, d, generator=gen).to(dtype)])
+                starts = torch.tensor([0, end - start, end - start + 3], dtype=torch.int32)
+                lens = torch.tensor([end, 90], dtype=torch.int32)
+                out = kernels.prefill_attention(q, cache, tables, starts, lens, 0.125, window)
+                assert torch.equal(out[: end - start], steps[start:end]), (chunk, start)
 
 
 EDGE_SHAPES = [
@@ -98,12 +141,6 @@ def test_edge_block_sizes_head_dims_and_groups(
     _decode_case(kernels, heads, kv_heads, head_dim, bs, dtype, window, lens, seed=17)
     seqs = [(1, 1), (bs + 1, 2), (200, 150), (bs, 0)]
     _prefill_case(kernels, heads, kv_heads, head_dim, bs, dtype, window, seqs, seed=18)
-
-
-def test_decode_batches_enough_work_without_splits(kernels):
-    assert kernels.decode_splits([200] * 32, 3, threads=2) == 1
-    assert kernels.decode_splits([4000], 3, threads=1) == 1
-    assert kernels.decode_splits([300], 1, threads=2) == 1  # too short to split
 
 
 def _prefill_case(kernels, heads, kv_heads, head_dim, bs, dtype, window, seqs, seed, index=None):

@@ -1,4 +1,5 @@
-"""The bfloat16-weight linear layer in C against a float64 product of the same values.
+"""The linear layer in C (float32 and bfloat16 weights) against a float64 product of
+the same values, and each row's output independent of the other rows of the call.
 
 The grid walks row counts through every micro-kernel shape (1-4 rows and their
 remainders), weight rows through partial 12-row units and tiles, and K through the
@@ -40,16 +41,18 @@ GRID = [
     (13, 1, 64, torch.float32, 1),  # a single weight row
     (32, 960, 576, BF16, 2),  # SmolLM2 fused QKV at decode batch 32
     (64, 50, 5, None, 2),  # K below one vector
+    (200, 70, 576, BF16, 2),  # a prefill chunk: more rows than one block of x
 ]
 
 
+@pytest.mark.parametrize("weight_dtype", [BF16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("case", GRID, ids=lambda c: f"m{c[0]}n{c[1]}k{c[2]}-{c[3]}-t{c[4]}")
-def test_linear_matches_exact_product(kernels, threads, case):
+def test_linear_matches_exact_product(kernels, threads, case, weight_dtype):
     m, n, k, bias_dtype, num_threads = case
     threads(num_threads)
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen)
-    w = torch.randn(n, k, generator=gen).to(BF16)
+    w = torch.randn(n, k, generator=gen).to(weight_dtype)
     bias = None if bias_dtype is None else torch.randn(n, generator=gen).to(bias_dtype)
     y = kernels.linear(x, w, bias)
     assert y.shape == (m, n)
@@ -68,16 +71,33 @@ def test_strided_rows_and_leading_dims(kernels):
     assert_close_to_exact(y3.reshape(6, 30), exact(x3.reshape(6, 64), w, None), 64)
 
 
-def test_many_rows_and_other_dtypes_take_the_reference(kernels):
+@pytest.mark.parametrize("weight_dtype", [BF16, torch.float32], ids=["bf16", "f32"])
+def test_a_row_does_not_depend_on_the_other_rows(kernels, threads, weight_dtype):
+    """Bit for bit: one row alone, inside any batch (every tile shape, a block of rows
+    past the first), at 1 or 2 threads, gives the same output (BLAS does not: it picks
+    its kernel by the row count)."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 1536, generator=gen).to(weight_dtype)
+    bias = torch.randn(200, generator=gen)
+    batch = torch.randn(300, 1536, generator=gen)
+    threads(2)
+    whole = kernels.linear(batch, w, bias)
+    for rows in (1, 2, 3, 5, 64, 65, 300):
+        for num_threads in (1, 2):
+            threads(num_threads)
+            part = kernels.linear(batch[-rows:], w, bias)
+            assert torch.equal(part, whole[-rows:]), (rows, num_threads)
+
+
+def test_other_dtypes_take_the_reference(kernels):
     gen = torch.Generator().manual_seed(2)
-    w = torch.randn(40, 64, generator=gen).to(BF16)
-    many = torch.randn(cpu_ops.LINEAR_C_MAX_ROWS + 1, 64, generator=gen)
-    assert torch.equal(kernels.linear(many, w), linear_ref(many, w))
-    wf = w.float()
-    few = many[:3]
-    assert torch.equal(kernels.linear(few, wf), linear_ref(few, wf))
+    w = torch.randn(40, 64, generator=gen).to(torch.float16)
+    few = torch.randn(3, 64, generator=gen)
+    assert torch.equal(kernels.linear(few, w), linear_ref(few, w))
+    wb = torch.randn(40, 64, generator=gen).to(BF16)
+    assert torch.equal(kernels.linear(few.to(BF16), wb), linear_ref(few.to(BF16), wb))
     empty = torch.empty(0, 64)
-    assert kernels.linear(empty, w).shape == (0, 40)
+    assert kernels.linear(empty, wb).shape == (0, 40)
 
 
 def test_dispatch_sends_cpu_linear_to_the_c_kernel(kernels):

@@ -1,0 +1,188 @@
+/* The arithmetic of attention for one query token, shared by the decode and the
+ * prefill kernel so that both give a token the same output to the bit: a token's KV
+ * and logits do not depend on whether its attention ran in a decode step or inside a
+ * prompt chunk (a migrated or preempted request recomputes its output tokens as a
+ * prompt), nor on the other rows of the call.
+ *
+ * The definition, per query row over the keys [a, b) it sees: the keys go block by
+ * block, each block in tiles of up to SCORE_TILE tokens from its start (or from a, in
+ * a's block); per tile, each score is one 8-lane FMA chain over head_dim reduced by
+ * v8_sum8, then the online-softmax update in base 2 (v8_exp2) and P.V as one FMA chain
+ * per dimension. attend_tokens computes one tile for up to MAX_CHUNK rows at once, each
+ * row's arithmetic independent of the others and of how many there are.
+ */
+#ifndef PDSERVE_CPU_ATTEND_H
+#define PDSERVE_CPU_ATTEND_H
+
+#include "attention.h"
+
+#define MAX_CHUNK 4 /* query heads per pass over a block */
+#define SCORE_TILE 32
+
+/* Dims per register-blocked pass of P.V: G heads x PV_CHUNKS(G) vectors of 8 stay in
+ * registers (with the G broadcast probabilities and one V vector: <= 16 ymm). */
+#define PV_CHUNKS(G) ((G) == 1 ? 8 : (G) == 2 ? 4 : 2)
+
+/* Scores, online-softmax update and P.V of G query heads (a chunk of the group) over
+ * the n <= SCORE_TILE tokens at rows kr / vr. d is a compile-time constant where it
+ * matters; dots is scratch for G x 8 vectors. */
+ALWAYS_INLINE void attend_tokens(const char *kr, const char *vr, int64_t row, int n, int d, int dp,
+                                 const float *qf, float *m, float *l, float *acc, float *sc,
+                                 v8f *dots, const int G, const int dt) {
+    const int d8 = d & ~7;
+    /* q.k: one vector of partial products per (head, token), eight tokens reduced
+     * together, so the horizontal sums cost ~1 op per score instead of ~7. */
+    for (int t0 = 0; t0 < n; t0 += 8) {
+        for (int t = 0; t < 8; t++) {
+            v8f dot[MAX_CHUNK];
+#pragma GCC unroll 4
+            for (int i = 0; i < G; i++) dot[i] = v8_splat(0.0f);
+            if (t0 + t < n) {
+                const char *k = kr + (t0 + t) * row;
+#pragma GCC unroll 8
+                for (int c = 0; c < d8; c += 8) {
+                    v8f kv = v8_load_as(k, dt, c);
+#pragma GCC unroll 4
+                    for (int i = 0; i < G; i++) dot[i] = v8_fma(v8_load(qf + i * dp + c), kv, dot[i]);
+                }
+                for (int c = d8; c < d; c++) {
+                    float kc = load_scalar(k, dt, c);
+                    for (int i = 0; i < G; i++) dot[i][0] += qf[i * dp + c] * kc;
+                }
+            }
+#pragma GCC unroll 4
+            for (int i = 0; i < G; i++) dots[i * 8 + t] = dot[i];
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < G; i++) v8_store(sc + i * SCORE_TILE + t0, v8_sum8(dots + i * 8));
+    }
+    const int n8 = (n + 7) & ~7;
+    v8f shift = v8_splat(0.0f); /* old max - new max per head: one exp2 rescales all */
+#pragma GCC unroll 4
+    for (int i = 0; i < G; i++) {
+        float *si = sc + i * SCORE_TILE;
+        for (int t = n; t < n8; t++) si[t] = -INFINITY;
+        v8f mx8 = v8_load(si);
+        for (int t = 8; t < n8; t += 8) mx8 = v8_max(mx8, v8_load(si + t));
+        float mx = v8_hmax(mx8);
+        float mn = mx > m[i] ? mx : m[i];
+        shift[i] = mn == -INFINITY ? 0.0f : m[i] - mn;
+        m[i] = mn;
+    }
+    const v8f corr = v8_exp2(shift);
+#pragma GCC unroll 4
+    for (int i = 0; i < G; i++) {
+        float *si = sc + i * SCORE_TILE;
+        v8f sum = v8_splat(0.0f), mv = v8_splat(m[i]);
+        for (int t = 0; t < n8; t += 8) {
+            v8f p = v8_exp2(v8_load(si + t) - mv);
+            v8_store(si + t, p);
+            sum += p;
+        }
+        l[i] = l[i] * corr[i] + v8_hsum(sum);
+    }
+    /* p.v: accumulators of G heads x PV_CHUNKS vectors stay in registers over the
+     * tokens; V is converted once per pass for all G heads. */
+    const int CH = PV_CHUNKS(G);
+    int c0 = 0;
+    for (; c0 + 8 * CH <= d8; c0 += 8 * CH) {
+        v8f o[MAX_CHUNK][8];
+#pragma GCC unroll 4
+        for (int i = 0; i < G; i++)
+#pragma GCC unroll 8
+            for (int u = 0; u < CH; u++)
+                o[i][u] = v8_load(acc + i * dp + c0 + 8 * u) * v8_splat(corr[i]);
+        for (int t = 0; t < n; t++) {
+            const char *v = vr + t * row;
+            v8f p[MAX_CHUNK];
+#pragma GCC unroll 4
+            for (int i = 0; i < G; i++) p[i] = v8_splat(sc[i * SCORE_TILE + t]);
+#pragma GCC unroll 8
+            for (int u = 0; u < CH; u++) {
+                v8f vv = v8_load_as(v, dt, c0 + 8 * u);
+#pragma GCC unroll 4
+                for (int i = 0; i < G; i++) o[i][u] = v8_fma(p[i], vv, o[i][u]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < G; i++)
+#pragma GCC unroll 8
+            for (int u = 0; u < CH; u++) v8_store(acc + i * dp + c0 + 8 * u, o[i][u]);
+    }
+    for (; c0 < d8; c0 += 8) { /* head_dim not a multiple of 8 * CH */
+        v8f o[MAX_CHUNK];
+#pragma GCC unroll 4
+        for (int i = 0; i < G; i++) o[i] = v8_load(acc + i * dp + c0) * v8_splat(corr[i]);
+        for (int t = 0; t < n; t++) {
+            v8f vv = v8_load_as(vr + t * row, dt, c0);
+#pragma GCC unroll 4
+            for (int i = 0; i < G; i++) o[i] = v8_fma(v8_splat(sc[i * SCORE_TILE + t]), vv, o[i]);
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < G; i++) v8_store(acc + i * dp + c0, o[i]);
+    }
+    for (int c = d8; c < d; c++) {
+        for (int i = 0; i < G; i++) {
+            float o = acc[i * dp + c] * corr[i];
+            for (int t = 0; t < n; t++)
+                o += sc[i * SCORE_TILE + t] * load_scalar(vr + t * row, dt, c);
+            acc[i * dp + c] = o;
+        }
+    }
+}
+
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 2
+#endif
+
+/* The keys and values of kv head h in block blk of sequence s, towards the cache. */
+ALWAYS_INLINE void prefetch_block(const attention_args *A, int64_t s, int h, int64_t blk,
+                                  int64_t row, int row_bytes, int64_t es) {
+    int64_t id = load_index(A->tables, A->t_ix, s * A->t_ss + blk * A->t_sb);
+    const char *kb = A->cache + (id * A->c_sb + h * A->c_sh) * es;
+    prefetch_rows(kb, A->block_size, row, row_bytes);
+    prefetch_rows(kb + A->c_skv * es, A->block_size, row, row_bytes);
+}
+
+/* Every head of kv head h over tokens [a, b) of sequence s, block by block, updating
+ * the running (m, l, acc) of each head. D: head_dim as a constant, or 0 (runtime). */
+ALWAYS_INLINE void attend_range(const attention_args *A, int64_t s, int h, int64_t a, int64_t b,
+                                const float *qf, float *m, float *l, float *acc, float *sc,
+                                const int dt, const int D) {
+    /* With D constant, dp (== D, a multiple of 8) is too: row offsets fold into
+     * addressing modes instead of occupying registers. */
+    const int d = D ? D : A->head_dim, dp = D ? D : A->dp, bs = A->block_size, group = A->group;
+    const int64_t es = (int64_t)dtype_size(dt), row = A->c_st * es;
+    const int row_bytes = d * (int)es;
+    v8f dots[MAX_CHUNK * 8];
+    const int64_t first = a / bs, last = (b - 1) / bs;
+    for (int64_t blk = first; blk < first + PREFETCH_BLOCKS && blk <= last; blk++)
+        prefetch_block(A, s, h, blk, row, row_bytes, es);
+    for (int64_t blk = first; blk <= last; blk++) {
+        /* Blocks ahead stream in while this one computes. */
+        if (blk + PREFETCH_BLOCKS <= last)
+            prefetch_block(A, s, h, blk + PREFETCH_BLOCKS, row, row_bytes, es);
+        int64_t id = load_index(A->tables, A->t_ix, s * A->t_ss + blk * A->t_sb);
+        const char *kb = A->cache + (id * A->c_sb + h * A->c_sh) * es;
+        const char *vb = kb + A->c_skv * es;
+        int64_t lo = blk * bs < a ? a - blk * bs : 0;
+        int64_t hi = (blk + 1) * bs > b ? b - blk * bs : bs;
+        for (int64_t t0 = lo; t0 < hi; t0 += SCORE_TILE) {
+            const int n = (int)(hi - t0 < SCORE_TILE ? hi - t0 : SCORE_TILE);
+            const char *kr = kb + t0 * row, *vr = vb + t0 * row;
+            /* Chunks of the group reuse the block's K/V from L1. */
+            for (int i0 = 0; i0 < group; i0 += MAX_CHUNK) {
+                const float *q = qf + i0 * dp;
+                float *mi = m + i0, *li = l + i0, *ai = acc + i0 * dp;
+                switch (group - i0 < MAX_CHUNK ? group - i0 : MAX_CHUNK) {
+                case 1: attend_tokens(kr, vr, row, n, d, dp, q, mi, li, ai, sc, dots, 1, dt); break;
+                case 2: attend_tokens(kr, vr, row, n, d, dp, q, mi, li, ai, sc, dots, 2, dt); break;
+                case 3: attend_tokens(kr, vr, row, n, d, dp, q, mi, li, ai, sc, dots, 3, dt); break;
+                default: attend_tokens(kr, vr, row, n, d, dp, q, mi, li, ai, sc, dots, 4, dt); break;
+                }
+            }
+        }
+    }
+}
+
+#endif
