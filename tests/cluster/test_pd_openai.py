@@ -153,6 +153,48 @@ def test_logprobs_of_the_first_token_and_the_rest(server, llm) -> None:
     assert all(2 <= len(top) <= 3 for top in lp.top_logprobs)
 
 
+def test_outputs_through_the_handoff_do_not_depend_on_the_load(server, llm) -> None:
+    """A long prompt's greedy and seeded tokens and logprobs through P -> D, alone, a
+    second time (prefix-cache hits on P and D) and beside 12 other streams, equal the
+    offline engine's alone, to the bit (float32)."""
+    prompt = "The history of the river begins " + "with stories of kings and floods, " * 12
+    cases = [
+        (dict(temperature=0.0), SamplingParams(temperature=0.0)),
+        (dict(temperature=0.8, seed=5), SamplingParams(temperature=0.8, seed=5)),
+    ]
+    expected = []
+    for _, params in cases:
+        params = msgspec.structs.replace(params, max_tokens=10, logprobs=1, ignore_eos=True)
+        out = llm.generate(prompt, params)[0].outputs[0]
+        expected.append((out.text, [entry.logprob for entry in out.logprobs]))
+
+    def read(result) -> tuple[str, list[float]]:
+        choice = result.choices[0]
+        return choice.text, choice.logprobs.token_logprobs
+
+    def body(text: str, extra: dict, tokens: int) -> dict:
+        return dict(
+            model=MODEL, prompt=text, max_tokens=tokens, logprobs=1,
+            extra_body={"ignore_eos": True}, **extra,
+        )  # fmt: skip
+
+    async def loaded() -> list:
+        client = server.async_openai()
+        others = [body(f"{PROMPTS[i % 4]} {i}", dict(temperature=0.0), 24) for i in range(12)]
+        try:
+            calls = [body(prompt, e, 10) for e, _ in cases] + others
+            done = await asyncio.gather(*(client.completions.create(**c) for c in calls))
+            return [read(r) for r in done[:2]]
+        finally:
+            await client.close()
+
+    sync = server.openai()
+    first = [read(sync.completions.create(**body(prompt, e, 10))) for e, _ in cases]
+    again = [read(sync.completions.create(**body(prompt, e, 10))) for e, _ in cases]
+    for got in (first, again, asyncio.run(loaded())):
+        assert got == expected
+
+
 def test_32_concurrent_streams(server, greedy) -> None:
     client = server.async_openai()
 
