@@ -319,6 +319,12 @@ def add_sweep_parser(bench_sub) -> None:
         help="stop when throughput gains less than this fraction",
     )
     parser.add_argument("--metric-percentiles", default="50,95,99")
+    parser.add_argument(
+        "--metrics-interval-s",
+        type=float,
+        default=0.5,
+        help="seconds between scrapes of the server's /metrics (peak KV-cache usage)",
+    )
     parser.add_argument("--num-gpus", type=positive_int, default=1, help="GPUs of the server")
     parser.add_argument("--num-prefill-gpus", type=positive_int, default=None)
     parser.add_argument("--num-decode-gpus", type=positive_int, default=None)

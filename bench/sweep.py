@@ -60,6 +60,8 @@ class SweepConfig:
             raise ValueError("concurrency steps must be distinct, increasing and at least 1")
         if self.requests_per_step < 1:
             raise ValueError("--requests-per-step must be at least 1")
+        if not self.metrics_interval_s > 0:
+            raise ValueError("--metrics-interval-s must be positive")
         if self.num_warmups < 0 or self.warmup_concurrency < 1:
             raise ValueError("warm-up count must be >= 0 and its concurrency >= 1")
         if (self.num_prefill_gpus is None) != (self.num_decode_gpus is None):

@@ -131,6 +131,8 @@ def test_bench_sweep_records_server_metrics(server, tmp_path, capsys) -> None:
             "--requests-per-step", "4", "--num-warmups", "1", "--warmup-concurrency", "1",
             "--ttft-slo-ms", "60000", "--itl-slo-ms", "60000", "--plateau-gain", "-1",
             "--result-filename", str(path), "--seed", "3",
+            # A request of 16 + 8 tokens can end between two scrapes 0.5 s apart.
+            "--metrics-interval-s", "0.02",
         ]
     )  # fmt: skip
     out = capsys.readouterr().out
