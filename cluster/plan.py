@@ -21,7 +21,7 @@ from pdserve.cluster.placement import (
     place_on_gpus,
     resolve_device,
 )
-from pdserve.engine.config import (
+from pdserve.common.model_split import (
     PipelineParallelError,
     TensorParallelError,
     check_pp_size,
@@ -30,8 +30,8 @@ from pdserve.engine.config import (
 from pdserve.engine.embedded import MODEL_NAME
 from pdserve.engine.model_source import ModelNotFound
 from pdserve.engine.model_source import resolve_model as resolve_model_source
+from pdserve.gateway.global_scheduler import GlobalSchedulerConfig
 from pdserve.gateway.tenants import KeyBook, KeysFile, TenantsError, read_keys_file
-from pdserve.scheduler.global_scheduler import GlobalSchedulerConfig
 from pdserve.text.tokenizer import TokenizerError, read_chat_template
 
 MODES = ("disaggregated", "colocated")
@@ -165,7 +165,7 @@ def api_keys_of(
 
 def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> dict[str, int]:
     """Ranks per stage by role, checked against the model's heads (one rule:
-    `engine.config.check_tp_size`), and the pipeline size against its layers
+    `common.model_split.check_tp_size`), and the pipeline size against its layers
     (`check_pp_size`)."""
     default = args.tensor_parallel_size
     sizes = {

@@ -30,9 +30,9 @@ from pdserve.cluster.ray_actors import ACTOR_CLASSES
 from pdserve.cluster.ray_cluster import join, one_line, ray_module
 from pdserve.cluster.ray_ranks import driver_options, reserve_rank_groups, stage_count
 from pdserve.cluster.ray_watch import ActorWatch
+from pdserve.common.messages import InstanceInfo
+from pdserve.common.wire_auth import SECRET_ENV, ensure_secret
 from pdserve.instance.spec import InstanceSpec
-from pdserve.scheduler.messages import InstanceInfo
-from pdserve.scheduler.wire_auth import SECRET_ENV, ensure_secret
 
 STOP_GRACE_S = 10.0
 

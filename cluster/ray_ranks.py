@@ -11,7 +11,7 @@ stage r // tp's group.
 
 Channel: each rank actor connects a ZMQ DEALER to a ROUTER the driver binds on its
 node's address, and the same small encoded plans and results as the pipes cross it,
-every frame sealed with the deployment secret (`scheduler/wire_auth.py`); no tensor is
+every frame sealed with the deployment secret (`common/wire_auth.py`); no tensor is
 pickled and Ray carries no per-step call. Death: each rank's long-running `serve()`
 call completes only when its rank loop ends or its actor dies (ray.kill, its process
 killed, its node lost: RayActorError, ActorUnavailableError first for a lost node), so
@@ -32,8 +32,8 @@ import zmq
 from pdserve.cluster.addresses import LOOPBACK, node_host
 from pdserve.cluster.launcher import LaunchError
 from pdserve.cluster.ray_cluster import one_line, ray_module
+from pdserve.common.wire_auth import MAX_FRAME_BYTES, SECRET_ENV, Sealer, ensure_secret
 from pdserve.engine.ranks import RankGroup, RankJob, WorkerGroupFailed
-from pdserve.scheduler.wire_auth import MAX_FRAME_BYTES, SECRET_ENV, Sealer, ensure_secret
 
 logger = logging.getLogger(__name__)
 

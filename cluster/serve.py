@@ -32,13 +32,13 @@ from pdserve.cluster.placement import load_waves
 from pdserve.cluster.plan import ServeError, ServePlan
 from pdserve.cluster.pools import Pools
 from pdserve.cluster.supervisor import Supervisor
+from pdserve.common import wire_auth
+from pdserve.common.messages import InstanceInfo
+from pdserve.common.wire_auth import SecretError, ensure_secret
 from pdserve.engine.embedded import EmbeddedModelError, embedded_model_path
 from pdserve.gateway.app import create_app
 from pdserve.gateway.state import Gateway, GatewayConfig
 from pdserve.instance.spec import InstanceSpec
-from pdserve.scheduler import wire_auth
-from pdserve.scheduler.messages import InstanceInfo
-from pdserve.scheduler.wire_auth import SecretError, ensure_secret
 from pdserve.text.tokenizer import TokenizerError
 
 logger = logging.getLogger("pdserve.serve")
@@ -82,7 +82,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def deployment_secret() -> bytes:
-    """The deployment's one secret (`scheduler/wire_auth.py`: the environment or its
+    """The deployment's one secret (`common/wire_auth.py`: the environment or its
     0600 file, else random for this run), which also keys every tenant's cache salt."""
     return wire_auth.deployment_secret()
 

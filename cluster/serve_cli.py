@@ -7,8 +7,8 @@ import copy
 
 from pdserve.cluster.placement import DEVICES
 from pdserve.cluster.plan import FAILURE_POLICIES, KV_TRANSPORTS, LAUNCHERS, MODES
+from pdserve.gateway.routing import DEFAULT_POLICY, POLICIES
 from pdserve.gateway.tool_parsers import PARSERS
-from pdserve.scheduler.routing import DEFAULT_POLICY, POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TOOL_CALL_PARSERS = tuple(PARSERS)

@@ -26,12 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from pdserve.decode.messages import DecodeTask, KVHandoff
-from pdserve.decode.pending import VoidedHandoffs
-from pdserve.engine.core import EngineCore
-from pdserve.kvtransfer import DecodeKVScheduler, DecodeUpdate
-from pdserve.kvtransfer.link import KVLink
-from pdserve.scheduler.messages import (
+from pdserve.common.messages import (
     AbortTask,
     GenerateTask,
     InstanceStats,
@@ -39,8 +34,13 @@ from pdserve.scheduler.messages import (
     RequestDelta,
     error_delta,
 )
+from pdserve.common.request import RequestStatus
+from pdserve.decode.messages import DecodeTask, KVHandoff
+from pdserve.decode.pending import VoidedHandoffs
+from pdserve.engine.core import EngineCore
+from pdserve.kvtransfer import DecodeKVScheduler, DecodeUpdate
+from pdserve.kvtransfer.link import KVLink
 from pdserve.scheduler.outputs import RemoteKVAllocation
-from pdserve.scheduler.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 

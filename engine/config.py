@@ -10,27 +10,11 @@ import re
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-from pdserve.scheduler.model_split import (
-    PipelineParallelError,
-    TensorParallelError,
-    check_pp_size,
-    check_tp_size,
-    stage_layers,
-)
-
 if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
 GiB = 1 << 30
-
-
-# The split rule lives with the torch-free rooms (kvtransfer checks it too); the engine
-# re-exports it for its callers.
-__all__ = [
-    "EngineConfig", "PipelineParallelError", "TensorParallelError",
-    "check_pp_size", "check_tp_size", "stage_layers",
-]  # fmt: skip
 
 
 @dataclass

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pdserve.common.structured_output import StructuredOutput
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.plan import KVGeometry, StepPlan, StepResult, WorkerInfo
-from pdserve.scheduler.structured_output import StructuredOutput
 
 if TYPE_CHECKING:
     from pdserve.engine.worker import ModelWorker

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from pdserve.engine.config import EngineConfig, stage_layers
+from pdserve.common.model_split import stage_layers
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.parallel import CollectiveClock, TensorParallel
 
 if TYPE_CHECKING:  # annotations only: the model (models/llama.py) imports this module,

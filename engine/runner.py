@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.common.request import Request
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.step_inputs import StepInputs, attention_inputs
 from pdserve.scheduler.outputs import ScheduledChunk
-from pdserve.scheduler.request import Request
 
 Tensor = torch.Tensor
 

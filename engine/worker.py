@@ -17,13 +17,16 @@ from typing import Any
 
 import torch
 
+from pdserve.common.model_split import check_pp_size
+from pdserve.common.request import Request
+from pdserve.common.structured_output import StructuredOutput
 from pdserve.engine import gpu_memory
 from pdserve.engine.checkpoint import (
     CheckpointError,
     load_generation_config,
     load_model_config,
 )
-from pdserve.engine.config import EngineConfig, check_pp_size
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.device_executor import DeviceExecutor
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.engine.executor import RankConnector
@@ -37,8 +40,6 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler
 from pdserve.kernels import dispatch
 from pdserve.scheduler.outputs import ScheduledChunk
-from pdserve.scheduler.request import Request
-from pdserve.scheduler.structured_output import StructuredOutput
 
 
 def _resident_bytes() -> int:

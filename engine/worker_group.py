@@ -32,7 +32,9 @@ from typing import Any
 
 import msgspec
 
-from pdserve.engine.config import EngineConfig, check_pp_size, check_tp_size
+from pdserve.common.model_split import check_pp_size, check_tp_size
+from pdserve.common.structured_output import StructuredOutput
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.executor import ConnectorFactory
 from pdserve.engine.plan import StepPlan, StepResult, WorkerInfo
 from pdserve.engine.ranks import (
@@ -44,7 +46,6 @@ from pdserve.engine.ranks import (
     WorkerGroupFailed,
     free_port,
 )
-from pdserve.scheduler.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
 

@@ -156,7 +156,7 @@ def _socket_client(port: int, sizes: list[int], repeats: int) -> dict[int, list[
 
 
 def run_transport(kind: str, tls: str | None, repeats: int) -> dict:
-    from pdserve.scheduler.wire_auth import ensure_secret  # stdlib only
+    from pdserve.common.wire_auth import ensure_secret  # stdlib only
 
     ensure_secret()  # the two children inherit it: their control planes must agree
     context = multiprocessing.get_context("spawn")

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.engine.core import EngineCore
-from pdserve.scheduler.messages import (
+from pdserve.common.messages import (
     AbortTask,
     GenerateTask,
     InstanceStats,
@@ -18,6 +17,7 @@ from pdserve.scheduler.messages import (
     RequestDelta,
     Task,
 )
+from pdserve.engine.core import EngineCore
 
 GRAMMAR_POLL_S = 0.005
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pdserve.common import messages as wire
 from pdserve.decode.messages import DecodeTask
 from pdserve.decode.role import DecodeRole
 from pdserve.engine.executor import ConnectorFactory
@@ -21,7 +22,6 @@ from pdserve.kvtransfer import KVTransferConfig, layout_of
 from pdserve.kvtransfer.connector import TransferConnectorFactory
 from pdserve.kvtransfer.link import KVLink
 from pdserve.prefill.role import PrefillRole
-from pdserve.scheduler import messages as wire
 
 if TYPE_CHECKING:
     from pdserve.instance.loop import StepLoop

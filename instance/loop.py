@@ -27,6 +27,7 @@ import threading
 
 import msgspec
 
+from pdserve.common import messages as wire
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import EngineCore, default_executor
 from pdserve.engine.executor import Executor
@@ -36,7 +37,6 @@ from pdserve.instance.io import InstanceIO
 from pdserve.instance.kinds import Role, role_kind
 from pdserve.instance.reporting import CounterBaseline, inspect_scheduler, instance_stats
 from pdserve.instance.spec import InstanceSpec
-from pdserve.scheduler import messages as wire
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from pdserve.kvtransfer.messages import (
 )
 
 if TYPE_CHECKING:
-    from pdserve.scheduler.request import Request
+    from pdserve.common.request import Request
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:

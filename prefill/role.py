@@ -29,10 +29,7 @@ from typing import Any
 
 import msgspec
 
-from pdserve.engine.core import EngineCore
-from pdserve.kvtransfer import PrefillKVScheduler, TransferReport
-from pdserve.kvtransfer.link import KVLink
-from pdserve.scheduler.messages import (
+from pdserve.common.messages import (
     AbortTask,
     GenerateTask,
     InstanceAddress,
@@ -42,6 +39,9 @@ from pdserve.scheduler.messages import (
     Task,
     error_delta,
 )
+from pdserve.engine.core import EngineCore
+from pdserve.kvtransfer import PrefillKVScheduler, TransferReport
+from pdserve.kvtransfer.link import KVLink
 
 logger = logging.getLogger(__name__)
 

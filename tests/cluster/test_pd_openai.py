@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.embedded import embedded_model_path
-from pdserve.scheduler.sampling_params import SamplingParams
 from tests.cluster.serving import LOCAL, MODEL, served
 from tests.gateway.server import ServeProcess
 

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 from tests.cluster.serving import LOCAL, served
 from tests.engine.test_tensor_parallel import qwen3
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 from tests.cluster.conftest import RAY_ENV, ray_list
 from tests.cluster.serving import MODEL, BackgroundStream, served
 from tests.gateway.server import ServeProcess

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 from tests.cluster.serving import LOCAL, MODEL, served
 
 pytestmark = pytest.mark.slow

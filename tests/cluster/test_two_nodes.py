@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 from tests.cluster.serving import MODEL, served
 from tests.cluster.two_nodes import (
     HEAD_IP,

@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from pdserve.common.request import Request
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.cuda_graphs import DecodeInputBuffers, capture_sizes, graph_blockers
@@ -21,8 +23,6 @@ from pdserve.engine.kv_cache import KVCache, KVCacheShape
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.step_inputs import build_step_inputs, contiguous_block_tables
 from pdserve.engine.synthetic_model import SyntheticLlamaConfig, random_llama
-from pdserve.scheduler.request import Request
-from pdserve.scheduler.sampling_params import SamplingParams
 from tests.engine.greedy import greedy_tokens
 
 BS = 16

@@ -13,12 +13,7 @@ import msgspec
 import pytest
 import zmq
 
-from pdserve.engine.plan import KVGeometry, SampledToken, StepPlan, StepResult, WorkerInfo
-from pdserve.instance.loop import StepLoop
-from pdserve.instance.spec import InstanceSpec
-from pdserve.kvtransfer import KVHandoff, KVTransferStats, TransferReport
-from pdserve.kvtransfer.connector import RankReport
-from pdserve.scheduler.messages import (
+from pdserve.common.messages import (
     AbortTask,
     GenerateTask,
     InspectTask,
@@ -27,8 +22,13 @@ from pdserve.scheduler.messages import (
     LeakBlocksTask,
     RequestDelta,
 )
-from pdserve.scheduler.sampling_params import SamplingParams
-from pdserve.scheduler.wire_auth import Sealer
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire_auth import Sealer
+from pdserve.engine.plan import KVGeometry, SampledToken, StepPlan, StepResult, WorkerInfo
+from pdserve.instance.loop import StepLoop
+from pdserve.instance.spec import InstanceSpec
+from pdserve.kvtransfer import KVHandoff, KVTransferStats, TransferReport
+from pdserve.kvtransfer.connector import RankReport
 
 VOCAB = 1000
 ENCODER = msgspec.msgpack.Encoder()

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.kvtransfer import (
     DecodeKVScheduler,
     DecodeUpdate,
@@ -25,7 +26,6 @@ from pdserve.kvtransfer import (
     ReportAggregator,
     TransferReport,
 )
-from pdserve.scheduler.sampling_params import SamplingParams
 from tests.kvtransfer.peer import Peer
 
 

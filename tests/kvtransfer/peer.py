@@ -180,7 +180,7 @@ class Peer:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._conn, child = context.Pipe()
-        from pdserve.scheduler.wire_auth import SECRET_ENV, ensure_secret  # stdlib only
+        from pdserve.common.wire_auth import SECRET_ENV, ensure_secret  # stdlib only
 
         # Every peer of the test shares this process's deployment secret.
         env = {"UCX_WARN_UNUSED_ENV_VARS": "n", SECRET_ENV: ensure_secret(), **env}

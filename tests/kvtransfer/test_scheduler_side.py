@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.kvtransfer import (
     DecodeKVScheduler,
     KVHandoff,
@@ -16,7 +17,6 @@ from pdserve.kvtransfer import (
     ReportAggregator,
     TransferReport,
 )
-from pdserve.scheduler.sampling_params import SamplingParams
 
 LAYOUT = KVLayout(block_size=4, num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16")
 
