@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import copy
 
+from pdserve.cluster.deployment import FAILURE_POLICIES, KV_TRANSPORTS, LAUNCHERS, MODES
 from pdserve.cluster.placement import DEVICES
-from pdserve.cluster.plan import FAILURE_POLICIES, KV_TRANSPORTS, LAUNCHERS, MODES
 from pdserve.gateway.routing import DEFAULT_POLICY, POLICIES
 from pdserve.gateway.tool_parsers import PARSERS
 

@@ -20,7 +20,7 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.executor import ConnectorFactory, Executor, InProcessExecutor
 from pdserve.engine.grammar_gate import GrammarGate
-from pdserve.engine.plan import NewRequest, PlannedChunk, StepPlan, WorkerInfo
+from pdserve.engine.step_plan import NewRequest, PlannedChunk, StepPlan, WorkerInfo
 from pdserve.scheduler.config import SchedulerConfig
 from pdserve.scheduler.outputs import SchedulerOutput
 from pdserve.scheduler.step_scheduler import Scheduler

@@ -30,7 +30,7 @@ from pdserve.engine.parallel import CollectiveClock, TensorParallel
 
 if TYPE_CHECKING:  # annotations only: the model (models/llama.py) imports this module,
     # and the GPU check runs the model with torch alone (no msgspec there)
-    from pdserve.engine.plan import SampledToken
+    from pdserve.engine.step_plan import SampledToken
     from pdserve.engine.worker import ModelWorker
     from pdserve.scheduler.outputs import ScheduledChunk
 

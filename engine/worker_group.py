@@ -36,7 +36,6 @@ from pdserve.common.model_split import check_pp_size, check_tp_size
 from pdserve.common.structured_output import StructuredOutput
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.executor import ConnectorFactory
-from pdserve.engine.plan import StepPlan, StepResult, WorkerInfo
 from pdserve.engine.ranks import (
     ProcessRanks,
     RankChannel,
@@ -46,6 +45,7 @@ from pdserve.engine.ranks import (
     WorkerGroupFailed,
     free_port,
 )
+from pdserve.engine.step_plan import StepPlan, StepResult, WorkerInfo
 
 logger = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ import pytest
 
 import pdserve
 from pdserve.cli import build_parser, main
-from pdserve.cluster.plan import ServeError, ServePlan
+from pdserve.cluster.deployment import Deployment, ServeError
 
 
-def plan_of(*argv: str) -> ServePlan:
-    return ServePlan.from_args(build_parser().parse_args(["serve", *argv]), cores=[0, 1])
+def plan_of(*argv: str) -> Deployment:
+    return Deployment.from_args(build_parser().parse_args(["serve", *argv]), cores=[0, 1])
 
 
 def test_the_model_may_be_given_positionally_as_in_vllm_serve(tmp_path: Path) -> None:

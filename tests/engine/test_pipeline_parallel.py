@@ -193,7 +193,7 @@ class _FakeWorker:
         )  # fmt: skip
 
     def sample(self, logits, requests):
-        from pdserve.engine.plan import SampledToken
+        from pdserve.engine.step_plan import SampledToken
 
         for request in requests:  # as ModelWorker.sample: the mirror takes its token
             request.output_token_ids.append(7)

@@ -24,7 +24,7 @@ from pdserve.common.messages import (
 )
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.wire_auth import Sealer
-from pdserve.engine.plan import KVGeometry, SampledToken, StepPlan, StepResult, WorkerInfo
+from pdserve.engine.step_plan import KVGeometry, SampledToken, StepPlan, StepResult, WorkerInfo
 from pdserve.instance.loop import StepLoop
 from pdserve.instance.spec import InstanceSpec
 from pdserve.kvtransfer import KVHandoff, KVTransferStats, TransferReport

@@ -63,7 +63,7 @@ def parse_size(text: str) -> int:
 
 
 @dataclass(frozen=True)
-class ServePlan:
+class Deployment:
     args: argparse.Namespace
     model_path: str | None  # None: the embedded model (resolved at start)
     served_model_names: list[str]
@@ -86,7 +86,7 @@ class ServePlan:
         args: argparse.Namespace,
         cores: list[int] | None = None,
         gpus: list[str] | None = None,
-    ) -> ServePlan:
+    ) -> Deployment:
         """`cores` and `gpus` default to what this machine has (a joined Ray cluster's
         inventory comes in through them: `cluster/ray_cluster.py`)."""
         resolve_model(args)

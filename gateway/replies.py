@@ -18,11 +18,11 @@ from starlette.responses import Response
 
 from pdserve.common.structured_output import StructuredOutput
 from pdserve.gateway.auth import tenant_of
+from pdserve.gateway.gateway import Gateway, ModelCard
 from pdserve.gateway.generation import Choice, ChoiceUpdate, GenerationRun
 from pdserve.gateway.prompts import Prompt, check_vocabulary
 from pdserve.gateway.sampling import build_sampling_params
 from pdserve.gateway.schemas import SamplingFields
-from pdserve.gateway.state import Gateway, ModelCard
 from pdserve.gateway.streaming import SSE_DONE, AbortingStreamingResponse, sse
 
 # `pdserve serve --enable-log-requests` sets it to INFO; nothing else logs a prompt.

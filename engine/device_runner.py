@@ -33,7 +33,7 @@ class Step(Protocol):
     logits_indices: Tensor
 
 
-class DeviceExecutor:
+class DeviceRunner:
     def __init__(
         self,
         model: torch.nn.Module,
@@ -65,7 +65,7 @@ class DeviceExecutor:
     @classmethod
     def for_engine(
         cls, model: torch.nn.Module, kv_cache: KVCache, config: EngineConfig, max_model_len: int
-    ) -> DeviceExecutor:
+    ) -> DeviceRunner:
         """The executor of an engine on CUDA, graphs captured unless `enforce_eager`."""
         sizes: list[int] = []
         if not config.enforce_eager:
