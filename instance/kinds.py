@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.common import messages as wire
-from pdserve.decode.messages import DecodeTask
 from pdserve.decode.role import DecodeRole
 from pdserve.engine.executor import ConnectorFactory
 from pdserve.instance.colocated import ColocatedRole
@@ -108,7 +107,7 @@ ROLES: dict[str, RoleKind] = {
         lambda loop: ColocatedRole(loop.spec.instance_id, loop.require_engine()),
     ),
     "prefill": RoleKind(wire.Task, _transfer_connector, _prefill),
-    "decode": RoleKind(DecodeTask, _transfer_connector, _decode),
+    "decode": RoleKind(DecodeRole.task_type, _transfer_connector, _decode),
 }
 
 

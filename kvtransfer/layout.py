@@ -20,6 +20,11 @@ class KVLayoutMismatch(ValueError):
     """The two sides cannot exchange KV blocks (different model geometry or TP split)."""
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` tokens."""
+    return -(-num_tokens // block_size)
+
+
 def layout_of(shape: object, tp_size: int = 1) -> KVLayout:
     """The KVLayout of an engine `KVCacheShape` or `KVGeometry` (whose kv heads are per
     rank, and whose layers a pipeline stage's: the geometry names the model's)."""

@@ -27,7 +27,7 @@ from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connector import RankReport
 from pdserve.kvtransfer.messages import KVConnectorMetadata, KVLayout, TransferReport
 from pdserve.kvtransfer.metrics import SECONDS_BUCKETS, KVTransferStats
-from pdserve.kvtransfer.scheduler_side import ReportAggregator
+from pdserve.kvtransfer.reports import ReportAggregator
 from pdserve.scheduler.step_scheduler import Scheduler
 
 # How long a loop turn waits for tasks while transfers are open: reports (a pull

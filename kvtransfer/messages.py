@@ -6,7 +6,7 @@ Three families:
 - the **control plane** between the I/O threads of two instances (ZMQ ROUTER/DEALER):
   `Hello`/`HelloReply` (handshake), `Pull`, `PullRejected`, `Done`, `Heartbeat`,
   `Abort`, one tagged union decoded by `decode_control`;
-- what an instance's leader hands its TP workers each step (`KVConnectorMetadata`)
+- what an instance's driver hands its TP workers each step (`KVConnectorMetadata`)
   and what each worker reports back (`TransferReport`); Structs too, because TP
   workers are separate processes.
 """
@@ -183,7 +183,7 @@ def decode_control(data: bytes) -> ControlMessage:
     return _control_decoder.decode(data)
 
 
-# ---- leader ↔ TP workers, each step ----------------------------------------------
+# ---- driver ↔ TP workers, each step ----------------------------------------------
 
 
 class HoldSpec(msgspec.Struct):

@@ -40,7 +40,7 @@ class RankIO:
         )
 
 
-class RankSide:
+class RankHalf:
     """Base of the serving and the pulling half: the rank's parts under short names."""
 
     def __init__(self, rank: RankIO):

@@ -5,7 +5,7 @@ must never starve a lease or a transfer): the UCX worker in blocking-progress mo
 the ZMQ control sockets, heartbeats and timers, waited on together in one poller.
 The instance talks to it through two calls per step:
 
-    worker.apply(metadata)          # holds / keepalives / pulls / aborts from the leader
+    worker.apply(metadata)          # holds / keepalives / pulls / aborts from the driver
     report = worker.get_finished()  # what finished since the last call
 
 Both are cheap and never block on the network.
@@ -23,13 +23,13 @@ import zmq
 
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.control import ControlServer
-from pdserve.kvtransfer.decode_side import DecodeSide
 from pdserve.kvtransfer.kv_memory import KVMemory
 from pdserve.kvtransfer.layout import check_tp_split
 from pdserve.kvtransfer.messages import KVConnectorMetadata, KVLayout, TransferReport
 from pdserve.kvtransfer.metrics import KVTransferStats
-from pdserve.kvtransfer.prefill_side import PrefillSide
+from pdserve.kvtransfer.pulls import Puller
 from pdserve.kvtransfer.rank_io import RankIO
+from pdserve.kvtransfer.serve_pulls import PullServer
 from pdserve.kvtransfer.transport import Transport, make_transport
 
 logger = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class KVTransferWorker:
     def _run(self) -> None:
         transport: Transport | None = None
         server: ControlServer | None = None
-        decode: DecodeSide | None = None
+        decode: Puller | None = None
         wake = self._context.socket(zmq.PAIR)
         try:
             wake.bind(self._wake_address)
@@ -183,8 +183,8 @@ class KVTransferWorker:
                 self._stats,
                 self.pp_stage,
             )
-            prefill = PrefillSide(rank, server, self._record)
-            decode = DecodeSide(rank, self._context, self._record)
+            prefill = PullServer(rank, server, self._record)
+            decode = Puller(rank, self._context, self._record)
             self._ready.set()
             self._loop(wake, transport, server, prefill, decode)
         except Exception as exc:
@@ -207,8 +207,8 @@ class KVTransferWorker:
         wake: zmq.Socket,
         transport: Transport,
         server: ControlServer,
-        prefill: PrefillSide,
-        decode: DecodeSide,
+        prefill: PullServer,
+        decode: Puller,
     ) -> None:
         poller = zmq.Poller()
         for handle in [wake, server.socket, *transport.poll_handles()]:

@@ -38,7 +38,7 @@ from pdserve.kvtransfer.messages import (
     Pull,
     PullRejected,
 )
-from pdserve.kvtransfer.rank_io import RankIO, RankSide
+from pdserve.kvtransfer.rank_io import RankHalf, RankIO
 from pdserve.kvtransfer.transport import TransferOp
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class _Held:
         return any(s.in_flight for s in self.serving.values())
 
 
-class PrefillSide(RankSide):
+class PullServer(RankHalf):
     def __init__(self, rank: RankIO, server: ControlServer, report: Report):
         super().__init__(rank)
         self._server = server

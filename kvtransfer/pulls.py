@@ -42,7 +42,7 @@ from pdserve.kvtransfer.messages import (
     PullSpec,
 )
 from pdserve.kvtransfer.pull_state import PrefillRank, PullRequest, PullSlice
-from pdserve.kvtransfer.rank_io import RankIO, RankSide
+from pdserve.kvtransfer.rank_io import RankHalf, RankIO
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def _new_transfer_id(live: dict[int, PullSlice]) -> int:
             return transfer_id
 
 
-class DecodeSide(RankSide):
+class Puller(RankHalf):
     def __init__(self, rank: RankIO, context: zmq.Context, report: Report):
         super().__init__(rank)
         self._context = context
