@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 
+import msgspec
 import zmq
 
 from pdserve.cluster.addresses import LOOPBACK, node_host
@@ -43,10 +44,6 @@ PID_TIMEOUT_S = 30.0
 
 def group_name(instance_id: str, stage: int) -> str:
     return f"{instance_id}-ranks" if stage == 0 else f"{instance_id}-ranks-stage{stage}"
-
-
-def stage_count(engine: dict) -> int:
-    return int(engine.get("pipeline_parallel_size", 1))
 
 
 def reserve_rank_groups(
@@ -122,7 +119,7 @@ def on_this_node(job: RankJob) -> RankJob:
     here = node_host()
     if here == config.host:
         return job
-    moved = dataclasses.replace(factory, config=dataclasses.replace(config, host=here))
+    moved = dataclasses.replace(factory, config=msgspec.structs.replace(config, host=here))
     return dataclasses.replace(job, connector=moved)
 
 

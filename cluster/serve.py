@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 
+import msgspec
 import uvicorn
 
 from pdserve.cluster.addresses import LOOPBACK, across_nodes, instance_host, node_host
@@ -143,23 +144,30 @@ def instance_specs(
     for wave in load_waves(deployment.instances):
         specs = []
         for planned in wave:
-            engine = {
-                **deployment.engine_args,
-                "model": model_path,
-                "num_threads": planned.num_threads,
-            }
-            engine["tensor_parallel_size"] = deployment.tensor_parallel.get(planned.role, 1)
+            engine = msgspec.structs.replace(
+                deployment.engine,
+                model=model_path,
+                num_threads=planned.num_threads,
+                tensor_parallel_size=deployment.tensor_parallel.get(planned.role, 1),
+            )
             if planned.device == "cuda":
-                engine["gpu_memory_utilization"] = planned.gpu_memory_utilization
+                engine = msgspec.structs.replace(
+                    engine, gpu_memory_utilization=planned.gpu_memory_utilization
+                )
+            host = instance_host(spread)
+            kv_transfer = deployment.kv_transfer
+            if kv_transfer is not None:
+                kv_transfer = msgspec.structs.replace(
+                    kv_transfer, instance_id=planned.instance_id, host=host
+                )
             spec = InstanceSpec(
                 instance_id=planned.instance_id,
                 role=planned.role,
                 gateway_address=gateway_address,
-                host=instance_host(spread),
+                host=host,
                 engine=engine,
                 test_hooks=args.enable_test_hooks,
-                kv_transport=args.kv_transport,
-                kv_transfer=deployment.kv_transfer,
+                kv_transfer=kv_transfer,
                 cpus=[] if spread else planned.cpus,
                 gpu=None if ray else planned.gpu,
             )
@@ -264,7 +272,7 @@ async def serve(
         specs = [spec for wave in waves for spec in wave]
         print(
             f"pdserve: starting {len(specs)} instance(s) ({args.mode}, {args.launcher} "
-            f"launcher, {deployment.engine_args['device']}): {describe(deployment)}",
+            f"launcher, {deployment.engine.device}): {describe(deployment)}",
             file=sys.stderr,
             flush=True,
         )

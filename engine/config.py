@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
+
+import msgspec
 
 if TYPE_CHECKING:
     import torch
@@ -17,8 +18,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 GiB = 1 << 30
 
 
-@dataclass
-class EngineConfig:
+class EngineConfig(msgspec.Struct, kw_only=True):
+    """Checked once, where it is made (and again where it is decoded, after crossing a
+    process seam inside an `InstanceSpec`)."""
+
     model: str | None = None  # a Hugging Face checkpoint folder; None: the embedded model
     tokenizer: str | None = None  # its tokenizer's folder (for grammars); None: the model's
     # Sampling defaults: "auto" the checkpoint's generation_config.json, "vllm" none
@@ -71,7 +74,7 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
-        known = {f.name for f in fields(cls)}
+        known = set(cls.__struct_fields__)
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -129,7 +128,7 @@ class WorkerGroupExecutor:
         """Each rank: its share of the cores and of the instance's KV memory, and the
         device it sees its GPU as (the launcher's to say)."""
         cores = self.config.resolved_threads()
-        return dataclasses.replace(
+        return msgspec.structs.replace(
             self.config,
             num_threads=max(1, cores // self.size),
             kv_cache_memory=max(1, self.config.kv_cache_memory // self.size),

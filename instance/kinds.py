@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgspec
+
 from pdserve.common import messages as wire
 from pdserve.decode.role import DecodeRole
 from pdserve.engine.executor import ConnectorFactory
@@ -63,12 +65,11 @@ class RoleKind:
 
 
 def kv_transfer_config(spec: InstanceSpec) -> KVTransferConfig:
-    return KVTransferConfig(
-        instance_id=spec.instance_id,
-        transport=spec.kv_transport,
-        host=spec.host,
-        **spec.kv_transfer,
-    )
+    """The spec's KV transfer config under the spec's own id and host (a pool's copy of a
+    spec gets a new id; an instance on a cluster node learns its host there)."""
+    if spec.kv_transfer is None:  # the defaults
+        return KVTransferConfig(instance_id=spec.instance_id, host=spec.host)
+    return msgspec.structs.replace(spec.kv_transfer, instance_id=spec.instance_id, host=spec.host)
 
 
 def kv_link(loop: StepLoop) -> KVLink:

@@ -28,7 +28,6 @@ import threading
 import msgspec
 
 from pdserve.common import messages as wire
-from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import EngineCore, default_executor
 from pdserve.engine.executor import Executor
 from pdserve.engine.ranks import RankLauncher, WorkerGroupFailed
@@ -53,7 +52,7 @@ class StepLoop:
         `ranks` starts: child processes unless told otherwise)."""
         self.spec = spec
         self.kind = role_kind(spec.role)
-        self.engine_config = EngineConfig.from_kwargs(**spec.engine)
+        self.engine_config = spec.engine
         self.executor = executor or default_executor(
             self.engine_config, self.kind.connector(spec), self._on_group_failure, ranks
         )

@@ -33,8 +33,8 @@ class ReportAggregator:
                 continue
             del self._outcomes[rid]
             kinds = {kind for kind, _ in by_rank.values()}
-            prefill_side = bool(kinds & {"expired", "finished_sending"})
-            order = self._P_ORDER if prefill_side else self._D_ORDER
+            sending = bool(kinds & {"expired", "finished_sending"})
+            order = self._P_ORDER if sending else self._D_ORDER
             kind = next(k for k in order if k in kinds)
             if kind == "failed":
                 merged.failed[rid] = next(r for k, r in by_rank.values() if k == "failed")

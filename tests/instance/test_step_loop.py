@@ -24,6 +24,7 @@ from pdserve.common.messages import (
 )
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.common.wire_auth import Sealer
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.step_plan import KVGeometry, SampledToken, StepPlan, StepResult, WorkerInfo
 from pdserve.instance.loop import StepLoop
 from pdserve.instance.spec import InstanceSpec
@@ -102,7 +103,7 @@ class Harness:
         gateway = f"tcp://127.0.0.1:{port}"
         spec = InstanceSpec(instance_id=f"{role}-0", role=role, idle_wait_s=0.01,
                             gateway_address=gateway, test_hooks=test_hooks,
-                            engine={"block_size": 4})  # fmt: skip
+                            engine=EngineConfig(block_size=4))  # fmt: skip
         self.executor = FakeExecutor()
         self.loop = StepLoop(spec, self.executor)
         self.loop.load()
