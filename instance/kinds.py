@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from pdserve.common import messages as wire
+from pdserve.decode.kv_puller import DecodeKVPuller
 from pdserve.decode.role import DecodeRole
 from pdserve.engine.executor import ConnectorFactory
 from pdserve.instance.colocated import ColocatedRole
@@ -22,6 +23,7 @@ from pdserve.instance.spec import InstanceSpec
 from pdserve.kvtransfer import KVTransferConfig, layout_of
 from pdserve.kvtransfer.connector import TransferConnectorFactory
 from pdserve.kvtransfer.link import KVLink
+from pdserve.prefill.kv_server import PrefillKVServer
 from pdserve.prefill.role import PrefillRole
 
 if TYPE_CHECKING:
@@ -97,8 +99,12 @@ def _decode(loop: StepLoop) -> Role:
     return DecodeRole(loop.spec.instance_id, loop.require_engine(), kv_link(loop), delayed)
 
 
-def _transfer_connector(spec: InstanceSpec) -> ConnectorFactory:
-    return TransferConnectorFactory(kv_transfer_config(spec))
+def _serving_connector(spec: InstanceSpec) -> ConnectorFactory:
+    return TransferConnectorFactory(kv_transfer_config(spec), serve=PrefillKVServer)
+
+
+def _pulling_connector(spec: InstanceSpec) -> ConnectorFactory:
+    return TransferConnectorFactory(kv_transfer_config(spec), pull=DecodeKVPuller)
 
 
 ROLES: dict[str, RoleKind] = {
@@ -107,8 +113,8 @@ ROLES: dict[str, RoleKind] = {
         lambda spec: None,
         lambda loop: ColocatedRole(loop.spec.instance_id, loop.require_engine()),
     ),
-    "prefill": RoleKind(wire.Task, _transfer_connector, _prefill),
-    "decode": RoleKind(DecodeRole.task_type, _transfer_connector, _decode),
+    "prefill": RoleKind(wire.Task, _serving_connector, _prefill),
+    "decode": RoleKind(DecodeRole.task_type, _pulling_connector, _decode),
 }
 
 

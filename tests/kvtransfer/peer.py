@@ -41,8 +41,10 @@ class _Instance:
     def __init__(self, spec: dict):
         import numpy as np
 
+        from pdserve.decode.kv_puller import DecodeKVPuller
         from pdserve.kvtransfer import KVTransferConfig, KVTransferWorker
         from pdserve.kvtransfer.messages import KVLayout
+        from pdserve.prefill.kv_server import PrefillKVServer
 
         layout = KVLayout(**spec["layout"])
         tp_size = spec["tp_size"]
@@ -57,7 +59,10 @@ class _Instance:
             raw = self._bytes(storage).reshape(spec["num_blocks"], layout.num_layers, 2, heads, row)
             raw[...] = 0 if full is None else full[:, :, :, rank * heads : (rank + 1) * heads]
             config = KVTransferConfig(**spec["config"])
-            worker = KVTransferWorker(config, storage, layout, tp_rank=rank, tp_size=tp_size)
+            worker = KVTransferWorker(
+                config, storage, layout, tp_rank=rank, tp_size=tp_size,
+                serve=PrefillKVServer, pull=DecodeKVPuller,
+            )  # fmt: skip
             self.storages.append(storage)
             self.workers.append(worker.start())
         self.raws = [
