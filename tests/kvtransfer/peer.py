@@ -1,6 +1,6 @@
 """A child process hosting KV transfer workers, driven by a test over a Pipe.
 
-The test process plays the instances' leaders (scheduler halves, block accounting);
+The test process plays the instances' drivers (scheduler halves, block accounting);
 each child plays one machine's TP ranks: it owns KV pools of random bytes in the
 engine layout and one `KVTransferWorker` per rank, and answers commands. UCX
 settings (UCX_TLS, UCX_PROTO_INFO) are applied from `env` before UCX loads, and the
