@@ -19,8 +19,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TextIO
 
+from pdserve.common.messages import InstanceInfo
 from pdserve.instance.spec import InstanceSpec
-from pdserve.scheduler.messages import InstanceInfo
 
 ReadyCallback = Callable[[InstanceInfo], None]
 ExitCallback = Callable[[str, str], None]  # (instance id, reason)

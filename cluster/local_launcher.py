@@ -26,10 +26,10 @@ from pdserve.cluster.launcher import (
     LoadProgress,
     ReadyCallback,
 )
+from pdserve.common.messages import InstanceInfo
+from pdserve.common.wire_auth import SECRET_ENV, SECRET_FILE_ENV, ensure_secret
 from pdserve.instance.main import FAILED_PREFIX, READY_PREFIX
 from pdserve.instance.spec import InstanceSpec
-from pdserve.scheduler.messages import InstanceInfo
-from pdserve.scheduler.wire_auth import SECRET_ENV, SECRET_FILE_ENV, ensure_secret
 
 STOP_GRACE_S = 10.0
 

@@ -17,7 +17,7 @@ from pdserve.instance.spec import InstanceSpec
 
 class _InstanceActor:
     def __init__(self, spec_json: bytes) -> None:
-        from pdserve.cluster.ray_ranks import RayRanks, stage_count
+        from pdserve.cluster.ray_ranks import RayRanks
         from pdserve.instance.loop import StepLoop
 
         spec = msgspec.json.decode(spec_json, type=InstanceSpec)
@@ -25,7 +25,7 @@ class _InstanceActor:
         spec = msgspec.structs.replace(spec, host=resolve_host(spec.host))
         # A worker group's ranks are actors of their own, in the bundles the launcher
         # reserved (unused by an instance of one rank).
-        ranks = RayRanks(spec.host, spec.instance_id, stage_count(spec.engine))
+        ranks = RayRanks(spec.host, spec.instance_id, spec.engine.pipeline_parallel_size)
         self.loop = StepLoop(spec, ranks=ranks)
 
     def load(self) -> bytes:

@@ -28,11 +28,11 @@ from pdserve.cluster.launcher import (
 )
 from pdserve.cluster.ray_actors import ACTOR_CLASSES
 from pdserve.cluster.ray_cluster import join, one_line, ray_module
-from pdserve.cluster.ray_ranks import driver_options, reserve_rank_groups, stage_count
+from pdserve.cluster.ray_ranks import driver_options, reserve_rank_groups
 from pdserve.cluster.ray_watch import ActorWatch
+from pdserve.common.messages import InstanceInfo
+from pdserve.common.wire_auth import SECRET_ENV, ensure_secret
 from pdserve.instance.spec import InstanceSpec
-from pdserve.scheduler.messages import InstanceInfo
-from pdserve.scheduler.wire_auth import SECRET_ENV, ensure_secret
 
 STOP_GRACE_S = 10.0
 
@@ -132,8 +132,8 @@ class RayLauncher(Launcher):
         cpus = self.num_cpus.get(spec.instance_id, 1.0)
         gpus = self.num_gpus.get(spec.instance_id, 0.0)
         custom = self.resources.get(spec.role, {})
-        stages = stage_count(spec.engine)
-        ranks = int(spec.engine.get("tensor_parallel_size", 1)) * stages
+        stages = spec.engine.pipeline_parallel_size
+        ranks = spec.engine.world_size
         if ranks <= 1:
             return {"num_cpus": cpus, "num_gpus": gpus, "resources": custom}
         bundle = {"CPU": cpus / ranks, **({"GPU": gpus} if gpus else {}), **custom}

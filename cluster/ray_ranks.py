@@ -11,7 +11,7 @@ stage r // tp's group.
 
 Channel: each rank actor connects a ZMQ DEALER to a ROUTER the driver binds on its
 node's address, and the same small encoded plans and results as the pipes cross it,
-every frame sealed with the deployment secret (`scheduler/wire_auth.py`); no tensor is
+every frame sealed with the deployment secret (`common/wire_auth.py`); no tensor is
 pickled and Ray carries no per-step call. Death: each rank's long-running `serve()`
 call completes only when its rank loop ends or its actor dies (ray.kill, its process
 killed, its node lost: RayActorError, ActorUnavailableError first for a lost node), so
@@ -27,13 +27,14 @@ import logging
 import os
 import threading
 
+import msgspec
 import zmq
 
 from pdserve.cluster.addresses import LOOPBACK, node_host
 from pdserve.cluster.launcher import LaunchError
 from pdserve.cluster.ray_cluster import one_line, ray_module
+from pdserve.common.wire_auth import MAX_FRAME_BYTES, SECRET_ENV, Sealer, ensure_secret
 from pdserve.engine.ranks import RankGroup, RankJob, WorkerGroupFailed
-from pdserve.scheduler.wire_auth import MAX_FRAME_BYTES, SECRET_ENV, Sealer, ensure_secret
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +44,6 @@ PID_TIMEOUT_S = 30.0
 
 def group_name(instance_id: str, stage: int) -> str:
     return f"{instance_id}-ranks" if stage == 0 else f"{instance_id}-ranks-stage{stage}"
-
-
-def stage_count(engine: dict) -> int:
-    return int(engine.get("pipeline_parallel_size", 1))
 
 
 def reserve_rank_groups(
@@ -122,7 +119,7 @@ def on_this_node(job: RankJob) -> RankJob:
     here = node_host()
     if here == config.host:
         return job
-    moved = dataclasses.replace(factory, config=dataclasses.replace(config, host=here))
+    moved = dataclasses.replace(factory, config=msgspec.structs.replace(config, host=here))
     return dataclasses.replace(job, connector=moved)
 
 

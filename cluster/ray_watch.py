@@ -29,8 +29,8 @@ import msgspec
 
 from pdserve.cluster.launcher import ExitCallback, ReadyCallback
 from pdserve.cluster.ray_cluster import one_line
+from pdserve.common.messages import InstanceInfo
 from pdserve.instance.spec import InstanceSpec
-from pdserve.scheduler.messages import InstanceInfo
 
 if TYPE_CHECKING:
     from pdserve.cluster.ray_launcher import RayLauncher

@@ -22,23 +22,24 @@ import signal
 import socket
 import sys
 
+import msgspec
 import uvicorn
 
 from pdserve.cluster.addresses import LOOPBACK, across_nodes, instance_host, node_host
+from pdserve.cluster.deployment import Deployment, ServeError
 from pdserve.cluster.http_server import uvicorn_config
 from pdserve.cluster.launcher import Launcher, LaunchError
 from pdserve.cluster.local_launcher import LocalLauncher
 from pdserve.cluster.placement import load_waves
-from pdserve.cluster.plan import ServeError, ServePlan
 from pdserve.cluster.pools import Pools
 from pdserve.cluster.supervisor import Supervisor
+from pdserve.common import wire_auth
+from pdserve.common.messages import InstanceInfo
+from pdserve.common.wire_auth import SecretError, ensure_secret
 from pdserve.engine.embedded import EmbeddedModelError, embedded_model_path
 from pdserve.gateway.app import create_app
-from pdserve.gateway.state import Gateway, GatewayConfig
+from pdserve.gateway.gateway import Gateway, GatewayConfig
 from pdserve.instance.spec import InstanceSpec
-from pdserve.scheduler import wire_auth
-from pdserve.scheduler.messages import InstanceInfo
-from pdserve.scheduler.wire_auth import SecretError, ensure_secret
 from pdserve.text.tokenizer import TokenizerError
 
 logger = logging.getLogger("pdserve.serve")
@@ -59,8 +60,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.enable_log_requests:
         logging.getLogger("pdserve.gateway.requests").setLevel(logging.INFO)
     try:
-        plan = ServePlan.from_args(args)
-        model_path = plan.model_path or str(embedded_model_path())
+        deployment = Deployment.from_args(args)
+        model_path = deployment.model_path or str(embedded_model_path())
         listener = bind_listener(args.host, args.port)
         # Made once here and inherited (environment) by every instance; never argv.
         ensure_secret()
@@ -70,8 +71,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         zmq_host = LOOPBACK
         if across_nodes(args.launcher, args.ray_address):
-            plan, zmq_host = plan_on_cluster(plan, listener.getsockname()[1])
-        return asyncio.run(serve(plan, model_path, listener, zmq_host))
+            deployment, zmq_host = deployment_on_cluster(deployment, listener.getsockname()[1])
+        return asyncio.run(serve(deployment, model_path, listener, zmq_host))
     except ServeError as exc:
         listener.close()
         print(f"pdserve serve: error: {exc}", file=sys.stderr)
@@ -82,7 +83,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def deployment_secret() -> bytes:
-    """The deployment's one secret (`scheduler/wire_auth.py`: the environment or its
+    """The deployment's one secret (`common/wire_auth.py`: the environment or its
     0600 file, else random for this run), which also keys every tenant's cache salt."""
     return wire_auth.deployment_secret()
 
@@ -101,61 +102,72 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def plan_on_cluster(plan: ServePlan, port: int) -> tuple[ServePlan, str]:
+def deployment_on_cluster(deployment: Deployment, port: int) -> tuple[Deployment, str]:
     """Joins the Ray cluster of `--ray-address` and plans again on its CPUs and GPUs;
-    returns the plan and the address the gateway binds (this node's, so instances on
+    returns the deployment and the address the gateway binds (this node's, so instances on
     other nodes reach it)."""
     from pdserve.cluster.ray_cluster import inventory, join  # Ray loads only when asked for
 
-    join(plan.args.ray_address, ray_namespace(port))
+    join(deployment.args.ray_address, ray_namespace(port))
     found = inventory()
-    return ServePlan.from_args(plan.args, found.cores, found.gpus), node_host()
+    return Deployment.from_args(deployment.args, found.cores, found.gpus), node_host()
 
 
 def ray_namespace(port: int) -> str:
     return f"pdserve-{port}"
 
 
-def make_launcher(plan: ServePlan, port: int) -> Launcher:
-    if plan.args.launcher == "local":
+def make_launcher(deployment: Deployment, port: int) -> Launcher:
+    if deployment.args.launcher == "local":
         return LocalLauncher()
     from pdserve.cluster.ray_launcher import RayLauncher  # Ray loads only when asked for
 
     return RayLauncher(
-        address=plan.args.ray_address,
+        address=deployment.args.ray_address,
         namespace=ray_namespace(port),
-        num_cpus={i.instance_id: i.num_cpus for i in plan.instances},
-        num_gpus={i.instance_id: i.num_gpus for i in plan.instances},
-        resources=plan.resources,
+        num_cpus={i.instance_id: i.num_cpus for i in deployment.instances},
+        num_gpus={i.instance_id: i.num_gpus for i in deployment.instances},
+        resources=deployment.resources,
     )
 
 
 def instance_specs(
-    plan: ServePlan, model_path: str, gateway_address: str, ray: bool = False
+    deployment: Deployment, model_path: str, gateway_address: str, ray: bool = False
 ) -> list[list[InstanceSpec]]:
     """The instances' specs in load waves (instances sharing a GPU load one at a time).
     Ray sets each actor's CUDA_VISIBLE_DEVICES itself; the local launcher uses `gpu`.
     Across nodes an instance binds its node's address and is pinned to no cores (the
     cores counted are the cluster's, not one machine's)."""
-    args = plan.args
+    args = deployment.args
     spread = across_nodes(args.launcher, args.ray_address)
     waves = []
-    for wave in load_waves(plan.instances):
+    for wave in load_waves(deployment.instances):
         specs = []
         for planned in wave:
-            engine = {**plan.engine_args, "model": model_path, "num_threads": planned.num_threads}
-            engine["tensor_parallel_size"] = plan.tensor_parallel.get(planned.role, 1)
+            engine = msgspec.structs.replace(
+                deployment.engine,
+                model=model_path,
+                num_threads=planned.num_threads,
+                tensor_parallel_size=deployment.tensor_parallel.get(planned.role, 1),
+            )
             if planned.device == "cuda":
-                engine["gpu_memory_utilization"] = planned.gpu_memory_utilization
+                engine = msgspec.structs.replace(
+                    engine, gpu_memory_utilization=planned.gpu_memory_utilization
+                )
+            host = instance_host(spread)
+            kv_transfer = deployment.kv_transfer
+            if kv_transfer is not None:
+                kv_transfer = msgspec.structs.replace(
+                    kv_transfer, instance_id=planned.instance_id, host=host
+                )
             spec = InstanceSpec(
                 instance_id=planned.instance_id,
                 role=planned.role,
                 gateway_address=gateway_address,
-                host=instance_host(spread),
+                host=host,
                 engine=engine,
                 test_hooks=args.enable_test_hooks,
-                kv_transport=args.kv_transport,
-                kv_transfer=plan.kv_transfer,
+                kv_transfer=kv_transfer,
                 cpus=[] if spread else planned.cpus,
                 gpu=None if ray else planned.gpu,
             )
@@ -190,10 +202,10 @@ def instance_summary(info: InstanceInfo) -> str:
     )
 
 
-def describe(plan: ServePlan) -> str:
+def describe(deployment: Deployment) -> str:
     """ "prefill-0 (GPU 0, 0.45 of its memory), decode-0 (GPU 0, ...)" or the ids on CPU."""
     parts = []
-    for planned in plan.instances:
+    for planned in deployment.instances:
         if planned.gpu is None:
             parts.append(planned.instance_id)
         else:
@@ -202,24 +214,24 @@ def describe(plan: ServePlan) -> str:
     return ", ".join(parts)
 
 
-def make_gateway(plan: ServePlan, model_path: str, zmq_host: str) -> Gateway:
-    args = plan.args
+def make_gateway(deployment: Deployment, model_path: str, zmq_host: str) -> Gateway:
+    args = deployment.args
     return Gateway(
         GatewayConfig(
             model_path=model_path,
-            served_model_names=plan.served_model_names,
+            served_model_names=deployment.served_model_names,
             max_model_len=args.max_model_len,
-            api_key=plan.api_key,
+            api_key=deployment.api_key,
             enable_test_hooks=args.enable_test_hooks,
-            scheduler=plan.scheduler,
-            expected_instances=len(plan.instances),
+            scheduler=deployment.scheduler,
+            expected_instances=len(deployment.instances),
             tokenizer_path=args.tokenizer,
-            chat_template=plan.chat_template,
+            chat_template=deployment.chat_template,
             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
             trust_request_chat_template=args.trust_request_chat_template,
             enable_log_requests=args.enable_log_requests,
-            api_keys=plan.api_keys,
-            admin_api_key=plan.admin_api_key,
+            api_keys=deployment.api_keys,
+            admin_api_key=deployment.admin_api_key,
             metrics_public=args.metrics_public,
             deployment_secret=deployment_secret(),
             request_timeout_s=args.request_timeout,
@@ -229,16 +241,16 @@ def make_gateway(plan: ServePlan, model_path: str, zmq_host: str) -> Gateway:
 
 
 async def serve(
-    plan: ServePlan, model_path: str, listener: socket.socket, zmq_host: str = LOOPBACK
+    deployment: Deployment, model_path: str, listener: socket.socket, zmq_host: str = LOOPBACK
 ) -> int:
     """`zmq_host`: where the gateway's output socket binds (this node's address when
     instances may run on other nodes)."""
-    args = plan.args
+    args = deployment.args
     host, port = listener.getsockname()[:2]
-    gateway = make_gateway(plan, model_path, zmq_host)
+    gateway = make_gateway(deployment, model_path, zmq_host)
     gateway.start()
     server = _Server(uvicorn_config(create_app(gateway), args.log_level))
-    launcher = make_launcher(plan, port)
+    launcher = make_launcher(deployment, port)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 
@@ -254,11 +266,13 @@ async def serve(
     serving = loop.create_task(server.serve(sockets=[listener]))
     code, supervisor = 0, None
     try:
-        waves = instance_specs(plan, model_path, gateway.output_address, args.launcher == "ray")
+        waves = instance_specs(
+            deployment, model_path, gateway.output_address, args.launcher == "ray"
+        )
         specs = [spec for wave in waves for spec in wave]
         print(
             f"pdserve: starting {len(specs)} instance(s) ({args.mode}, {args.launcher} "
-            f"launcher, {plan.engine_args['device']}): {describe(plan)}",
+            f"launcher, {deployment.engine.device}): {describe(deployment)}",
             file=sys.stderr,
             flush=True,
         )

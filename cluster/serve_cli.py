@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import copy
 
+from pdserve.cluster.deployment import LAUNCHERS, MODES
 from pdserve.cluster.placement import DEVICES
-from pdserve.cluster.plan import FAILURE_POLICIES, KV_TRANSPORTS, LAUNCHERS, MODES
+from pdserve.gateway.routing import DEFAULT_POLICY, POLICIES
 from pdserve.gateway.tool_parsers import PARSERS
-from pdserve.scheduler.routing import DEFAULT_POLICY, POLICIES
+from pdserve.kvtransfer.config import FAILURE_POLICIES
+from pdserve.kvtransfer.transport import TRANSPORTS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TOOL_CALL_PARSERS = tuple(PARSERS)
@@ -256,7 +258,7 @@ def _add_topology_flags(topology: argparse._ArgumentGroup) -> None:
 def _add_kv_transfer_flags(topology: argparse._ArgumentGroup) -> None:
     topology.add_argument(
         "--kv-transport",
-        choices=KV_TRANSPORTS,
+        choices=TRANSPORTS,
         default="ucx",
         help="how KV blocks move from prefill to decode: ucx (shared memory on one node), "
         "ucx-listener (TCP/RDMA across nodes), zmq (plain copy)",

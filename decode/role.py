@@ -26,21 +26,22 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from pdserve.decode.messages import DecodeTask, KVHandoff
-from pdserve.decode.pending import VoidedHandoffs
-from pdserve.engine.core import EngineCore
-from pdserve.kvtransfer import DecodeKVScheduler, DecodeUpdate
-from pdserve.kvtransfer.link import KVLink
-from pdserve.scheduler.messages import (
+from pdserve.common.messages import (
     AbortTask,
     GenerateTask,
     InstanceStats,
     MetricsDelta,
     RequestDelta,
+    Task,
     error_delta,
 )
+from pdserve.common.request import RequestStatus
+from pdserve.decode.kv_scheduler import DecodeKVScheduler, DecodeUpdate
+from pdserve.decode.pending import VoidedHandoffs
+from pdserve.engine.core import EngineCore
+from pdserve.kvtransfer.link import KVLink
+from pdserve.kvtransfer.messages import KVHandoff
 from pdserve.scheduler.outputs import RemoteKVAllocation
-from pdserve.scheduler.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ class PullQueue(Protocol):
 
 
 class DecodeRole:
-    task_type: Any = DecodeTask
+    # The task socket takes the gateway's tasks and the prefill instances' handoffs.
+    task_type: Any = Task | KVHandoff
 
     def __init__(
         self,
@@ -90,16 +92,7 @@ class DecodeRole:
             # its blocks here.
             self.link.defer(task)
             return
-        engine = self.engine
-        engine.add_request(
-            engine.make_request(
-                task.request_id,
-                task.prompt_token_ids,
-                task.sampling_params,
-                task.cache_salt,
-                output_token_ids=task.output_token_ids,
-            )
-        )
+        self.engine.add_request(self.engine.request_of(task))
 
     def on_task(self, task: Any) -> RequestDelta | None:
         if isinstance(task, KVHandoff):

@@ -7,16 +7,9 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-from pdserve.scheduler.model_split import (
-    PipelineParallelError,
-    TensorParallelError,
-    check_pp_size,
-    check_tp_size,
-    stage_layers,
-)
+import msgspec
 
 if TYPE_CHECKING:
     import torch
@@ -25,16 +18,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 GiB = 1 << 30
 
 
-# The split rule lives with the torch-free rooms (kvtransfer checks it too); the engine
-# re-exports it for its callers.
-__all__ = [
-    "EngineConfig", "PipelineParallelError", "TensorParallelError",
-    "check_pp_size", "check_tp_size", "stage_layers",
-]  # fmt: skip
+class EngineConfig(msgspec.Struct, kw_only=True):
+    """Checked once, where it is made (and again where it is decoded, after crossing a
+    process seam inside an `InstanceSpec`)."""
 
-
-@dataclass
-class EngineConfig:
     model: str | None = None  # a Hugging Face checkpoint folder; None: the embedded model
     tokenizer: str | None = None  # its tokenizer's folder (for grammars); None: the model's
     # Sampling defaults: "auto" the checkpoint's generation_config.json, "vllm" none
@@ -87,7 +74,7 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
-        known = {f.name for f in fields(cls)}
+        known = set(cls.__struct_fields__)
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")

@@ -14,15 +14,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pdserve.common.messages import GenerateTask, RequestDelta, error_delta
+from pdserve.common.request import Request, RequestStatus
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.executor import ConnectorFactory, Executor, InProcessExecutor
 from pdserve.engine.grammar_gate import GrammarGate
-from pdserve.engine.plan import NewRequest, PlannedChunk, StepPlan, WorkerInfo
+from pdserve.engine.step_plan import NewRequest, PlannedChunk, StepPlan, WorkerInfo
 from pdserve.scheduler.config import SchedulerConfig
-from pdserve.scheduler.messages import RequestDelta, error_delta
 from pdserve.scheduler.outputs import SchedulerOutput
-from pdserve.scheduler.request import Request, RequestStatus
-from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.scheduler.step_scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -164,6 +164,17 @@ class EngineCore:
         self.executor.shutdown()
 
     # ---- requests -------------------------------------------------------------------
+
+    def request_of(self, task: GenerateTask) -> Request:
+        """The request a gateway's task asks for: its prompt, sampling parameters, cache
+        salt and any output it already has (a migrated request's)."""
+        return self.make_request(
+            task.request_id,
+            task.prompt_token_ids,
+            task.sampling_params,
+            task.cache_salt,
+            output_token_ids=task.output_token_ids,
+        )
 
     def make_request(
         self,

@@ -1,7 +1,7 @@
 """The seam between a driver (an instance's step loop, or the offline `LLM`) and the
 ranks that hold the model: load, run a planned step, shut down.
 
-Only `engine.plan` messages cross it. `InProcessExecutor` runs one rank in this
+Only `engine.step_plan` messages cross it. `InProcessExecutor` runs one rank in this
 process; worker groups (tensor/pipeline parallel ranks in other processes) implement
 the same protocol, so neither the step loop nor the scheduler changes with them.
 """
@@ -12,9 +12,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pdserve.common.structured_output import StructuredOutput
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.plan import KVGeometry, StepPlan, StepResult, WorkerInfo
-from pdserve.scheduler.structured_output import StructuredOutput
+from pdserve.engine.step_plan import KVGeometry, StepPlan, StepResult, WorkerInfo
 
 if TYPE_CHECKING:
     from pdserve.engine.worker import ModelWorker

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pdserve.scheduler.structured_output import StructuredOutput
+from pdserve.common.structured_output import StructuredOutput
 
 MAX_CACHED_GRAMMARS = 128
 CACHE_LIMIT_BYTES = 64 << 20  # xgrammar's own cache of compiled token masks

@@ -15,8 +15,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.scheduler.request import Request
-from pdserve.scheduler.structured_output import StructuredOutput
+from pdserve.common.request import Request
+from pdserve.common.structured_output import StructuredOutput
 
 
 @dataclass

@@ -19,10 +19,10 @@ from typing import Any
 
 import msgspec
 
+from pdserve.common.messages import TokenLogprobs
+from pdserve.common.sampling_params import SamplingParams, generation_config_defaults
 from pdserve.engine.core import EngineCore
 from pdserve.engine.model_source import resolve_model
-from pdserve.scheduler.messages import TokenLogprobs
-from pdserve.scheduler.sampling_params import SamplingParams, generation_config_defaults
 from pdserve.text.choice import ChoiceText, choice_seeds
 from pdserve.text.tokenizer import Tokenizer
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pdserve.engine.config import TensorParallelError, check_tp_size
+from pdserve.common.model_split import TensorParallelError, check_tp_size
 
 Tensor = torch.Tensor
 __all__ = ["TensorParallel", "TensorParallelError", "check_tp_size"]

@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from pdserve.engine.config import EngineConfig, stage_layers
+from pdserve.common.model_split import stage_layers
 from pdserve.engine.parallel import CollectiveClock, TensorParallel
 
 if TYPE_CHECKING:  # annotations only: the model (models/llama.py) imports this module,
     # and the GPU check runs the model with torch alone (no msgspec there)
-    from pdserve.engine.plan import SampledToken
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.step_plan import SampledToken
     from pdserve.engine.worker import ModelWorker
     from pdserve.scheduler.outputs import ScheduledChunk
 

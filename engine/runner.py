@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.common.request import Request
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.step_inputs import StepInputs, attention_inputs
 from pdserve.scheduler.outputs import ScheduledChunk
-from pdserve.scheduler.request import Request
 
 Tensor = torch.Tensor
 
@@ -30,7 +30,7 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
-        self.device_executor = None  # set by the engine on CUDA: `pdserve.engine.device_executor`
+        self.device_runner = None  # set by the engine on CUDA: `pdserve.engine.device_runner`
 
     def prepare(self, scheduled: list[ScheduledChunk]) -> StepBatch:
         # Single-token chunks first: the attention op takes decodes before prefills.
@@ -69,8 +69,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> Tensor:
         """Logits [num_samples, vocab] in float32."""
-        if self.device_executor is not None:
-            return self.device_executor.execute(batch)
+        if self.device_runner is not None:
+            return self.device_runner.execute(batch)
         hidden = self.model(batch.token_ids, batch.positions, self.kv_cache.layers, batch.meta)
         if batch.logits_indices.numel() == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)

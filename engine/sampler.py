@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.scheduler.messages import TokenLogprobs
-from pdserve.scheduler.request import Request
+from pdserve.common.messages import TokenLogprobs
+from pdserve.common.request import Request
 
 Tensor = torch.Tensor
 _MASK64 = (1 << 64) - 1

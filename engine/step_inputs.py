@@ -22,7 +22,7 @@ Tensor = torch.Tensor
 
 @dataclass
 class StepInputs:
-    """What `DeviceExecutor.execute` reads from a step (as `runner.StepBatch` holds)."""
+    """What `DeviceRunner.execute` reads from a step (as `runner.StepBatch` holds)."""
 
     token_ids: Tensor  # [num_tokens] int64
     positions: Tensor  # [num_tokens] int64

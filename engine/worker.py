@@ -17,14 +17,17 @@ from typing import Any
 
 import torch
 
+from pdserve.common.model_split import check_pp_size
+from pdserve.common.request import Request
+from pdserve.common.structured_output import StructuredOutput
 from pdserve.engine import gpu_memory
 from pdserve.engine.checkpoint import (
     CheckpointError,
     load_generation_config,
     load_model_config,
 )
-from pdserve.engine.config import EngineConfig, check_pp_size
-from pdserve.engine.device_executor import DeviceExecutor
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.device_runner import DeviceRunner
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.engine.executor import RankConnector
 from pdserve.engine.grammar import GrammarBook
@@ -32,13 +35,11 @@ from pdserve.engine.kv_cache import KVCache, KVCacheShape
 from pdserve.engine.loader import load_model
 from pdserve.engine.parallel import TensorParallel, check_tp_size
 from pdserve.engine.pipeline import PipelineStage, run_stage
-from pdserve.engine.plan import KVGeometry, SampledToken, StepPlan, StepResult, WorkerInfo
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler
+from pdserve.engine.step_plan import KVGeometry, SampledToken, StepPlan, StepResult, WorkerInfo
 from pdserve.kernels import dispatch
 from pdserve.scheduler.outputs import ScheduledChunk
-from pdserve.scheduler.request import Request
-from pdserve.scheduler.structured_output import StructuredOutput
 
 
 def _resident_bytes() -> int:
@@ -124,7 +125,7 @@ class ModelWorker:
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
         # Decode graphs are captured here, once the KV cache exists (whole model only).
         if on_cuda and not stage.enabled:
-            self.runner.device_executor = DeviceExecutor.for_engine(
+            self.runner.device_runner = DeviceRunner.for_engine(
                 self.model, self.kv_cache, config, self.max_model_len
             )
         self.sampler = Sampler()

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -32,9 +31,10 @@ from typing import Any
 
 import msgspec
 
-from pdserve.engine.config import EngineConfig, check_pp_size, check_tp_size
+from pdserve.common.model_split import check_pp_size, check_tp_size
+from pdserve.common.structured_output import StructuredOutput
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.executor import ConnectorFactory
-from pdserve.engine.plan import StepPlan, StepResult, WorkerInfo
 from pdserve.engine.ranks import (
     ProcessRanks,
     RankChannel,
@@ -44,7 +44,7 @@ from pdserve.engine.ranks import (
     WorkerGroupFailed,
     free_port,
 )
-from pdserve.scheduler.structured_output import StructuredOutput
+from pdserve.engine.step_plan import StepPlan, StepResult, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class WorkerGroupExecutor:
         """Each rank: its share of the cores and of the instance's KV memory, and the
         device it sees its GPU as (the launcher's to say)."""
         cores = self.config.resolved_threads()
-        return dataclasses.replace(
+        return msgspec.structs.replace(
             self.config,
             num_threads=max(1, cores // self.size),
             kv_cache_memory=max(1, self.config.kv_cache_memory // self.size),

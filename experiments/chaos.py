@@ -15,7 +15,7 @@ is back to its size (`/health`; 0 when no instance left its pool).
 The single-node scenarios share one `pdserve serve` (local launcher, 2 prefill + 2
 decode, test hooks on, pulls delayed by `PDSERVE_TEST_KV_DELAY_S` so that requests
 visibly wait for remote KV). Node loss runs on the two-node Ray setup of
-`tests/cluster/two_nodes.py` (needs root for `ip netns`). `tests/cluster/test_chaos.py`
+`experiments/two_nodes.py` (needs root for `ip netns`). `tests/cluster/test_chaos.py`
 asserts on the same rows.
 """
 
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from experiments.chaos_harness import GREEDY, SEEDED, Chaos, Load, Row, Shape, wait_for
-from tests.cluster.serving import LOCAL, served
-from tests.cluster.two_nodes import (
+from experiments.serving import LOCAL, served
+from experiments.two_nodes import (
     A_RESOURCES,
     B_RESOURCES,
     NAMESPACE,

@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from tests.cluster.serving import MODEL
-from tests.gateway.server import ServeProcess
+from experiments.serving import MODEL, ServeProcess
 
 MAX_TOKENS = 32
 POOLS_FULL_LIMIT_S = 90.0  # how long a run waits for the pools (the target is 60 s)

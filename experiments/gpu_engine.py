@@ -2,7 +2,7 @@
 graphs against the torch references, then 8B-shaped decode-step and prefill times.
 
 Drives the model directly (`pdserve.engine.models`, `pdserve.engine.kv_cache`,
-`pdserve.engine.cuda_graphs` through `pdserve.engine.device_executor`, `kernels`): no
+`pdserve.engine.cuda_graphs` through `pdserve.engine.device_runner`, `kernels`): no
 scheduler, so it runs on a GPU machine's own Python with torch and triton only (no
 msgspec, zmq, ray, ucxx, fastapi). `dry_run=True` runs the same code on CPU with tiny
 shapes and no capture, so CI proves
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.device_executor import DeviceExecutor
+from pdserve.engine.device_runner import DeviceRunner
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
 from pdserve.engine.step_inputs import StepInputs, build_step_inputs, contiguous_block_tables
 from pdserve.engine.synthetic_model import SyntheticLlamaConfig, llama_8b_shape, random_llama
@@ -136,10 +136,10 @@ def run_greedy_check(device: torch.device, dry_run: bool = False) -> bool:
     blocks_per_seq = -(-(max(lengths) + 2 * steps + 2) // BLOCK_SIZE)
     max_len = blocks_per_seq * BLOCK_SIZE
     num_blocks = len(lengths) * blocks_per_seq
-    graphs = DeviceExecutor(
+    graphs = DeviceRunner(
         model, kv_cache_for(cfg, num_blocks, torch.float32, device), max_len, [1, 2, 4, 8], on_cuda
     )
-    reference = DeviceExecutor(
+    reference = DeviceRunner(
         model, kv_cache_for(cfg, num_blocks, torch.float32, device), max_len, []
     )
     graphs.prepare()  # compiles the Triton kernels, then captures
@@ -241,7 +241,7 @@ def run_decode_bench(
     model = random_llama(cfg, dtype, device, seed=0)
     kv = kv_cache_for(cfg, max(batches) * (max_len // BLOCK_SIZE), dtype, device)
     kv.storage.normal_()  # attention reads real-looking KV; no prefill needed to time it
-    executor = DeviceExecutor(model, kv, max_len, batches, capture=device.type == "cuda")
+    executor = DeviceRunner(model, kv, max_len, batches, capture=device.type == "cuda")
     began = time.perf_counter()
     executor.prepare()
     print(f"  warm-up and capture of {len(batches)} sizes: {time.perf_counter() - began:.1f} s")
@@ -258,7 +258,7 @@ def run_decode_bench(
 
 
 def _time_decode_steps(
-    executor: DeviceExecutor, batches: list[int], context: int, max_len: int, iters: int
+    executor: DeviceRunner, batches: list[int], context: int, max_len: int, iters: int
 ) -> tuple[list[tuple[int, float, float]], float]:
     device, graphs = executor.device, executor.graphs
     tables = contiguous_block_tables(max(batches), max_len // BLOCK_SIZE)

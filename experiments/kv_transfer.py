@@ -60,12 +60,17 @@ def _workers(kind: str, tls: str | None, instance: str, num_blocks: int):
     if tls:
         os.environ["UCX_TLS"] = tls
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    from pdserve.decode.kv_puller import DecodeKVPuller
     from pdserve.kvtransfer import KVTransferConfig, KVTransferWorker
+    from pdserve.prefill.kv_server import PrefillKVServer
 
     workers = {}
     for name in LAYOUTS:
         config = KVTransferConfig(f"{instance}-{name}", transport=kind, **_CONFIG)
-        worker = KVTransferWorker(config, _storage(name, num_blocks), _layout(name))
+        storage = _storage(name, num_blocks)
+        worker = KVTransferWorker(
+            config, storage, _layout(name), serve=PrefillKVServer, pull=DecodeKVPuller
+        )
         workers[name] = worker.start()
     return workers
 
@@ -156,7 +161,7 @@ def _socket_client(port: int, sizes: list[int], repeats: int) -> dict[int, list[
 
 
 def run_transport(kind: str, tls: str | None, repeats: int) -> dict:
-    from pdserve.scheduler.wire_auth import ensure_secret  # stdlib only
+    from pdserve.common.wire_auth import ensure_secret  # stdlib only
 
     ensure_secret()  # the two children inherit it: their control planes must agree
     context = multiprocessing.get_context("spawn")

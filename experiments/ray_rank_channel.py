@@ -22,8 +22,8 @@ import time
 import msgspec
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.plan import StepPlan
 from pdserve.engine.ranks import RankLauncher
+from pdserve.engine.step_plan import StepPlan
 from pdserve.engine.worker_group import WorkerGroupExecutor
 
 

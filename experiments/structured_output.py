@@ -18,7 +18,7 @@ import statistics
 import time
 
 from pdserve import LLM, SamplingParams
-from pdserve.scheduler.structured_output import StructuredOutput
+from pdserve.common.structured_output import StructuredOutput
 
 SCHEMA = {
     "type": "array",

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.cluster.serving import LOCAL, MODEL, served
+from experiments.serving import LOCAL, MODEL, served
 
 KEYS = {"tenants": [{"name": "a", "keys": ["a-key"]}, {"name": "b", "keys": ["b-key"]}]}
 BLOCK = 16

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core import EngineCore
 from pdserve.engine.synthetic_model import SyntheticLlamaConfig, random_llama, save_checkpoint
-from pdserve.scheduler.sampling_params import SamplingParams
 
 SHAPE = dict(
     vocab_size=32768, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,

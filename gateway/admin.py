@@ -21,8 +21,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from pdserve.gateway.errors import APIError
-from pdserve.gateway.state import Gateway
-from pdserve.scheduler.routing import ROLES_THAT_DECODE
+from pdserve.gateway.gateway import Gateway
+from pdserve.gateway.routing import ROLES_THAT_DECODE
 
 DRAIN_POLL_S = 0.2
 

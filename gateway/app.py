@@ -24,8 +24,8 @@ from pdserve.gateway.chat import create_chat_completion
 from pdserve.gateway.completions import create_completion
 from pdserve.gateway.debug import debug_router
 from pdserve.gateway.errors import APIError
+from pdserve.gateway.gateway import Gateway
 from pdserve.gateway.openapi import openapi_document
-from pdserve.gateway.state import Gateway
 from pdserve.gateway.tokenization import detokenize, tokenize
 
 logger = logging.getLogger(__name__)

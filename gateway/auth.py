@@ -15,7 +15,7 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from pdserve.gateway.errors import APIError
-from pdserve.gateway.state import Gateway
+from pdserve.gateway.gateway import Gateway
 from pdserve.gateway.tenants import ANONYMOUS, Tenant
 
 

@@ -9,13 +9,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pdserve.gateway.auth import tenant_of
+from pdserve.gateway.gateway import Gateway
 from pdserve.gateway.generation import Choice, ChoiceUpdate
 from pdserve.gateway.limits import check_sampling_limits
 from pdserve.gateway.logprobs import TokenText, chat_logprobs
 from pdserve.gateway.prompts import chat_prompt
-from pdserve.gateway.responses import choice_entry, respond
+from pdserve.gateway.replies import choice_entry, respond
 from pdserve.gateway.schemas import ChatCompletionRequest, read_body
-from pdserve.gateway.state import Gateway
 from pdserve.gateway.tools import (
     ToolCallStream,
     ToolPlan,

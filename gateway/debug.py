@@ -11,8 +11,8 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from pdserve.gateway.errors import APIError
-from pdserve.gateway.state import Gateway
-from pdserve.scheduler.routing import make_policy
+from pdserve.gateway.gateway import Gateway
+from pdserve.gateway.routing import make_policy
 
 
 def debug_router(gateway: Gateway) -> APIRouter:

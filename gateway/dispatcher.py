@@ -14,7 +14,7 @@ output, so the stream goes on at the next index (`_retry`). One silent or stalle
 (a paused or hung process) is fenced: its epoch retired (whatever it sends later is
 dropped) and `on_fenced` tells the cluster to kill it and start a replacement.
 
-Every frame is sealed with the deployment's MAC (`pdserve.scheduler.wire_auth`); an
+Every frame is sealed with the deployment's MAC (`pdserve.common.wire_auth`); an
 output or event batch without a valid one is dropped before it is decoded.
 """
 
@@ -31,16 +31,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.request_stream import RequestStream, StreamEvent
-from pdserve.scheduler.block_events import BlockEventBatch
-from pdserve.scheduler.global_scheduler import (
-    AdmissionRejected,
-    GlobalScheduler,
-    Route,
-    handoffs_from,
-)
-from pdserve.scheduler.messages import (
+from pdserve.common.block_events import BlockEventBatch
+from pdserve.common.messages import (
     AbortTask,
     GenerateTask,
     InspectTask,
@@ -52,8 +44,16 @@ from pdserve.scheduler.messages import (
     SnapshotTask,
     Task,
 )
-from pdserve.scheduler.routing import RouteRequest
-from pdserve.scheduler.wire_auth import MAX_FRAME_BYTES, Sealer
+from pdserve.common.wire_auth import MAX_FRAME_BYTES, Sealer
+from pdserve.gateway.global_scheduler import (
+    AdmissionRejected,
+    GlobalScheduler,
+    Route,
+    handoffs_from,
+)
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.request_stream import RequestStream, StreamEvent
+from pdserve.gateway.routing import RouteRequest
 
 logger = logging.getLogger(__name__)
 

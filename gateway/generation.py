@@ -18,12 +18,12 @@ from typing import NoReturn
 
 import msgspec
 
+from pdserve.common.messages import GenerateTask, TokenLogprobs
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.gateway.dispatcher import Dispatcher
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.prompts import Prompt
 from pdserve.gateway.request_stream import StreamEvent
-from pdserve.scheduler.messages import GenerateTask, TokenLogprobs
-from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.text.choice import ChoiceText, choice_seeds
 from pdserve.text.tokenizer import Tokenizer
 

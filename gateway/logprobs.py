@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.scheduler.messages import TokenLogprobs
+from pdserve.common.messages import TokenLogprobs
 from pdserve.text.tokenizer import Tokenizer
 
 

@@ -24,7 +24,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from pdserve.scheduler.messages import InstanceOutput, InstanceStats
+from pdserve.common.messages import InstanceOutput, InstanceStats
 
 PREFIX = "pdserve:"
 LABELS = ("role", "instance")

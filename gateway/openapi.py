@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from pdserve.common.sampling_params import MAX_LOGPROBS
 from pdserve.gateway import limits
 from pdserve.gateway.prompts import MAX_PROMPTS
 from pdserve.gateway.sampling import MAX_N
@@ -24,7 +25,6 @@ from pdserve.gateway.schemas import (
     TokenizeRequest,
 )
 from pdserve.gateway.structured import MAX_SCHEMA_CHARS
-from pdserve.scheduler.sampling_params import MAX_LOGPROBS
 
 REF = "#/components/schemas/{name}"
 BODIES = {

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from pdserve.scheduler.messages import RequestDelta
+from pdserve.common.messages import RequestDelta
 
 
 @dataclass(frozen=True)

@@ -10,15 +10,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pdserve.gateway.errors import bad_request
-from pdserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from pdserve.gateway.structured import structured_output_of
-from pdserve.scheduler.sampling_params import (
+from pdserve.common.sampling_params import (
     MAX_LOGPROBS,
     SamplingParams,
     generation_config_defaults,
 )
-from pdserve.scheduler.structured_output import StructuredOutput
+from pdserve.common.structured_output import StructuredOutput
+from pdserve.gateway.errors import bad_request
+from pdserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from pdserve.gateway.structured import structured_output_of
 
 MAX_N = 128  # choices per request: beyond this one request would occupy a whole server
 _INT64 = 1 << 63

@@ -16,8 +16,8 @@ from typing import Any
 import jsonschema
 import msgspec
 
+from pdserve.common.structured_output import StructuredOutput
 from pdserve.gateway.errors import bad_request
-from pdserve.scheduler.structured_output import StructuredOutput
 
 # What `structured_outputs`/`guided_decoding_backend` may name: the one engine there is.
 BACKENDS = ("auto", "xgrammar")

@@ -18,10 +18,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.common.structured_output import StructuredOutput
 from pdserve.gateway.errors import bad_request
 from pdserve.gateway.structured import check_json_schema
 from pdserve.gateway.tool_parsers import ToolCall, ToolParser
-from pdserve.scheduler.structured_output import StructuredOutput
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 

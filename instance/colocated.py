@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.engine.core import EngineCore
-from pdserve.scheduler.messages import (
+from pdserve.common.messages import (
     AbortTask,
     GenerateTask,
     InstanceStats,
@@ -18,6 +17,7 @@ from pdserve.scheduler.messages import (
     RequestDelta,
     Task,
 )
+from pdserve.engine.core import EngineCore
 
 GRAMMAR_POLL_S = 0.005
 
@@ -30,15 +30,7 @@ class ColocatedRole:
         self.engine = engine
 
     def admit(self, task: GenerateTask) -> None:
-        self.engine.add_request(
-            self.engine.make_request(
-                task.request_id,
-                task.prompt_token_ids,
-                task.sampling_params,
-                task.cache_salt,
-                output_token_ids=task.output_token_ids,
-            )
-        )
+        self.engine.add_request(self.engine.request_of(task))
 
     def on_task(self, task: Any) -> RequestDelta | None:
         raise TypeError(f"a colocated instance has no {type(task).__name__} tasks")  # never decoded

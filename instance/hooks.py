@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 import time
 
+from pdserve.common.messages import LeakBlocksTask
+from pdserve.common.request import Request
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core import EngineCore
-from pdserve.scheduler.messages import LeakBlocksTask
 from pdserve.scheduler.outputs import RemoteKVAllocation
-from pdserve.scheduler.request import Request
-from pdserve.scheduler.sampling_params import SamplingParams
 
 TEST_DELAY_ENV = "PDSERVE_TEST_KV_DELAY_S"
 

@@ -8,7 +8,7 @@ Sockets (ZMQ; every one is used by this thread only):
 - an inproc PAIR fed by the step loop with encoded outputs and event batches.
 
 Every frame on a TCP socket is sealed with the deployment's MAC
-(`pdserve.scheduler.wire_auth`): tasks without a valid one are dropped before they are
+(`pdserve.common.wire_auth`): tasks without a valid one are dropped before they are
 decoded, and outputs, events and handoffs to peers leave sealed.
 
 Running them on a thread of their own means a long model step never delays a task, an
@@ -28,8 +28,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from pdserve.scheduler.messages import InstanceAddress, InstanceOutput, InstanceStats, Task
-from pdserve.scheduler.wire_auth import MAX_FRAME_BYTES, Sealer
+from pdserve.common.messages import InstanceAddress, InstanceOutput, InstanceStats, Task
+from pdserve.common.wire_auth import MAX_FRAME_BYTES, Sealer
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class InstanceIO:
         secret: bytes | None = None,
     ) -> None:
         """`task_type`: the union the task socket decodes (a kind may accept more than
-        `pdserve.scheduler.messages.Task`, e.g. the decode kind's handoffs); `secret`:
+        `pdserve.common.messages.Task`, e.g. the decode kind's handoffs); `secret`:
         the deployment's (default: from the environment)."""
         self.heartbeat_interval_s = heartbeat_interval_s
         self._sealer = Sealer(secret, name=instance_id)

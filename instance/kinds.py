@@ -12,7 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pdserve.decode.messages import DecodeTask
+import msgspec
+
+from pdserve.common import messages as wire
+from pdserve.decode.kv_puller import DecodeKVPuller
 from pdserve.decode.role import DecodeRole
 from pdserve.engine.executor import ConnectorFactory
 from pdserve.instance.colocated import ColocatedRole
@@ -20,8 +23,8 @@ from pdserve.instance.spec import InstanceSpec
 from pdserve.kvtransfer import KVTransferConfig, layout_of
 from pdserve.kvtransfer.connector import TransferConnectorFactory
 from pdserve.kvtransfer.link import KVLink
+from pdserve.prefill.kv_server import PrefillKVServer
 from pdserve.prefill.role import PrefillRole
-from pdserve.scheduler import messages as wire
 
 if TYPE_CHECKING:
     from pdserve.instance.loop import StepLoop
@@ -64,12 +67,11 @@ class RoleKind:
 
 
 def kv_transfer_config(spec: InstanceSpec) -> KVTransferConfig:
-    return KVTransferConfig(
-        instance_id=spec.instance_id,
-        transport=spec.kv_transport,
-        host=spec.host,
-        **spec.kv_transfer,
-    )
+    """The spec's KV transfer config under the spec's own id and host (a pool's copy of a
+    spec gets a new id; an instance on a cluster node learns its host there)."""
+    if spec.kv_transfer is None:  # the defaults
+        return KVTransferConfig(instance_id=spec.instance_id, host=spec.host)
+    return msgspec.structs.replace(spec.kv_transfer, instance_id=spec.instance_id, host=spec.host)
 
 
 def kv_link(loop: StepLoop) -> KVLink:
@@ -97,8 +99,12 @@ def _decode(loop: StepLoop) -> Role:
     return DecodeRole(loop.spec.instance_id, loop.require_engine(), kv_link(loop), delayed)
 
 
-def _transfer_connector(spec: InstanceSpec) -> ConnectorFactory:
-    return TransferConnectorFactory(kv_transfer_config(spec))
+def _serving_connector(spec: InstanceSpec) -> ConnectorFactory:
+    return TransferConnectorFactory(kv_transfer_config(spec), serve=PrefillKVServer)
+
+
+def _pulling_connector(spec: InstanceSpec) -> ConnectorFactory:
+    return TransferConnectorFactory(kv_transfer_config(spec), pull=DecodeKVPuller)
 
 
 ROLES: dict[str, RoleKind] = {
@@ -107,8 +113,8 @@ ROLES: dict[str, RoleKind] = {
         lambda spec: None,
         lambda loop: ColocatedRole(loop.spec.instance_id, loop.require_engine()),
     ),
-    "prefill": RoleKind(wire.Task, _transfer_connector, _prefill),
-    "decode": RoleKind(DecodeTask, _transfer_connector, _decode),
+    "prefill": RoleKind(wire.Task, _serving_connector, _prefill),
+    "decode": RoleKind(DecodeRole.task_type, _pulling_connector, _decode),
 }
 
 

@@ -27,7 +27,7 @@ import threading
 
 import msgspec
 
-from pdserve.engine.config import EngineConfig
+from pdserve.common import messages as wire
 from pdserve.engine.core import EngineCore, default_executor
 from pdserve.engine.executor import Executor
 from pdserve.engine.ranks import RankLauncher, WorkerGroupFailed
@@ -36,7 +36,6 @@ from pdserve.instance.io import InstanceIO
 from pdserve.instance.kinds import Role, role_kind
 from pdserve.instance.reporting import CounterBaseline, inspect_scheduler, instance_stats
 from pdserve.instance.spec import InstanceSpec
-from pdserve.scheduler import messages as wire
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ class StepLoop:
         `ranks` starts: child processes unless told otherwise)."""
         self.spec = spec
         self.kind = role_kind(spec.role)
-        self.engine_config = EngineConfig.from_kwargs(**spec.engine)
+        self.engine_config = spec.engine
         self.executor = executor or default_executor(
             self.engine_config, self.kind.connector(spec), self._on_group_failure, ranks
         )

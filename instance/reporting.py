@@ -3,14 +3,14 @@ its books for the idle invariant."""
 
 from __future__ import annotations
 
-from pdserve.engine.core import EngineCore
-from pdserve.scheduler.messages import (
+from pdserve.common.messages import (
     InstanceInspection,
     InstanceStats,
     MetricsDelta,
     RequestDelta,
 )
-from pdserve.scheduler.request import PhaseTimes
+from pdserve.common.request import PhaseTimes
+from pdserve.engine.core import EngineCore
 from pdserve.scheduler.step_scheduler import Scheduler
 
 # PhaseTimes field -> the histogram it is observed in (vLLM's names).

@@ -1,11 +1,13 @@
-"""What one instance needs to start: a torch-free message, so launchers and the gateway
-process can build it without loading the engine."""
+"""What one instance needs to start: a torch-free message (its engine and KV transfer
+configs are torch-free Structs too), so launchers and the gateway process can build it
+without loading the engine."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
+
+from pdserve.engine.config import EngineConfig
+from pdserve.kvtransfer.config import KVTransferConfig
 
 # A spec's host for an instance on a cluster node: the launcher replaces it, on the
 # node, with that node's reachable address (cluster/addresses.py).
@@ -20,14 +22,13 @@ class InstanceSpec(msgspec.Struct, kw_only=True):
     role: str = "colocated"
     gateway_address: str  # the gateway's PULL endpoint for outputs
     host: str = "127.0.0.1"  # binds and advertises every socket here (or NODE_HOST)
-    engine: dict[str, Any] = {}  # EngineConfig fields
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     heartbeat_interval_s: float = 0.5
     idle_wait_s: float = 0.5  # longest wait for a task while there is nothing to step
     test_hooks: bool = False  # honour LeakBlocksTask (tests only)
-    kv_transport: str = "ucx"  # for the prefill/decode kinds
-    # More KVTransferConfig fields for the prefill/decode kinds (failure_policy, lease_s,
-    # transfer_timeout_s, heartbeat_interval_s, handshake_timeout_s, ucx_tls).
-    kv_transfer: dict[str, Any] = {}
+    # The prefill and decode kinds' KV transfer (None: its defaults; colocated moves no
+    # KV). Its instance id and host are this spec's (`instance/kinds.py:kv_transfer_config`).
+    kv_transfer: KVTransferConfig | None = None
     cpus: list[int] = []  # cores to pin to (empty: no pinning)
     gpu: str | None = None  # CUDA_VISIBLE_DEVICES for a local process (None: leave as is)
     # The epoch its outputs start in: a restarted instance goes on from the one the

@@ -1,9 +1,10 @@
 """Moving KV-cache blocks from a prefill instance to a decode instance.
 
-Scheduler half (one per instance): `PrefillKVScheduler`, `DecodeKVScheduler`,
-`ReportAggregator`. Worker half (one per TP rank): `KVTransferWorker`. Messages:
-`KVHandoff` (P → D), `KVConnectorMetadata` (leader → ranks), `TransferReport`
-(ranks → leader). See README.md in this folder for the protocol.
+The roles' halves of the connector live with them (`prefill/kv_scheduler.py`,
+`decode/kv_scheduler.py`); here: what moves the bytes. Worker half (one per TP rank):
+`KVTransferWorker`; on the driver, `ReportAggregator` and `KVLink`. Messages:
+`KVHandoff` (P → D), `KVConnectorMetadata` (driver → ranks), `TransferReport`
+(ranks → driver). See README.md in this folder for the protocol.
 """
 
 from pdserve.kvtransfer.config import FAILURE_POLICIES, KVTransferConfig
@@ -16,21 +17,12 @@ from pdserve.kvtransfer.messages import (
     TransferReport,
 )
 from pdserve.kvtransfer.metrics import SECONDS_BUCKETS, KVTransferStats
-from pdserve.kvtransfer.scheduler_side import (
-    DecodeKVScheduler,
-    DecodeUpdate,
-    PrefillKVScheduler,
-    PrefillUpdate,
-    RemoteKVFailure,
-    ReportAggregator,
-)
+from pdserve.kvtransfer.reports import ReportAggregator
 from pdserve.kvtransfer.worker import KVTransferWorker
 
 __all__ = [
     "FAILURE_POLICIES",
     "SECONDS_BUCKETS",
-    "DecodeKVScheduler",
-    "DecodeUpdate",
     "KVConnectorMetadata",
     "KVHandoff",
     "KVLayout",
@@ -39,9 +31,6 @@ __all__ = [
     "KVTransferConfig",
     "KVTransferStats",
     "KVTransferWorker",
-    "PrefillKVScheduler",
-    "PrefillUpdate",
-    "RemoteKVFailure",
     "ReportAggregator",
     "TransferReport",
     "layout_of",

@@ -1,16 +1,19 @@
-"""Settings of one instance's KV transfer; every limit is a number of seconds."""
+"""Settings of one instance's KV transfer; every limit is a number of seconds.
+
+A msgspec Struct: it crosses the process seam inside an `InstanceSpec`, checked where it
+is made and again where it is decoded.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from pdserve.kvtransfer.transport import TRANSPORTS
 
 FAILURE_POLICIES = ("recompute", "fail")
 
 
-@dataclass(frozen=True)
-class KVTransferConfig:
+class KVTransferConfig(msgspec.Struct, frozen=True):
     instance_id: str
     # "ucx": worker-address endpoints, error handling off (shared memory on one node);
     # "ucx-listener": listener endpoints, error handling on (TCP/RDMA across nodes);

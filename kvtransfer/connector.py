@@ -12,6 +12,7 @@ from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.layout import layout_of
 from pdserve.kvtransfer.messages import KVConnectorMetadata, TransferReport
 from pdserve.kvtransfer.metrics import KVTransferStats
+from pdserve.kvtransfer.rank_io import PullingFactory, ServingFactory
 from pdserve.kvtransfer.worker import KVTransferWorker
 
 
@@ -28,19 +29,29 @@ class TransferConnectorFactory:
     rank processes build their own); names the message types that cross the seam."""
 
     config: KVTransferConfig
+    serve: ServingFactory | None = None  # the prefill role's side (`KVTransferWorker`)
+    pull: PullingFactory | None = None  # the decode role's side
     metadata_type: ClassVar[type] = KVConnectorMetadata
     report_type: ClassVar[type] = RankReport
 
     def __call__(self, tp_rank: int = 0, tp_size: int = 1) -> TransferConnector:
-        return TransferConnector(self.config, tp_rank, tp_size)
+        return TransferConnector(self.config, tp_rank, tp_size, self.serve, self.pull)
 
 
 class TransferConnector:
     """Starts a `KVTransferWorker` over the rank's KV storage once the cache exists."""
 
-    def __init__(self, config: KVTransferConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        serve: ServingFactory | None = None,
+        pull: PullingFactory | None = None,
+    ) -> None:
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.serve, self.pull = serve, pull
         self.worker: KVTransferWorker | None = None
 
     def start(self, storage: Any, geometry: Any) -> str:
@@ -55,6 +66,8 @@ class TransferConnector:
             self.tp_size,
             pp_stage=getattr(geometry, "pipeline_stage", 0),
             stage_layers=geometry.num_layers,
+            serve=self.serve,
+            pull=self.pull,
         )
         self.worker.start()
         return self.worker.control_address

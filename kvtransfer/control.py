@@ -2,7 +2,7 @@
 
 The prefill side binds a ROUTER and only ever answers the decode side's DEALER, so a
 prefill instance needs no address of its decode peers. Messages are single frames of
-msgpack (messages.py) sealed with the deployment's MAC (`pdserve.scheduler.wire_auth`):
+msgpack (messages.py) sealed with the deployment's MAC (`pdserve.common.wire_auth`):
 a frame without a valid one is dropped before it is decoded, so a process without the
 secret can neither pull KV nor renew or abort a lease. A malformed frame is logged and
 dropped, never fatal.
@@ -16,8 +16,8 @@ import uuid
 import msgspec
 import zmq
 
+from pdserve.common.wire_auth import MAX_FRAME_BYTES, Sealer
 from pdserve.kvtransfer.messages import ControlMessage, decode_control, encode_control
-from pdserve.scheduler.wire_auth import MAX_FRAME_BYTES, Sealer
 
 logger = logging.getLogger(__name__)
 

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.common.model_split import TensorParallelError, check_tp_size
 from pdserve.kvtransfer.messages import DTYPE_SIZES, KVLayout
-from pdserve.scheduler.model_split import TensorParallelError, check_tp_size
 
 
 class KVLayoutMismatch(ValueError):
     """The two sides cannot exchange KV blocks (different model geometry or TP split)."""
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` tokens."""
+    return -(-num_tokens // block_size)
 
 
 def layout_of(shape: object, tp_size: int = 1) -> KVLayout:
@@ -37,7 +42,7 @@ def layout_of(shape: object, tp_size: int = 1) -> KVLayout:
 
 
 def check_tp_split(layout: KVLayout, tp_size: int, side: str) -> None:
-    """The engine's split rule (scheduler/model_split.py) on what a layout knows."""
+    """The engine's split rule (common/model_split.py) on what a layout knows."""
     try:
         check_tp_size(tp_size, None, layout.num_kv_heads)
     except TensorParallelError as exc:

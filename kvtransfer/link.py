@@ -22,12 +22,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.common.messages import MetricsDelta, RequestDelta, error_delta
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connector import RankReport
 from pdserve.kvtransfer.messages import KVConnectorMetadata, KVLayout, TransferReport
 from pdserve.kvtransfer.metrics import SECONDS_BUCKETS, KVTransferStats
-from pdserve.kvtransfer.scheduler_side import ReportAggregator
-from pdserve.scheduler.messages import MetricsDelta, RequestDelta, error_delta
+from pdserve.kvtransfer.reports import ReportAggregator
 from pdserve.scheduler.step_scheduler import Scheduler
 
 # How long a loop turn waits for tasks while transfers are open: reports (a pull

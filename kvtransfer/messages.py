@@ -6,7 +6,7 @@ Three families:
 - the **control plane** between the I/O threads of two instances (ZMQ ROUTER/DEALER):
   `Hello`/`HelloReply` (handshake), `Pull`, `PullRejected`, `Done`, `Heartbeat`,
   `Abort`, one tagged union decoded by `decode_control`;
-- what an instance's leader hands its TP workers each step (`KVConnectorMetadata`)
+- what an instance's driver hands its TP workers each step (`KVConnectorMetadata`)
   and what each worker reports back (`TransferReport`); Structs too, because TP
   workers are separate processes.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 
 # Bytes of one element per dtype name (the name is torch's without the "torch." prefix).
 DTYPE_SIZES = {
@@ -30,7 +30,7 @@ DTYPE_SIZES = {
 
 class KVLayout(msgspec.Struct, frozen=True):
     """The whole model's KV geometry; a rank holds num_kv_heads / tp_size heads, and with
-    pipeline stages only its stage's layers (scheduler/model_split.py:stage_layers).
+    pipeline stages only its stage's layers (common/model_split.py:stage_layers).
 
     Storage per rank (engine/kv_cache.py):
     [num_blocks, stage_layers, 2, num_kv_heads / tp_size, block_size, head_dim].
@@ -183,7 +183,7 @@ def decode_control(data: bytes) -> ControlMessage:
     return _control_decoder.decode(data)
 
 
-# ---- leader ↔ TP workers, each step ----------------------------------------------
+# ---- driver ↔ TP workers, each step ----------------------------------------------
 
 
 class HoldSpec(msgspec.Struct):

@@ -6,7 +6,7 @@ sending side addresses a peer; receives match on the tag alone.
 
 An op is `done` once the transport can no longer touch its buffer, whether it
 succeeded, failed or was cancelled; only then may its blocks be reused. Receives can
-be cancelled; sends cannot (see prefill_side.py for how a stuck send is handled).
+be cancelled; sends cannot (see prefill/kv_server.py for how a stuck send is handled).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ must never starve a lease or a transfer): the UCX worker in blocking-progress mo
 the ZMQ control sockets, heartbeats and timers, waited on together in one poller.
 The instance talks to it through two calls per step:
 
-    worker.apply(metadata)          # holds / keepalives / pulls / aborts from the leader
+    worker.apply(metadata)          # holds / keepalives / pulls / aborts from the driver
     report = worker.get_finished()  # what finished since the last call
 
 Both are cheap and never block on the network.
@@ -23,13 +23,19 @@ import zmq
 
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.control import ControlServer
-from pdserve.kvtransfer.decode_side import DecodeSide
 from pdserve.kvtransfer.kv_memory import KVMemory
 from pdserve.kvtransfer.layout import check_tp_split
 from pdserve.kvtransfer.messages import KVConnectorMetadata, KVLayout, TransferReport
 from pdserve.kvtransfer.metrics import KVTransferStats
-from pdserve.kvtransfer.prefill_side import PrefillSide
-from pdserve.kvtransfer.rank_io import RankIO
+from pdserve.kvtransfer.rank_io import (
+    NoPulling,
+    NoServing,
+    Pulling,
+    PullingFactory,
+    RankIO,
+    Serving,
+    ServingFactory,
+)
 from pdserve.kvtransfer.transport import Transport, make_transport
 
 logger = logging.getLogger(__name__)
@@ -48,16 +54,21 @@ class KVTransferWorker:
         tp_size: int = 1,
         pp_stage: int = 0,
         stage_layers: int | None = None,
+        serve: ServingFactory | None = None,
+        pull: PullingFactory | None = None,
     ):
         """`kv_storage`: this rank's KV tensor (torch, CPU or CUDA) or numpy array in
         the engine layout [num_blocks, layers, 2, kv_heads/tp_size, block_size, head_dim];
-        with pipeline stages, stage `pp_stage`'s `stage_layers` layers."""
+        with pipeline stages, stage `pp_stage`'s `stage_layers` layers. `serve` builds
+        the side that serves pulls (a prefill instance's), `pull` the side that pulls (a
+        decode instance's), both on the I/O thread; a side not given does nothing."""
         check_tp_split(layout, tp_size, f"instance {config.instance_id}")
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} outside TP size {tp_size}")
         self.config = config
         self.layout = layout
         self.tp_rank, self.tp_size, self.pp_stage = tp_rank, tp_size, pp_stage
+        self._serve, self._pull = serve, pull
         self._memory = KVMemory(kv_storage, layout, tp_size, stage_layers)
         self._lock = threading.Lock()
         self._commands: list[KVConnectorMetadata] = []
@@ -164,7 +175,7 @@ class KVTransferWorker:
     def _run(self) -> None:
         transport: Transport | None = None
         server: ControlServer | None = None
-        decode: DecodeSide | None = None
+        decode: Pulling | None = None
         wake = self._context.socket(zmq.PAIR)
         try:
             wake.bind(self._wake_address)
@@ -183,8 +194,8 @@ class KVTransferWorker:
                 self._stats,
                 self.pp_stage,
             )
-            prefill = PrefillSide(rank, server, self._record)
-            decode = DecodeSide(rank, self._context, self._record)
+            prefill = self._serve(rank, server, self._record) if self._serve else NoServing()
+            decode = self._pull(rank, self._context, self._record) if self._pull else NoPulling()
             self._ready.set()
             self._loop(wake, transport, server, prefill, decode)
         except Exception as exc:
@@ -207,8 +218,8 @@ class KVTransferWorker:
         wake: zmq.Socket,
         transport: Transport,
         server: ControlServer,
-        prefill: PrefillSide,
-        decode: DecodeSide,
+        prefill: Serving,
+        decode: Pulling,
     ) -> None:
         poller = zmq.Poller()
         for handle in [wake, server.socket, *transport.poll_handles()]:

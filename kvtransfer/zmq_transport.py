@@ -6,7 +6,7 @@ once ZMQ has let go of every chunk), and each chunk lands in place as it arrives
 a large message streams instead of being buffered whole. Receives are posted before
 the pull request goes out, so a chunk without a posted receive belongs to a
 cancelled transfer and is dropped. Each chunk carries the deployment's MAC over its
-header and bytes (`pdserve.scheduler.wire_auth`), checked before a byte lands: a
+header and bytes (`pdserve.common.wire_auth`), checked before a byte lands: a
 process without the secret cannot write into KV memory.
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import zmq
 
+from pdserve.common.wire_auth import Sealer
 from pdserve.kvtransfer.transport import TransferOp, Transport
-from pdserve.scheduler.wire_auth import Sealer
 
 _CHUNK = 4 << 20
 _HEADER = struct.Struct("<QQ")  # tag, byte offset

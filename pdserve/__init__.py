@@ -25,12 +25,12 @@ _PUBLIC = {
     "LLM": "pdserve.engine.llm",
     "CompletionOutput": "pdserve.engine.llm",
     "RequestOutput": "pdserve.engine.llm",
-    "SamplingParams": "pdserve.scheduler.sampling_params",
+    "SamplingParams": "pdserve.common.sampling_params",
 }
 
 if TYPE_CHECKING:
+    from pdserve.common.sampling_params import SamplingParams
     from pdserve.engine.llm import LLM, CompletionOutput, RequestOutput
-    from pdserve.scheduler.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
 

@@ -82,7 +82,7 @@ def kv_bytes_per_token(shape: ModelShape, kv_dtype: str, tp: int = 1) -> float:
 
 
 def kv_heads_per_gpu(shape: ModelShape, tp: int) -> int:
-    """KV heads split across TP ranks (serve's rule: `engine.config.check_tp_size`)."""
+    """KV heads split across TP ranks (serve's rule: `common.model_split.check_tp_size`)."""
     if shape.num_kv_heads % tp == 0:
         return shape.num_kv_heads // tp
     raise ValueError(f"TP {tp} does not divide the {shape.num_kv_heads} KV heads")

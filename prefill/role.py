@@ -29,10 +29,7 @@ from typing import Any
 
 import msgspec
 
-from pdserve.engine.core import EngineCore
-from pdserve.kvtransfer import PrefillKVScheduler, TransferReport
-from pdserve.kvtransfer.link import KVLink
-from pdserve.scheduler.messages import (
+from pdserve.common.messages import (
     AbortTask,
     GenerateTask,
     InstanceAddress,
@@ -42,6 +39,10 @@ from pdserve.scheduler.messages import (
     Task,
     error_delta,
 )
+from pdserve.engine.core import EngineCore
+from pdserve.kvtransfer import TransferReport
+from pdserve.kvtransfer.link import KVLink
+from pdserve.prefill.kv_scheduler import PrefillKVScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -80,18 +81,11 @@ class PrefillRole:
         if task.output_token_ids and task.decode_target is not None:
             # A handoff carries one first token; a migrated request runs where it lands.
             raise ValueError("a request with output so far is never handed off")
-        engine = self.engine
-        request = engine.make_request(
-            task.request_id,
-            task.prompt_token_ids,
-            task.sampling_params,
-            task.cache_salt,
-            output_token_ids=task.output_token_ids,
-        )
+        request = self.engine.request_of(task)
         if task.decode_target is None:
-            engine.add_request(request)  # no decode instance: it runs here to the end
+            self.engine.add_request(request)  # no decode instance: it runs here to the end
             return
-        engine.add_request(request, hand_off=True)
+        self.engine.add_request(request, hand_off=True)
         self._targets[task.request_id] = task.decode_target
 
     def on_task(self, task: Any) -> RequestDelta | None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pdserve.common.request import Request
 from pdserve.scheduler.config import SchedulerConfig
-from pdserve.scheduler.request import Request
 
 if TYPE_CHECKING:
     from pdserve.scheduler.step_scheduler import Scheduler

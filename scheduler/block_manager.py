@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from pdserve.scheduler.block_events import BlockCacheSnapshot, BlockEventBatch
+from pdserve.common.block_events import BlockCacheSnapshot, BlockEventBatch
+from pdserve.common.request import Request
 from pdserve.scheduler.block_hash import BlockHash, extra_keys_for, hash_block
 from pdserve.scheduler.block_pool import BlockPool
-from pdserve.scheduler.request import Request
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from pdserve.scheduler.block_events import (
+from pdserve.common.block_events import (
     BlockCacheSnapshot,
     BlockEvent,
     BlockEventBatch,

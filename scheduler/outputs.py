@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.scheduler.request import Request
+from pdserve.common.request import Request
 
 
 @dataclass

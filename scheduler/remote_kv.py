@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdserve.scheduler.request import Request, RequestStatus
+from pdserve.common.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from pdserve.scheduler.step_scheduler import Scheduler

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdserve.scheduler.request import RequestStatus
+from pdserve.common.request import RequestStatus
 
 if TYPE_CHECKING:
     from pdserve.scheduler.step_scheduler import Scheduler

@@ -20,8 +20,9 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from pdserve.common.block_events import BlockCacheSnapshot, BlockEventBatch
+from pdserve.common.request import PhaseTimes, Request, RequestStatus
 from pdserve.scheduler.admission import check_admissible, max_kv_tokens_of
-from pdserve.scheduler.block_events import BlockCacheSnapshot, BlockEventBatch
 from pdserve.scheduler.block_manager import BlockManager
 from pdserve.scheduler.config import SchedulerConfig
 from pdserve.scheduler.outputs import (
@@ -31,7 +32,6 @@ from pdserve.scheduler.outputs import (
     SchedulerStats,
 )
 from pdserve.scheduler.remote_kv import RemoteKV, finish_remote_kvs
-from pdserve.scheduler.request import PhaseTimes, Request, RequestStatus
 from pdserve.scheduler.scheduler_checks import check_scheduler_invariants
 from pdserve.scheduler.stop_checker import check_stop
 

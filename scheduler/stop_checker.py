@@ -6,7 +6,7 @@ request through `Scheduler.finish_request`.
 
 from __future__ import annotations
 
-from pdserve.scheduler.request import Request, RequestStatus
+from pdserve.common.request import Request, RequestStatus
 
 
 def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:

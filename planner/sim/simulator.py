@@ -128,7 +128,7 @@ class EventLoop:
             action()
 
 
-class Instance:
+class SimulatedInstance:
     """Shared step machinery: one step at a time, the next starts when it ends."""
 
     def __init__(self, loop: EventLoop, config: ClusterConfig) -> None:
@@ -165,7 +165,7 @@ class Instance:
         raise NotImplementedError
 
 
-class PrefillInstance(Instance):
+class SimulatedPrefill(SimulatedInstance):
     def __init__(self, loop: EventLoop, config: ClusterConfig, on_prefilled) -> None:
         super().__init__(loop, config)
         self.on_prefilled = on_prefilled
@@ -195,7 +195,7 @@ class PrefillInstance(Instance):
         self.start_step()
 
 
-class DecodeInstance(Instance):
+class SimulatedDecode(SimulatedInstance):
     """Continuous batching of handed-off requests, their KV pulled between steps."""
 
     def __init__(self, loop: EventLoop, config: ClusterConfig) -> None:
@@ -266,7 +266,7 @@ class DecodeInstance(Instance):
         self.start_step()
 
 
-class ColocatedInstance(Instance):
+class SimulatedColocated(SimulatedInstance):
     """Prefill chunks and decode tokens share each step (chunked prefill, decode first)."""
 
     def submit(self, request: SimRequest) -> None:
@@ -320,15 +320,16 @@ class Simulation:
         self.config = config
         self.loop = EventLoop()
         if config.colocated:
-            self.front: list[Instance] = [
-                ColocatedInstance(self.loop, config) for _ in range(config.num_prefill)
+            self.front: list[SimulatedInstance] = [
+                SimulatedColocated(self.loop, config) for _ in range(config.num_prefill)
             ]
-            self.decoders: list[DecodeInstance] = []
+            self.decoders: list[SimulatedDecode] = []
         else:
             self.front = [
-                PrefillInstance(self.loop, config, self.hand_off) for _ in range(config.num_prefill)
+                SimulatedPrefill(self.loop, config, self.hand_off)
+                for _ in range(config.num_prefill)
             ]
-            self.decoders = [DecodeInstance(self.loop, config) for _ in range(config.num_decode)]
+            self.decoders = [SimulatedDecode(self.loop, config) for _ in range(config.num_decode)]
 
     def hand_off(self, request: SimRequest) -> None:
         if request.output_len == 1:

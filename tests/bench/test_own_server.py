@@ -19,9 +19,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from experiments.serving import LOCAL, ServeProcess, served
 from pdserve.cli import main
-from tests.cluster.serving import LOCAL, served
-from tests.gateway.server import ServeProcess
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from pdserve.cluster.addresses import (
     instance_host,
     resolve_host,
 )
-from pdserve.cluster.plan import ServeError, ServePlan
+from pdserve.cluster.deployment import Deployment, ServeError
 from pdserve.cluster.serve import instance_specs
 from pdserve.instance.spec import NODE_HOST
 
@@ -24,7 +24,7 @@ def parse(*argv: str):
 
 
 def test_pools_ask_for_their_custom_resources() -> None:
-    plan = ServePlan.from_args(
+    plan = Deployment.from_args(
         parse("--prefill-resources", '{"node_a": 1}', "--decode-resources", '{"node_b": 0.5}'),
         cores=[0, 1],
         gpus=[],
@@ -44,12 +44,12 @@ def test_pools_ask_for_their_custom_resources() -> None:
 )
 def test_bad_resources_are_one_line(flags: list[str], message: str) -> None:
     with pytest.raises(ServeError, match=message):
-        ServePlan.from_args(parse(*flags), cores=[0, 1], gpus=[])
+        Deployment.from_args(parse(*flags), cores=[0, 1], gpus=[])
 
 
 def test_the_cluster_inventory_places_gpus_the_driver_lacks() -> None:
     """Two GPUs somewhere in the cluster, none here: one per instance, as Ray resources."""
-    plan = ServePlan.from_args(parse("--ray-address", "10.0.0.1:6379"), list(range(8)), ["0", "1"])
+    plan = Deployment.from_args(parse("--ray-address", "10.0.0.1:6379"), list(range(8)), ["0", "1"])
     assert [(i.device, i.num_gpus) for i in plan.instances] == [("cuda", 1.0), ("cuda", 1.0)]
     assert [i.num_threads for i in plan.instances] == [4, 4]
 
@@ -57,11 +57,11 @@ def test_the_cluster_inventory_places_gpus_the_driver_lacks() -> None:
 def test_instances_bind_their_node_address_only_across_nodes() -> None:
     assert not across_nodes("ray", None) and not across_nodes("local", "10.0.0.1:6379")
     assert across_nodes("ray", "10.0.0.1:6379")
-    joined = ServePlan.from_args(parse("--ray-address", "10.0.0.1:6379"), [0, 1, 2, 3, 4], [])
+    joined = Deployment.from_args(parse("--ray-address", "10.0.0.1:6379"), [0, 1, 2, 3, 4], [])
     specs = [s for wave in instance_specs(joined, "/m", "tcp://10.0.0.1:5", True) for s in wave]
     assert {s.host for s in specs} == {NODE_HOST}
     assert all(s.cpus == [] for s in specs)  # the driver's cores mean nothing on node B
-    local = ServePlan.from_args(parse("--launcher", "local"), [0, 1, 2, 3], [])
+    local = Deployment.from_args(parse("--launcher", "local"), [0, 1, 2, 3], [])
     specs = [s for wave in instance_specs(local, "/m", "tcp://127.0.0.1:5") for s in wave]
     assert {s.host for s in specs} == {LOOPBACK} and specs[0].cpus == [0, 1]
     assert instance_host(False) == LOOPBACK

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from pdserve.cli import build_parser
-from pdserve.cluster.plan import ray_resources
+from pdserve.cluster.deployment import ray_resources
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
 # What the pods' environment supplies to the command line.

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from experiments.serving import ServeProcess
 from pdserve.engine.embedded import embedded_model_path
-from tests.gateway.server import ServeProcess
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from experiments.serving import ServeProcess
 from pdserve.instance.hooks import TEST_DELAY_ENV
-from tests.gateway.server import ServeProcess
 
 pytestmark = pytest.mark.slow
 

@@ -16,10 +16,9 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
+from experiments.serving import LOCAL, MODEL, ServeProcess, served
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.embedded import embedded_model_path
-from pdserve.scheduler.sampling_params import SamplingParams
-from tests.cluster.serving import LOCAL, MODEL, served
-from tests.gateway.server import ServeProcess
 
 pytestmark = pytest.mark.slow
 

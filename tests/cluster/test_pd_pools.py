@@ -19,8 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.cluster.serving import LOCAL, MODEL, served
-from tests.gateway.server import ServeProcess
+from experiments.serving import LOCAL, MODEL, ServeProcess, served
 
 pytestmark = pytest.mark.slow
 

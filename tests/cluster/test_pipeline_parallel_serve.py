@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from pdserve.scheduler.sampling_params import SamplingParams
-from tests.cluster.serving import LOCAL, served
+from experiments.serving import LOCAL, served
+from pdserve.common.sampling_params import SamplingParams
 from tests.engine.test_tensor_parallel import qwen3
 
 pytestmark = pytest.mark.slow

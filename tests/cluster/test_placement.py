@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import build_parser
+from pdserve.cluster.deployment import Deployment, ServeError
 from pdserve.cluster.local_launcher import LocalLauncher
 from pdserve.cluster.placement import (
     PlacementError,
@@ -18,8 +19,8 @@ from pdserve.cluster.placement import (
     place_on_gpus,
     resolve_device,
 )
-from pdserve.cluster.plan import ServeError, ServePlan
 from pdserve.cluster.serve import describe, instance_specs
+from pdserve.engine.config import EngineConfig
 
 TWO_GPUS = "GPU 0: NVIDIA H200 (UUID: GPU-a)\nGPU 1: NVIDIA H200 (UUID: GPU-b)\n"
 
@@ -91,32 +92,33 @@ def test_cpu_instances_load_together() -> None:
 
 
 def test_the_plan_puts_instances_on_the_gpus_it_is_given() -> None:
-    plan = ServePlan.from_args(parse("--gpu-memory-utilization", "0.8"), [0, 1], gpus=["0"])
-    assert plan.engine_args["device"] == "cuda"
+    plan = Deployment.from_args(parse("--gpu-memory-utilization", "0.8"), [0, 1], gpus=["0"])
+    assert plan.engine.device == "cuda"
     assert [p.gpu_memory_utilization for p in plan.instances] == pytest.approx([0.4, 0.4])
     assert "prefill-0 (GPU 0, 0.40 of its memory)" in describe(plan)
-    on_cpu = ServePlan.from_args(parse("--device", "cpu"), [0, 1], gpus=["0"])
-    assert on_cpu.engine_args["device"] == "cpu"
+    on_cpu = Deployment.from_args(parse("--device", "cpu"), [0, 1], gpus=["0"])
+    assert on_cpu.engine.device == "cpu"
     assert all(p.gpu is None for p in on_cpu.instances)
-    assert ServePlan.from_args(parse(), [0, 1], gpus=[]).engine_args["device"] == "cpu"
+    assert Deployment.from_args(parse(), [0, 1], gpus=[]).engine.device == "cpu"
     with pytest.raises(ServeError, match="no GPU visible"):
-        ServePlan.from_args(parse("--device", "cuda"), [0, 1], gpus=[])
+        Deployment.from_args(parse("--device", "cuda"), [0, 1], gpus=[])
 
 
 def test_specs_carry_the_device_budget_and_visible_gpu() -> None:
-    plan = ServePlan.from_args(parse(), [0, 1], gpus=["2"])
+    plan = Deployment.from_args(parse(), [0, 1], gpus=["2"])
     waves = instance_specs(plan, "/model", "tcp://127.0.0.1:1")
     assert [[s.instance_id for s in wave] for wave in waves] == [["prefill-0"], ["decode-0"]]
     first = waves[0][0]
     assert first.gpu == "2"
-    assert first.engine["device"] == "cuda"
-    assert first.engine["gpu_memory_utilization"] == pytest.approx(0.45)
+    assert first.engine.device == "cuda"
+    assert first.engine.gpu_memory_utilization == pytest.approx(0.45)
     env = LocalLauncher(env={"PATH": os.defpath, "CUDA_VISIBLE_DEVICES": "0,1,2"}).child_env(first)
     assert env["CUDA_VISIBLE_DEVICES"] == "2"
     # Ray sets an actor's CUDA_VISIBLE_DEVICES from its num_gpus; the spec leaves it alone.
     ray_waves = instance_specs(plan, "/model", "tcp://127.0.0.1:1", ray=True)
     assert all(spec.gpu is None for wave in ray_waves for spec in wave)
-    cpu_plan = ServePlan.from_args(parse(), [0, 1], gpus=[])
+    cpu_plan = Deployment.from_args(parse(), [0, 1], gpus=[])
     (cpu_wave,) = instance_specs(cpu_plan, "/model", "tcp://127.0.0.1:1")
-    assert all("gpu_memory_utilization" not in s.engine for s in cpu_wave)
+    default = EngineConfig().gpu_memory_utilization  # not set on CPU
+    assert all(s.engine.gpu_memory_utilization == default for s in cpu_wave)
     assert "CUDA_VISIBLE_DEVICES" not in LocalLauncher(env={}).child_env(cpu_wave[0])

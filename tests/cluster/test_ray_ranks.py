@@ -9,6 +9,7 @@ pytest.importorskip("ray")
 
 from pdserve.cluster import ray_launcher  # noqa: E402
 from pdserve.cluster.ray_ranks import RayRanks, rank_options  # noqa: E402
+from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.instance.spec import InstanceSpec  # noqa: E402
 
 
@@ -27,7 +28,7 @@ def placement_of(monkeypatch, gpus: float, tp: int) -> tuple[dict, dict]:
     monkeypatch.setattr(ray_launcher, "reserve_rank_groups", reserve)
     spec = InstanceSpec(
         instance_id="decode-0", role="decode", gateway_address="tcp://g:1",
-        engine={"tensor_parallel_size": tp},
+        engine=EngineConfig(tensor_parallel_size=tp),
     )  # fmt: skip
     options = launcher._placement(spec)
     assert (asked["instance_id"], asked["ranks"], asked["stages"]) == ("decode-0", tp, 1)

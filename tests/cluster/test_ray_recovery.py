@@ -17,9 +17,17 @@ from collections.abc import Iterator
 
 import pytest
 
+from experiments.serving import (
+    ADMIN_KEY,
+    MODEL,
+    BackgroundStream,
+    ServeProcess,
+    counter,
+    pool,
+    served,
+    wait_for,
+)
 from tests.cluster.conftest import RAY_ENV, ray_list
-from tests.cluster.serving import MODEL, BackgroundStream, counter, pool, served, wait_for
-from tests.gateway.server import ADMIN_KEY, ServeProcess
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from experiments.serving import MODEL, ServeProcess, served
 from tests.cluster.conftest import RAY_ENV, ray_list
-from tests.cluster.serving import MODEL, served
-from tests.gateway.server import ServeProcess
 
 pytestmark = pytest.mark.slow
 

@@ -13,10 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.scheduler.sampling_params import SamplingParams
+from experiments.serving import MODEL, BackgroundStream, ServeProcess, served
+from pdserve.common.sampling_params import SamplingParams
 from tests.cluster.conftest import RAY_ENV, ray_list
-from tests.cluster.serving import MODEL, BackgroundStream, served
-from tests.gateway.server import ServeProcess
 
 pytestmark = pytest.mark.slow
 

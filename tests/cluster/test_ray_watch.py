@@ -12,8 +12,8 @@ import time
 import pytest
 
 from pdserve.cluster import ray_watch
+from pdserve.common.wire_auth import SECRET_ENV
 from pdserve.instance.spec import InstanceSpec
-from pdserve.scheduler.wire_auth import SECRET_ENV
 
 pytestmark = pytest.mark.slow
 

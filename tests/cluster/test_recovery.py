@@ -21,16 +21,17 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.cluster.serving import (
+from experiments.serving import (
+    ADMIN_KEY,
     LOCAL,
     MODEL,
     BackgroundStream,
+    ServeProcess,
     counter,
     pool,
     served,
     wait_for,
 )
-from tests.gateway.server import ADMIN_KEY, ServeProcess
 
 pytestmark = pytest.mark.slow
 

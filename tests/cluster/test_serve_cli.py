@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.cluster.plan import ServeError, ServePlan, parse_size, place
+from pdserve.cluster.deployment import Deployment, ServeError, parse_size, place
+from pdserve.kvtransfer.config import KVTransferConfig
 
 
 def parse(*argv: str):
@@ -48,16 +49,16 @@ def test_defaults_are_the_issue_defaults() -> None:
     assert args.model is None and args.launcher == "ray"
 
 
-def test_colocated_plan_threads_and_engine_args() -> None:
+def test_colocated_plan_threads_and_engine_config() -> None:
     args = parse("--mode", "colocated", "--kv-cache-memory", "256MiB", "--max-num-seqs", "8")
-    plan = ServePlan.from_args(args, cores=[0, 1])
+    plan = Deployment.from_args(args, cores=[0, 1])
     assert [i.instance_id for i in plan.instances] == ["colocated-0", "colocated-1"]
     assert [i.num_threads for i in plan.instances] == [1, 1]  # max(1, 2 // 2)
     assert all(i.cpus == [] for i in plan.instances)  # one core each: not pinned
-    assert plan.engine_args["kv_cache_memory"] == 256 << 20
-    assert plan.engine_args["max_num_seqs"] == 8
+    assert plan.engine.kv_cache_memory == 256 << 20
+    assert plan.engine.max_num_seqs == 8
     assert plan.served_model_names == ["SmolLM2-135M-Instruct"]
-    single = ServePlan.from_args(parse("--mode", "colocated", "--num-colocated", "1"), [0, 1])
+    single = Deployment.from_args(parse("--mode", "colocated", "--num-colocated", "1"), [0, 1])
     assert [i.num_threads for i in single.instances] == [2]
 
 
@@ -73,28 +74,37 @@ def test_place_pins_when_each_instance_has_two_cores_or_more() -> None:
 
 
 def test_the_default_plan_is_one_prefill_and_one_decode_instance() -> None:
-    plan = ServePlan.from_args(parse(), cores=[0, 1])
+    plan = Deployment.from_args(parse(), cores=[0, 1])
     assert [(i.instance_id, i.role) for i in plan.instances] == [
         ("prefill-0", "prefill"), ("decode-0", "decode")]  # fmt: skip
     assert [i.num_threads for i in plan.instances] == [1, 1]
     assert plan.args.kv_transport == "ucx"
-    assert plan.kv_transfer == {
-        "failure_policy": "recompute", "lease_s": 30.0, "transfer_timeout_s": 10.0,
-        "heartbeat_interval_s": 2.0, "handshake_timeout_s": 5.0}  # fmt: skip
-    short = ServePlan.from_args(parse("--kv-lease-seconds", "4", "--kv-failure-policy", "fail"))
-    assert short.kv_transfer == {
-        "failure_policy": "fail", "lease_s": 4.0, "transfer_timeout_s": 2.0,
+    assert limits(plan.kv_transfer) == {
+        "transport": "ucx", "failure_policy": "recompute", "lease_s": 30.0,
+        "transfer_timeout_s": 10.0, "heartbeat_interval_s": 2.0,
+        "handshake_timeout_s": 5.0}  # fmt: skip
+    short = Deployment.from_args(parse("--kv-lease-seconds", "4", "--kv-failure-policy", "fail"))
+    assert limits(short.kv_transfer) == {
+        "transport": "ucx", "failure_policy": "fail", "lease_s": 4.0, "transfer_timeout_s": 2.0,
         "heartbeat_interval_s": 1.0, "handshake_timeout_s": 2.0}  # fmt: skip
-    assert ServePlan.from_args(parse("--mode", "colocated")).kv_transfer == {}
+    assert Deployment.from_args(parse("--mode", "colocated")).kv_transfer is None
+
+
+def limits(config: KVTransferConfig | None) -> dict:
+    """The settings the flags set (the id and host are each instance's own)."""
+    assert config is not None
+    names = ("transport", "failure_policy", "lease_s", "transfer_timeout_s")
+    names += ("heartbeat_interval_s", "handshake_timeout_s")
+    return {name: getattr(config, name) for name in names}
 
 
 def test_liveness_flags_reach_the_global_scheduler() -> None:
     args = parse()
     assert (args.request_timeout, args.max_request_retries) == (0.0, 2)
-    config = ServePlan.from_args(args).scheduler
+    config = Deployment.from_args(args).scheduler
     assert (config.max_attempts, config.instance_stall_timeout_s) == (3, 120.0)
     flags = ("--max-request-retries", "0", "--instance-stall-timeout", "0")
-    config = ServePlan.from_args(parse(*flags)).scheduler
+    config = Deployment.from_args(parse(*flags)).scheduler
     assert (config.max_attempts, config.instance_stall_timeout_s) == (1, 0.0)
 
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from pdserve.cluster.serve import instance_summary
-from pdserve.scheduler.messages import InstanceAddress, InstanceInfo
+from pdserve.common.messages import InstanceAddress, InstanceInfo
 from tests.instance.test_step_loop import Harness
 
 

@@ -13,9 +13,9 @@ import pytest
 
 from pdserve.cluster.launcher import Launcher
 from pdserve.cluster.supervisor import MAX_DELAY_S, STABLE_S, Supervisor
+from pdserve.gateway.global_scheduler import GlobalScheduler
 from pdserve.instance.spec import InstanceSpec
-from pdserve.scheduler.global_scheduler import GlobalScheduler
-from tests.scheduler.instances import instance_info
+from tests.gateway.instances import instance_info
 
 
 class RecordingLauncher(Launcher):

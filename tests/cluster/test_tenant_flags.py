@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import build_parser, main
-from pdserve.cluster.plan import ServeError, ServePlan
+from pdserve.cluster.deployment import Deployment, ServeError
 from pdserve.cluster.serve import deployment_secret
 from pdserve.gateway.tenants import KeyBook
 
 
-def plan_of(*argv: str) -> ServePlan:
-    return ServePlan.from_args(build_parser().parse_args(["serve", *argv]), cores=[0, 1])
+def plan_of(*argv: str) -> Deployment:
+    return Deployment.from_args(build_parser().parse_args(["serve", *argv]), cores=[0, 1])
 
 
 def write(tmp_path: Path, content: object) -> str:

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from pdserve.scheduler.sampling_params import SamplingParams
-from tests.cluster.serving import LOCAL, MODEL, served
+from experiments.serving import LOCAL, MODEL, served
+from pdserve.common.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

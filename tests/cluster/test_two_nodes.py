@@ -16,9 +16,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.scheduler.sampling_params import SamplingParams
-from tests.cluster.serving import MODEL, served
-from tests.cluster.two_nodes import (
+from experiments.serving import MODEL, ServeProcess, served
+from experiments.two_nodes import (
     HEAD_IP,
     NAMESPACE,
     NODE_B_IP,
@@ -28,7 +27,7 @@ from tests.cluster.two_nodes import (
     listening,
     two_nodes,
 )
-from tests.gateway.server import ServeProcess
+from pdserve.common.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -11,11 +11,11 @@ import pytest
 
 import pdserve
 from pdserve.cli import build_parser, main
-from pdserve.cluster.plan import ServeError, ServePlan
+from pdserve.cluster.deployment import Deployment, ServeError
 
 
-def plan_of(*argv: str) -> ServePlan:
-    return ServePlan.from_args(build_parser().parse_args(["serve", *argv]), cores=[0, 1])
+def plan_of(*argv: str) -> Deployment:
+    return Deployment.from_args(build_parser().parse_args(["serve", *argv]), cores=[0, 1])
 
 
 def test_the_model_may_be_given_positionally_as_in_vllm_serve(tmp_path: Path) -> None:
@@ -97,10 +97,10 @@ def test_bench_help_shows_defaults_too(
 
 
 def test_generation_config_and_tool_flags(tmp_path: Path) -> None:
-    assert plan_of("--generation-config", "vllm").engine_args["generation_config"] == "vllm"
+    assert plan_of("--generation-config", "vllm").engine.generation_config == "vllm"
     (tmp_path / "generation_config.json").write_text("{}")
     plan = plan_of("--generation-config", str(tmp_path))
-    assert plan.engine_args["generation_config"] == str(tmp_path)
+    assert plan.engine.generation_config == str(tmp_path)
     with pytest.raises(ServeError, match="no generation_config.json"):
         plan_of("--generation-config", str(tmp_path / "missing"))
     with pytest.raises(ServeError, match="needs --tool-call-parser"):
@@ -118,7 +118,7 @@ def test_tensor_parallel_sizes_are_checked_against_the_heads() -> None:
         plan_of("--tensor-parallel-size", "2")
     with pytest.raises(ServeError, match="--prefill-tensor-parallel-size"):
         plan_of("--prefill-tensor-parallel-size", "2")
-    assert plan_of("-pp", "2", "-tp", "3").engine_args["pipeline_parallel_size"] == 2
+    assert plan_of("-pp", "2", "-tp", "3").engine.pipeline_parallel_size == 2
     with pytest.raises(
         ServeError, match=r"--pipeline-parallel-size: .* exceeds the model's \d+ layers"
     ):

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
+from pdserve.common.messages import AbortTask, GenerateTask
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.instance.loop import StepLoop
 from pdserve.kvtransfer import KVHandoff, KVSource
-from pdserve.scheduler.messages import AbortTask, GenerateTask
-from pdserve.scheduler.sampling_params import SamplingParams
 from tests.prefill.instances import Gateway, Running, reference_tokens, spec, until
 
 pytestmark = pytest.mark.slow

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core import EngineCore
-from pdserve.scheduler.sampling_params import SamplingParams
 
 
 def greedy_tokens(

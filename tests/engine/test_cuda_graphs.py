@@ -11,18 +11,18 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from pdserve.common.request import Request
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.cuda_graphs import DecodeInputBuffers, capture_sizes, graph_blockers
-from pdserve.engine.device_executor import DeviceExecutor
 from pdserve.engine.device_inputs import HostToDeviceStager
+from pdserve.engine.device_runner import DeviceRunner
 from pdserve.engine.gpu_memory import FREE_MEMORY_MARGIN, GiB, MemoryProfile, kv_cache_bytes
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.step_inputs import build_step_inputs, contiguous_block_tables
 from pdserve.engine.synthetic_model import SyntheticLlamaConfig, random_llama
-from pdserve.scheduler.request import Request
-from pdserve.scheduler.sampling_params import SamplingParams
 from tests.engine.greedy import greedy_tokens
 
 BS = 16
@@ -255,7 +255,7 @@ SCHEDULE_PROMPTS = [5, 17, 33, 70, 9, 11]
 def test_executor_paths_match_the_plain_model_step_for_step():
     model = tiny_model()
     plain = kv_cache(64)
-    executor = DeviceExecutor(model, kv_cache(64), BS * BLOCKS_PER_SEQ, [1, 2, 4], capture=False)
+    executor = DeviceRunner(model, kv_cache(64), BS * BLOCKS_PER_SEQ, [1, 2, 4], capture=False)
     executor.prepare()
     (want, got), paths, seqs = drive(
         SCHEDULE,
@@ -318,11 +318,11 @@ def test_engine_runner_hook_gives_the_tokens_of_the_plain_engine(tmp_path):
     want = _generate(EngineCore(**args), prompts)
     hooked = EngineCore(**args)
     worker = hooked.executor.worker  # the in-process rank behind the executor seam
-    executor = DeviceExecutor(
+    executor = DeviceRunner(
         worker.model, worker.kv_cache, hooked.max_model_len, [1, 2, 4], capture=False
     )
     executor.prepare()
-    worker.runner.device_executor = executor
+    worker.runner.device_runner = executor
     seen = []
     run = executor.execute
     executor.execute = lambda step: (seen.append(executor.graphs.can_run(step.meta)), run(step))[1]
@@ -340,8 +340,8 @@ def test_captured_graphs_replay_the_eager_steps_on_cuda():
 
     assert load_triton_kernels()
     model = tiny_model("cuda")
-    eager = DeviceExecutor(model, kv_cache(64, "cuda"), BS * BLOCKS_PER_SEQ, [])
-    graphs = DeviceExecutor(model, kv_cache(64, "cuda"), BS * BLOCKS_PER_SEQ, [1, 2, 4])
+    eager = DeviceRunner(model, kv_cache(64, "cuda"), BS * BLOCKS_PER_SEQ, [])
+    graphs = DeviceRunner(model, kv_cache(64, "cuda"), BS * BLOCKS_PER_SEQ, [1, 2, 4])
     assert graph_blockers(torch.device("cuda")) == []
     graphs.prepare()
     (want, got), paths, _ = drive(
@@ -369,7 +369,7 @@ def test_engine_on_cuda_generates_the_cpu_engine_tokens(tmp_path):
     kv = gpu.executor.worker.kv_cache
     assert kv.storage.is_cuda and kv.num_blocks > 48
     assert kv.num_blocks * kv.shape.bytes_per_block <= 1.5 * GiB
-    assert gpu.executor.worker.runner.device_executor.graphs is not None
+    assert gpu.executor.worker.runner.device_runner.graphs is not None
     assert _generate(gpu, prompts) == want
 
 

@@ -10,12 +10,12 @@ import jsonschema
 import pytest
 import torch
 
+from pdserve.common.request import Request
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.structured_output import StructuredOutput
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.engine.grammar import GrammarBook, GrammarError
 from pdserve.engine.grammar_gate import GrammarGate
-from pdserve.scheduler.request import Request
-from pdserve.scheduler.sampling_params import SamplingParams
-from pdserve.scheduler.structured_output import StructuredOutput
 from pdserve.text.tokenizer import Tokenizer
 from tests.cluster.test_structured_openai import is_json_prefix
 

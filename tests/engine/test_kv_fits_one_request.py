@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import EngineCore
-from pdserve.engine.plan import WorkerInfo
+from pdserve.engine.step_plan import WorkerInfo
 from tests.instance.test_step_loop import FakeExecutor  # 64 blocks of 4, max_model_len 256
 
 

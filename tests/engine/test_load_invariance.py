@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 
 # ~150 tokens: several blocks, a tail that is not a whole block, and chunks at 16 and 37.
 PROMPT = "The history of the river begins " + "with stories of kings, bridges and floods, " * 14

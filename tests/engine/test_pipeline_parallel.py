@@ -14,12 +14,12 @@ import time
 import pytest
 import torch
 
-from pdserve.engine.config import PipelineParallelError, stage_layers
+from pdserve.common.model_split import PipelineParallelError, stage_layers
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.engine.pipeline import micro_batches
 from pdserve.engine.worker_group import WorkerGroupFailed
 from pdserve.scheduler.outputs import ScheduledChunk
-from pdserve.scheduler.sampling_params import SamplingParams
 from tests.engine.test_tensor_parallel import PROMPTS, _assert_same, _gone, _llm, _run, qwen3
 
 __all__ = ["qwen3"]  # the tiny random Qwen3 fixture (2 layers, 4 KV heads), shared
@@ -193,7 +193,7 @@ class _FakeWorker:
         )  # fmt: skip
 
     def sample(self, logits, requests):
-        from pdserve.engine.plan import SampledToken
+        from pdserve.engine.step_plan import SampledToken
 
         for request in requests:  # as ModelWorker.sample: the mirror takes its token
             request.output_token_ids.append(7)

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core import EngineCore
-from pdserve.scheduler.sampling_params import SamplingParams
 
 PROMPT = [1, 504, 3458, 282, 4649, 314]  # any short prompt of the embedded model
 PARAMS = {

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from pdserve.common.request import Request
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.sampler import Sampler, noise_seed
-from pdserve.scheduler.request import Request
-from pdserve.scheduler.sampling_params import SamplingParams
 
 
 def _req(rid="r", prompt=(1, 2), out=(), seed=7, eos=frozenset({0}), **params):

@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-from pdserve.engine.config import TensorParallelError
+from pdserve.common.model_split import TensorParallelError
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.engine.worker_group import WorkerGroupFailed
-from pdserve.scheduler.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.gateway.server import ServeProcess
+from experiments.serving import ServeProcess
 
 MAX_MODEL_LEN = 512
 SERVER_ARGS = (

@@ -16,10 +16,10 @@ import uvicorn
 from starlette.testclient import TestClient
 
 from pdserve.cluster.http_server import GuardedH11Protocol, uvicorn_config
+from pdserve.common.messages import InstanceAddress, InstanceInfo
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.gateway.app import create_app
-from pdserve.gateway.state import Gateway, GatewayConfig
-from pdserve.scheduler.messages import InstanceAddress, InstanceInfo
+from pdserve.gateway.gateway import Gateway, GatewayConfig
 
 MAX_MODEL_LEN = 1024
 VOCAB_SIZE = 49152

@@ -17,12 +17,12 @@ from typing import Any
 
 import httpx
 
+from pdserve.common.messages import GenerateTask, InstanceAddress, InstanceInfo, RequestDelta
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.gateway.app import create_app
+from pdserve.gateway.gateway import Gateway, GatewayConfig
 from pdserve.gateway.request_stream import StreamEvent
-from pdserve.gateway.state import Gateway, GatewayConfig
 from pdserve.gateway.tenants import KeysFile, TenantEntry
-from pdserve.scheduler.messages import GenerateTask, InstanceAddress, InstanceInfo, RequestDelta
 
 MODELS = ["m", "m-large"]
 ADMIN = "admin-secret-key"

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("idle_after_module")]
 

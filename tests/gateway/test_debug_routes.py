@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.gateway.app import create_app
-from pdserve.gateway.state import Gateway, GatewayConfig
+from pdserve.gateway.gateway import Gateway, GatewayConfig
 
 DEBUG_ROUTES = [
     ("GET", "/debug/instances"),

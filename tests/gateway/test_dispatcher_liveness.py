@@ -16,18 +16,7 @@ import msgspec
 import pytest
 import zmq
 
-from pdserve.engine.embedded import embedded_model_path
-from pdserve.gateway.dispatcher import Dispatcher
-from pdserve.gateway.generation import GenerationFailed, GenerationRun
-from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.prompts import Prompt
-from pdserve.gateway.request_stream import StreamEvent
-from pdserve.scheduler.global_scheduler import (
-    AdmissionRejected,
-    GlobalScheduler,
-    GlobalSchedulerConfig,
-)
-from pdserve.scheduler.messages import (
+from pdserve.common.messages import (
     AbortTask,
     GenerateTask,
     InstanceAddress,
@@ -38,8 +27,19 @@ from pdserve.scheduler.messages import (
     SnapshotTask,
     Task,
 )
-from pdserve.scheduler.sampling_params import SamplingParams
-from pdserve.scheduler.wire_auth import Sealer
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire_auth import Sealer
+from pdserve.engine.embedded import embedded_model_path
+from pdserve.gateway.dispatcher import Dispatcher
+from pdserve.gateway.generation import GenerationFailed, GenerationRun
+from pdserve.gateway.global_scheduler import (
+    AdmissionRejected,
+    GlobalScheduler,
+    GlobalSchedulerConfig,
+)
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.prompts import Prompt
+from pdserve.gateway.request_stream import StreamEvent
 from pdserve.text.tokenizer import Tokenizer
 
 TIMEOUT_S = 0.3  # the dispatcher checks every 0.5 s: death is noticed within ~1 s

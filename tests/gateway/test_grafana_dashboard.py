@@ -10,8 +10,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.common.messages import InstanceAddress, InstanceOutput, MetricsDelta
 from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.scheduler.messages import InstanceAddress, InstanceOutput, MetricsDelta
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdserve.json"
 # Series names: PromQL's functions, keywords and label names never hold a colon.

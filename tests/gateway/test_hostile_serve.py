@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from experiments.serving import ServeProcess
 from tests.gateway.conftest import MAX_MODEL_LEN
-from tests.gateway.server import ServeProcess
 from tests.gateway.test_hostile_input import NESTED_LOOPS, PLAIN_TEMPLATE
 
 pytestmark = pytest.mark.slow

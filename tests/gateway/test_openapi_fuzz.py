@@ -13,10 +13,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, settings
 
+from experiments.serving import LOCAL, MODEL, ServeProcess, served
 from pdserve.gateway.openapi import openapi_document
 from pdserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from tests.cluster.serving import LOCAL, MODEL, served
-from tests.gateway.server import ServeProcess
 
 EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "40"))
 SCHEMA = schemathesis.openapi.from_dict(openapi_document())

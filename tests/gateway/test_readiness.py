@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import pytest
 from starlette.testclient import TestClient
 
+from pdserve.common.messages import InstanceAddress, InstanceInfo
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.gateway.app import create_app
-from pdserve.gateway.state import Gateway, GatewayConfig
-from pdserve.scheduler.messages import InstanceAddress, InstanceInfo
+from pdserve.gateway.gateway import Gateway, GatewayConfig
 
 
 def info(instance_id: str, role: str, port: int) -> InstanceInfo:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from pdserve.common.messages import RequestDelta
 from pdserve.gateway.request_stream import RequestStream, StreamEvent
-from pdserve.scheduler.messages import RequestDelta
 
 
 def delta(index: int, tokens: list[int], finish: str | None = None) -> RequestDelta:

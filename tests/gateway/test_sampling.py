@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from pdserve.common.messages import InstanceAddress, InstanceInfo
 from pdserve.gateway.errors import APIError
 from pdserve.gateway.sampling import build_sampling_params
 from pdserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, decode_body
-from pdserve.scheduler.messages import InstanceAddress, InstanceInfo
 
 JSON = "application/json"
 

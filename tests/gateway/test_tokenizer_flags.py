@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.gateway.app import create_app
-from pdserve.gateway.state import Gateway, GatewayConfig
+from pdserve.gateway.gateway import Gateway, GatewayConfig
 from pdserve.text.tokenizer import TokenizerError, read_chat_template
 
 TEMPLATE = "[chat]{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"

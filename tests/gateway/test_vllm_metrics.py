@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.scheduler.messages import (
+from pdserve.common.messages import (
     InstanceAddress,
     InstanceOutput,
     InstanceStats,
     MetricsDelta,
 )
+from pdserve.gateway.metrics import GatewayMetrics
 
 MODEL = "served-model"
 # Every vLLM series the issue names, with the kind of count it must show after traffic.

@@ -11,8 +11,7 @@ import msgspec
 import pytest
 import zmq
 
-from pdserve.instance.io import InstanceIO
-from pdserve.scheduler.messages import (
+from pdserve.common.messages import (
     AbortTask,
     GenerateTask,
     InstanceOutput,
@@ -20,8 +19,9 @@ from pdserve.scheduler.messages import (
     RequestDelta,
     Task,
 )
-from pdserve.scheduler.sampling_params import SamplingParams
-from pdserve.scheduler.wire_auth import Sealer
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire_auth import Sealer
+from pdserve.instance.io import InstanceIO
 
 ENCODER = msgspec.msgpack.Encoder()
 OUTPUTS = msgspec.msgpack.Decoder(InstanceOutput)

@@ -13,12 +13,7 @@ import msgspec
 import pytest
 import zmq
 
-from pdserve.engine.plan import KVGeometry, SampledToken, StepPlan, StepResult, WorkerInfo
-from pdserve.instance.loop import StepLoop
-from pdserve.instance.spec import InstanceSpec
-from pdserve.kvtransfer import KVHandoff, KVTransferStats, TransferReport
-from pdserve.kvtransfer.connector import RankReport
-from pdserve.scheduler.messages import (
+from pdserve.common.messages import (
     AbortTask,
     GenerateTask,
     InspectTask,
@@ -27,8 +22,14 @@ from pdserve.scheduler.messages import (
     LeakBlocksTask,
     RequestDelta,
 )
-from pdserve.scheduler.sampling_params import SamplingParams
-from pdserve.scheduler.wire_auth import Sealer
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire_auth import Sealer
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.step_plan import KVGeometry, SampledToken, StepPlan, StepResult, WorkerInfo
+from pdserve.instance.loop import StepLoop
+from pdserve.instance.spec import InstanceSpec
+from pdserve.kvtransfer import KVHandoff, KVTransferStats, TransferReport
+from pdserve.kvtransfer.connector import RankReport
 
 VOCAB = 1000
 ENCODER = msgspec.msgpack.Encoder()
@@ -102,7 +103,7 @@ class Harness:
         gateway = f"tcp://127.0.0.1:{port}"
         spec = InstanceSpec(instance_id=f"{role}-0", role=role, idle_wait_s=0.01,
                             gateway_address=gateway, test_hooks=test_hooks,
-                            engine={"block_size": 4})  # fmt: skip
+                            engine=EngineConfig(block_size=4))  # fmt: skip
         self.executor = FakeExecutor()
         self.loop = StepLoop(spec, self.executor)
         self.loop.load()

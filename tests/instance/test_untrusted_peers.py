@@ -10,15 +10,15 @@ import sys
 
 import msgspec
 
-from pdserve.scheduler.wire_auth import SECRET_ENV, SECRET_FILE_ENV
+from pdserve.common.wire_auth import SECRET_ENV, SECRET_FILE_ENV
 from tests.instance.test_step_loop import Harness, generate
 
 # Sends one task without a MAC and one sealed with a secret of its own making.
 STRANGER = """
 import sys, time, msgspec, zmq
-from pdserve.scheduler.messages import GenerateTask
-from pdserve.scheduler.sampling_params import SamplingParams
-from pdserve.scheduler.wire_auth import Sealer
+from pdserve.common.messages import GenerateTask
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire_auth import Sealer
 task = msgspec.msgpack.encode(GenerateTask(
     "intruder", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0, seed=1),
     arrival_time=0.0))
@@ -35,7 +35,7 @@ def test_tasks_from_a_process_without_the_secret_never_run(caplog) -> None:
     harness = Harness("colocated")
     try:
         env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
-        with caplog.at_level(logging.WARNING, logger="pdserve.scheduler.wire_auth"):
+        with caplog.at_level(logging.WARNING, logger="pdserve.common.wire_auth"):
             subprocess.run(
                 [sys.executable, "-c", STRANGER, harness.loop.address.task_address],
                 env=env, check=True, timeout=60,

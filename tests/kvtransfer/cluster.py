@@ -1,7 +1,7 @@
-"""The test process as the instances' leaders: scheduler halves and block accounting.
+"""The test process as the instances' drivers: scheduler halves and block accounting.
 
 `Instance` pairs a child `Peer` (the TP ranks, with real workers and KV memory) with
-what the instance's leader would own: a `PrefillKVScheduler` or `DecodeKVScheduler`,
+what the instance's driver would own: a `PrefillKVScheduler` or `DecodeKVScheduler`,
 a `ReportAggregator`, and `BlockPool`, a small stand-in for the block manager that
 hands out non-contiguous block ids and checks that every block comes back.
 """
@@ -15,17 +15,15 @@ from typing import Any
 
 import msgspec
 
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.decode.kv_scheduler import DecodeKVScheduler, DecodeUpdate
 from pdserve.kvtransfer import (
-    DecodeKVScheduler,
-    DecodeUpdate,
     KVHandoff,
     KVLayout,
-    PrefillKVScheduler,
-    PrefillUpdate,
     ReportAggregator,
     TransferReport,
 )
-from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.prefill.kv_scheduler import PrefillKVScheduler, PrefillUpdate
 from tests.kvtransfer.peer import Peer
 
 
@@ -186,7 +184,7 @@ class Outcomes:
 
 
 def step(p: Instance | None, d: Instance | None, outcomes: Outcomes) -> Outcomes:
-    """One leader step on each side: collect reports, act on them like an instance.
+    """One driver step on each side: collect reports, act on them like an instance.
     P frees whatever is released/expired/aborted; D frees failed and aborted requests
     (ready ones keep their blocks until the test checks and frees them)."""
     if p is not None and p.prefill is not None:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from pdserve.common.wire_auth import Sealer
 from pdserve.kvtransfer.messages import (
     ControlMessage,
     Hello,
@@ -18,7 +19,6 @@ from pdserve.kvtransfer.messages import (
     decode_control,
     encode_control,
 )
-from pdserve.scheduler.wire_auth import Sealer
 
 
 class FakeUcx:

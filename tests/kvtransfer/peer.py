@@ -1,6 +1,6 @@
 """A child process hosting KV transfer workers, driven by a test over a Pipe.
 
-The test process plays the instances' leaders (scheduler halves, block accounting);
+The test process plays the instances' drivers (scheduler halves, block accounting);
 each child plays one machine's TP ranks: it owns KV pools of random bytes in the
 engine layout and one `KVTransferWorker` per rank, and answers commands. UCX
 settings (UCX_TLS, UCX_PROTO_INFO) are applied from `env` before UCX loads, and the
@@ -41,8 +41,10 @@ class _Instance:
     def __init__(self, spec: dict):
         import numpy as np
 
+        from pdserve.decode.kv_puller import DecodeKVPuller
         from pdserve.kvtransfer import KVTransferConfig, KVTransferWorker
         from pdserve.kvtransfer.messages import KVLayout
+        from pdserve.prefill.kv_server import PrefillKVServer
 
         layout = KVLayout(**spec["layout"])
         tp_size = spec["tp_size"]
@@ -57,7 +59,10 @@ class _Instance:
             raw = self._bytes(storage).reshape(spec["num_blocks"], layout.num_layers, 2, heads, row)
             raw[...] = 0 if full is None else full[:, :, :, rank * heads : (rank + 1) * heads]
             config = KVTransferConfig(**spec["config"])
-            worker = KVTransferWorker(config, storage, layout, tp_rank=rank, tp_size=tp_size)
+            worker = KVTransferWorker(
+                config, storage, layout, tp_rank=rank, tp_size=tp_size,
+                serve=PrefillKVServer, pull=DecodeKVPuller,
+            )  # fmt: skip
             self.storages.append(storage)
             self.workers.append(worker.start())
         self.raws = [
@@ -180,7 +185,7 @@ class Peer:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._conn, child = context.Pipe()
-        from pdserve.scheduler.wire_auth import SECRET_ENV, ensure_secret  # stdlib only
+        from pdserve.common.wire_auth import SECRET_ENV, ensure_secret  # stdlib only
 
         # Every peer of the test shares this process's deployment secret.
         env = {"UCX_WARN_UNUSED_ENV_VARS": "n", SECRET_ENV: ensure_secret(), **env}

@@ -79,7 +79,7 @@ def test_pipeline_stages_must_match_and_address_the_same_stage():
 
 
 def test_layout_of_a_pipeline_stage_names_the_whole_model():
-    from pdserve.engine.plan import KVGeometry
+    from pdserve.engine.step_plan import KVGeometry
 
     stage = KVGeometry(2, 3, 64, 16, "float32", 10, first_layer=2, model_layers=4,
                        pipeline_stage=1, pipeline_parallel_size=2)  # fmt: skip

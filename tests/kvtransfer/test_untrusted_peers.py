@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from pdserve.common.wire_auth import Sealer
 from pdserve.kvtransfer.messages import Heartbeat, HoldSpec, KVConnectorMetadata, Pull
-from pdserve.scheduler.wire_auth import Sealer
 from tests.kvtransfer.fakes import FakeDecode, FakeUcx
 from tests.kvtransfer.test_worker import LAYOUT, _run, collect, make_worker  # noqa: F401
 
@@ -22,7 +22,7 @@ def test_a_stranger_cannot_handshake_pull_or_keep_a_lease(make_worker, caplog) -
     stranger.sealer = Sealer(b"not the deployment's secret")
     held_at = time.monotonic()
     try:
-        with caplog.at_level(logging.WARNING, logger="pdserve.scheduler.wire_auth"):
+        with caplog.at_level(logging.WARNING, logger="pdserve.common.wire_auth"):
             with pytest.raises(TimeoutError):
                 stranger.handshake(timeout=0.5)
             stranger.send(Pull("a", 1, 0, 2, [_run(0, 2, tag=100)]))

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from pdserve.decode.kv_puller import DecodeKVPuller
 from pdserve.kvtransfer import (
     KVConnectorMetadata,
     KVLayout,
@@ -17,6 +18,7 @@ from pdserve.kvtransfer import (
     TransferReport,
 )
 from pdserve.kvtransfer.messages import Heartbeat, HoldSpec, KeepaliveSpec, Pull, PullSpec
+from pdserve.prefill.kv_server import PrefillKVServer
 from tests.kvtransfer.fakes import FakeDecode, FakePrefill, FakeUcx
 
 LAYOUT = KVLayout(block_size=4, num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32")
@@ -38,7 +40,10 @@ def make_worker():
     def make(name: str, seed: int | None = None, **config) -> tuple[KVTransferWorker, np.ndarray]:
         storage = _storage(seed)
         settings = {**FAST, **config}
-        worker = KVTransferWorker(KVTransferConfig(name, **settings), storage, LAYOUT).start()
+        config = KVTransferConfig(name, **settings)
+        worker = KVTransferWorker(
+            config, storage, LAYOUT, serve=PrefillKVServer, pull=DecodeKVPuller
+        ).start()
         workers.append(worker)
         return worker, storage
 

@@ -74,7 +74,8 @@ BROKEN = {
     ),
     "planner imports the public API at module level": (
         {"planner/p.py": "from pdserve import LLM\n", "pdserve/__init__.py": ""},
-        "planner/p.py:1: room planner imports pdserve (planner may import bench, and pdserve",
+        "planner/p.py:1: room planner imports pdserve (planner may import bench, common, and "
+        "pdserve",
     ),
     "planner imports the CLI": (
         {"planner/p.py": "def f():\n    from pdserve import cli\n", "pdserve/cli.py": ""},
@@ -87,7 +88,11 @@ BROKEN = {
     "scheduler imports text": (
         {"scheduler/s.py": "import pdserve.text.tokenizer\n", "text/tokenizer.py": ""},
         "scheduler/s.py:1: room scheduler imports pdserve.text.tokenizer (scheduler may import "
-        "no other room)",
+        "common)",
+    ),
+    "the leaf imports another room": (
+        {"common/c.py": "from pdserve.scheduler import s\n", "scheduler/s.py": ""},
+        "common/c.py:1: room common imports pdserve.scheduler.s (common may import no other room)",
     ),
     "product module imports experiments": (
         {"cluster/c.py": "import experiments.foo\n"},
@@ -153,8 +158,9 @@ def test_allowed_imports_are_not_reported(tmp_path: Path) -> None:
         "prefill/q.py": "class Q: ...\n",
         "instance/i.py": "from pdserve.prefill import p\nfrom pdserve.decode import d\n",
         "decode/d.py": "from pdserve.engine import e\n",
-        "kvtransfer/x.py": "from pdserve.scheduler import s\n",
-        "scheduler/s.py": "",
+        "kvtransfer/x.py": "from pdserve.scheduler import s\nfrom pdserve.common import c\n",
+        "scheduler/s.py": "from pdserve.common import c\n",
+        "common/c.py": "import msgspec\n",
         "text/t.py": "",
     }
     assert import_rules.import_violations(write_tree(tmp_path, files)) == []

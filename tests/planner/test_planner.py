@@ -230,7 +230,7 @@ def test_config_and_checkpoint_reading(tmp_path) -> None:
 
 
 def test_the_planner_offers_exactly_the_tp_sizes_serve_accepts() -> None:
-    from pdserve.engine.config import TensorParallelError, check_tp_size
+    from pdserve.common.model_split import TensorParallelError, check_tp_size
     from pdserve.planner.memory import TP_CANDIDATES, valid_tp_sizes
 
     for config in (LLAMA3_70B, LLAMA3_8B, SMOLLM2_135M):

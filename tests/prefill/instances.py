@@ -18,17 +18,19 @@ from typing import Any
 import msgspec
 import zmq
 
-from pdserve.instance.loop import StepLoop
-from pdserve.instance.spec import InstanceSpec
-from pdserve.scheduler.messages import (
+from pdserve.common.messages import (
     GenerateTask,
     InspectTask,
     InstanceInspection,
     InstanceOutput,
     RequestDelta,
 )
-from pdserve.scheduler.sampling_params import SamplingParams
-from pdserve.scheduler.wire_auth import Sealer
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire_auth import Sealer
+from pdserve.engine.config import EngineConfig
+from pdserve.instance.loop import StepLoop
+from pdserve.instance.spec import InstanceSpec
+from pdserve.kvtransfer.config import KVTransferConfig
 
 # 24 MiB hold 34 blocks of 16 fp32 tokens: max_model_len must fit in them (512 <= 544).
 ENGINE = {"dtype": "float32", "num_threads": 1, "kv_cache_memory": 24 << 20, "max_model_len": 512}
@@ -171,7 +173,8 @@ class Running:
 
 
 def spec(gateway: Gateway, instance_id: str, role: str, **overrides: Any) -> InstanceSpec:
-    settings: dict[str, Any] = {"engine": dict(ENGINE), "kv_transport": "ucx"}
+    kv_transfer = KVTransferConfig(instance_id, **overrides.pop("kv_transfer", {}))
+    settings: dict[str, Any] = {"engine": EngineConfig(**ENGINE), "kv_transfer": kv_transfer}
     settings.update(overrides)
     return InstanceSpec(
         instance_id=instance_id, role=role, gateway_address=gateway.address, **settings

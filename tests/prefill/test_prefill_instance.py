@@ -11,11 +11,11 @@ import msgspec
 import pytest
 import zmq
 
+from pdserve.common.messages import AbortTask, GenerateTask, InstanceAddress
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire_auth import Sealer
 from pdserve.instance.loop import StepLoop
 from pdserve.kvtransfer import KVHandoff
-from pdserve.scheduler.messages import AbortTask, GenerateTask, InstanceAddress
-from pdserve.scheduler.sampling_params import SamplingParams
-from pdserve.scheduler.wire_auth import Sealer
 from tests.prefill.instances import Gateway, Running, reference_tokens, spec, until
 
 pytestmark = pytest.mark.slow

@@ -12,9 +12,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
+from pdserve.common.request import Request
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.scheduler.outputs import SchedulerOutput
-from pdserve.scheduler.request import Request
-from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.scheduler.step_scheduler import Scheduler
 
 

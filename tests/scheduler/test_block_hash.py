@@ -71,7 +71,7 @@ def test_hashes_are_identical_in_another_process() -> None:
 
 
 def test_scheduler_modules_import_without_torch() -> None:
-    modules = ["step_scheduler", "block_manager", "block_pool", "block_events", "config"]
+    modules = ["step_scheduler", "block_manager", "block_pool", "config"]
     code = "\n".join(f"import scheduler.{m}" for m in modules) + "\nprint(sys.modules['torch'])"
     assert _run_without_torch(code) == "None"  # imported, and nothing brought torch back
 

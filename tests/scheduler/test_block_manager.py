@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.scheduler.block_events import BlockRemoved, BlockStored, CachedHashMirror
+from pdserve.common.block_events import BlockRemoved, BlockStored, CachedHashMirror
 from pdserve.scheduler.block_hash import extra_keys_for, hash_full_blocks
 from pdserve.scheduler.block_manager import BlockManager
 from tests.scheduler.fake_model import make_request

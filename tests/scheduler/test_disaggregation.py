@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.common.request import Request, RequestStatus
 from pdserve.scheduler.config import SchedulerConfig
-from pdserve.scheduler.request import Request, RequestStatus
 from pdserve.scheduler.step_scheduler import Scheduler
 from tests.scheduler.fake_model import FakeModel, make_request, next_token, reference_output
 

@@ -4,7 +4,7 @@ instance kind reports when the request leaves it."""
 
 from __future__ import annotations
 
-from pdserve.scheduler.request import PhaseTimes, Request, RequestStatus
+from pdserve.common.request import PhaseTimes, Request, RequestStatus
 from pdserve.scheduler.step_scheduler import Scheduler
 from tests.scheduler.fake_model import FakeModel, make_request
 from tests.scheduler.test_step_scheduler import make_scheduler, prompt_of

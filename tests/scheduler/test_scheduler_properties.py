@@ -21,9 +21,9 @@ from hypothesis.stateful import (
     rule,
 )
 
+from pdserve.common.request import Request, RequestStatus
 from pdserve.scheduler.config import SchedulerConfig
 from pdserve.scheduler.outputs import RemoteKVAllocation
-from pdserve.scheduler.request import Request, RequestStatus
 from pdserve.scheduler.step_scheduler import Scheduler
 from tests.scheduler.fake_model import FakeModel, make_request, reference_output
 

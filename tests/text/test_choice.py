@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from pdserve.scheduler.messages import RequestDelta, TokenLogprobs
-from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.common.messages import RequestDelta, TokenLogprobs
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.text.choice import Absorbed, ChoiceText, choice_seeds
 
 SPLIT = 0  # a token that is half a character: decodes to U+FFFD

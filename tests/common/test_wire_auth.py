@@ -1,4 +1,4 @@
-"""The deployment secret and the MAC every frame carries (scheduler/wire_auth.py)."""
+"""The deployment secret and the MAC every frame carries (common/wire_auth.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.scheduler.wire_auth import (
+from pdserve.common.wire_auth import (
     SECRET_ENV,
     SECRET_FILE_ENV,
     TAG_BYTES,

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, graph_blockers
 from pdserve.engine.device_inputs import HostToDeviceStager
 from pdserve.engine.kv_cache import KVCache
 from pdserve.kernels import AttentionMetadata, load_triton_kernels
+
+if TYPE_CHECKING:  # the GPU check runs this module where msgspec is not installed
+    from pdserve.engine.config import EngineConfig
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
@@ -33,7 +35,7 @@ class Step(Protocol):
     logits_indices: Tensor
 
 
-class DeviceExecutor:
+class DeviceRunner:
     def __init__(
         self,
         model: torch.nn.Module,
@@ -65,7 +67,7 @@ class DeviceExecutor:
     @classmethod
     def for_engine(
         cls, model: torch.nn.Module, kv_cache: KVCache, config: EngineConfig, max_model_len: int
-    ) -> DeviceExecutor:
+    ) -> DeviceRunner:
         """The executor of an engine on CUDA, graphs captured unless `enforce_eager`."""
         sizes: list[int] = []
         if not config.enforce_eager:

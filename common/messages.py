@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.scheduler.block_events import BlockCacheSnapshot
-from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.common.block_events import BlockCacheSnapshot
+from pdserve.common.sampling_params import SamplingParams
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

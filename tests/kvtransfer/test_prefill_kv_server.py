@@ -18,9 +18,9 @@ from pdserve.kvtransfer.messages import (
     HoldSpec,
     Pull,
 )
-from pdserve.kvtransfer.prefill_side import PrefillSide
 from pdserve.kvtransfer.rank_io import RankIO
 from pdserve.kvtransfer.transport import TransferOp, Transport
+from pdserve.prefill.kv_server import PrefillKVServer
 
 LAYOUT = KVLayout(block_size=4, num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
 PEER = b"decode-rank"
@@ -89,7 +89,7 @@ def test_done_before_the_sends_complete_still_counts_them_once() -> None:
     rank = RankIO(
         KVTransferConfig(instance_id="p"), LAYOUT, 0, 1, KVMemory(storage, LAYOUT), transport, stats
     )
-    side = PrefillSide(rank, server, lambda kind, rid: reports.append((kind, rid)))
+    side = PrefillKVServer(rank, server, lambda kind, rid: reports.append((kind, rid)))
     side.hold(HoldSpec("r", [2, 3, 5]), now=0.0)
     side.on_message(PEER, Hello("d", 0, 1, LAYOUT, "ucx", b"addr"), now=0.0)
     assert isinstance(server.messages[-1][1], HelloReply) and not server.messages[-1][1].error
@@ -117,7 +117,7 @@ def test_an_abort_from_the_decode_side_abandons_its_sends_at_once() -> None:
     reports: list[tuple[str, str]] = []
     config = KVTransferConfig(instance_id="p", lease_s=30.0)
     rank = RankIO(config, LAYOUT, 0, 1, KVMemory(storage, LAYOUT), transport, stats)
-    side = PrefillSide(rank, server, lambda kind, rid: reports.append((kind, rid)))
+    side = PrefillKVServer(rank, server, lambda kind, rid: reports.append((kind, rid)))
     side.hold(HoldSpec("r", [2, 3]), now=0.0)
     side.hold(HoldSpec("other", [5]), now=0.0)
     side.on_message(PEER, Hello("d", 0, 1, LAYOUT, "ucx", b"addr"), now=0.0)

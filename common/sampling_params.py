@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from pdserve.scheduler.structured_output import StructuredOutput
+from pdserve.common.structured_output import StructuredOutput
 
 # Above this, `logprobs` would make every step ship a large part of the vocabulary.
 MAX_LOGPROBS = 20

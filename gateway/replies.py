@@ -16,14 +16,14 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pdserve.common.structured_output import StructuredOutput
 from pdserve.gateway.auth import tenant_of
+from pdserve.gateway.gateway import Gateway, ModelCard
 from pdserve.gateway.generation import Choice, ChoiceUpdate, GenerationRun
 from pdserve.gateway.prompts import Prompt, check_vocabulary
 from pdserve.gateway.sampling import build_sampling_params
 from pdserve.gateway.schemas import SamplingFields
-from pdserve.gateway.state import Gateway, ModelCard
 from pdserve.gateway.streaming import SSE_DONE, AbortingStreamingResponse, sse
-from pdserve.scheduler.structured_output import StructuredOutput
 
 # `pdserve serve --enable-log-requests` sets it to INFO; nothing else logs a prompt.
 request_log = logging.getLogger("pdserve.gateway.requests")

@@ -5,18 +5,18 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.decode.kv_scheduler import DecodeKVScheduler
 from pdserve.kvtransfer import (
-    DecodeKVScheduler,
     KVHandoff,
     KVLayout,
     KVLayoutMismatch,
     KVTransferConfig,
     KVTransferStats,
-    PrefillKVScheduler,
     ReportAggregator,
     TransferReport,
 )
-from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.prefill.kv_scheduler import PrefillKVScheduler
 
 LAYOUT = KVLayout(block_size=4, num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16")
 

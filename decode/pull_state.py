@@ -1,4 +1,4 @@
-"""What the pulling half of a rank tracks: each request's slices, and each prefill rank
+"""What a decode rank's puller tracks: each request's slices, and each prefill rank
 it pulls from with the handshake state of its control connection."""
 
 from __future__ import annotations

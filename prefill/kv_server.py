@@ -1,4 +1,5 @@
-"""The serving half of a worker's I/O thread: held requests, leases, pulls served.
+"""The prefill side of a rank's KV transfer I/O thread: held requests, leases, pulls
+served.
 
 A held request keeps its blocks until every head this rank holds has been confirmed
 by a decode rank (`Done`), or the decode side aborts it, or its lease runs out. In
@@ -38,7 +39,7 @@ from pdserve.kvtransfer.messages import (
     Pull,
     PullRejected,
 )
-from pdserve.kvtransfer.rank_io import RankIO, RankSide
+from pdserve.kvtransfer.rank_io import RankIO
 from pdserve.kvtransfer.transport import TransferOp
 
 logger = logging.getLogger(__name__)
@@ -79,9 +80,17 @@ class _Held:
         return any(s.in_flight for s in self.serving.values())
 
 
-class PrefillSide(RankSide):
+class PrefillKVServer:
+    """Serves the pulls of a prefill instance's requests from this rank's KV memory; built
+    on the rank's transfer I/O thread (`KVTransferWorker(serve=PrefillKVServer)`)."""
+
     def __init__(self, rank: RankIO, server: ControlServer, report: Report):
-        super().__init__(rank)
+        self._config, self._layout = rank.config, rank.layout
+        self._tp_rank, self._tp_size = rank.tp_rank, rank.tp_size
+        self._memory, self._transport, self._stats = rank.memory, rank.transport, rank.stats
+        self._heads = rank.heads
+        self._pp_stage = rank.pp_stage
+        self._rank = rank
         self._server = server
         self._report = report
         self._peers: dict[bytes, Hello] = {}

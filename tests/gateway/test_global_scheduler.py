@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.scheduler.block_events import BlockCacheSnapshot, BlockEventBatch, BlockStored
-from pdserve.scheduler.block_hash import hash_full_blocks
-from pdserve.scheduler.global_scheduler import (
+from pdserve.common.block_events import BlockCacheSnapshot, BlockEventBatch, BlockStored
+from pdserve.common.messages import InstanceInfo, InstanceStats
+from pdserve.gateway.global_scheduler import (
     AdmissionRejected,
     GlobalScheduler,
     GlobalSchedulerConfig,
 )
-from pdserve.scheduler.messages import InstanceInfo, InstanceStats
-from pdserve.scheduler.routing import RouteRequest
-from tests.scheduler.instances import BLOCK, instance_info
+from pdserve.gateway.routing import RouteRequest
+from pdserve.scheduler.block_hash import hash_full_blocks
+from tests.gateway.instances import BLOCK, instance_info
 
 
 def info(instance_id: str, role: str, max_num_seqs: int = 2, blocks: int = 50) -> InstanceInfo:

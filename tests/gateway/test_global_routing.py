@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.scheduler.block_events import BlockEventBatch, BlockRemoved, BlockStored
-from pdserve.scheduler.block_hash import extra_keys_for, hash_full_blocks
-from pdserve.scheduler.messages import InstanceStats
-from pdserve.scheduler.routing import (
+from pdserve.common.block_events import BlockEventBatch, BlockRemoved, BlockStored
+from pdserve.common.messages import InstanceStats
+from pdserve.gateway.routing import (
     InstanceView,
     LoadAwarePolicy,
     PrefillSkipDecider,
@@ -16,7 +15,8 @@ from pdserve.scheduler.routing import (
     RouteRequest,
     make_policy,
 )
-from tests.scheduler.instances import BLOCK, instance_info
+from pdserve.scheduler.block_hash import extra_keys_for, hash_full_blocks
+from tests.gateway.instances import BLOCK, instance_info
 
 
 def view(instance_id: str, role: str = "prefill", blocks: int = 100, **stats) -> InstanceView:

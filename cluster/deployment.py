@@ -21,23 +21,23 @@ from pdserve.cluster.placement import (
     place_on_gpus,
     resolve_device,
 )
-from pdserve.engine.config import (
+from pdserve.common.model_split import (
     PipelineParallelError,
     TensorParallelError,
     check_pp_size,
     check_tp_size,
 )
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.embedded import MODEL_NAME
 from pdserve.engine.model_source import ModelNotFound
 from pdserve.engine.model_source import resolve_model as resolve_model_source
+from pdserve.gateway.global_scheduler import GlobalSchedulerConfig
 from pdserve.gateway.tenants import KeyBook, KeysFile, TenantsError, read_keys_file
-from pdserve.scheduler.global_scheduler import GlobalSchedulerConfig
+from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.text.tokenizer import TokenizerError, read_chat_template
 
 MODES = ("disaggregated", "colocated")
 LAUNCHERS = ("ray", "local")
-KV_TRANSPORTS = ("ucx", "ucx-listener", "zmq")  # kvtransfer.transport.TRANSPORTS
-FAILURE_POLICIES = ("recompute", "fail")  # kvtransfer.config.FAILURE_POLICIES
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
@@ -63,14 +63,15 @@ def parse_size(text: str) -> int:
 
 
 @dataclass(frozen=True)
-class ServePlan:
+class Deployment:
     args: argparse.Namespace
     model_path: str | None  # None: the embedded model (resolved at start)
     served_model_names: list[str]
     instances: list[PlannedInstance]
-    engine_args: dict
+    engine: EngineConfig  # what every instance shares (instance_specs adds its own)
     scheduler: GlobalSchedulerConfig
-    kv_transfer: dict  # KVTransferConfig fields for the prefill and decode instances
+    # The prefill and decode instances' (None: colocated); each spec gets its own id.
+    kv_transfer: KVTransferConfig | None
     chat_template: str | None = None  # --chat-template's text
     api_key: str | None = field(default=None, repr=False)  # --api-key or PDSERVE_API_KEY
     api_keys: KeysFile | None = field(default=None, repr=False)  # --api-keys-file
@@ -86,7 +87,7 @@ class ServePlan:
         args: argparse.Namespace,
         cores: list[int] | None = None,
         gpus: list[str] | None = None,
-    ) -> ServePlan:
+    ) -> Deployment:
         """`cores` and `gpus` default to what this machine has (a joined Ray cluster's
         inventory comes in through them: `cluster/ray_cluster.py`)."""
         resolve_model(args)
@@ -103,21 +104,7 @@ class ServePlan:
             raise ServeError(str(exc)) from None
         names = args.served_model_name or [args.model or MODEL_NAME]
         model_path = local_model(args)
-        engine_args = {
-            "model": model_path,
-            "dtype": args.dtype,
-            "block_size": args.block_size,
-            "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_model_len": args.max_model_len,
-            "kv_cache_memory": parse_size(args.kv_cache_memory),
-            "enable_prefix_caching": args.enable_prefix_caching,
-            "seed": args.seed,
-            "device": device,
-            "tokenizer": args.tokenizer,
-            "generation_config": args.generation_config,
-            "pipeline_parallel_size": args.pipeline_parallel_size,
-        }
+        engine = engine_config(args, model_path, device)
         try:
             scheduler = GlobalSchedulerConfig(
                 routing_policy=args.routing_policy,
@@ -130,7 +117,7 @@ class ServePlan:
             )
         except ValueError as exc:
             raise ServeError(str(exc)) from None
-        kv_transfer = kv_transfer_settings(args) if args.mode == "disaggregated" else {}
+        kv_transfer = kv_transfer_config(args) if args.mode == "disaggregated" else None
         tensor_parallel = tensor_parallel_sizes(args, model_path)
         chat_template = None
         try:
@@ -142,7 +129,7 @@ class ServePlan:
             raise ServeError(f"--tokenizer {args.tokenizer}: no such tokenizer folder")
         keys = api_keys_of(args, names)
         return cls(
-            args, model_path, names, instances, engine_args, scheduler, kv_transfer, chat_template,
+            args, model_path, names, instances, engine, scheduler, kv_transfer, chat_template,
             *keys, tensor_parallel=tensor_parallel, resources=resources,
         )  # fmt: skip
 
@@ -165,7 +152,7 @@ def api_keys_of(
 
 def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> dict[str, int]:
     """Ranks per stage by role, checked against the model's heads (one rule:
-    `engine.config.check_tp_size`), and the pipeline size against its layers
+    `common.model_split.check_tp_size`), and the pipeline size against its layers
     (`check_pp_size`)."""
     default = args.tensor_parallel_size
     sizes = {
@@ -233,25 +220,46 @@ def ray_resources(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return resources
 
 
-def kv_transfer_settings(args: argparse.Namespace) -> dict:
+def engine_config(args: argparse.Namespace, model_path: str | None, device: str) -> EngineConfig:
+    """The engine settings every instance shares, from the flags by name."""
+    try:
+        return EngineConfig(
+            model=model_path,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            kv_cache_memory=parse_size(args.kv_cache_memory),
+            enable_prefix_caching=args.enable_prefix_caching,
+            seed=args.seed,
+            device=device,
+            tokenizer=args.tokenizer,
+            generation_config=args.generation_config,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+        )
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
+
+
+def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig:
     """The KV transfer limits, derived from the lease so they stay consistent: pulls
-    give up before the lease ends, heartbeats renew it several times over."""
+    give up before the lease ends, heartbeats renew it several times over. Each
+    instance's spec carries it under its own id (`instance_specs`)."""
     lease = args.kv_lease_seconds
     timeout = args.kv_transfer_timeout or min(10.0, lease / 2)
-    settings = {
-        "failure_policy": args.kv_failure_policy,
-        "lease_s": lease,
-        "transfer_timeout_s": timeout,
-        "heartbeat_interval_s": min(2.0, lease / 4),
-        "handshake_timeout_s": min(5.0, timeout),
-    }
-    from pdserve.kvtransfer.config import KVTransferConfig  # zmq and numpy, no torch
-
     try:
-        KVTransferConfig(instance_id="check", transport=args.kv_transport, **settings)
+        return KVTransferConfig(
+            instance_id="deployment",
+            transport=args.kv_transport,
+            failure_policy=args.kv_failure_policy,
+            lease_s=lease,
+            transfer_timeout_s=timeout,
+            heartbeat_interval_s=min(2.0, lease / 4),
+            handshake_timeout_s=min(5.0, timeout),
+        )
     except ValueError as exc:
         raise ServeError(f"--kv-lease-seconds / --kv-transfer-timeout: {exc}") from None
-    return settings
 
 
 def resolve_model(args: argparse.Namespace) -> None:

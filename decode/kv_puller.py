@@ -1,4 +1,5 @@
-"""The pulling half of a worker's I/O thread: handshakes, pulls, heartbeats, deadlines.
+"""The decode side of a rank's KV transfer I/O thread: handshakes, pulls, heartbeats,
+deadlines.
 
 For each request this rank receives one *slice* per prefill rank whose heads overlap
 its own. A slice posts its receives (straight into the KV blocks when it covers all
@@ -19,6 +20,7 @@ from collections.abc import Callable
 
 import zmq
 
+from pdserve.decode.pull_state import PrefillRank, PullRequest, PullSlice
 from pdserve.kvtransfer.control import ControlClient
 from pdserve.kvtransfer.layout import (
     KVLayoutMismatch,
@@ -41,8 +43,7 @@ from pdserve.kvtransfer.messages import (
     PullRejected,
     PullSpec,
 )
-from pdserve.kvtransfer.pull_state import PrefillRank, PullRequest, PullSlice
-from pdserve.kvtransfer.rank_io import RankIO, RankSide
+from pdserve.kvtransfer.rank_io import RankIO
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +62,17 @@ def _new_transfer_id(live: dict[int, PullSlice]) -> int:
             return transfer_id
 
 
-class DecodeSide(RankSide):
+class DecodeKVPuller:
+    """Pulls a decode instance's handed-off requests into this rank's KV memory; built on
+    the rank's transfer I/O thread (`KVTransferWorker(pull=DecodeKVPuller)`)."""
+
     def __init__(self, rank: RankIO, context: zmq.Context, report: Report):
-        super().__init__(rank)
+        self._config, self._layout = rank.config, rank.layout
+        self._tp_rank, self._tp_size = rank.tp_rank, rank.tp_size
+        self._memory, self._transport, self._stats = rank.memory, rank.transport, rank.stats
+        self._heads = rank.heads
+        self._pp_stage = rank.pp_stage
+        self._rank = rank
         self._context = context
         self._report = report
         self._name = f"{self._config.instance_id}/{self._tp_rank}"

@@ -7,10 +7,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from pdserve.scheduler.global_scheduler import GlobalScheduler, GlobalSchedulerConfig
-from pdserve.scheduler.messages import InstanceStats
-from pdserve.scheduler.routing import RouteRequest
-from tests.scheduler.instances import instance_info
+from pdserve.common.messages import InstanceStats
+from pdserve.gateway.global_scheduler import GlobalScheduler, GlobalSchedulerConfig
+from pdserve.gateway.routing import RouteRequest
+from tests.gateway.instances import instance_info
 
 
 def scheduler(*ids_roles: tuple[str, str], **config) -> GlobalScheduler:

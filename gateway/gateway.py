@@ -13,13 +13,21 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pdserve.common.messages import InstanceInfo
+from pdserve.common.sampling_params import SamplingParams
 from pdserve.gateway.dispatcher import Dispatcher
 from pdserve.gateway.errors import APIError, error_body
 from pdserve.gateway.generation import Choice, GenerationFailed, GenerationRun
+from pdserve.gateway.global_scheduler import (
+    AdmissionRejected,
+    GlobalScheduler,
+    GlobalSchedulerConfig,
+)
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.offload import DEFAULT_BUDGET_S, Offload
 from pdserve.gateway.prompts import Prompt
 from pdserve.gateway.rate_limits import RateLimited, RateLimiter
+from pdserve.gateway.routing import ROLES_THAT_DECODE, InstanceView
 from pdserve.gateway.streaming import ClientDisconnected, watch_disconnect
 from pdserve.gateway.tenants import (
     ANONYMOUS,
@@ -30,14 +38,6 @@ from pdserve.gateway.tenants import (
     tenant_cache_salt,
 )
 from pdserve.gateway.tool_parsers import PARSERS, ToolParser
-from pdserve.scheduler.global_scheduler import (
-    AdmissionRejected,
-    GlobalScheduler,
-    GlobalSchedulerConfig,
-)
-from pdserve.scheduler.messages import InstanceInfo
-from pdserve.scheduler.routing import ROLES_THAT_DECODE, InstanceView
-from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:

@@ -16,8 +16,8 @@ from typing import Any
 
 import msgspec
 
-from pdserve.scheduler.messages import TokenLogprobs
-from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.common.messages import TokenLogprobs
+from pdserve.common.sampling_params import SamplingParams
 
 
 class KVGeometry(msgspec.Struct, frozen=True):

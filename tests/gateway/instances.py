@@ -3,7 +3,7 @@ policies'."""
 
 from __future__ import annotations
 
-from pdserve.scheduler.messages import InstanceAddress, InstanceInfo
+from pdserve.common.messages import InstanceAddress, InstanceInfo
 
 BLOCK = 4
 

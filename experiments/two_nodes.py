@@ -33,7 +33,7 @@ NODE_ENV = {
     "UCX_TLS": "tcp,self",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
     "PYTHONPATH": os.pathsep.join(
-        p for p in (str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")) if p
+        p for p in (str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")) if p
     ),
 }
 

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from pdserve.scheduler.block_events import BlockEventBatch, CachedHashMirror
+from pdserve.common.block_events import BlockEventBatch, CachedHashMirror
+from pdserve.common.messages import InstanceInfo, InstanceStats
 from pdserve.scheduler.block_hash import BlockHash, extra_keys_for, hash_full_blocks
-from pdserve.scheduler.messages import InstanceInfo, InstanceStats
 
 ROLES_THAT_DECODE = ("decode", "colocated")
 MAX_UNSYNCED_BATCHES = 256  # block-event batches kept while a snapshot is awaited

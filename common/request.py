@@ -19,7 +19,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.common.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pdserve.scheduler.block_events import BlockCacheSnapshot, BlockEventBatch
-from pdserve.scheduler.messages import InstanceInfo, InstanceStats
-from pdserve.scheduler.routing import (
+from pdserve.common.block_events import BlockCacheSnapshot, BlockEventBatch
+from pdserve.common.messages import InstanceInfo, InstanceStats
+from pdserve.gateway.routing import (
     DEFAULT_POLICY,
     MAX_UNSYNCED_BATCHES,
     ROLES_THAT_DECODE,

@@ -1,0 +1,1 @@
+"""common: what every room shares; imports nothing from pdserve."""
