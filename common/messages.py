@@ -113,7 +113,7 @@ Task = GenerateTask | AbortTask | SnapshotTask | InspectTask | LeakBlocksTask
 
 
 class InstanceStats(msgspec.Struct):
-    """Load and cache state the global scheduler routes on (DESIGN.md metric names)."""
+    """Load and cache state the global scheduler routes on."""
 
     num_running: int = 0
     num_waiting: int = 0

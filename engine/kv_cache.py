@@ -8,7 +8,7 @@ Block-major: every layer's keys and values of one block sit together, so a run o
 consecutive block ids is one contiguous byte range and moves between instances as a
 single transfer, whatever the number of layers. Each layer sees the view
 `storage[:, layer]` of shape [num_blocks, 2, num_kv_heads, block_size, head_dim]
-(DESIGN.md's per-layer layout, strided in the block dimension), which is what the
+(the per-layer layout, strided in the block dimension), which is what the
 attention op in `kernels/` takes. Within a block and layer, one head's tokens are
 contiguous (heads before tokens), so a TP rank's heads form contiguous slices.
 """
@@ -32,7 +32,7 @@ class KVCacheShape:
 
     @property
     def bytes_per_token(self) -> int:
-        """2 × layers × kv_heads × head_dim × dtype size (DESIGN.md)."""
+        """2 × layers × kv_heads × head_dim × dtype size."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 

@@ -6,7 +6,7 @@
     print(out[0].outputs[0].text)
 
 This is a front end: it tokenizes, runs one `EngineCore` to completion, detokenizes
-and applies stop strings (DESIGN.md: instances stop on token ids and lengths only).
+and applies stop strings (instances stop on token ids and lengths only).
 """
 
 from __future__ import annotations

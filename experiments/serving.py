@@ -133,7 +133,7 @@ class ServeProcess:
             time.sleep(0.2)
 
     def assert_blocks_free_or_cached(self) -> None:
-        """DESIGN.md's invariant: idle ⇒ every block on every instance free or cached."""
+        """ARCHITECTURE.md's invariant: idle ⇒ every block on every instance free or cached."""
         for instance_id, found in self.wait_idle().items():
             if not found["alive"]:
                 continue

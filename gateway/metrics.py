@@ -1,6 +1,6 @@
 """`/metrics`: Prometheus text built from instance outputs and the gateway's own timings.
 
-Names are DESIGN.md's with the `pdserve:` prefix, labelled by `role` and `instance`.
+Names carry the `pdserve:` prefix, labelled by `role` and `instance`.
 Beside them every series vLLM's Grafana dashboard reads goes out under vLLM's name
 (`vllm:*`, vLLM's buckets) with `model_name` added, so that dashboard works unchanged;
 the disaggregation series get vLLM-style names too (`vllm:kv_transfer_*`).

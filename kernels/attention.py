@@ -1,6 +1,6 @@
 """The attention op every model layer calls, over the paged KV cache.
 
-Signature and layout are a contract (DESIGN.md, "Contracts"): see `pdserve.kernels.reference`
+Signature and layout are a contract (ARCHITECTURE.md, "Contracts"): see `pdserve.kernels.reference`
 for the semantics. CPU tensors run the torch references; CUDA tensors run the Triton
 kernels once they are registered in `pdserve.kernels.dispatch`.
 

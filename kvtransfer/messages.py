@@ -78,7 +78,7 @@ class KVSource(msgspec.Struct, frozen=True):
 
 
 class KVHandoff(msgspec.Struct, tag="kv_handoff", kw_only=True):
-    """P → D: everything the decode side needs to continue a request (DESIGN.md)."""
+    """P → D: everything the decode side needs to continue a request."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -1,6 +1,6 @@
 """Transfer counters of one worker, shaped for Prometheus deltas.
 
-Names map onto DESIGN.md's metrics: kv_transfer_bytes_total,
+Metric names: kv_transfer_bytes_total,
 kv_transfer_seconds (histogram), kv_transfer_failures_total, plus lease expiries
 and the in-flight gauge. Counters only grow; `since(earlier)` gives the delta an
 instance ships with its step output.

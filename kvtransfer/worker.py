@@ -1,6 +1,6 @@
 """The worker half of the connector: one per TP rank, owning that rank's KV memory.
 
-All network work happens on a dedicated I/O thread (DESIGN.md: a long prefill chunk
+All network work happens on a dedicated I/O thread (a long prefill chunk
 must never starve a lease or a transfer): the UCX worker in blocking-progress mode,
 the ZMQ control sockets, heartbeats and timers, waited on together in one poller.
 The instance talks to it through two calls per step:

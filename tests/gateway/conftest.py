@@ -4,7 +4,7 @@ One torch thread per instance: the test machine is shared, and OpenMP threads th
 compete for busy cores slow a step down many times. fp32 so greedy outputs match the
 offline engine exactly (bfloat16 has near-ties); max-model-len 512 so over-long
 prompts are cheap to build. After every module the server must be idle with every KV
-block free or cached (DESIGN.md's invariant); modules opt in with
+block free or cached (ARCHITECTURE.md's invariant); modules opt in with
 `pytestmark = pytest.mark.usefixtures("idle_after_module")`.
 """
 

@@ -1,4 +1,4 @@
-"""/metrics (DESIGN.md names, labelled per instance), /tokenize, /detokenize, /health."""
+"""/metrics (pdserve: and vllm: names, labelled per instance), /tokenize, /detokenize, /health."""
 
 from __future__ import annotations
 
