@@ -1,4 +1,4 @@
-"""Issue 14's chaos suite: each fault under a steady load of streaming requests (greedy,
+"""The chaos suite: each fault under a steady load of streaming requests (greedy,
 and one seeded stream at temperature 0.8 per round) loses no request, fails none while
 a live instance of each role remains, changes no text against a fault-free run, leaks
 no KV block, and the pools are full again within a minute.

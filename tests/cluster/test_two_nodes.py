@@ -1,4 +1,4 @@
-"""Issue 13's acceptance: `pdserve serve --ray-address` on a two-node Ray cluster (node B
+"""Two nodes: `pdserve serve --ray-address` on a two-node Ray cluster (node B
 in a network namespace of its own), the prefill pool pinned to node A and the decode
 pool to node B by custom resources, KV over UCX TCP between the two addresses.
 
