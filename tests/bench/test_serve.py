@@ -33,7 +33,12 @@ def test_measures_scripted_latencies_and_counts_match_server(scripted_server) ->
     assert result["model_id"] == "scripted-model"
     assert within(result["median_ttft_ms"], 200.0, 0.10), result["median_ttft_ms"]
     assert within(result["median_itl_ms"], 20.0, 0.10), result["median_itl_ms"]
-    assert within(result["mean_tpot_ms"], 20.0, 0.10), result["mean_tpot_ms"]
+    # Medians against the script: one late wake-up on a busy machine moves a mean, not
+    # a median. The mean is checked against the client's own gaps: TPOT runs to [DONE],
+    # which comes right after the last token, so it is at least their mean and barely more.
+    assert within(result["median_tpot_ms"], 20.0, 0.10), result["median_tpot_ms"]
+    gaps_ms = sum(1000.0 * sum(gaps) / len(gaps) for gaps in result["itls"]) / 12
+    assert gaps_ms - 1e-6 <= result["mean_tpot_ms"] <= gaps_ms + 5.0, (result, gaps_ms)
     expected_e2e = 200.0 + 15 * 20.0
     assert within(result["median_e2el_ms"], expected_e2e, 0.10), result["median_e2el_ms"]
     # Warm-ups reach the server but stay out of the results.
