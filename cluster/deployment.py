@@ -96,14 +96,16 @@ class Deployment:
         roles = _roles(args)
         instances = place(roles, cores or available_cores(), args.threads_per_instance)
         gpus = available_gpus() if gpus is None else gpus
+        names = args.served_model_name or [args.model or MODEL_NAME]
+        model_path = local_model(args)
+        tensor_parallel = tensor_parallel_sizes(args, model_path)
+        ranks = {role: tp * args.pipeline_parallel_size for role, tp in tensor_parallel.items()}
         try:
             device = resolve_device(args.device, gpus)
             if device == "cuda":
-                instances = place_on_gpus(instances, gpus, args.gpu_memory_utilization)
+                instances = place_on_gpus(instances, gpus, args.gpu_memory_utilization, ranks)
         except PlacementError as exc:
             raise ServeError(str(exc)) from None
-        names = args.served_model_name or [args.model or MODEL_NAME]
-        model_path = local_model(args)
         engine = engine_config(args, model_path, device)
         try:
             scheduler = GlobalSchedulerConfig(
@@ -118,7 +120,6 @@ class Deployment:
         except ValueError as exc:
             raise ServeError(str(exc)) from None
         kv_transfer = kv_transfer_config(args) if args.mode == "disaggregated" else None
-        tensor_parallel = tensor_parallel_sizes(args, model_path)
         chat_template = None
         try:
             if args.chat_template is not None:

@@ -81,8 +81,8 @@ class LocalLauncher(Launcher):
         env["PDSERVE_PARENT_PID"] = str(os.getpid())
         if SECRET_ENV not in env and SECRET_FILE_ENV not in env:
             env[SECRET_ENV] = ensure_secret()  # the gateway's: in the environment, not argv
-        if spec.gpu is not None:  # the instance sees its GPU as cuda:0
-            env["CUDA_VISIBLE_DEVICES"] = spec.gpu
+        if spec.gpus:  # rank r of the instance uses the r-th: cuda:r
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpus)
         return env
 
     def start_instance(self, spec: InstanceSpec, on_ready: ReadyCallback) -> bool:

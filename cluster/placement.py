@@ -1,12 +1,14 @@
-"""Where each instance runs: its share of the cores and, on a GPU machine, its device.
+"""Where each instance runs: its share of the cores and, on a GPU machine, its GPUs.
 
 CPU: each instance gets max(1, cores // instances) torch threads, pinned to disjoint
-cores when every instance has at least two. GPU: with at least as many GPUs as
-instances, one instance per GPU; with fewer, instances share GPUs round robin and each
-gets its part of `--gpu-memory-utilization` (two on one GPU at 0.9: 0.45 each). An
-instance always sees its GPU as `cuda` (device 0): the local launcher sets
-CUDA_VISIBLE_DEVICES to the GPU's id, Ray does the same for an actor that asks for
-`num_gpus`.
+cores when every instance has at least two. GPU: one GPU per rank. An instance of W > 1
+ranks (TP x PP) takes W whole GPUs of its own: two ranks of one group never share one
+(NCCL refuses it). Single-rank instances take one GPU each of those left while there are
+enough; with fewer they share them round robin, each with its part of
+`--gpu-memory-utilization` (two on one GPU at 0.9: 0.45 each). The local launcher shows
+an instance its GPUs in CUDA_VISIBLE_DEVICES (rank r uses the r-th); under Ray each rank
+asks for one GPU (a single-rank instance for its share) and Ray makes it visible
+(`engine/devices.py` says which device each rank names).
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import os
 import shutil
 import subprocess
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+
+from pdserve.engine.devices import visible_gpu_ids
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -31,10 +36,10 @@ class PlannedInstance:
     num_threads: int
     cpus: list[int]  # empty: not pinned
     num_cpus: float  # Ray resource request
-    device: str = "cpu"  # "cpu" or "cuda" (the one GPU the instance sees)
-    gpu: str | None = None  # CUDA_VISIBLE_DEVICES id on this machine; None: CPU
-    num_gpus: float = 0.0  # Ray resource request
-    gpu_memory_utilization: float = 0.0  # this instance's share of its GPU's memory
+    device: str = "cpu"  # "cpu" or "cuda"
+    gpus: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES ids, one per rank; (): CPU
+    num_gpus: float = 0.0  # Ray resource request: one per rank, or a single rank's share
+    gpu_memory_utilization: float = 0.0  # this instance's share of each of its GPUs' memory
 
 
 def available_cores() -> list[int]:
@@ -47,12 +52,9 @@ def available_cores() -> list[int]:
 def available_gpus(environ: dict[str, str] | None = None) -> list[str]:
     """The ids of this machine's visible GPUs: CUDA_VISIBLE_DEVICES when set, else what
     `nvidia-smi -L` lists (no torch import: the gateway process never loads it)."""
-    env = os.environ if environ is None else environ
-    visible = env.get("CUDA_VISIBLE_DEVICES")
+    visible = visible_gpu_ids(environ)
     if visible is not None:
-        ids = [part.strip() for part in visible.split(",") if part.strip()]
-        # CUDA stops at the first invalid entry; "-1" is the usual "no GPU".
-        return ids[: ids.index("-1")] if "-1" in ids else ids
+        return visible
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return []
@@ -94,24 +96,58 @@ def place(roles: list[str], cores: list[int], threads: int = 0) -> list[PlannedI
 
 
 def place_on_gpus(
-    instances: list[PlannedInstance], gpus: list[str], utilization: float
+    instances: list[PlannedInstance],
+    gpus: list[str],
+    utilization: float,
+    ranks: Mapping[str, int] | None = None,
 ) -> list[PlannedInstance]:
-    """One GPU per instance while there are enough; otherwise round robin, each sharer
-    with an equal part of the GPU (Ray resource and memory budget)."""
+    """One GPU per rank (`ranks`: TP x PP by role, 1 if absent). Instances of several
+    ranks take whole GPUs first, in order; single-rank instances take one each of the
+    rest while there are enough, otherwise share them round robin, each sharer with an
+    equal part of the GPU (Ray resource and memory budget)."""
     if not gpus:
         raise PlacementError("no GPU to place instances on")
-    assigned = [gpus[i % len(gpus)] for i in range(len(instances))]
-    sharers = Counter(assigned)
-    return [
-        replace(
-            planned,
-            device="cuda",
-            gpu=gpu,
-            num_gpus=1.0 / sharers[gpu],
-            gpu_memory_utilization=utilization / sharers[gpu],
+    sizes = [(ranks or {}).get(planned.role, 1) for planned in instances]
+    check_gpus_suffice(instances, sizes, len(gpus))
+    whole: dict[int, tuple[str, ...]] = {}
+    taken = 0
+    for index, size in enumerate(sizes):
+        if size > 1:
+            whole[index] = tuple(gpus[taken : taken + size])
+            taken += size
+    left = gpus[taken:]
+    singles = [index for index, size in enumerate(sizes) if size == 1]
+    shared = {index: left[k % len(left)] for k, index in enumerate(singles)}
+    sharers = Counter(shared.values())
+    placed = []
+    for index, planned in enumerate(instances):
+        own = whole.get(index)
+        share = 1.0 if own else 1.0 / sharers[shared[index]]
+        placed.append(
+            replace(
+                planned,
+                device="cuda",
+                gpus=own or (shared[index],),
+                num_gpus=float(len(own)) if own else share,
+                gpu_memory_utilization=utilization * share,
+            )
         )
-        for planned, gpu in zip(instances, assigned, strict=True)
-    ]
+    return placed
+
+
+def check_gpus_suffice(instances: list[PlannedInstance], sizes: list[int], count: int) -> None:
+    """Every rank of a multi-rank instance needs a GPU of its own; single-rank instances
+    need one GPU left to share."""
+    need = sum(size for size in sizes if size > 1) + (1 if 1 in sizes else 0)
+    if need <= count:
+        return
+    pairs = zip(instances, sizes, strict=True)
+    wide = ", ".join(f"{planned.instance_id}: {size}" for planned, size in pairs if size > 1)
+    raise PlacementError(
+        f"the instances need {need} GPUs and {count} are there: a tensor- or pipeline-"
+        f"parallel instance takes one GPU per rank ({wide}), never shared, as NCCL refuses "
+        "two ranks of one group on one GPU (single-rank instances may share one)"
+    )
 
 
 def load_waves(instances: list[PlannedInstance]) -> list[list[PlannedInstance]]:
@@ -119,10 +155,10 @@ def load_waves(instances: list[PlannedInstance]) -> list[list[PlannedInstance]]:
     another: each sizes its KV cache from the memory the device has free, which a
     neighbour loading at the same moment would make look smaller than it is."""
     waves: list[list[PlannedInstance]] = []
-    loaded_on: Counter[str | None] = Counter()
+    loaded_on: Counter[tuple[str, ...]] = Counter()
     for planned in instances:
-        wave = loaded_on[planned.gpu] if planned.gpu is not None else 0
-        loaded_on[planned.gpu] += 1
+        wave = loaded_on[planned.gpus] if planned.gpus else 0
+        loaded_on[planned.gpus] += 1
         while len(waves) <= wave:
             waves.append([])
         waves[wave].append(planned)

@@ -127,8 +127,9 @@ class RayLauncher(Launcher):
     def _placement(self, spec: InstanceSpec) -> dict:
         """The actor's resources. A tensor-parallel instance runs each rank as an actor
         of its own (cluster/ray_ranks.py): it reserves a STRICT_PACK placement group per
-        stage of one bundle per rank (its share of the CPUs, its GPU share and the
-        pool's custom resources each), and its actor sits beside rank 0 asking nothing."""
+        stage of one bundle per rank (its share of the CPUs, one whole GPU when it uses
+        GPUs, and the pool's custom resources each), and its actor sits beside rank 0
+        asking nothing."""
         cpus = self.num_cpus.get(spec.instance_id, 1.0)
         gpus = self.num_gpus.get(spec.instance_id, 0.0)
         custom = self.resources.get(spec.role, {})
@@ -136,7 +137,13 @@ class RayLauncher(Launcher):
         ranks = spec.engine.world_size
         if ranks <= 1:
             return {"num_cpus": cpus, "num_gpus": gpus, "resources": custom}
-        bundle = {"CPU": cpus / ranks, **({"GPU": gpus} if gpus else {}), **custom}
+        if gpus and gpus != ranks:
+            raise LaunchError(
+                f"{spec.instance_id}: {gpus:g} GPUs for {ranks} ranks; each rank asks Ray for "
+                f"one whole GPU (a share could put two ranks of {spec.instance_id} on one GPU, "
+                "which NCCL refuses)"
+            )
+        bundle = {"CPU": cpus / ranks, **({"GPU": 1.0} if gpus else {}), **custom}
         groups = reserve_rank_groups(spec.instance_id, ranks, stages, bundle, self.ready_timeout_s)
         self.placement_groups[spec.instance_id] = groups
         return driver_options(groups)

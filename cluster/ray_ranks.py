@@ -3,11 +3,11 @@
 Placement: a tensor-parallel instance reserves one STRICT_PACK placement group per
 pipeline stage (`reserve_rank_groups`; a TP group's ranks talk over loopback, stages may
 land on different nodes), one bundle per rank asking for the rank's share of the
-instance's CPUs (fractional where ranks share cores), its GPU share when the instance
-uses GPUs, and the pool's custom resources. The instance's actor (the group's driver:
-step loop and scheduler) sits in bundle 0 of stage 0 asking for nothing, so rank 0 and
-the rendezvous it binds are on the driver's node. Rank r runs in bundle r % tp of
-stage r // tp's group.
+instance's CPUs (fractional where ranks share cores), one whole GPU when the instance
+uses GPUs (the rank's `cuda:0`: `engine/devices.py`), and the pool's custom resources.
+The instance's actor (the group's driver: step loop and scheduler) sits in bundle 0 of
+stage 0 asking for nothing, so rank 0 and the rendezvous it binds are on the driver's
+node. Rank r runs in bundle r % tp of stage r // tp's group.
 
 Channel: each rank actor connects a ZMQ DEALER to a ROUTER the driver binds on its
 node's address, and the same small encoded plans and results as the pipes cross it,
@@ -34,6 +34,7 @@ from pdserve.cluster.addresses import LOOPBACK, node_host
 from pdserve.cluster.launcher import LaunchError
 from pdserve.cluster.ray_cluster import one_line, ray_module
 from pdserve.common.wire_auth import MAX_FRAME_BYTES, SECRET_ENV, Sealer, ensure_secret
+from pdserve.engine.devices import own_gpu_devices
 from pdserve.engine.ranks import RankGroup, RankJob, WorkerGroupFailed
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def driver_options(groups: list) -> dict:
 
 
 def rank_options(bundle: dict[str, float]) -> dict:
-    """A rank actor asks for all of its bundle: CPUs, GPU share, custom resources."""
+    """A rank actor asks for all of its bundle: CPUs, its GPU, custom resources."""
     shape = dict(bundle)
     return {"num_cpus": shape.pop("CPU", 0), "num_gpus": shape.pop("GPU", 0), "resources": shape}
 
@@ -160,8 +161,8 @@ class RayRanks:
     def master_host(self) -> str:
         return self.host
 
-    def device_of(self, rank: int, device: str) -> str:
-        return "cpu" if device == "cpu" else "cuda"  # Ray shows each rank its own GPU as 0
+    def devices(self, size: int, device: str) -> list[str]:
+        return own_gpu_devices(device, size)  # Ray shows each rank actor its one GPU
 
     def start(self, jobs: list[RankJob]) -> RankGroup:
         ray = ray_module()

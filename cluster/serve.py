@@ -135,7 +135,7 @@ def instance_specs(
     deployment: Deployment, model_path: str, gateway_address: str, ray: bool = False
 ) -> list[list[InstanceSpec]]:
     """The instances' specs in load waves (instances sharing a GPU load one at a time).
-    Ray sets each actor's CUDA_VISIBLE_DEVICES itself; the local launcher uses `gpu`.
+    Ray sets each actor's CUDA_VISIBLE_DEVICES itself; the local launcher uses `gpus`.
     Across nodes an instance binds its node's address and is pinned to no cores (the
     cores counted are the cluster's, not one machine's)."""
     args = deployment.args
@@ -169,7 +169,7 @@ def instance_specs(
                 test_hooks=args.enable_test_hooks,
                 kv_transfer=kv_transfer,
                 cpus=[] if spread else planned.cpus,
-                gpu=None if ray else planned.gpu,
+                gpus=[] if ray else list(planned.gpus),
             )
             specs.append(spec)
         waves.append(specs)
@@ -203,14 +203,18 @@ def instance_summary(info: InstanceInfo) -> str:
 
 
 def describe(deployment: Deployment) -> str:
-    """ "prefill-0 (GPU 0, 0.45 of its memory), decode-0 (GPU 0, ...)" or the ids on CPU."""
+    """ "prefill-0 (GPU 0, 0.45 of its memory), decode-0 (GPUs 1,2, 0.90 of their
+    memory)" or the ids on CPU."""
     parts = []
     for planned in deployment.instances:
-        if planned.gpu is None:
-            parts.append(planned.instance_id)
+        name, gpus = planned.instance_id, ",".join(planned.gpus)
+        share = planned.gpu_memory_utilization
+        if not planned.gpus:
+            parts.append(name)
+        elif len(planned.gpus) == 1:
+            parts.append(f"{name} (GPU {gpus}, {share:.2f} of its memory)")
         else:
-            share = planned.gpu_memory_utilization
-            parts.append(f"{planned.instance_id} (GPU {planned.gpu}, {share:.2f} of its memory)")
+            parts.append(f"{name} (GPUs {gpus}, {share:.2f} of their memory)")
     return ", ".join(parts)
 
 

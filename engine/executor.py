@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.common.structured_output import StructuredOutput
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.devices import use_device
 from pdserve.engine.step_plan import KVGeometry, StepPlan, StepResult, WorkerInfo
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ class InProcessExecutor:
     def load(self) -> WorkerInfo:
         from pdserve.engine.worker import ModelWorker  # torch loads here, not at import
 
+        use_device(self.config.device)  # "cuda:1": kernels launch on the current device
         self.worker = ModelWorker(self.config, self.connector)
         return self.worker.load()
 

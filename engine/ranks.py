@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Protocol
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.devices import group_devices
 from pdserve.engine.executor import ConnectorFactory
 
 
@@ -81,8 +82,10 @@ class RankLauncher(Protocol):
         """Where rank 0 binds the rendezvous (an address every rank can reach)."""
         ...
 
-    def device_of(self, rank: int, device: str) -> str:
-        """The device a rank's config names for the group's `device` ("cpu", "cuda")."""
+    def devices(self, size: int, device: str) -> list[str]:
+        """The device each of `size` ranks names for the group's `device` ("cpu", "cuda",
+        "cuda:N"): one GPU per rank, as the rank's process sees it (`engine/devices.py`);
+        DeviceError when the ranks cannot each have one."""
         ...
 
     def start(self, jobs: list[RankJob]) -> RankGroup: ...
@@ -100,8 +103,8 @@ class ProcessRanks:
     def master_host(self) -> str:
         return "127.0.0.1"
 
-    def device_of(self, rank: int, device: str) -> str:
-        return device if device == "cpu" else f"cuda:{rank}"  # every GPU visible here
+    def devices(self, size: int, device: str) -> list[str]:
+        return group_devices(device, size)  # the children see what this process sees
 
     def start(self, jobs: list[RankJob]) -> ProcessGroup:
         context = mp.get_context("spawn")

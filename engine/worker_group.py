@@ -34,6 +34,7 @@ import msgspec
 from pdserve.common.model_split import check_pp_size, check_tp_size
 from pdserve.common.structured_output import StructuredOutput
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.devices import use_device
 from pdserve.engine.executor import ConnectorFactory
 from pdserve.engine.ranks import (
     ProcessRanks,
@@ -88,9 +89,10 @@ class WorkerGroupExecutor:
         self._check_split()
         host = self.launcher.master_host()
         master = f"{host}:{free_port(host)}"
+        devices = self.launcher.devices(self.size, self.config.device)
         jobs = [
-            RankJob(self._rank_config(rank), rank, self.size, master, self.connector)
-            for rank in range(self.size)
+            RankJob(self._rank_config(device), rank, self.size, master, self.connector)
+            for rank, device in enumerate(devices)
         ]
         self._group = self.launcher.start(jobs)
         try:
@@ -124,15 +126,15 @@ class WorkerGroupExecutor:
     def rank_pids(self) -> list[int | None]:
         return self._group.pids() if self._group is not None else []
 
-    def _rank_config(self, rank: int) -> EngineConfig:
-        """Each rank: its share of the cores and of the instance's KV memory, and the
-        device it sees its GPU as (the launcher's to say)."""
+    def _rank_config(self, device: str) -> EngineConfig:
+        """Each rank: its share of the cores and of the instance's KV memory, and its
+        own GPU as its process sees it (the launcher's to say)."""
         cores = self.config.resolved_threads()
         return msgspec.structs.replace(
             self.config,
             num_threads=max(1, cores // self.size),
             kv_cache_memory=max(1, self.config.kv_cache_memory // self.size),
-            device=self.launcher.device_of(rank, self.config.device),
+            device=device,
         )
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -242,6 +244,7 @@ def run_rank(job: RankJob, channel: RankChannel) -> None:
     from pdserve.engine.worker import ModelWorker
 
     config, rank = job.config, job.rank
+    use_device(config.device)  # before NCCL, the model or any kernel touches CUDA
     config, tp, stage = join_group(config, rank, job.master, GROUP_TIMEOUT_S)
     factory = job.connector
     connector = factory(tp.rank, tp.size) if factory is not None else None

@@ -30,7 +30,8 @@ class InstanceSpec(msgspec.Struct, kw_only=True):
     # KV). Its instance id and host are this spec's (`instance/kinds.py:kv_transfer_config`).
     kv_transfer: KVTransferConfig | None = None
     cpus: list[int] = []  # cores to pin to (empty: no pinning)
-    gpu: str | None = None  # CUDA_VISIBLE_DEVICES for a local process (None: leave as is)
+    # CUDA_VISIBLE_DEVICES of a local process, one GPU per rank (empty: leave it as is).
+    gpus: list[str] = []
     # The epoch its outputs start in: a restarted instance goes on from the one the
     # gateway retired with its predecessor, so nothing of the old life passes for new.
     epoch: int = 0

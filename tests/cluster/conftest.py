@@ -34,3 +34,11 @@ def ray_list(kind: str, address: str) -> list[dict]:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="session")
+def split_model(tmp_path_factory) -> str:
+    """A model folder whose config splits over TP 1, 2, 4 and PP 1, 2 (no weights)."""
+    from tests.cluster.gpu_plans import write_split_model
+
+    return write_split_model(tmp_path_factory.mktemp("split-model"))

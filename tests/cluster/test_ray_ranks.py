@@ -1,5 +1,6 @@
 """The shape of a tensor-parallel instance's Ray resources, on GPUs too (no GPU here: the
-placement group is not reserved, its bundle and the actors' options are inspected)."""
+placement group is not reserved, its bundle and the actors' options are inspected): one
+whole GPU per rank bundle, as many in all as the plan counted for the instance."""
 
 from __future__ import annotations
 
@@ -7,10 +8,15 @@ import pytest
 
 pytest.importorskip("ray")
 
+from pdserve.cli import build_parser  # noqa: E402
 from pdserve.cluster import ray_launcher  # noqa: E402
+from pdserve.cluster.deployment import Deployment  # noqa: E402
+from pdserve.cluster.launcher import LaunchError  # noqa: E402
 from pdserve.cluster.ray_ranks import RayRanks, rank_options  # noqa: E402
+from pdserve.cluster.serve import instance_specs, make_launcher  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.instance.spec import InstanceSpec  # noqa: E402
+from tests.cluster.gpu_plans import PLANS, plan_id  # noqa: E402
 
 
 def placement_of(monkeypatch, gpus: float, tp: int) -> tuple[dict, dict]:
@@ -35,8 +41,8 @@ def placement_of(monkeypatch, gpus: float, tp: int) -> tuple[dict, dict]:
     return asked["bundle"], options
 
 
-def test_each_rank_bundle_asks_a_gpu_share_its_cpus_and_the_pools_resources(monkeypatch):
-    bundle, driver = placement_of(monkeypatch, gpus=1.0, tp=2)
+def test_each_rank_bundle_asks_one_gpu_its_cpus_and_the_pools_resources(monkeypatch):
+    bundle, driver = placement_of(monkeypatch, gpus=2.0, tp=2)  # the plan: 2 GPUs for 2 ranks
     assert bundle == {"CPU": 1.0, "GPU": 1.0, "gpu_node": 1.0}
     assert rank_options(bundle) == {"num_cpus": 1.0, "num_gpus": 1.0,
                                     "resources": {"gpu_node": 1.0}}  # fmt: skip
@@ -54,10 +60,48 @@ def test_ranks_sharing_cores_get_fractional_cpus_and_no_gpu_on_cpu(monkeypatch):
     assert rank_options(bundle)["num_gpus"] == 0
 
 
-def test_a_rank_actor_sees_its_gpu_as_device_zero() -> None:
+@pytest.mark.parametrize("gpus", [1.0, 0.5])
+def test_a_gpu_share_below_one_per_rank_is_refused(monkeypatch, gpus: float) -> None:
+    """Ray hands fractional GPUs out packed: two ranks of one group could get one GPU,
+    which NCCL refuses."""
+    with pytest.raises(LaunchError, match="two ranks of decode-0 on one GPU") as refused:
+        placement_of(monkeypatch, gpus=gpus, tp=2)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "plan", [p for p in PLANS if not isinstance(p[3], str)], ids=plan_id
+)  # the plans that fit (tests/cluster/test_placement.py checks the refusals)
+def test_ray_is_asked_for_the_gpus_the_plan_counted(plan, split_model, monkeypatch) -> None:
+    num_gpus, tp, pp, _ = plan
+    argv = build_parser().parse_args(
+        ["serve", "--model", split_model, "-tp", str(tp), "-pp", str(pp)]
+    )
+    deployment = Deployment.from_args(argv, list(range(16)), [str(i) for i in range(num_gpus)])
+    launcher = make_launcher(deployment, 8000)
+    asked: list[tuple[int, int, dict]] = []
+    monkeypatch.setattr(
+        ray_launcher, "reserve_rank_groups",
+        lambda instance_id, ranks, stages, bundle, timeout_s: asked.append(
+            (ranks, stages, bundle)) or ["group"] * stages,
+    )  # fmt: skip
+    specs = [s for wave in instance_specs(deployment, split_model, "tcp://g:1", ray=True)
+             for s in wave]  # fmt: skip
+    for spec, planned in zip(specs, deployment.instances, strict=True):
+        options = launcher._placement(spec)
+        if tp * pp == 1:
+            assert options["num_gpus"] == planned.num_gpus  # the instance actor holds it
+            continue
+        ranks, stages, bundle = asked.pop(0)
+        assert (ranks, stages, bundle["GPU"]) == (tp * pp, pp, 1.0)
+        assert ranks * bundle["GPU"] == planned.num_gpus == tp * pp
+        assert rank_options(bundle)["num_gpus"] == 1.0
+
+
+def test_a_rank_actor_uses_the_one_gpu_ray_shows_it() -> None:
     ranks = RayRanks("127.0.0.1", "decode-0")
-    assert [ranks.device_of(r, "cuda") for r in range(2)] == ["cuda", "cuda"]
-    assert ranks.device_of(1, "cpu") == "cpu"
+    assert ranks.devices(4, "cuda") == ["cuda:0"] * 4
+    assert ranks.devices(2, "cpu") == ["cpu"] * 2
 
 
 def _job(host: str):
