@@ -127,6 +127,12 @@ class InstanceStats(msgspec.Struct):
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     num_kv_transfers_in_flight: int = 0  # prefill and decode kinds: pulls with data moving
+    # Decode kind: the latest handoffs whose pull ended (at most decode/pull_outcomes.py's
+    # window), how many of them were recomputed here because the pull failed, and the
+    # latest failure among them ("" if none).
+    kv_pulls_recent: int = 0
+    kv_pulls_recomputed: int = 0
+    kv_pull_last_failure: str = ""
 
 
 class MetricsDelta(msgspec.Struct):

@@ -281,12 +281,10 @@ class DecodeKVPuller:
                 errors = [op.error for op in part.ops if op.error]
                 if errors:
                     self._fail(request, f"receive failed: {errors[0]}")
-                elif request.failure is None:
-                    for staging, dst_start in part.stagings:
-                        lo = self._heads[0]
-                        self._memory.scatter(
-                            staging, dst_start, part.head_start - lo, part.head_end - lo
-                        )
+                elif request.failure is None and part.stagings:
+                    lo = self._heads[0]
+                    heads = (part.head_start - lo, part.head_end - lo)
+                    self._memory.scatter_runs(part.stagings, *heads)
                 part.stagings = []
         if request.in_flight:
             return

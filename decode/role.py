@@ -38,6 +38,7 @@ from pdserve.common.messages import (
 from pdserve.common.request import RequestStatus
 from pdserve.decode.kv_scheduler import DecodeKVScheduler, DecodeUpdate
 from pdserve.decode.pending import VoidedHandoffs
+from pdserve.decode.pull_outcomes import PullOutcomes
 from pdserve.engine.core import EngineCore
 from pdserve.kvtransfer.link import KVLink
 from pdserve.kvtransfer.messages import KVHandoff
@@ -79,6 +80,7 @@ class DecodeRole:
         self._pulling: dict[str, int] = {}  # request id → blocks its pull moves
         self._blocks_pulled = 0  # since the last output
         self._recomputed = 0
+        self.pull_outcomes = PullOutcomes()
         self.blocks_pulled_total = 0
 
     # ---- tasks ------------------------------------------------------------------------
@@ -205,6 +207,7 @@ class DecodeRole:
 
     def add_stats(self, stats: InstanceStats) -> None:
         stats.num_kv_transfers_in_flight = self.link.stats.in_flight
+        self.pull_outcomes.add_stats(stats)
 
     # ---- pulls ------------------------------------------------------------------------
 
@@ -226,6 +229,7 @@ class DecodeRole:
         for request_id in update.ready:
             scheduler.finish_remote_kvs(request_id, success=True)
             self._blocks_pulled += self._pulling.pop(request_id, 0)
+            self.pull_outcomes.pulled()
             self.link.mark_news()
         for failure in update.failed:
             self._pulling.pop(failure.request_id, None)
@@ -243,7 +247,9 @@ class DecodeRole:
             return
         self.link.mark_news()
         logger.warning("%s: request %s: %s (%s)", self.instance_id, request_id, message, policy)
-        if request is not None and request.status is RequestStatus.FINISHED_ERROR:
+        ended = request is not None and request.status is RequestStatus.FINISHED_ERROR
+        self.pull_outcomes.failed(reason, recomputed=not ended)
+        if request is not None and ended:
             self.link.emit(
                 error_delta(
                     request_id, message, request.num_prompt_tokens, request.num_output_tokens

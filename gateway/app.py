@@ -35,8 +35,16 @@ Handler = Callable[[Request, Gateway], Awaitable[Response]]
 
 
 async def health(request: Request, gateway: Gateway) -> Response:
+    """200 while a request can be served, 503 with Retry-After while none can (starting,
+    or no decode or colocated instance alive), as vLLM's and SGLang's /health: what load
+    balancers and probes read. The body says more: `status` is "ok", or "degraded" when
+    the service serves worse than it should, each reason a line in `warnings` naming the
+    instance (a decode instance that recomputed at least half of its latest handoffs
+    because their KV pulls failed: each of those prompts was computed twice); `instances`
+    lists every instance, a decode instance with its `kv_pulls` (recent, recomputed,
+    recomputing, last_failure)."""
     gateway.require_ready()
-    return gateway.json({"status": "ok", "instances": gateway.instance_health()})
+    return gateway.json(gateway.health())
 
 
 OPENAPI = openapi_document()  # built once: it depends on the request types only

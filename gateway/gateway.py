@@ -23,11 +23,12 @@ from pdserve.gateway.global_scheduler import (
     GlobalScheduler,
     GlobalSchedulerConfig,
 )
+from pdserve.gateway.health import health_body
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.offload import DEFAULT_BUDGET_S, Offload
 from pdserve.gateway.prompts import Prompt
 from pdserve.gateway.rate_limits import RateLimited, RateLimiter
-from pdserve.gateway.routing import ROLES_THAT_DECODE, InstanceView
+from pdserve.gateway.routing import ROLES_THAT_DECODE
 from pdserve.gateway.streaming import ClientDisconnected, watch_disconnect
 from pdserve.gateway.tenants import (
     ANONYMOUS,
@@ -172,11 +173,10 @@ class Gateway:
         if reason is not None:
             raise APIError(503, reason, code="unavailable", headers={"Retry-After": "1"})
 
-    def instance_health(self) -> list[dict]:
-        """Each instance as the scheduler sees it (alive, load, and which kernels it runs,
-        so a missing fast path shows), for /health. A dead instance's load is gone with
-        it: its last numbers would read as work nobody carries."""
-        return [_health(view) for view in self.scheduler.views.values()]
+    def health(self) -> dict[str, Any]:
+        """/health's body: each instance as the scheduler sees it, and what degrades the
+        service while it serves (`gateway/health.py`)."""
+        return health_body(self.scheduler.views.values())
 
     # ---- request helpers --------------------------------------------------------------
 
@@ -281,18 +281,3 @@ class Gateway:
     @staticmethod
     def json(payload: Any, status: int = 200) -> Response:
         return Response(msgspec.json.encode(payload), status, media_type="application/json")
-
-
-def _health(view: InstanceView) -> dict[str, Any]:
-    entry: dict[str, Any] = {
-        "id": view.instance_id,
-        "role": view.role,
-        "alive": view.alive,
-        "epoch": view.epoch,
-        "kernels": view.info.kernels,
-    }
-    if view.alive:
-        entry["num_running"] = view.stats.num_running
-        entry["num_waiting"] = view.stats.num_waiting
-        entry["kv_cache_usage_perc"] = view.stats.kv_cache_usage_perc
-    return entry

@@ -25,6 +25,7 @@ from prometheus_client import (
 )
 
 from pdserve.common.messages import InstanceOutput, InstanceStats
+from pdserve.gateway.health import recompute_ratio
 
 PREFIX = "pdserve:"
 LABELS = ("role", "instance")
@@ -53,6 +54,8 @@ GAUGES = {
     "kv_transfers_in_flight": "KV transfers with data moving (served on prefill, pulled on decode)",
     "kv_cache_usage_perc": "Fraction of KV blocks in use (1 = full)",
     "instance_up": "1 while the gateway hears from the instance",
+    "kv_pull_recompute_ratio": "Share of the decode instance's latest handoffs (up to 32) "
+    "recomputed there because their KV pull failed",
 }
 COUNTERS = {
     "num_preemptions_total": "Requests preempted for lack of KV blocks",
@@ -119,6 +122,7 @@ _STAT_GAUGES = {
     "num_requests_waiting_for_remote_kvs": lambda s: s.num_waiting_for_remote_kvs,
     "kv_transfers_in_flight": lambda s: s.num_kv_transfers_in_flight,
     "kv_cache_usage_perc": lambda s: s.kv_cache_usage_perc,
+    "kv_pull_recompute_ratio": recompute_ratio,
 }
 
 

@@ -9,7 +9,8 @@ contiguous staging buffer when a TP split makes it partial.
 Host memory arrives as a torch CPU tensor or a numpy array and is handled as numpy
 views of the same memory. CUDA tensors stay torch tensors: UCX takes their
 `__cuda_array_interface__` as it is (CUDA IPC / NVLink); that path is shaped here but
-only exercised on a GPU machine.
+only exercised on a GPU machine. Their copies run on the transfer's stream and are done
+before `gather_runs` and `scatter_runs` return (`device_order.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.kvtransfer.device_order import DeviceOrder, order_for
 from pdserve.kvtransfer.layout import KVLayoutMismatch
 from pdserve.kvtransfer.messages import KVLayout
 
@@ -28,9 +30,16 @@ def _is_torch(obj: Any) -> bool:
 
 class KVMemory:
     def __init__(
-        self, storage: Any, layout: KVLayout, tp_size: int = 1, num_layers: int | None = None
+        self,
+        storage: Any,
+        layout: KVLayout,
+        tp_size: int = 1,
+        num_layers: int | None = None,
+        order: DeviceOrder | None = None,
     ):
-        """`num_layers`: the layers this rank's storage holds (a pipeline stage's)."""
+        """`num_layers`: the layers this rank's storage holds (a pipeline stage's);
+        `order`: how its copies are ordered against UCX (by default the one the
+        storage's device needs: `device_order.order_for`)."""
         heads = layout.num_kv_heads // tp_size
         layers = num_layers or layout.num_layers
         expected = (layers, 2, heads, layout.block_size, layout.head_dim)
@@ -60,6 +69,7 @@ class KVMemory:
                 raise ValueError("KV storage must be C-contiguous")
             self._bytes = storage.view(np.uint8).reshape(*shape[:4], row)
         self._storage = storage  # keeps the memory alive while transfers use it
+        self.order = order if order is not None else order_for(storage)
         self.bytes_per_block = layers * 2 * heads * row
 
     def check_blocks(self, start: int, count: int) -> None:
@@ -79,11 +89,20 @@ class KVMemory:
         view = self._bytes[start : start + count, :, :, head_lo:head_hi]
         return view.contiguous() if self.is_cuda else np.ascontiguousarray(view)
 
+    def gather_runs(self, runs: list[tuple[int, int]], head_lo: int, head_hi: int) -> list[Any]:
+        """`gather` of each (start, count) run, done when this returns: UCX reads the
+        buffers at once, outside any stream."""
+        with self.order.copying():
+            buffers = [self.gather(start, count, head_lo, head_hi) for start, count in runs]
+        self.order.mark_copies().synchronize()
+        return buffers
+
     def staging(self, count: int, num_heads: int) -> Any:
         """An empty contiguous buffer shaped like `gather` output."""
         shape = (count, *self._bytes.shape[1:3], num_heads, self._bytes.shape[4])
         if self.is_cuda:
-            return self._bytes.new_empty(shape)
+            with self.order.copying():  # the stream the scatter out of it runs on
+                return self._bytes.new_empty(shape)
         return np.empty(shape, dtype=np.uint8)
 
     def scatter(self, staging: Any, start: int, head_lo: int, head_hi: int) -> None:
@@ -95,6 +114,15 @@ class KVMemory:
             target.copy_(staging)
         else:
             np.copyto(target, staging)
+
+    def scatter_runs(self, stagings: list[tuple[Any, int]], head_lo: int, head_hi: int) -> None:
+        """`scatter` of each (staging buffer, first block), done when this returns: the
+        step that reads the blocks is planned after, and UCX may receive into the
+        buffers' memory again once they are let go."""
+        with self.order.copying():
+            for staging, start in stagings:
+                self.scatter(staging, start, head_lo, head_hi)
+        self.order.mark_copies().synchronize()
 
 
 def _torch_uint8(tensor: Any) -> Any:

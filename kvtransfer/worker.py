@@ -8,7 +8,11 @@ The instance talks to it through two calls per step:
     worker.apply(metadata)          # holds / keepalives / pulls / aborts from the driver
     report = worker.get_finished()  # what finished since the last call
 
-Both are cheap and never block on the network.
+Both are cheap and never block on the network. `apply` is called on the rank's compute
+thread before the step's model work: a plan that brings holds or pulls marks the work
+launched so far there (the steps that wrote the held blocks or last used the blocks a
+pull receives into), and the I/O thread takes them in only once that work is done
+(`device_order.py`; on a CUDA device an event, on the host nothing to wait for).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import zmq
 
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.control import ControlServer
+from pdserve.kvtransfer.device_order import DeviceOrder, Marker
 from pdserve.kvtransfer.kv_memory import KVMemory
 from pdserve.kvtransfer.layout import check_tp_split
 from pdserve.kvtransfer.messages import KVConnectorMetadata, KVLayout, TransferReport
@@ -56,12 +61,15 @@ class KVTransferWorker:
         stage_layers: int | None = None,
         serve: ServingFactory | None = None,
         pull: PullingFactory | None = None,
+        order: DeviceOrder | None = None,
     ):
         """`kv_storage`: this rank's KV tensor (torch, CPU or CUDA) or numpy array in
         the engine layout [num_blocks, layers, 2, kv_heads/tp_size, block_size, head_dim];
         with pipeline stages, stage `pp_stage`'s `stage_layers` layers. `serve` builds
         the side that serves pulls (a prefill instance's), `pull` the side that pulls (a
-        decode instance's), both on the I/O thread; a side not given does nothing."""
+        decode instance's), both on the I/O thread; a side not given does nothing.
+        `order`: how the storage's device work is ordered against the transport (by
+        default what its device needs: `device_order.order_for`)."""
         check_tp_split(layout, tp_size, f"instance {config.instance_id}")
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} outside TP size {tp_size}")
@@ -69,9 +77,10 @@ class KVTransferWorker:
         self.layout = layout
         self.tp_rank, self.tp_size, self.pp_stage = tp_rank, tp_size, pp_stage
         self._serve, self._pull = serve, pull
-        self._memory = KVMemory(kv_storage, layout, tp_size, stage_layers)
+        self._memory = KVMemory(kv_storage, layout, tp_size, stage_layers, order)
         self._lock = threading.Lock()
-        self._commands: list[KVConnectorMetadata] = []
+        # Each batch with the marker its holds and pulls wait for (None: it has neither).
+        self._commands: list[tuple[KVConnectorMetadata, Marker | None]] = []
         self._report = TransferReport()
         self._stats = KVTransferStats()  # mutated by the I/O thread only
         self._quarantined: list[str] = []
@@ -138,8 +147,10 @@ class KVTransferWorker:
     def apply(self, metadata: KVConnectorMetadata) -> None:
         if metadata.is_empty:
             return
+        touches_blocks = bool(metadata.holds or metadata.pulls)
+        written = self._memory.order.mark_compute() if touches_blocks else None
         with self._lock:
-            self._commands.append(metadata)
+            self._commands.append((metadata, written))
             if self._wake is not None:
                 self._wake.send(b"", zmq.NOBLOCK)
 
@@ -229,7 +240,9 @@ class KVTransferWorker:
             now = time.monotonic()
             with self._lock:
                 commands, self._commands = self._commands, []
-            for metadata in commands:
+            for metadata, written in commands:
+                if written is not None:
+                    written.synchronize()  # the steps launched before this plan
                 for hold in metadata.holds:
                     prefill.hold(hold, now)
                 for keepalive in metadata.keepalives:

@@ -200,13 +200,12 @@ class PrefillKVServer:
         self._active.add(held.request_id)
         self._stats.in_flight += 1
         try:
-            for run in pull.runs:
-                if whole:
-                    buffer = self._memory.blocks(run.src_start, run.count)
-                else:
-                    buffer = self._memory.gather(
-                        run.src_start, run.count, pull.head_start - lo, pull.head_end - lo
-                    )
+            if whole:
+                buffers = [self._memory.blocks(run.src_start, run.count) for run in pull.runs]
+            else:
+                starts = [(run.src_start, run.count) for run in pull.runs]
+                buffers = self._memory.gather_runs(starts, pull.head_start - lo, pull.head_end - lo)
+            for run, buffer in zip(pull.runs, buffers, strict=True):
                 ops.append(self._transport.send(peer.hex(), buffer, run.tag))
         except Exception as exc:  # e.g. the peer's address is unreachable
             serving.error = f"prefill side could not send: {exc}"

@@ -129,6 +129,7 @@ def test_an_unreachable_prefill_instance_under_recompute_prefills_here(gateway, 
     prompt = list(range(900, 933))  # nothing of it cached here
     expected = reference_tokens(prompt, 4)
     computed = gateway.counter("d", "prompt_tokens_computed_total")
+    before = gateway.latest_stats("d")
     gateway.send(decode, crafted(decode, "lost", prompt, expected[0]))
     got = gateway.wait_finished("lost")
     assert [r.delta.error for r in got] == [None] * len(got)
@@ -139,6 +140,11 @@ def test_an_unreachable_prefill_instance_under_recompute_prefills_here(gateway, 
     assert gateway.counter("d", "prompt_tokens_computed_total") - computed == len(prompt)
     assert gateway.counter("d", "kv_transfer_failures_total") == 1
     assert gateway.idle_books(decode).block_owners == {}
+    # Its stats say so beside the counter: the gateway's /health and recompute gauge.
+    stats = gateway.latest_stats("d")
+    assert stats.kv_pulls_recomputed == before.kv_pulls_recomputed + 1
+    assert stats.kv_pulls_recent == before.kv_pulls_recent + 1
+    assert "no handshake reply from prefill instance p-gone" in stats.kv_pull_last_failure
 
 
 def test_an_unreachable_prefill_instance_under_fail_ends_the_request(gateway, instances) -> None:
@@ -151,6 +157,9 @@ def test_an_unreachable_prefill_instance_under_fail_ends_the_request(gateway, in
     books = gateway.idle_books(strict)
     assert books.block_owners == {} and books.num_free_blocks == books.num_total_blocks
     assert gateway.counter("d-fail", "prompt_tokens_computed_total") == 0
+    stats = gateway.latest_stats("d-fail")  # a failed pull, but nothing recomputed
+    assert (stats.kv_pulls_recent, stats.kv_pulls_recomputed) == (1, 0)
+    assert "no handshake reply" in stats.kv_pull_last_failure
 
 
 def test_a_handoff_voided_by_an_abort_is_dropped_but_a_retry_is_not(gateway, instances) -> None:

@@ -56,8 +56,16 @@ class FakeUcx:
 class FakePrefill:
     """A ROUTER that answers handshakes like a prefill rank and records every message."""
 
-    def __init__(self, layout: KVLayout, instance_id: str = "fake-p", transport: str = "ucx"):
+    def __init__(
+        self,
+        layout: KVLayout,
+        instance_id: str = "fake-p",
+        transport: str = "ucx",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
         self.layout, self.instance_id, self.transport = layout, instance_id, transport
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -77,7 +85,9 @@ class FakePrefill:
             self.received.append(message)
             if isinstance(message, Hello):
                 self.hellos.append(message)
-                reply = HelloReply(self.instance_id, 0, 1, self.layout, self.transport)
+                reply = HelloReply(
+                    self.instance_id, self.tp_rank, self.tp_size, self.layout, self.transport
+                )
                 frame = self.sealer.seal(encode_control(reply))
                 self.socket.send_multipart([identity, frame])
 

@@ -23,6 +23,7 @@ from pdserve.common.messages import (
     InspectTask,
     InstanceInspection,
     InstanceOutput,
+    InstanceStats,
     RequestDelta,
 )
 from pdserve.common.sampling_params import SamplingParams
@@ -54,6 +55,7 @@ class Gateway:
         default_factory=lambda: defaultdict(list)
     )
     inspections: dict[str, InstanceInspection] = field(default_factory=dict)
+    stats: dict[str, InstanceStats] = field(default_factory=dict)  # the latest, by instance
 
     def __post_init__(self) -> None:
         self._pull = self.context.socket(zmq.PULL)
@@ -76,6 +78,8 @@ class Gateway:
             with self._lock:
                 for delta in output.deltas:
                     self.deltas.append(Received(now, instance, delta))
+                if output.stats is not None:
+                    self.stats[instance] = output.stats
                 if output.inspection is not None:
                     self.inspections[output.inspection.query_id] = output.inspection
                 if output.metrics is not None:
@@ -144,6 +148,10 @@ class Gateway:
         """The request's tokens in output order (as the gateway would release them)."""
         ordered = sorted(self.of(request_id), key=lambda r: r.delta.output_index)
         return [t for r in ordered for t in r.delta.new_token_ids]
+
+    def latest_stats(self, instance: str) -> InstanceStats:
+        with self._lock:
+            return self.stats.get(instance, InstanceStats())
 
     def counter(self, instance: str, name: str) -> float:
         with self._lock:
