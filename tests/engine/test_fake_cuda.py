@@ -93,10 +93,9 @@ def _on_device(model: torch.nn.Module) -> None:
 
 
 def test_a_host_tensor_fed_to_a_model_on_cuda_fails(monkeypatch) -> None:
-    with fake_cuda(monkeypatch), building_on("cuda", torch.bfloat16):
-        model = LlamaForCausalLM(CFG)
     steps = build_step_inputs([(PROMPTS["a"], 0)], contiguous_block_tables(1, 2), BS)
     with fake_cuda(monkeypatch), building_on("cuda", torch.bfloat16):
+        model = LlamaForCausalLM(CFG)
         caches = [torch.zeros(4, 2, 2, BS, 16) for _ in range(2)]
         with pytest.raises(FakeTensorDeviceMismatchError, match="cuda:0 and cpu"):
             model(steps.token_ids, steps.positions, caches, steps.meta)
