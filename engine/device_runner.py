@@ -3,14 +3,16 @@
 The runner prepares every step on the host (numpy) as it does on CPU and hands it
 here: pure-decode batches replay a captured CUDA graph (`pdserve.engine.cuda_graphs`); any
 other batch (prefill chunks, more sequences than the largest graph) runs eagerly on
-inputs staged through pinned memory. Logits come back on the device for the sampler.
+inputs staged through pinned memory. Logits come back on the device for the sampler. A
+pipeline stage runs its micro-batches itself (`pdserve.engine.pipeline`), on inputs
+staged by the same `stage`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
@@ -33,6 +35,9 @@ class Step(Protocol):
     positions: Tensor
     meta: AttentionMetadata
     logits_indices: Tensor
+
+
+S = TypeVar("S", bound=Step)  # a dataclass: staging copies it with device tensors
 
 
 class DeviceRunner:
@@ -66,11 +71,17 @@ class DeviceRunner:
 
     @classmethod
     def for_engine(
-        cls, model: torch.nn.Module, kv_cache: KVCache, config: EngineConfig, max_model_len: int
+        cls,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        config: EngineConfig,
+        max_model_len: int,
+        graphs: bool = True,
     ) -> DeviceRunner:
-        """The executor of an engine on CUDA, graphs captured unless `enforce_eager`."""
+        """The executor of an engine on CUDA, graphs captured unless `enforce_eager` or
+        not `graphs` (a pipeline stage: a graph captures the whole model's step)."""
         sizes: list[int] = []
-        if not config.enforce_eager:
+        if graphs and not config.enforce_eager:
             load_triton_kernels()  # compiles nothing yet; the warm-up runs compile
             blockers = graph_blockers(kv_cache.storage.device)
             if blockers:
@@ -97,6 +108,15 @@ class DeviceRunner:
 
     @torch.inference_mode()
     def execute_eagerly(self, step: Step) -> Tensor:
+        step = self.stage(step)
+        hidden = self.model(step.token_ids, step.positions, self.kv_cache.layers, step.meta)
+        if step.logits_indices.numel() == 0:
+            return hidden.new_empty((0, 0), dtype=torch.float32)
+        return self.model.compute_logits(hidden[step.logits_indices])
+
+    def stage(self, step: S) -> S:
+        """A copy of `step` whose tensors are on the device (views valid until the next
+        call): what every eager step, and each micro-batch of a pipeline stage, runs on."""
         meta = step.meta
         token_ids, positions, slots, tables, starts, lens, indices = self.stager.stage(
             [
@@ -116,7 +136,6 @@ class DeviceRunner:
             query_start_loc=starts,
             context_lens=lens,
         )
-        hidden = self.model(token_ids, positions, self.kv_cache.layers, meta)
-        if indices.numel() == 0:
-            return hidden.new_empty((0, 0), dtype=torch.float32)
-        return self.model.compute_logits(hidden[indices])
+        return dataclasses.replace(
+            step, token_ids=token_ids, positions=positions, meta=meta, logits_indices=indices
+        )

@@ -178,8 +178,8 @@ def run_stage(worker: ModelWorker, chunks: list[ScheduledChunk]) -> list[Sampled
     sampled: list[SampledToken] = []
     sampling = []
     for group in micro_batches(chunks, stage.size):
-        batch = worker.runner.prepare(group)
-        carried = None
+        batch = worker.runner.on_device(worker.runner.prepare(group))
+        carried = None  # received onto the device, where the model and the batch are
         if not stage.is_first:
             shape = (2, batch.num_tokens, hidden_size)
             carried = stage.recv(shape, model.hidden_dtype, worker.device)

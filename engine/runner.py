@@ -66,6 +66,11 @@ class ModelRunner:
                 tokens.extend(c.request.tokens_between(c.start, c.end))
         return tokens
 
+    def on_device(self, batch: StepBatch) -> StepBatch:
+        """The batch with its tensors where the model is: staged by the device runner on
+        CUDA; on CPU, where `prepare` made them."""
+        return batch if self.device_runner is None else self.device_runner.stage(batch)
+
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> Tensor:
         """Logits [num_samples, vocab] in float32."""

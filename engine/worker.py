@@ -123,10 +123,11 @@ class ModelWorker:
             num_blocks = stage.agree_min(num_blocks, self.device)
         self.kv_cache = KVCache(shape, num_blocks, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
-        # Decode graphs are captured here, once the KV cache exists (whole model only).
-        if on_cuda and not stage.enabled:
+        # Decode graphs are captured here, once the KV cache exists (whole model only: a
+        # pipeline stage stages its inputs through the device runner and runs eagerly).
+        if on_cuda:
             self.runner.device_runner = DeviceRunner.for_engine(
-                self.model, self.kv_cache, config, self.max_model_len
+                self.model, self.kv_cache, config, self.max_model_len, graphs=not stage.enabled
             )
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(generation_config.eos_token_ids) | frozenset(

@@ -58,6 +58,11 @@ def check_float(name: str, tensor: Tensor) -> None:
         raise TypeError(f"{name} must be float16, bfloat16 or float32, got {tensor.dtype}")
 
 
+def check_index(name: str, tensor: Tensor) -> None:
+    if tensor.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {tensor.dtype}")
+
+
 def check_same_device(**tensors: Tensor) -> None:
     devices = {t.device for t in tensors.values()}
     if len(devices) > 1:
@@ -121,6 +126,7 @@ def check_attention_rest(
     out: Tensor | None,
 ) -> Tensor:
     """Checks the block tables, the window and `out`; returns `out` (allocated if None)."""
+    check_index("block_tables", block_tables)
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(
             f"block_tables must be [num_seqs={num_seqs}, max_blocks], "
@@ -130,6 +136,9 @@ def check_attention_rest(
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if out is None:
         return torch.empty_like(query)
-    if out.shape != query.shape:
-        raise ValueError(f"out must have the query's shape {tuple(query.shape)}")
+    if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(
+            f"out must be like the query ({tuple(query.shape)}, {query.dtype}, {query.device}), "
+            f"got {tuple(out.shape)}, {out.dtype}, {out.device}"
+        )
     return out

@@ -28,8 +28,10 @@ from pdserve.kernels import triton_flash as flash
 from pdserve.kernels.triton_common import (
     LOG2_E,
     PROGRAMS_PER_SM,
+    AttentionShape,
     check_attention_query,
     check_attention_rest,
+    check_index,
     dot_precision,
     next_power_of_2,
     num_sms,
@@ -229,6 +231,27 @@ def merge_partitions_kernel(
     )
 
 
+def check_decode_inputs(
+    query: Tensor,
+    kv_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    sliding_window: int | None,
+    out: Tensor | None,
+) -> tuple[AttentionShape, Tensor]:
+    """What a launch checks (the fake implementation of the op checks the same): the
+    sizes, and `out` (allocated if None)."""
+    shape = check_attention_query(
+        query, kv_cache, "num_seqs", block_tables=block_tables, context_lens=context_lens
+    )
+    check_index("context_lens", context_lens)
+    if context_lens.shape != (shape.rows,):
+        raise ValueError(
+            f"context_lens must be [num_seqs={shape.rows}], got {tuple(context_lens.shape)}"
+        )
+    return shape, check_attention_rest(query, block_tables, shape.rows, sliding_window, out)
+
+
 def decode_attention_triton(
     query: Tensor,
     kv_cache: Tensor,
@@ -245,13 +268,10 @@ def decode_attention_triton(
     step's longest context (and a fixed width under CUDA graphs). A sequence with
     context_len 0 (a padding row) gets zeros, where the reference gives NaN.
     """
-    shape = check_attention_query(query, kv_cache, "num_seqs", block_tables=block_tables)
+    shape, out = check_decode_inputs(
+        query, kv_cache, block_tables, context_lens, sliding_window, out
+    )
     num_seqs, num_heads, head_dim, num_kv_heads, block_size, group = shape
-    if context_lens.shape != (num_seqs,):
-        raise ValueError(
-            f"context_lens must be [num_seqs={num_seqs}], got {tuple(context_lens.shape)}"
-        )
-    out = check_attention_rest(query, block_tables, num_seqs, sliding_window, out)
     if num_seqs == 0:
         return out
 

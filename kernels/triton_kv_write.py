@@ -13,6 +13,7 @@ import triton.language as tl
 
 from pdserve.kernels.triton_common import (
     check_float,
+    check_index,
     check_kv_cache,
     check_same_device,
     next_power_of_2,
@@ -76,10 +77,10 @@ def write_kv_cache_kernel(
     tl.store(dst + stride_ckv, value.to(dtype), mask=mask)
 
 
-def write_kv_cache_triton(
+def check_kv_write_inputs(
     key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor
 ) -> None:
-    """Same contract as `reference.write_kv_cache_ref`."""
+    """What a launch checks (the fake implementation of the op checks the same)."""
     if key.dim() != 3 or key.shape != value.shape:
         raise ValueError(
             "key and value must both be [num_tokens, num_kv_heads, head_dim], got "
@@ -90,10 +91,19 @@ def write_kv_cache_triton(
     check_float("value", value)
     check_kv_cache(kv_cache, num_kv_heads, head_dim)
     check_same_device(key=key, value=value, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    check_index("slot_mapping", slot_mapping)
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
         raise ValueError(
             f"slot_mapping must be [num_tokens={num_tokens}], got {tuple(slot_mapping.shape)}"
         )
+
+
+def write_kv_cache_triton(
+    key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    """Same contract as `reference.write_kv_cache_ref`."""
+    check_kv_write_inputs(key, value, kv_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     write_kv_cache_kernel[(num_tokens,)](

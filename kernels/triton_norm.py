@@ -62,23 +62,12 @@ def rms_norm_triton(
     x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Same contract as `reference.rms_norm_ref`."""
-    check_float("x", x)
-    check_float("weight", weight)
+    out, residual_out = rms_norm_outputs(x, weight, residual)
     hidden = x.shape[-1]
-    if weight.shape != (hidden,):
-        raise ValueError(f"weight must be [{hidden}], got {tuple(weight.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(
-            f"residual must match x ({tuple(x.shape)}, {x.dtype}), "
-            f"got {tuple(residual.shape)}, {residual.dtype}"
-        )
-    check_same_device(x=x, weight=weight)
     x_rows = _rows(x, hidden)
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     out_rows = out.view(-1, hidden)
     if residual is not None:
         res_rows = _rows(residual, hidden)
-        residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
         res_out_rows = residual_out.view(-1, hidden)
     else:
         res_rows = res_out_rows = x_rows  # unused without HAS_RESIDUAL
@@ -104,3 +93,25 @@ def rms_norm_triton(
     if residual is None:
         return out
     return out, residual_out
+
+
+def rms_norm_outputs(
+    x: Tensor, weight: Tensor, residual: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """Checks the inputs as a launch does and makes its outputs (the fake implementation
+    of the op does the same): the normed rows and, with `residual`, the new residual."""
+    check_float("x", x)
+    check_float("weight", weight)
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight must be [{hidden}], got {tuple(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"residual must match x ({tuple(x.shape)}, {x.dtype}), "
+            f"got {tuple(residual.shape)}, {residual.dtype}"
+        )
+    check_same_device(x=x, weight=weight, **({} if residual is None else {"residual": residual}))
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if residual is None:
+        return out, None
+    return out, torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -1,4 +1,6 @@
-"""Registers the Triton kernels with `pdserve.kernels.dispatch`, so CUDA tensors run them.
+"""Registers the Triton kernels with `pdserve.kernels.dispatch`, so CUDA tensors run them,
+each through its torch operator (`pdserve.kernels.cuda_ops`: the kernel on a device, a
+fake implementation under `FakeTensorMode`).
 
 Importing this module needs triton; `pdserve.kernels.dispatch` imports it on the first CUDA
 lookup and falls back to the references (with the reason kept) where triton is absent.
@@ -6,19 +8,14 @@ lookup and falls back to the references (with the reason kept) where triton is a
 
 from __future__ import annotations
 
-from pdserve.kernels import dispatch
-from pdserve.kernels.triton_decode import decode_attention_triton
-from pdserve.kernels.triton_kv_write import write_kv_cache_triton
-from pdserve.kernels.triton_norm import rms_norm_triton
-from pdserve.kernels.triton_prefill import prefill_attention_triton
-from pdserve.kernels.triton_rotary import rotary_embedding_triton
+from pdserve.kernels import cuda_ops, dispatch
 
 TRITON_KERNELS = {
-    "write_kv_cache": write_kv_cache_triton,
-    "decode_attention": decode_attention_triton,
-    "prefill_attention": prefill_attention_triton,
-    "rms_norm": rms_norm_triton,
-    "rotary_embedding": rotary_embedding_triton,
+    "write_kv_cache": cuda_ops.write_kv_cache,
+    "decode_attention": cuda_ops.decode_attention,
+    "prefill_attention": cuda_ops.prefill_attention,
+    "rms_norm": cuda_ops.rms_norm,
+    "rotary_embedding": cuda_ops.rotary_embedding,
 }
 
 

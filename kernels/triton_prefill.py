@@ -26,8 +26,10 @@ import triton.language as tl
 from pdserve.kernels import triton_flash as flash
 from pdserve.kernels.triton_common import (
     LOG2_E,
+    AttentionShape,
     check_attention_query,
     check_attention_rest,
+    check_index,
     dot_precision,
     next_power_of_2,
     upcast_dot,
@@ -190,6 +192,36 @@ def prefill_attention_kernel(
     )
 
 
+def check_prefill_inputs(
+    query: Tensor,
+    kv_cache: Tensor,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    context_lens: Tensor,
+    sliding_window: int | None,
+    out: Tensor | None,
+) -> tuple[AttentionShape, Tensor]:
+    """What a launch checks (the fake implementation of the op checks the same): the
+    sizes, and `out` (allocated if None)."""
+    shape = check_attention_query(
+        query,
+        kv_cache,
+        "num_tokens",
+        block_tables=block_tables,
+        query_start_loc=query_start_loc,
+        context_lens=context_lens,
+    )
+    check_index("query_start_loc", query_start_loc)
+    check_index("context_lens", context_lens)
+    num_seqs = context_lens.shape[0]
+    if context_lens.dim() != 1 or query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"query_start_loc must be [num_seqs + 1 = {num_seqs + 1}] for context_lens "
+            f"[num_seqs], got {tuple(query_start_loc.shape)} and {tuple(context_lens.shape)}"
+        )
+    return shape, check_attention_rest(query, block_tables, num_seqs, sliding_window, out)
+
+
 def prefill_attention_triton(
     query: Tensor,
     kv_cache: Tensor,
@@ -201,17 +233,11 @@ def prefill_attention_triton(
     out: Tensor | None = None,
 ) -> Tensor:
     """Same contract as `reference.prefill_attention_ref`."""
-    shape = check_attention_query(
-        query, kv_cache, "num_tokens", block_tables=block_tables, query_start_loc=query_start_loc
+    shape, out = check_prefill_inputs(
+        query, kv_cache, block_tables, query_start_loc, context_lens, sliding_window, out
     )
     num_tokens, num_heads, head_dim, _, block_size, group = shape
     num_seqs = context_lens.shape[0]
-    if query_start_loc.shape != (num_seqs + 1,):
-        raise ValueError(
-            f"query_start_loc must be [num_seqs + 1 = {num_seqs + 1}], "
-            f"got {tuple(query_start_loc.shape)}"
-        )
-    out = check_attention_rest(query, block_tables, num_seqs, sliding_window, out)
     if num_seqs == 0 or num_tokens == 0:
         return out
 

@@ -13,7 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.triton_common import check_float, check_same_device, next_power_of_2
+from pdserve.kernels.triton_common import (
+    check_float,
+    check_index,
+    check_same_device,
+    next_power_of_2,
+)
 
 Tensor = torch.Tensor
 
@@ -119,10 +124,11 @@ def rotary_embedding_kernel(
     )
 
 
-def rotary_embedding_triton(
+def rotary_outputs(
     positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Same contract as `reference.rotary_embedding_ref`."""
+    """Checks the inputs as a launch does and makes its outputs (the fake implementation
+    of the op does the same): the rotated query and key."""
     if query.dim() != 3 or key.dim() != 3:
         raise ValueError(
             "query and key must be [num_tokens, heads, head_dim], got "
@@ -141,8 +147,18 @@ def rotary_embedding_triton(
     check_float("query", query)
     check_float("key", key)
     check_same_device(positions=positions, query=query, key=key, cos_sin_cache=cos_sin_cache)
+    check_index("positions", positions)
     query_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     key_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    return query_out, key_out
+
+
+def rotary_embedding_triton(
+    positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Same contract as `reference.rotary_embedding_ref`."""
+    query_out, key_out = rotary_outputs(positions, query, key, cos_sin_cache)
+    num_tokens, num_heads, head_dim = query.shape
     if num_tokens == 0:
         return query_out, key_out
     half = head_dim // 2
