@@ -17,15 +17,17 @@ Each section prints one line, `section NAME: ok`, `section NAME: skipped (REASON
 `section NAME: FAILED (REASON)`, and leaves its table in OUT/NAME.txt (written as it
 runs, so a section that hangs still leaves what it printed) and its stderr in
 OUT/NAME.log. `--only NAME [NAME ...]` runs those sections alone. Exit status 1 when a
-section FAILED.
+section FAILED. The limits add up to the 5 minutes the whole check may take
+(`experiments/gpu_sections.py`); `--time-limit-scale 2` doubles them for a rerun.
 
 The machine has torch and triton and no network: kernels, graphs and decode-step need
-nothing else; serve and the parallel sections need the wheels that
-`experiments/gpu_wheels.sh DIR` downloads (run it where there is network, carry DIR).
-`--wheels DIR` installs them first (`pip install --no-index --find-links DIR -r
-experiments/gpu_requirements.txt`); without them those sections are skipped, naming the
-missing package. The repository runs from a bare checkout (`pdserve/__init__.py` finds
-the rooms beside it).
+nothing else; serve and the parallel sections need the packages of
+`experiments/gpu_requirements.txt`, which `experiments/gpu_wheels.sh DIR` downloads
+where there is network (cp312 manylinux wheels, packed into DIR/wheels.tar.xz to fit
+what travels with the checkout). `--wheels DIR` unpacks and installs them first
+(`pip install --no-index --find-links`); without them those sections are skipped,
+naming the missing package. The repository runs from a bare checkout
+(`pdserve/__init__.py` finds the rooms beside it).
 
 `--dry-run-cpu` runs every section's code on CPU with tiny shapes, no graph capture and
 Triton under its interpreter (`TRITON_INTERPRET=1`): the proof that the code executes
@@ -40,6 +42,8 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -62,10 +66,18 @@ def require_cuda() -> None:
 
 
 def install_wheels(folder: Path) -> Outcome:
-    """pip installs the serving packages from `folder`, offline."""
-    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index",
-               "--find-links", str(folder), "-r", str(REQUIREMENTS)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    """pip installs the serving packages from `folder`, offline: from the wheels.tar.xz
+    that `experiments/gpu_wheels.sh` writes there (unpacked to a temporary folder), or
+    from wheels lying in the folder itself."""
+    packed = folder / "wheels.tar.xz"
+    with tempfile.TemporaryDirectory(prefix="pdserve-wheels-") as unpacked:
+        if packed.is_file():
+            with tarfile.open(packed) as archive:
+                archive.extractall(unpacked, filter="data")
+            folder = Path(unpacked)
+        command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index",
+                   "--find-links", str(folder), "-r", str(REQUIREMENTS)]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return Outcome.failed(f"pip exited {done.returncode}: {last}")
