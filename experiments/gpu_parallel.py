@@ -20,7 +20,7 @@ from experiments.gpu_model import model_shape, write_checkpoint
 from experiments.gpu_outcome import Outcome, SectionSkipped
 from pdserve.common.sampling_params import SamplingParams
 
-PROBE_TIMEOUT_S = 60.0
+PROBE_TIMEOUT_S = 15.0  # inside the section's own limit
 
 
 def _probe_rank(rank: int, port: int, answers) -> None:
