@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from experiments.gpu_outcome import Outcome
 from pdserve.engine.device_runner import DeviceRunner
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
 from pdserve.engine.step_inputs import StepInputs, build_step_inputs, contiguous_block_tables
@@ -307,3 +308,41 @@ def print_decode_table(result: DecodeBenchResult, hf_ms: dict[int, float | str])
         f"  prefill of {result.prefill_tokens} tokens: {result.prefill_ms:.1f} ms{verdict}, "
         f"{result.prefill_tokens / result.prefill_ms * 1e3:,.0f} tokens/s"
     )
+
+
+def target_misses(result: DecodeBenchResult) -> list[str]:
+    """The H200 targets the run missed (none on a dry run, which has no targets)."""
+    if result.dry_run:
+        return []
+    misses = [
+        f"batch {batch} step {replay:.2f} ms > {TARGETS_MS[batch]} ms"
+        for batch, replay, _ in result.rows
+        if batch in TARGETS_MS and replay > TARGETS_MS[batch]
+    ]
+    if result.prefill_ms > PREFILL_TARGET_MS:
+        misses.append(f"prefill {result.prefill_ms:.1f} ms > {PREFILL_TARGET_MS:.0f} ms")
+    return misses
+
+
+def run_graphs_section(device: torch.device, dry_run: bool) -> Outcome:
+    """The `graphs` section: greedy tokens from CUDA graphs equal the eager references'."""
+    print("Engine greedy tokens, Triton kernels + CUDA graphs vs torch references:")
+    if run_greedy_check(device, dry_run):
+        return Outcome.ok()
+    return Outcome.failed("graph replay's tokens or logits differ from the eager references'")
+
+
+def run_decode_step_section(device: torch.device, dry_run: bool) -> Outcome:
+    """The `decode-step` section: the table, and a missed target fails the section (the
+    targets are what the engine is for; the table keeps every figure either way)."""
+    from experiments import gpu_transformers
+
+    shape = "tiny (dry run)" if dry_run else "8B Llama shape, random bf16 weights"
+    print(f"Decode step from CUDA graphs, {shape}:")
+    result, model = run_decode_bench(device, dry_run)
+    baseline = gpu_transformers.generate_step_ms(
+        model, result.cfg, result.dtype, result.batches, result.context, 2 if dry_run else 8
+    )
+    print_decode_table(result, baseline)
+    misses = target_misses(result)
+    return Outcome.failed("missed: " + "; ".join(misses)) if misses else Outcome.ok()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from experiments.gpu_outcome import Outcome
 from pdserve.kernels import reference
 from pdserve.kernels.triton_decode import decode_attention_triton, plan_decode
 from pdserve.kernels.triton_kv_write import write_kv_cache_triton
@@ -170,33 +171,60 @@ def check_rotary(dtype) -> bool:
     )
 
 
-def check_all_kernels() -> bool:
-    """Every Triton kernel against its reference on a few shapes; True if all pass."""
-    torch.manual_seed(0)
-    results = []
-    print("Triton kernels against the torch references (CUDA):")
+def _cases(dry_run: bool) -> list[Callable[[], bool]]:
+    """The checks: the 8B layer's shapes and edge cases on a GPU; small ones under
+    the interpreter, each kernel still through its GQA, window, split-K and dtype paths."""
+    cases: list[Callable[[], bool]] = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        results.append(check_kv_write(dtype))
-        results.append(check_rms_norm(dtype))
-        results.append(check_rotary(dtype))
-    results += [
-        check_decode(32, 8, 128, 16, torch.bfloat16, [1, 15, 16, 17, 4096, 700], None),
-        check_decode(32, 8, 128, 16, torch.bfloat16, [16384], None),  # split-K
-        check_decode(9, 3, 64, 16, torch.float16, [1, 33, 2000], 256),
-        check_decode(8, 1, 256, 32, torch.float32, [31, 32, 33, 5000], None),
-        check_decode(16, 8, 128, 32, torch.bfloat16, [1] * 40 + [3000], 1000),
-        check_decode_in_cuda_graph(),
-        check_prefill(32, 8, 128, 16, torch.bfloat16, [(4096, 4096)], None),
-        check_prefill(
+        cases += [lambda d=dtype: check_kv_write(d), lambda d=dtype: check_rms_norm(d)]
+        cases.append(lambda d=dtype: check_rotary(d))
+    if dry_run:
+        return cases + [
+            lambda: check_decode(4, 2, 32, 16, torch.float32, [1, 15, 16, 17, 70], None),
+            lambda: check_decode(4, 2, 32, 16, torch.bfloat16, [3, 600], None),  # split-K
+            lambda: check_decode(6, 2, 32, 16, torch.float16, [1, 40], 24),
+            lambda: check_prefill(4, 2, 32, 16, torch.float32, [(40, 40), (33, 5), (1, 1)], None),
+            lambda: check_prefill(4, 2, 32, 16, torch.bfloat16, [(70, 20), (17, 17)], 16),
+        ]
+    return cases + [
+        lambda: check_decode(32, 8, 128, 16, torch.bfloat16, [1, 15, 16, 17, 4096, 700], None),
+        lambda: check_decode(32, 8, 128, 16, torch.bfloat16, [16384], None),  # split-K
+        lambda: check_decode(9, 3, 64, 16, torch.float16, [1, 33, 2000], 256),
+        lambda: check_decode(8, 1, 256, 32, torch.float32, [31, 32, 33, 5000], None),
+        lambda: check_decode(16, 8, 128, 32, torch.bfloat16, [1] * 40 + [3000], 1000),
+        check_decode_in_cuda_graph,
+        lambda: check_prefill(32, 8, 128, 16, torch.bfloat16, [(4096, 4096)], None),
+        lambda: check_prefill(
             32, 8, 128, 16, torch.bfloat16, [(300, 300), (2000, 77), (17, 0), (1, 1)], None
         ),
-        check_prefill(9, 3, 64, 16, torch.float16, [(1000, 500), (129, 129)], 256),
-        check_prefill(8, 2, 256, 32, torch.bfloat16, [(600, 200), (64, 64)], None),
-        check_prefill(8, 4, 128, 16, torch.float32, [(513, 257)], 100),
+        lambda: check_prefill(9, 3, 64, 16, torch.float16, [(1000, 500), (129, 129)], 256),
+        lambda: check_prefill(8, 2, 256, 32, torch.bfloat16, [(600, 200), (64, 64)], None),
+        lambda: check_prefill(8, 4, 128, 16, torch.float32, [(513, 257)], 100),
     ]
+
+
+def check_all_kernels(dry_run: bool = False) -> tuple[int, int]:
+    """Every Triton kernel against its reference on a few shapes: (passed, checks)."""
+    torch.manual_seed(0)
+    where = "CPU, TRITON_INTERPRET=1" if dry_run else "CUDA"
+    print(f"Triton kernels against the torch references ({where}):")
+    results = [case() for case in _cases(dry_run)]
     passed = sum(results)
     print(f"  {passed}/{len(results)} kernel checks passed")
-    return passed == len(results)
+    return passed, len(results)
+
+
+def run_section(device: torch.device, dry_run: bool) -> Outcome:
+    """The `kernels` section: the checks, then (on a GPU) the bandwidth and TFLOP/s tables."""
+    global DEVICE
+    DEVICE = device.type
+    passed, total = check_all_kernels(dry_run)
+    if not dry_run:
+        bench_decode_bandwidth()
+        bench_prefill_throughput()
+    if passed < total:
+        return Outcome.failed(f"{total - passed} of {total} kernel checks off their references")
+    return Outcome.ok()
 
 
 def time_cuda(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:

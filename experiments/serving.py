@@ -27,10 +27,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-import openai
+
+if TYPE_CHECKING:  # imported where a client is made: the device check runs without openai
+    import openai
 
 API_KEY = "test-key"
 ADMIN_KEY = "test-admin-key"  # opens /debug/* on a server with keys
@@ -83,9 +85,13 @@ class ServeProcess:
     # ---- clients ----------------------------------------------------------------------
 
     def openai(self, **kwargs: Any) -> openai.OpenAI:
+        import openai
+
         return openai.OpenAI(**self._client_args(kwargs))
 
     def async_openai(self, **kwargs: Any) -> openai.AsyncOpenAI:
+        import openai
+
         return openai.AsyncOpenAI(**self._client_args(kwargs))
 
     def _client_args(self, overrides: dict[str, Any]) -> dict[str, Any]:
