@@ -2,9 +2,9 @@
 tokens and top-5 logprobs of `pdserve.LLM` split over two ranks (TP=2, or PP=2) equal
 those of one rank, on a synthetic checkpoint (`experiments.gpu_model`).
 
-The engine joins CUDA ranks with NCCL, which wants one GPU per rank. With two GPUs
-visible the ranks take one each; with one, a two-process NCCL all-reduce on that one
-device is tried first, and the section is skipped with NCCL's answer when it refuses.
+The engine joins CUDA ranks with NCCL and gives each rank a GPU of its own. With two
+GPUs visible the ranks take one each; with one the section is skipped, with the answer
+of a two-process NCCL all-reduce on that one device for the record.
 On CPU (the dry run) the ranks join with gloo.
 """
 
@@ -67,10 +67,12 @@ def nccl_refusal_on_one_gpu() -> str | None:
 def two_rank_refusal(device: torch.device) -> str | None:
     if device.type == "cpu" or torch.cuda.device_count() >= 2:
         return None
+    # The engine gives each rank a GPU of its own (engine/devices.py refuses a group
+    # larger than the GPUs it sees), so one GPU skips; the probe says whether NCCL
+    # would have allowed two ranks on it, for the record.
     refused = nccl_refusal_on_one_gpu()
-    if refused is None:
-        return None
-    return f"one GPU, and NCCL refuses two ranks on it: {refused.splitlines()[0]}"
+    nccl = "NCCL allows two ranks on it" if refused is None else refused.splitlines()[0]
+    return f"one GPU, and a worker group takes one GPU per rank (NCCL's probe: {nccl})"
 
 
 def greedy(model: str, device: torch.device, tp: int, pp: int, prompts: list[list[int]]):
