@@ -8,6 +8,7 @@ import sys
 from pdserve import __version__
 from pdserve.bench.cli import add_bench_parser
 from pdserve.cluster.serve_cli import DefaultsHelpFormatter, add_serve_parser
+from pdserve.eval.cli import add_eval_parser
 from pdserve.planner.cli import add_calibrate_parser, add_plan_parser
 
 
@@ -19,8 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = add_bench_parser(sub)
     add_calibrate_parser(bench)
     add_plan_parser(sub)
+    evaluate = add_eval_parser(sub)
     # Every command's --help shows its defaults, as serve's does.
-    for command in (sub.choices["plan"], *bench.choices.values()):
+    for command in (sub.choices["plan"], *bench.choices.values(), *evaluate.choices.values()):
         command.formatter_class = DefaultsHelpFormatter
     return parser
 

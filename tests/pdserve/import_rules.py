@@ -32,6 +32,7 @@ ROOMS = (
     "gateway",
     "cluster",
     "bench",
+    "eval",
     "planner",
     "pdserve",
 )
@@ -63,13 +64,14 @@ ALLOWED_ROOMS: dict[str, tuple[str, ...]] = {
     "gateway": ("common", "scheduler", "text"),
     "cluster": ("common", "gateway", "instance", "scheduler", "engine", "text", "kvtransfer"),
     "bench": ("common",),
+    "eval": ("bench", "common"),
     "planner": ("bench", "common"),
     "pdserve": ROOMS,
 }
 # Planner's engine calibration times the engine through the public API; importing it at
 # module level would load torch with the planner, so only inside a function.
 PUBLIC_API_INSIDE_FUNCTIONS = ("planner",)
-TORCH_FREE_ROOMS = ("common", "scheduler", "gateway", "text", "bench", "planner")
+TORCH_FREE_ROOMS = ("common", "scheduler", "gateway", "text", "bench", "eval", "planner")
 FORBIDDEN = (
     Forbidden("Ray only in cluster/", tuple(r for r in ROOMS if r != "cluster"), ("ray",)),
     Forbidden(

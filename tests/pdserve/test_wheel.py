@@ -23,6 +23,7 @@ REQUIRED = (
     "pdserve/scheduler/step_scheduler.py",
     "pdserve/kernels/cpu/decode.c",
     "pdserve/cli.py",
+    "pdserve/eval/data/smollm2_quality.jsonl",  # package data: the shipped eval dataset
 )
 
 pytestmark = pytest.mark.slow
