@@ -179,7 +179,7 @@ class _FakeWorker:
         self.stage, self.device = stage, torch.device("cpu")
         self.model = _SlowModel(stage.is_last)
         self.kv_cache = SimpleNamespace(layers=[])
-        self.runner = SimpleNamespace(prepare=self._prepare)
+        self.runner = SimpleNamespace(prepare=self._prepare, on_device=lambda batch: batch)
 
     @staticmethod
     def _prepare(group):
