@@ -2,14 +2,18 @@
 op and by stage.
 
     python -m experiments.decode_step_cost [--batches 1 32] [--steps 40] [--rounds 3]
+        [--threads 1 --clock cpu]
 
 Each batch runs `batch` greedy requests of random 128-token prompts through the
 prefill, then times `--steps` decode steps, `--rounds` times (the median round is
-printed). The ops the model calls (linear, rms_norm, rotary, attention, the MLP's
-activation, the LM head) are wrapped in timers for the timed steps, so "model glue" is
-the forward's wall time outside them (Python, splits, reshapes, module calls) and "step
-driver" is `EngineCore.step` outside the rank's prepare / forward / sample (the
-scheduler, the plan, the deltas). The timers cost ~0.3 us a call (~60 us a step).
+printed). The ops the model calls (linear, rms_norm, rotary, the KV write, attention,
+the LM head) are wrapped in timers for the timed steps, so "model glue" is the
+forward's wall time outside them (Python, module calls, splits and views, the MLP's
+activation) and "step driver" is `EngineCore.step` outside the rank's prepare /
+forward / sample (the scheduler, the plan, the deltas). A timer costs ~0.2 us a call
+on the wall clock, ~1 us on the CPU clock (a system call), ~300 calls a step.
+`--clock cpu` counts this thread's CPU time: with `--threads 1` every op runs on it,
+and time the core spent on other processes of a busy machine drops out.
 """
 
 from __future__ import annotations
@@ -31,20 +35,17 @@ from pdserve.kernels import attention
 
 Clock = dict[str, float]
 
-# (module, attribute, label): what gets a timer. Attention's parts are timed inside it.
+# (module, attribute, label), in print order: what gets a timer, where the model has
+# it (the unfused and fused attention ops). Indented labels are parts of the op above.
 MODEL_OPS = [
     (llama, "linear", "linear (C)"),
     (llama, "rms_norm", "rms_norm (+residual)"),
-    (attention, "decode_attention", "  of which decode attention"),
-]
-# Ops a version of the model may lack.
-MODEL_OPS_OPTIONAL = [
     (llama, "rotary_embedding", "rotary"),
+    (llama, "rotary_write_kv_cache", "rotary + KV write"),
     (llama, "paged_attention", "attention"),
     (attention, "write_kv_cache", "  of which KV write"),
-    (llama, "rotary_write_kv_cache", "rotary + KV write"),
     (llama, "attend_cached", "attention (cache written)"),
-    (llama, "silu_and_mul", "silu*mul"),
+    (attention, "decode_attention", "  of which decode attention"),
 ]
 STAGES = [
     (ModelRunner, "prepare", "step inputs (prepare)"),
@@ -74,7 +75,7 @@ def timer(clock: Clock, label: str, fn: Callable) -> Callable:
 def timers(clock: Clock, compute_logits_owner) -> Iterator[None]:
     """Every op and stage wrapped in a timer into `clock` while inside."""
     saved = []
-    targets = MODEL_OPS + [t for t in MODEL_OPS_OPTIONAL if hasattr(t[0], t[1])] + STAGES
+    targets = [t for t in MODEL_OPS if hasattr(t[0], t[1])] + STAGES
     for owner, name, label in targets:
         original = getattr(owner, name)
         saved.append((owner, name, original))
@@ -111,7 +112,7 @@ def one_round(llm: LLM, steps: int) -> Clock:
 
 
 def breakdown(clock: Clock) -> list[tuple[str, float]]:
-    ops = [label for _, _, label in MODEL_OPS + MODEL_OPS_OPTIONAL if label in clock]
+    ops = [label for _, _, label in MODEL_OPS if label in clock]
     top_ops = [label for label in ops if not label.startswith("  ")]
     model_ops = sum(clock[label] for label in top_ops) + clock["LM head (C linear)"]
     # The LM head's linear call is timed both as "linear" and inside compute_logits.
