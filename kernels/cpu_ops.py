@@ -58,6 +58,9 @@ _CALLS = {
     # qkv, positions, cos/sin (and its rows), q_out, cache, slots (pointer, dtype code,
     # strides each), then shapes, threads.
     "rotary": ("pd_rotary_write_kv_cache", struct.Struct("<30q")),
+    # x, residual, weight, out, residual out (pointer and row stride each, the weight's
+    # pointer only), rows, n, threads; eps.
+    "norm": ("pd_rms_norm", struct.Struct("<12qdq")),
 }
 # Weight dtypes the C linear layer reads (float32 activations against either).
 _LINEAR_WEIGHTS = (torch.float32, torch.bfloat16)
@@ -86,6 +89,7 @@ class CpuKernels:
         (self._prefill, self._pack_prefill, self._PrefillArgs) = calls[2]
         (self._linear, self._pack_linear, self._LinearArgs) = calls[3]
         (self._rotary, self._pack_rotary, self._RotaryArgs) = calls[4]
+        (self._norm, self._pack_norm, self._NormArgs) = calls[5]
 
     def describe(self) -> str:
         return f"C kernels ({self.build_info}; {self.path.name})"
@@ -111,46 +115,6 @@ class CpuKernels:
             shape[0], cache[1], cache[2], shape[2], cache[0], torch.get_num_threads(), -1,
         )  # fmt: skip
         _check(self._write(call), call)
-
-    def rotary_write_kv_cache(
-        self,
-        positions: Tensor,
-        qkv: Tensor,
-        cos_sin_cache: Tensor,
-        kv_cache: Tensor,
-        slot_mapping: Tensor,
-        num_heads: int,
-    ) -> Tensor:
-        d = kv_cache.shape[-1]
-        cache = _cache_fields(kv_cache, d)
-        num_tokens, width = qkv.shape if qkv.dim() == 2 else (-1, -1)
-        if width != (num_heads + 2 * cache[1]) * d or qkv.stride(1) != 1:
-            raise ValueError(
-                f"qkv must be [num_tokens, {(num_heads + 2 * cache[1]) * d}] with contiguous "
-                f"columns, got {tuple(qkv.shape)}"
-            )
-        _check_heads(num_heads, cache[1])
-        for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
-            if t.shape != (num_tokens,) or t.stride(0) != 1:
-                raise ValueError(f"{name} must be [{num_tokens}] and contiguous")
-        if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != d or cos_sin_cache.stride(1) != 1:
-            raise ValueError(f"cos_sin_cache must be [max_position, {d}] with contiguous rows")
-        query = torch.empty(num_tokens, num_heads, d, dtype=qkv.dtype)
-        q = query.stride()
-        call = self._RotaryArgs()
-        self._pack_rotary(
-            call, 0,
-            qkv.data_ptr(), _dtype("qkv", qkv), qkv.stride(0),
-            positions.data_ptr(), _index("positions", positions),
-            cos_sin_cache.data_ptr(), _dtype("cos_sin_cache", cos_sin_cache),
-            cos_sin_cache.stride(0), cos_sin_cache.shape[0],
-            query.data_ptr(), _dtype("query", query), q[0], q[1], q[2],
-            *cache[3:],
-            slot_mapping.data_ptr(), _index("slot_mapping", slot_mapping),
-            num_tokens, num_heads, cache[1], d, cache[2], cache[0], torch.get_num_threads(), -1,
-        )  # fmt: skip
-        _check(self._rotary(call), call)
-        return query
 
     def decode_attention(
         self,
@@ -362,7 +326,11 @@ def register(kernels: CpuKernels) -> None:
     dispatch.register_cpu("decode_attention", kernels.decode_attention)
     dispatch.register_cpu("prefill_attention", kernels.prefill_attention)
     dispatch.register_cpu("linear", kernels.linear)
-    dispatch.register_cpu("rotary_write_kv_cache", kernels.rotary_write_kv_cache)
+    from pdserve.kernels.cpu_layer_ops import CpuLayerOps
+
+    layer_ops = CpuLayerOps(kernels)
+    dispatch.register_cpu("rotary_write_kv_cache", layer_ops.rotary_write_kv_cache)
+    dispatch.register_cpu("rms_norm", layer_ops.rms_norm)
 
 
 def main(argv: list[str] | None = None) -> int:

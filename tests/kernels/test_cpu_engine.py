@@ -80,7 +80,7 @@ def test_greedy_tokens_equal_on_c_kernels_and_references(tmp_path, monkeypatch, 
         torch.randint(3, CFG.vocab_size, (n,), generator=gen).tolist() for n in (5, 17, 40, 70)
     ]
     with_c = _generate(folder, prompts)
-    ran = ("decode_attention", "prefill_attention", "rotary_write_kv_cache", "linear")
+    ran = ("decode_attention", "prefill_attention", "rotary_write_kv_cache", "linear", "rms_norm")
     assert all(calls[name] for name in ran), calls
     assert windows == {window}
     try:

@@ -8,10 +8,16 @@ import pytest
 import torch
 
 from pdserve.engine.models.rope import cos_sin_cache
+from pdserve.kernels.cpu_layer_ops import CpuLayerOps
 from pdserve.kernels.reference import rotary_write_kv_cache_ref
 from tests.kernels.paged import make_paged_batch
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def ops(kernels) -> CpuLayerOps:
+    return CpuLayerOps(kernels)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -41,35 +47,33 @@ def _case(heads, kv_heads, d, tokens, src, cache_dtype, seed):
         (6, 2, 36, 4, F16, F16),
     ],
 )
-def test_matches_reference_bit_for_bit(
-    kernels, threads, heads, kv_heads, d, tokens, src, cache_dtype
-):
+def test_matches_reference_bit_for_bit(ops, threads, heads, kv_heads, d, tokens, src, cache_dtype):
     threads(2)
     qkv, positions, table, cache, slots = _case(heads, kv_heads, d, tokens, src, cache_dtype, d)
     want_cache = cache.clone()
     want = rotary_write_kv_cache_ref(positions, qkv, table, want_cache, slots, heads)
-    got = kernels.rotary_write_kv_cache(positions, qkv, table, cache, slots, heads)
+    got = ops.rotary_write_kv_cache(positions, qkv, table, cache, slots, heads)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert torch.equal(_bits(got), _bits(want))
     assert torch.equal(_bits(cache), _bits(want_cache))  # NaN poison untouched included
 
 
-def test_a_token_does_not_depend_on_the_others(kernels):
+def test_a_token_does_not_depend_on_the_others(ops):
     qkv, positions, table, cache, slots = _case(9, 3, 64, 6, F32, BF16, 1)
-    whole = kernels.rotary_write_kv_cache(positions, qkv, table, cache.clone(), slots, 9)
-    one = kernels.rotary_write_kv_cache(positions[3:4], qkv[3:4], table, cache, slots[3:4], 9)
+    whole = ops.rotary_write_kv_cache(positions, qkv, table, cache.clone(), slots, 9)
+    one = ops.rotary_write_kv_cache(positions[3:4], qkv[3:4], table, cache, slots[3:4], 9)
     assert torch.equal(whole[3:4], one)
 
 
-def test_bad_inputs_are_refused(kernels):
+def test_bad_inputs_are_refused(ops):
     qkv, positions, table, cache, slots = _case(9, 3, 64, 2, F32, BF16, 2)
     with pytest.raises(ValueError, match="qkv must be"):
-        kernels.rotary_write_kv_cache(positions, qkv[:, :-64], table, cache, slots, 9)
+        ops.rotary_write_kv_cache(positions, qkv[:, :-64], table, cache, slots, 9)
     with pytest.raises(ValueError, match=r"positions\[1\]"):
         far = torch.tensor([0, 4096])
-        kernels.rotary_write_kv_cache(far, qkv, table, cache, slots, 9)
+        ops.rotary_write_kv_cache(far, qkv, table, cache, slots, 9)
     with pytest.raises(ValueError, match=r"slot_mapping\[0\]"):
         past = torch.tensor([cache.shape[0] * 16, 0])
-        kernels.rotary_write_kv_cache(positions, qkv, table, cache, past, 9)
+        ops.rotary_write_kv_cache(positions, qkv, table, cache, past, 9)
     with pytest.raises(ValueError, match="positions must be"):
-        kernels.rotary_write_kv_cache(positions[:1], qkv, table, cache, slots, 9)
+        ops.rotary_write_kv_cache(positions[:1], qkv, table, cache, slots, 9)
