@@ -26,6 +26,8 @@ MAX_NORM_ROW = 32768
 
 
 class CpuLayerOps:
+    """The layer ops over the loaded library: argument checks in Python, work in C."""
+
     def __init__(self, kernels: CpuKernels):
         self.kernels = kernels
 
@@ -38,6 +40,8 @@ class CpuLayerOps:
         slot_mapping: Tensor,
         num_heads: int,
     ) -> Tensor:
+        """`reference.rotary_write_kv_cache_ref`: the rotated query comes back, the rotated
+        keys and the values go to their slots; qkv's rows may be strided."""
         k = self.kernels
         d = kv_cache.shape[-1]
         cache = _cache_fields(kv_cache, d)

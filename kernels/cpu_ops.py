@@ -1,4 +1,6 @@
-"""CPU C kernels for the paged-attention ops and the linear layer, bound with ctypes.
+"""CPU C kernels for the paged-attention ops and the linear layer, bound with ctypes
+(the layer's element-wise ops, rotary with the KV write and RMSNorm, bind the same
+library in `pdserve.kernels.cpu_layer_ops`).
 
 Same signatures and semantics as `pdserve.kernels.reference` (the definition and the test
 oracle). The C sources in `kernels/cpu/` take raw data pointers and element strides,
