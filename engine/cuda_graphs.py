@@ -29,7 +29,13 @@ from pdserve.kernels import AttentionMetadata, dispatch, reference
 
 Tensor = torch.Tensor
 # Kernels one decode step runs; each must be its Triton version (no host syncs) to capture.
-DECODE_KERNELS = ("write_kv_cache", "decode_attention", "rms_norm", "rotary_embedding")
+DECODE_KERNELS = (
+    "write_kv_cache",
+    "decode_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "rotary_write_kv_cache",
+)
 MAX_DEFAULT_SIZE = 512
 
 

@@ -9,9 +9,11 @@ PDSERVE_CPU_ISA=avx2 runs an AVX-512 machine on the AVX2 kernels (checked here).
 
 from pdserve.kernels.attention import (
     AttentionMetadata,
+    attend_cached,
     decode_attention,
     paged_attention,
     prefill_attention,
+    rotary_write_kv_cache,
     write_kv_cache,
 )
 from pdserve.kernels.cpu_build import apply_isa
@@ -26,6 +28,7 @@ apply_isa()  # before torch's first vectorised op, which reads the capability on
 
 __all__ = [
     "AttentionMetadata",
+    "attend_cached",
     "cpu_kernels_status",
     "decode_attention",
     "linear",
@@ -34,6 +37,7 @@ __all__ = [
     "prefill_attention",
     "rms_norm",
     "rotary_embedding",
+    "rotary_write_kv_cache",
     "triton_unavailable_reason",
     "write_kv_cache",
 ]

@@ -46,6 +46,8 @@ class AttentionMetadata:
 write_kv_cache = dispatch.dispatched(reference.write_kv_cache_ref)
 decode_attention = dispatch.dispatched(reference.decode_attention_ref)
 prefill_attention = dispatch.dispatched(reference.prefill_attention_ref)
+# Picked by qkv's device (positions may stay where they are built).
+rotary_write_kv_cache = dispatch.dispatched(reference.rotary_write_kv_cache_ref, like=1)
 
 
 def paged_attention(
@@ -58,8 +60,19 @@ def paged_attention(
 ) -> Tensor:
     """Store this step's keys/values, then attend: [num_tokens, num_heads, head_dim]."""
     write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+    return attend_cached(query, kv_cache, meta, scale)
+
+
+def attend_cached(query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    """Attention of the step's queries over the cache, which already holds the step's
+    keys/values (`paged_attention` after its write): [num_tokens, num_heads, head_dim]."""
     out = torch.empty_like(query)
     nd = meta.num_decode_seqs
+    if nd == meta.num_seqs == query.shape[0]:  # decodes only: no views to cut
+        decode_attention(
+            query, kv_cache, meta.block_tables, meta.context_lens, scale, meta.sliding_window, out
+        )
+        return out
     if nd:
         decode_attention(
             query[:nd],

@@ -32,6 +32,8 @@ SOURCES = (
     "decode.c",
     "prefill.c",
     "linear.c",
+    "rotary.c",
+    "norm.c",
 )
 # Tried in order: the first that compiles wins. -march=native auto-vectorises for
 # this CPU (AVX2/FMA/F16C where present); a compiler that refuses it still builds.

@@ -1,4 +1,6 @@
-"""CPU C kernels for the paged-attention ops and the linear layer, bound with ctypes.
+"""CPU C kernels for the paged-attention ops and the linear layer, bound with ctypes
+(the layer's element-wise ops, rotary with the KV write and RMSNorm, bind the same
+library in `pdserve.kernels.cpu_layer_ops`).
 
 Same signatures and semantics as `pdserve.kernels.reference` (the definition and the test
 oracle). The C sources in `kernels/cpu/` take raw data pointers and element strides,
@@ -37,6 +39,8 @@ _ERRORS = {
     -4: "query_start_loc must be non-decreasing and within the query rows (sequence {i})",
     -5: "sequence {i} has more new tokens than its context_len",
     -6: "out of memory in a CPU attention kernel",
+    -7: "positions[{i}] is outside the cos/sin cache",
+    -8: "head_dim must be even and at most 1024 for the rotary kernel",
 }
 
 # Each entry point takes one struct of 8-byte fields (int64, one double for the scale)
@@ -53,6 +57,12 @@ _CALLS = {
     # x, its row stride, weight, its dtype, its row stride, bias, bias dtype, y, its row
     # stride, then m, n, k, threads.
     "linear": ("pd_linear", struct.Struct("<14q")),
+    # qkv, positions, cos/sin (and its rows), q_out, cache, slots (pointer, dtype code,
+    # strides each), then shapes, threads.
+    "rotary": ("pd_rotary_write_kv_cache", struct.Struct("<30q")),
+    # x, residual, weight, out, residual out (pointer and row stride each, the weight's
+    # pointer only), rows, n, threads; eps.
+    "norm": ("pd_rms_norm", struct.Struct("<12qdq")),
 }
 # Weight dtypes the C linear layer reads (float32 activations against either).
 _LINEAR_WEIGHTS = (torch.float32, torch.bfloat16)
@@ -80,6 +90,8 @@ class CpuKernels:
         (self._decode, self._pack_decode, self._DecodeArgs) = calls[1]
         (self._prefill, self._pack_prefill, self._PrefillArgs) = calls[2]
         (self._linear, self._pack_linear, self._LinearArgs) = calls[3]
+        (self._rotary, self._pack_rotary, self._RotaryArgs) = calls[4]
+        (self._norm, self._pack_norm, self._NormArgs) = calls[5]
 
     def describe(self) -> str:
         return f"C kernels ({self.build_info}; {self.path.name})"
@@ -182,21 +194,24 @@ class CpuKernels:
             raise ValueError(f"linear: x has {x.shape[-1]} features, weight expects {k}")
         if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
             raise ValueError(f"linear: bias must be [{n}] and contiguous, got {tuple(bias.shape)}")
-        x2 = x.reshape(rows, k)
-        if x2.stride(1) != 1:
+        # A decode step makes ~120 of these calls: 2-D inputs skip the reshapes.
+        flat = x.dim() == 2
+        x2 = x if flat else x.reshape(rows, k)
+        x_rs, x_cs = x2.stride()
+        if x_cs != 1:
             x2 = x2.contiguous()
+            x_rs = k
         y = torch.empty(rows, n, dtype=torch.float32)
         call = self._LinearArgs()
         self._pack_linear(
             call, 0,
-            x2.data_ptr(), x2.stride(0), weight.data_ptr(), _dtype("weight", weight),
-            weight.stride(0),
+            x2.data_ptr(), x_rs, weight.data_ptr(), _DTYPES[weight.dtype], weight.stride(0),
             0 if bias is None else bias.data_ptr(),
             -1 if bias is None else _dtype("bias", bias),
-            y.data_ptr(), y.stride(0), rows, n, k, torch.get_num_threads(), -1,
+            y.data_ptr(), n, rows, n, k, torch.get_num_threads(), -1,
         )  # fmt: skip
         _check(self._linear(call), call)
-        return y.reshape(*x.shape[:-1], n)
+        return y if flat else y.reshape(*x.shape[:-1], n)
 
 
 def _dtype(name: str, t: Tensor) -> int:
@@ -313,6 +328,11 @@ def register(kernels: CpuKernels) -> None:
     dispatch.register_cpu("decode_attention", kernels.decode_attention)
     dispatch.register_cpu("prefill_attention", kernels.prefill_attention)
     dispatch.register_cpu("linear", kernels.linear)
+    from pdserve.kernels.cpu_layer_ops import CpuLayerOps
+
+    layer_ops = CpuLayerOps(kernels)
+    dispatch.register_cpu("rotary_write_kv_cache", layer_ops.rotary_write_kv_cache)
+    dispatch.register_cpu("rms_norm", layer_ops.rms_norm)
 
 
 def main(argv: list[str] | None = None) -> int:

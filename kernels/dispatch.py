@@ -31,6 +31,7 @@ _REFERENCE: dict[str, Callable[..., Any]] = {
     "prefill_attention": reference.prefill_attention_ref,
     "rms_norm": reference.rms_norm_ref,
     "rotary_embedding": reference.rotary_embedding_ref,
+    "rotary_write_kv_cache": reference.rotary_write_kv_cache_ref,
     "linear": reference.linear_ref,
 }
 _TRITON: dict[str, Callable[..., Any]] = {}

@@ -167,6 +167,32 @@ def rotary_embedding_ref(
     return rotate(query), rotate(key)
 
 
+def split_qkv(qkv: Tensor, num_heads: int, kv_cache: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Views of a fused QKV projection's output [T, (num_heads + 2 * kv_heads) * head_dim]
+    as query [T, num_heads, d], key and value [T, kv_heads, d] (the cache's kv heads and d)."""
+    kv_heads, d = kv_cache.shape[2], kv_cache.shape[4]
+    n = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    return q.view(n, num_heads, d), k.view(n, kv_heads, d), v.view(n, kv_heads, d)
+
+
+def rotary_write_kv_cache_ref(
+    positions: Tensor,
+    qkv: Tensor,
+    cos_sin_cache: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    num_heads: int,
+) -> Tensor:
+    """Rotary embedding of the query and key heads of a fused QKV projection's output,
+    then the rotated keys and the values written to their slots (`write_kv_cache_ref`);
+    returns the rotated query [T, num_heads, head_dim] in qkv's dtype."""
+    query, key, value = split_qkv(qkv, num_heads, kv_cache)
+    query, key = rotary_embedding_ref(positions, query, key, cos_sin_cache)
+    write_kv_cache_ref(key, value, kv_cache, slot_mapping)
+    return query
+
+
 def linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x @ weight.T + bias in x's dtype; a weight stored narrower (bfloat16 weights of a
     float32-compute model) is widened first."""

@@ -8,7 +8,27 @@ lookup and falls back to the references (with the reason kept) where triton is a
 
 from __future__ import annotations
 
+import torch
+
 from pdserve.kernels import cuda_ops, dispatch
+from pdserve.kernels.reference import split_qkv
+
+
+def rotary_write_kv_cache(
+    positions: torch.Tensor,
+    qkv: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:
+    """`reference.rotary_write_kv_cache_ref` as the rotary and KV-write kernels, one
+    after the other (one launch each; a CUDA graph captures both)."""
+    query, key, value = split_qkv(qkv, num_heads, kv_cache)
+    query, key = cuda_ops.rotary_embedding(positions, query, key, cos_sin_cache)
+    cuda_ops.write_kv_cache(key, value, kv_cache, slot_mapping)
+    return query
+
 
 TRITON_KERNELS = {
     "write_kv_cache": cuda_ops.write_kv_cache,
@@ -16,6 +36,7 @@ TRITON_KERNELS = {
     "prefill_attention": cuda_ops.prefill_attention,
     "rms_norm": cuda_ops.rms_norm,
     "rotary_embedding": cuda_ops.rotary_embedding,
+    "rotary_write_kv_cache": rotary_write_kv_cache,
 }
 
 

@@ -16,7 +16,15 @@ from torch import nn
 from pdserve.engine.models.rope import cos_sin_cache
 from pdserve.engine.parallel import TensorParallel
 from pdserve.engine.pipeline import PipelineStage
-from pdserve.kernels import AttentionMetadata, linear, paged_attention, rms_norm, rotary_embedding
+from pdserve.kernels import (
+    AttentionMetadata,
+    attend_cached,
+    linear,
+    paged_attention,
+    rms_norm,
+    rotary_embedding,
+    rotary_write_kv_cache,
+)
 
 Tensor = torch.Tensor
 
@@ -69,18 +77,29 @@ class Attention(nn.Module):
     ) -> Tensor:
         n = hidden.shape[0]
         qkv = linear(hidden, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(n, self.num_heads, self.head_dim)
-        k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary_embedding(positions, q, k, cos_sin)
-        attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        if self.q_norm is None:  # rotary and the KV write in one op, straight from qkv
+            q = rotary_write_kv_cache(
+                positions, qkv, cos_sin, kv_cache, meta.slot_mapping, self.num_heads
+            )
+            attn = attend_cached(q, kv_cache, meta, self.scale)
+        else:
+            attn = self._attend_normed(positions, qkv, kv_cache, meta, cos_sin)
         if not self.tp.enabled:
             return linear(attn.reshape(n, self.q_size), self.o_weight, self.o_bias)
         out = self.tp.all_reduce(linear(attn.reshape(n, self.q_size), self.o_weight))
         return out if self.o_bias is None else out + self.o_bias
+
+    def _attend_normed(
+        self, positions: Tensor, qkv: Tensor, kv_cache: Tensor, meta: AttentionMetadata, cos_sin
+    ) -> Tensor:
+        """Attention with q/k norms (Qwen3): normed before the rotation."""
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        q, k = rotary_embedding(positions, self.q_norm(q), self.k_norm(k), cos_sin)
+        return paged_attention(q, k, v, kv_cache, meta, self.scale)
 
 
 class MLP(nn.Module):

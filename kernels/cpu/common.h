@@ -42,6 +42,8 @@ enum {
     PD_BAD_QUERY_START = -4, /* query_start_loc decreasing, or past the query rows */
     PD_QUERY_LONGER_THAN_CONTEXT = -5,
     PD_NO_MEMORY = -6,
+    PD_BAD_POSITION = -7,    /* rotary: a position outside the cos/sin table */
+    PD_BAD_HEAD_DIM = -8,    /* rotary: an odd head_dim, or one past its buffers */
 };
 
 typedef float v8f __attribute__((vector_size(32)));

@@ -104,6 +104,7 @@ def test_graph_blockers_name_reference_kernels_on_cpu():
             "decode_attention",
             "rms_norm",
             "rotary_embedding",
+            "rotary_write_kv_cache",
         ]
     finally:
         dispatch.set_cpu_kernels_enabled(True)

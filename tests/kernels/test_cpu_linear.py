@@ -69,6 +69,8 @@ def test_strided_rows_and_leading_dims(kernels):
     y3 = kernels.linear(x3, w)
     assert y3.shape == (2, 3, 30)
     assert_close_to_exact(y3.reshape(6, 30), exact(x3.reshape(6, 64), w, None), 64)
+    xt = torch.randn(64, 5, generator=gen).t()  # columns strided: copied first
+    assert_close_to_exact(kernels.linear(xt, w), exact(xt.contiguous(), w, None), 64)
 
 
 @pytest.mark.parametrize("weight_dtype", [BF16, torch.float32], ids=["bf16", "f32"])

@@ -105,3 +105,28 @@ def test_rotary_rejects_a_cache_of_another_head_dim():
     q = torch.randn(2, 2, 64)
     with pytest.raises(ValueError, match="cos_sin_cache"):
         rotary_embedding_triton(torch.zeros(2, dtype=torch.int64), q, q, torch.zeros(8, 32))
+
+
+def test_fused_rotary_and_kv_write_runs_the_two_kernels():
+    """The CUDA path of `rotary_write_kv_cache`: the Triton rotary, then the Triton KV
+    write, on views of one fused QKV row (run here through the operators' interpreter
+    implementations)."""
+    from pdserve.kernels import triton_ops
+    from pdserve.kernels.reference import rotary_write_kv_cache_ref
+
+    require_interpreter(rotary_embedding_kernel)
+    require_interpreter(write_kv_cache_kernel)
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, d, bs, tokens = 9, 3, 64, 16, 5
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    angles = torch.outer(torch.arange(64).float(), inv)
+    table = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen)
+    positions = torch.tensor([0, 3, 63, 7, 7])
+    slots = torch.tensor([1, 17, -1, 40, 2])
+    want_cache = torch.zeros(4, 2, kv_heads, bs, d)
+    got_cache = want_cache.clone()
+    want = rotary_write_kv_cache_ref(positions, qkv, table, want_cache, slots, heads)
+    got = triton_ops.rotary_write_kv_cache(positions, qkv, table, got_cache, slots, heads)
+    torch.testing.assert_close(got, want, **TOLERANCE[F32])
+    torch.testing.assert_close(got_cache, want_cache, **TOLERANCE[F32])

@@ -1,0 +1,179 @@
+"""Where a CPU decode step's time goes: the offline engine's `EngineCore.step` split by
+op and by stage.
+
+    python -m experiments.decode_step_cost [--batches 1 32] [--steps 40] [--rounds 3]
+        [--threads 1 --clock cpu]
+
+Each batch runs `batch` greedy requests of random 128-token prompts through the
+prefill, then times `--steps` decode steps, `--rounds` times (the median round is
+printed). The ops the model calls (linear, rms_norm, rotary, the KV write, attention,
+the LM head) are wrapped in timers for the timed steps, so "model glue" is the
+forward's wall time outside them (Python, module calls, splits and views, the MLP's
+activation) and "step driver" is `EngineCore.step` outside the rank's prepare /
+forward / sample (the scheduler, the plan, the deltas). A timer costs ~0.2 us a call
+on the wall clock, ~1 us on the CPU clock (a system call), ~300 calls a step.
+`--clock cpu` counts this thread's CPU time: with `--threads 1` every op runs on it,
+and time the core spent on other processes of a busy machine drops out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.models import llama
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.worker import ModelWorker
+from pdserve.kernels import attention
+
+Clock = dict[str, float]
+
+# (module, attribute, label), in print order: what gets a timer, where the model has
+# it (the unfused and fused attention ops). Indented labels are parts of the op above.
+MODEL_OPS = [
+    (llama, "linear", "linear (C)"),
+    (llama, "rms_norm", "rms_norm (+residual)"),
+    (llama, "rotary_embedding", "rotary"),
+    (llama, "rotary_write_kv_cache", "rotary + KV write"),
+    (llama, "paged_attention", "attention"),
+    (attention, "write_kv_cache", "  of which KV write"),
+    (llama, "attend_cached", "attention (cache written)"),
+    (attention, "decode_attention", "  of which decode attention"),
+]
+STAGES = [
+    (ModelRunner, "prepare", "step inputs (prepare)"),
+    (ModelRunner, "execute", "forward + logits"),
+    (ModelWorker, "sample", "sampling"),
+    (ModelWorker, "_update_requests", "rank request mirrors"),
+]
+
+
+# perf_counter (wall) or thread_time (this thread's CPU time: on a loaded machine with
+# --threads 1 it leaves out the time other processes held the core).
+now = time.perf_counter
+
+
+def timer(clock: Clock, label: str, fn: Callable) -> Callable:
+    def timed(*args, **kwargs):
+        start = now()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            clock[label] += now() - start
+
+    return timed
+
+
+@contextlib.contextmanager
+def timers(clock: Clock, compute_logits_owner) -> Iterator[None]:
+    """Every op and stage wrapped in a timer into `clock` while inside."""
+    saved = []
+    targets = [t for t in MODEL_OPS if hasattr(t[0], t[1])] + STAGES
+    for owner, name, label in targets:
+        original = getattr(owner, name)
+        saved.append((owner, name, original))
+        setattr(owner, name, timer(clock, label, original))
+    head = compute_logits_owner.compute_logits
+    compute_logits_owner.compute_logits = timer(clock, "LM head (C linear)", head)
+    try:
+        yield
+    finally:
+        del compute_logits_owner.compute_logits
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+
+
+def start_requests(llm: LLM, batch: int, prompt_len: int, steps: int) -> None:
+    vocab = llm.engine.vocab_size
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    for i, prompt in enumerate(torch.randint(3, vocab, (batch, prompt_len), generator=gen)):
+        llm.engine.add_request(llm.engine.make_request(f"b{batch}-{i}", prompt.tolist(), params))
+    while any(r.num_output_tokens == 0 for r in llm.engine.scheduler.running):
+        llm.engine.step()
+
+
+def one_round(llm: LLM, steps: int) -> Clock:
+    clock: Clock = defaultdict(float)
+    model = llm.engine.executor.worker.model
+    with timers(clock, model):
+        for _ in range(steps):
+            step_start = now()
+            llm.engine.step()
+            clock["step"] += now() - step_start
+    return {k: v / steps * 1e3 for k, v in clock.items()}
+
+
+def breakdown(clock: Clock) -> list[tuple[str, float]]:
+    ops = [label for _, _, label in MODEL_OPS if label in clock]
+    top_ops = [label for label in ops if not label.startswith("  ")]
+    model_ops = sum(clock[label] for label in top_ops) + clock["LM head (C linear)"]
+    # The LM head's linear call is timed both as "linear" and inside compute_logits.
+    head_in_linear = clock["LM head (C linear)"]
+    rows = [(label, clock[label]) for label in ops]
+    rows[0] = (rows[0][0], clock[ops[0]] - head_in_linear)
+    rows.append(("LM head (C linear)", head_in_linear))
+    model_ops -= head_in_linear
+    rows.append(("model glue (Python, torch views)", clock["forward + logits"] - model_ops))
+    rows.append(("forward + logits", clock["forward + logits"]))
+    for label in ("step inputs (prepare)", "sampling", "rank request mirrors"):
+        rows.append((label, clock[label]))
+    rank = sum(
+        clock[k]
+        for k in ("step inputs (prepare)", "forward + logits", "sampling", "rank request mirrors")
+    )
+    rows.append(("step driver (scheduler, plan, deltas)", clock["step"] - rank))
+    rows.append(("EngineCore.step", clock["step"]))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: embedded)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    parser.add_argument("--untimed", action="store_true", help="step wall time only, no timers")
+    args = parser.parse_args(argv)
+    global now
+    now = time.thread_time if args.clock == "cpu" else time.perf_counter
+    llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads, max_num_seqs=256)
+    print(
+        f"dtype {args.dtype}, {torch.get_num_threads()} threads, {args.clock} clock, "
+        f"{llm.engine.info.kernels}"
+    )
+    for batch in args.batches:
+        start_requests(llm, batch, args.prompt_len, args.steps)
+        one_round(llm, 3)  # warm
+        if args.untimed:
+            walls = []
+            for _ in range(args.rounds):
+                start = now()
+                for _ in range(args.steps):
+                    llm.engine.step()
+                walls.append((now() - start) / args.steps * 1e3)
+            print(f"batch {batch}: step ms per round {[round(w, 2) for w in walls]}")
+        else:
+            rounds = [one_round(llm, args.steps) for _ in range(args.rounds)]
+            rows = [breakdown(r) for r in rounds]
+            print(f"batch {batch}: ms per decode step, median of {args.rounds} rounds")
+            for i, (label, _) in enumerate(rows[0]):
+                print(f"  {label:<40} {statistics.median(r[i][1] for r in rows):8.2f}")
+        for request in list(llm.engine.scheduler.running):
+            llm.engine.abort_request(request.request_id)
+        llm.engine.step()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The CPU C kernels of a decoder layer's element-wise ops, bound with ctypes like
+`pdserve.kernels.cpu_ops` (whose library they share): the query and key rotation with
+the KV-cache write (kernels/cpu/rotary.c) and RMSNorm with its residual add
+(kernels/cpu/norm.c). Each replaces a handful of torch ops (a few microseconds of
+dispatch each, ~60 norms and 30 rotations a decode step) by one call, with the same
+float32 values: `reference.py` defines them, the tests compare bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.kernels import reference
+from pdserve.kernels.cpu_ops import (
+    CpuKernels,
+    _cache_fields,
+    _check,
+    _check_heads,
+    _dtype,
+    _index,
+)
+
+Tensor = torch.Tensor
+# torch splits a row this long across threads, which changes its sum's order.
+MAX_NORM_ROW = 32768
+
+
+class CpuLayerOps:
+    """The layer ops over the loaded library: argument checks in Python, work in C."""
+
+    def __init__(self, kernels: CpuKernels):
+        self.kernels = kernels
+
+    def rotary_write_kv_cache(
+        self,
+        positions: Tensor,
+        qkv: Tensor,
+        cos_sin_cache: Tensor,
+        kv_cache: Tensor,
+        slot_mapping: Tensor,
+        num_heads: int,
+    ) -> Tensor:
+        """`reference.rotary_write_kv_cache_ref`: the rotated query comes back, the rotated
+        keys and the values go to their slots; qkv's rows may be strided."""
+        k = self.kernels
+        d = kv_cache.shape[-1]
+        cache = _cache_fields(kv_cache, d)
+        num_tokens, width = qkv.shape if qkv.dim() == 2 else (-1, -1)
+        if width != (num_heads + 2 * cache[1]) * d or qkv.stride(1) != 1:
+            raise ValueError(
+                f"qkv must be [num_tokens, {(num_heads + 2 * cache[1]) * d}] with contiguous "
+                f"columns, got {tuple(qkv.shape)}"
+            )
+        _check_heads(num_heads, cache[1])
+        for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+            if t.shape != (num_tokens,) or t.stride(0) != 1:
+                raise ValueError(f"{name} must be [{num_tokens}] and contiguous")
+        if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != d or cos_sin_cache.stride(1) != 1:
+            raise ValueError(f"cos_sin_cache must be [max_position, {d}] with contiguous rows")
+        query = torch.empty(num_tokens, num_heads, d, dtype=qkv.dtype)
+        q = query.stride()
+        call = k._RotaryArgs()
+        k._pack_rotary(
+            call, 0,
+            qkv.data_ptr(), _dtype("qkv", qkv), qkv.stride(0),
+            positions.data_ptr(), _index("positions", positions),
+            cos_sin_cache.data_ptr(), _dtype("cos_sin_cache", cos_sin_cache),
+            cos_sin_cache.stride(0), cos_sin_cache.shape[0],
+            query.data_ptr(), _dtype("query", query), q[0], q[1], q[2],
+            *cache[3:],
+            slot_mapping.data_ptr(), _index("slot_mapping", slot_mapping),
+            num_tokens, num_heads, cache[1], d, cache[2], cache[0], torch.get_num_threads(), -1,
+        )  # fmt: skip
+        _check(k._rotary(call), call)
+        return query
+
+    def rms_norm(
+        self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """`reference.rms_norm_ref` on float32 rows of 8 to 32767 elements (what a CPU
+        model computes in); anything else runs the reference."""
+        n = x.shape[-1] if x.dim() else 0
+        rows = x.numel() // n if n else 0
+        if (
+            x.dtype != torch.float32
+            or weight.dtype != torch.float32
+            or not 8 <= n < MAX_NORM_ROW
+            or rows == 0
+            or weight.shape != (n,)
+            or weight.stride(0) != 1
+            or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape))
+        ):
+            return reference.rms_norm_ref(x, weight, eps, residual)
+        k = self.kernels
+        x2 = _rows(x, rows, n)
+        out = torch.empty(x.shape, dtype=torch.float32)
+        call = k._NormArgs()
+        if residual is None:
+            r2 = summed = None
+        else:
+            r2 = _rows(residual, rows, n)
+            summed = torch.empty(x.shape, dtype=torch.float32)
+        k._pack_norm(
+            call, 0,
+            x2.data_ptr(), x2.stride(0),
+            0 if r2 is None else r2.data_ptr(), 0 if r2 is None else r2.stride(0),
+            weight.data_ptr(), out.data_ptr(), n,
+            0 if summed is None else summed.data_ptr(), n,
+            rows, n, torch.get_num_threads(), float(eps), -1,
+        )  # fmt: skip
+        _check(k._norm(call), call)
+        return out if summed is None else (out, summed)
+
+
+def _rows(t: Tensor, rows: int, n: int) -> Tensor:
+    """t as [rows, n] with contiguous rows (a view where it can be)."""
+    t2 = t if t.dim() == 2 else t.reshape(rows, n)
+    return t2 if t2.stride(1) == 1 else t2.contiguous()
