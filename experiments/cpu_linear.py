@@ -6,11 +6,12 @@ BLAS / oneDNN matmul, over SmolLM2-135M's four projections of all 30 layers.
 Per row count and weight dtype, the median wall ms of one pass over the 30 layers'
 fused QKV (960 x 576), output (576 x 576), gate/up (3072 x 576) and down (576 x 1536)
 projections, weights cold as in a real step (each pass walks every layer once). Columns:
-the C kernel (float32 x against the stored weight); torch with float32 x against the
-weight widened once to float32 (what the engine ran above 64 rows before); and, for
-bf16, torch's native bf16 x bf16 matmul (what an AVX512-BF16 machine ran before, x
-rounded to bf16). `same rows` says whether a row's output equals the C kernel's for
-that row alone (bit for bit), the property the serving path needs.
+the C kernel (float32 x against the stored weight); for bf16 weights on a build with
+AVX512-BF16, the C kernel on bf16 dot products (x rounded to bf16); torch with float32
+x against the weight widened once to float32; and, for bf16, torch's native bf16 x
+bf16 matmul (oneDNN, x rounded to bf16). `same rows` says whether a row's output equals
+the C kernel's for that row alone (bit for bit, on every C path), the property the
+serving path needs.
 """
 
 from __future__ import annotations
@@ -48,6 +49,24 @@ def one_pass(linear, weights: list[list[torch.Tensor]], xs: dict[int, torch.Tens
     return run
 
 
+def c_pass_on(kernels: cpu_ops.CpuKernels, dot: bool, weights, xs):
+    """A pass of the C kernel on the float32 (dot False) or bf16 dot-product path."""
+
+    def run() -> None:
+        kernels.bf16_dot = dot
+        one_pass(kernels.linear, weights, xs)()
+
+    return run
+
+
+def same_rows(kernels: cpu_ops.CpuKernels, dot: bool, w: torch.Tensor, x: torch.Tensor) -> bool:
+    kernels.bf16_dot = dot
+    whole = kernels.linear(x, w)
+    return all(
+        torch.equal(kernels.linear(x[i : i + 1], w), whole[i : i + 1]) for i in (0, len(x) - 1)
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512, 2048])
@@ -66,25 +85,23 @@ def main(argv: list[str] | None = None) -> None:
             [[w.float() for w in layer] for layer in weights] if dtype != torch.float32 else weights
         )
         name = str(dtype).removeprefix("torch.")
-        print(f"-- {name} weights: rows, C ms, torch f32 ms, torch native ms, same rows")
+        dots = [False, True] if dtype == torch.bfloat16 and kernels.bf16_dot_available else [False]
+        print(
+            f"-- {name} weights: rows, C ms, C bf16-dot ms, torch f32 ms, torch native ms, "
+            "same rows"
+        )
         for rows in args.rows:
             xs = {k: torch.randn(rows, k, generator=gen) for _, k in SHAPES}
-
             xb = {k: x.to(dtype) for k, x in xs.items()}
-            c_pass = one_pass(kernels.linear, weights, xs)
-            torch_pass = one_pass(torch.nn.functional.linear, wide, xs)
+            c_ms = [timed(c_pass_on(kernels, dot, weights, xs), args.repeats) for dot in dots]
+            c_ms += [float("nan")] * (2 - len(c_ms))
+            t_ms = timed(one_pass(torch.nn.functional.linear, wide, xs), args.repeats)
             native_pass = one_pass(torch.nn.functional.linear, weights, xb)
-            c_ms = timed(c_pass, args.repeats)
-            t_ms = timed(torch_pass, args.repeats)
             n_ms = timed(native_pass, args.repeats) if dtype != torch.float32 else float("nan")
             w = weights[0][2]
-            x = xs[w.shape[1]]
-            whole = kernels.linear(x, w)
-            same = all(
-                torch.equal(kernels.linear(x[i : i + 1], w), whole[i : i + 1])
-                for i in (0, rows - 1)
-            )
-            print(f"{rows:6d} {c_ms:9.2f} {t_ms:9.2f} {n_ms:9.2f}   {same}")
+            same = all(same_rows(kernels, dot, w, xs[w.shape[1]]) for dot in dots)
+            print(f"{rows:6d} {c_ms[0]:9.2f} {c_ms[1]:9.2f} {t_ms:9.2f} {n_ms:9.2f}   {same}")
+        kernels.bf16_dot = kernels.bf16_dot_available
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ _ERRORS = {
     -4: "query_start_loc must be non-decreasing and within the query rows (sequence {i})",
     -5: "sequence {i} has more new tokens than its context_len",
     -6: "out of memory in a CPU attention kernel",
+    -7: "this build of the CPU kernels (or this CPU) has no bf16 dot-product linear layer",
 }
 
 # Each entry point takes one struct of 8-byte fields (int64, one double for the scale)
@@ -51,8 +52,8 @@ _CALLS = {
     # query_start_loc, num_tokens, then a decode call's fields.
     "prefill": ("pd_prefill_attention", struct.Struct("<4q30qd3q")),
     # x, its row stride, weight, its dtype, its row stride, bias, bias dtype, y, its row
-    # stride, then m, n, k, threads.
-    "linear": ("pd_linear", struct.Struct("<14q")),
+    # stride, then m, n, k, bf16 dot products (0/1), threads.
+    "linear": ("pd_linear", struct.Struct("<15q")),
 }
 # Weight dtypes the C linear layer reads (float32 activations against either).
 _LINEAR_WEIGHTS = (torch.float32, torch.bfloat16)
@@ -76,13 +77,19 @@ class CpuKernels:
             calls.append((fn, layout.pack_into, ctypes.c_int64 * (layout.size // 8)))
         lib.pd_build_info.restype = ctypes.c_char_p
         self.build_info = lib.pd_build_info().decode()
+        lib.pd_linear_bf16_dot_available.restype = ctypes.c_int
+        # bf16 weights against bf16-rounded x where this build and CPU have AVX512-BF16
+        # (see `linear`); `bf16_dot` is what calls use.
+        self.bf16_dot_available = bool(lib.pd_linear_bf16_dot_available())
+        self.bf16_dot = self.bf16_dot_available
         (self._write, self._pack_write, self._WriteArgs) = calls[0]
         (self._decode, self._pack_decode, self._DecodeArgs) = calls[1]
         (self._prefill, self._pack_prefill, self._PrefillArgs) = calls[2]
         (self._linear, self._pack_linear, self._LinearArgs) = calls[3]
 
     def describe(self) -> str:
-        return f"C kernels ({self.build_info}; {self.path.name})"
+        linear = "bf16 dot-product" if self.bf16_dot else "float32"
+        return f"C kernels ({self.build_info}; {linear} bf16 linear; {self.path.name})"
 
     def write_kv_cache(self, key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tensor) -> None:
         shape = key.shape
@@ -166,7 +173,9 @@ class CpuKernels:
         """`reference.linear_ref`; a float32 x against a float32 or bfloat16 weight runs
         in C at every row count (a bf16 weight read without widening it first), each
         row's output independent of the others (BLAS picks kernels by the row count,
-        so a token's output would depend on what shares its step)."""
+        so a token's output would depend on what shares its step). With `bf16_dot`, a
+        bf16 weight meets x rounded to bf16 (bf16 dot products, about 3x the float32
+        FMA path's throughput at prefill sizes); float32 weights always keep float32 x."""
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         if (
             x.dtype != torch.float32
@@ -193,7 +202,8 @@ class CpuKernels:
             weight.stride(0),
             0 if bias is None else bias.data_ptr(),
             -1 if bias is None else _dtype("bias", bias),
-            y.data_ptr(), y.stride(0), rows, n, k, torch.get_num_threads(), -1,
+            y.data_ptr(), y.stride(0), rows, n, k,
+            int(self.bf16_dot and weight.dtype == torch.bfloat16), torch.get_num_threads(), -1,
         )  # fmt: skip
         _check(self._linear(call), call)
         return y.reshape(*x.shape[:-1], n)

@@ -42,6 +42,7 @@ enum {
     PD_BAD_QUERY_START = -4, /* query_start_loc decreasing, or past the query rows */
     PD_QUERY_LONGER_THAN_CONTEXT = -5,
     PD_NO_MEMORY = -6,
+    PD_UNSUPPORTED = -7, /* a path this build or CPU does not have */
 };
 
 typedef float v8f __attribute__((vector_size(32)));
