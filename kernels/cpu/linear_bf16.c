@@ -11,10 +11,12 @@
  * the weights past K to zero) and one horizontal sum with a fixed tree (halves of 8,
  * 4, 2, 1 lanes), whatever M, the tile shape, the thread count or the blocking.
  *
- * - Micro-kernel: R rows of x by C rows of W (R x C in {1x16, 2x8, 3x4, 4x4}, 16 or 12
- *   accumulators: the sixteen outputs of a tile are summed at once by a transposing
- *   tree that adds the same lanes in the same order as one vector's fold).
- * - Prefetch and blocking: as linear.c (a thread owns a run of 16-row weight units; a
+ * - Micro-kernel: R rows of x by C rows of W (R x C in {1x24, 2x12, 3x8, 4x6}: 24
+ *   accumulators, the x rows and a weight vector fit the 32 zmm registers). A tile's
+ *   outputs are summed sixteen at a time by a transposing tree that adds each output's
+ *   lanes in the same order as one vector's fold (sum16), so every tile shape, the
+ *   tail tiles of one weight row included, gives an output the same sum.
+ * - Prefetch and blocking: as linear.c (a thread owns a run of 24-row weight units; a
  *   weight block small enough for L2 is reused by every block of x rows).
  */
 #include "linear.h"
@@ -23,7 +25,6 @@
 
 #define UNIT_N 24 /* weight rows per work unit: C divides it for every R */
 #define MAX_R 4
-#define MAX_ACC 24
 #define BLOCK_BYTES (96 << 10)
 #define X_BLOCK_BYTES (96 << 10) /* packed (bf16) x bytes per block of rows */
 #define MIN_MACS_PER_THREAD (1 << 18)
