@@ -7,7 +7,7 @@ weights and biases hold their bfloat16 values in float32; the KV cache stays bfl
 torch's bf16 matmul is not used: it picks its kernel by the row count, so a token's
 logits would depend on what shares its step. The C kernel multiplies float32
 activations with float32 FMAs, except on CPUs with AVX512-BF16, where it rounds them
-to bf16 and uses bf16 dot products (about 3x the throughput at prefill sizes): row-
+to bf16 and uses bf16 dot products (2.5-3x the throughput at prefill sizes): row-
 invariant on both, but the two kinds of machine compute slightly different numbers.
 On CUDA (and for other dtypes) the model computes in the serving dtype.
 """
