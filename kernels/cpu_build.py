@@ -31,9 +31,11 @@ SOURCES = (
     "kv_write.c",
     "decode.c",
     "prefill.c",
+    "linear.h",
     "linear.c",
     "rotary.c",
     "norm.c",
+    "linear_bf16.c",
 )
 # Tried in order: the first that compiles wins. -march=native auto-vectorises for
 # this CPU (AVX2/FMA/F16C where present); a compiler that refuses it still builds.

@@ -2,12 +2,14 @@
 
 On CPU a bfloat16 model computes in float32: its weight matrices stay stored in
 bfloat16 (half the memory, half the bytes a decode step streams) and `kernels.linear`
-multiplies float32 activations by them in C, reading the bf16 weights as they are; norm
+multiplies the activations by them in C, reading the bf16 weights as they are; norm
 weights and biases hold their bfloat16 values in float32; the KV cache stays bfloat16.
-This holds on every CPU, with or without native bf16 GEMM (AVX512-BF16, AMX): torch's
-bf16 matmul picks its kernel by the row count, so a token's logits would depend on what
-shares its step, and the two kinds of machine would compute different numbers. On CUDA
-(and for other dtypes) the model computes in the serving dtype.
+torch's bf16 matmul is not used: it picks its kernel by the row count, so a token's
+logits would depend on what shares its step. The C kernel multiplies float32
+activations with float32 FMAs, except on CPUs with AVX512-BF16, where it rounds them
+to bf16 and uses bf16 dot products (2.5-3x the throughput at prefill sizes): row-
+invariant on both, but the two kinds of machine compute slightly different numbers.
+On CUDA (and for other dtypes) the model computes in the serving dtype.
 """
 
 from __future__ import annotations

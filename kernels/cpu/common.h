@@ -44,6 +44,7 @@ enum {
     PD_NO_MEMORY = -6,
     PD_BAD_POSITION = -7,    /* rotary: a position outside the cos/sin table */
     PD_BAD_HEAD_DIM = -8,    /* rotary: an odd head_dim, or one past its buffers */
+    PD_UNSUPPORTED = -9,     /* a path this build or CPU does not have */
 };
 
 typedef float v8f __attribute__((vector_size(32)));

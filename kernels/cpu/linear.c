@@ -25,8 +25,12 @@
  *   is reused by every 4-row block of x, and each x block is reused from L1 by every
  *   tile of the weight block. Rows go in blocks small enough for L2 (X_BLOCK_BYTES),
  *   so W is read from memory once per block of rows (once per call at decode sizes).
+ *
+ * A call may ask for bf16 dot products instead (bf16 W only, `bf16_dot`): x rounded to
+ * bf16, AVX512-BF16 instructions (linear_bf16.c), row-invariant the same way. A build
+ * or CPU without them answers PD_UNSUPPORTED rather than computing other numbers.
  */
-#include "common.h"
+#include "linear.h"
 
 #define UNIT_N 12                /* weight rows per work unit: C divides it for every R */
 #define MAX_R 4
@@ -224,12 +228,21 @@ static int linear(const float *x, int64_t x_rs, const void *w, int w_dt, int64_t
 /* The call's arguments as one struct of 8-byte fields (kernels/cpu_ops.py packs it). */
 typedef struct {
     int64_t x, x_rs, w, w_dt, w_rs, bias, bias_dt, y, y_rs;
-    int64_t m, n, k, num_threads, bad;
+    int64_t m, n, k, bf16_dot, num_threads, bad;
 } pd_linear_call;
 
 int64_t pd_linear_call_size(void) { return sizeof(pd_linear_call); }
 
+/* 1 where calls may ask for bf16 dot products (this build and this CPU have them). */
+int pd_linear_bf16_dot_available(void) { return linear_bf16_dot_available(); }
+
 int pd_linear(pd_linear_call *c) {
+    if (c->bf16_dot) {
+        if (c->w_dt != DT_BF16 || !linear_bf16_dot_available()) return PD_UNSUPPORTED;
+        return linear_bf16_dot(PTR(c->x), c->x_rs, PTR(c->w), c->w_rs, PTR(c->bias),
+                               (int)c->bias_dt, PTR(c->y), c->y_rs, c->m, c->n, c->k,
+                               (int)c->num_threads);
+    }
     return linear(PTR(c->x), c->x_rs, PTR(c->w), (int)c->w_dt, c->w_rs, PTR(c->bias),
                   (int)c->bias_dt, PTR(c->y), c->y_rs, c->m, c->n, c->k, (int)c->num_threads);
 }

@@ -1,8 +1,9 @@
 """One request's tokens and logprobs do not depend on the load: alone, inside a full
 batch, with its prompt chunked at several token budgets, and from a prefix-cache hit,
 its greedy and seeded outputs are the same to the bit (float32 and bfloat16 weights:
-both compute in float32 on CPU, with the row-invariant C kernels). On an AVX-512
-machine the same holds on the AVX2 kernels (PDSERVE_CPU_ISA=avx2, in a child process).
+both run the row-invariant C kernels on CPU, bfloat16 on bf16 dot products where the
+CPU has AVX512-BF16). On an AVX-512 machine the same holds on the AVX2 kernels
+(PDSERVE_CPU_ISA=avx2, in a child process).
 The two paths are not asserted equal to each other: torch's own CPU reductions (the
 RMSNorm's mean, the sampler's softmax) sum in an order set by the vector width.
 

@@ -1,5 +1,7 @@
-"""The linear layer in C (float32 and bfloat16 weights) against a float64 product of
-the same values, and each row's output independent of the other rows of the call.
+"""The linear layer in C (float32 and bfloat16 weights; bf16 weights also on bf16 dot
+products with x rounded to bf16, where the CPU has AVX512-BF16) against a float64
+product of the same values, and each row's output independent of the other rows of
+the call.
 
 The grid walks row counts through every micro-kernel shape (1-4 rows and their
 remainders), weight rows through partial 12-row units and tiles, and K through the
@@ -8,6 +10,11 @@ remainders), weight rows through partial 12-row units and tiles, and K through t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -15,6 +22,29 @@ from pdserve.kernels import cpu_ops, dispatch
 from pdserve.kernels.reference import linear_ref
 
 BF16 = torch.bfloat16
+# The arithmetic paths: float32 weights; bf16 weights against float32 x; bf16 weights
+# against x rounded to bf16 (bf16 dot products).
+PATHS = [("f32", torch.float32, False), ("bf16", BF16, False), ("bf16-dot", BF16, True)]
+
+
+def _cpu_has_bf16_dot() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_bf16" in f.read().split()
+    except OSError:
+        return False
+
+
+@pytest.fixture(params=PATHS, ids=[p[0] for p in PATHS])
+def path(request, kernels) -> Iterator[tuple[torch.dtype, bool]]:
+    """(weight dtype, bf16 dot products) with the kernels set to that path."""
+    _, dtype, dot = request.param
+    if dot and not kernels.bf16_dot_available:
+        pytest.skip("this build or CPU has no AVX512-BF16")
+    before = kernels.bf16_dot
+    kernels.bf16_dot = dot
+    yield dtype, dot
+    kernels.bf16_dot = before
 
 
 def exact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -27,6 +57,11 @@ def assert_close_to_exact(y: torch.Tensor, expected: torch.Tensor, k: int) -> No
     assert torch.isfinite(y).all()
     # float32 accumulation over k products of unit-scale values.
     torch.testing.assert_close(y.double(), expected, atol=1e-5 * k**0.5 + 1e-6, rtol=1e-5)
+
+
+def as_computed(x: torch.Tensor, dot: bool) -> torch.Tensor:
+    """x as the kernel multiplies it: rounded to bf16 on the dot-product path."""
+    return x.to(BF16).float() if dot else x
 
 
 # (rows, weight rows, k, bias dtype, threads)
@@ -45,10 +80,10 @@ GRID = [
 ]
 
 
-@pytest.mark.parametrize("weight_dtype", [BF16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("case", GRID, ids=lambda c: f"m{c[0]}n{c[1]}k{c[2]}-{c[3]}-t{c[4]}")
-def test_linear_matches_exact_product(kernels, threads, case, weight_dtype):
+def test_linear_matches_exact_product(kernels, threads, case, path):
     m, n, k, bias_dtype, num_threads = case
+    weight_dtype, dot = path
     threads(num_threads)
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen)
@@ -56,7 +91,7 @@ def test_linear_matches_exact_product(kernels, threads, case, weight_dtype):
     bias = None if bias_dtype is None else torch.randn(n, generator=gen).to(bias_dtype)
     y = kernels.linear(x, w, bias)
     assert y.shape == (m, n)
-    assert_close_to_exact(y, exact(x, w, bias), k)
+    assert_close_to_exact(y, exact(as_computed(x, dot), w, bias), k)
 
 
 def test_strided_rows_and_leading_dims(kernels):
@@ -64,24 +99,27 @@ def test_strided_rows_and_leading_dims(kernels):
     wide = torch.randn(6, 200, generator=gen)
     x = wide[:, 8:72]  # rows 200 apart: read in place
     w = torch.randn(30, 64, generator=gen).to(BF16)
-    assert_close_to_exact(kernels.linear(x, w), exact(x, w, None), 64)
+    dot = kernels.bf16_dot
+    assert_close_to_exact(kernels.linear(x, w), exact(as_computed(x, dot), w, None), 64)
     x3 = torch.randn(2, 3, 64, generator=gen)  # [batch, tokens, features]
     y3 = kernels.linear(x3, w)
     assert y3.shape == (2, 3, 30)
-    assert_close_to_exact(y3.reshape(6, 30), exact(x3.reshape(6, 64), w, None), 64)
+    expected = exact(as_computed(x3.reshape(6, 64), dot), w, None)
+    assert_close_to_exact(y3.reshape(6, 30), expected, 64)
     xt = torch.randn(64, 5, generator=gen).t()  # columns strided: copied first
-    assert_close_to_exact(kernels.linear(xt, w), exact(xt.contiguous(), w, None), 64)
+    expected = exact(as_computed(xt.contiguous(), dot), w, None)
+    assert_close_to_exact(kernels.linear(xt, w), expected, 64)
 
 
-@pytest.mark.parametrize("weight_dtype", [BF16, torch.float32], ids=["bf16", "f32"])
-def test_a_row_does_not_depend_on_the_other_rows(kernels, threads, weight_dtype):
+@pytest.mark.parametrize("k", [1536, 1000], ids=["k1536", "k1000"])  # 1000: a K tail
+def test_a_row_does_not_depend_on_the_other_rows(kernels, threads, path, k):
     """Bit for bit: one row alone, inside any batch (every tile shape, a block of rows
     past the first), at 1 or 2 threads, gives the same output (BLAS does not: it picks
     its kernel by the row count)."""
     gen = torch.Generator().manual_seed(3)
-    w = torch.randn(200, 1536, generator=gen).to(weight_dtype)
+    w = torch.randn(200, k, generator=gen).to(path[0])
     bias = torch.randn(200, generator=gen)
-    batch = torch.randn(300, 1536, generator=gen)
+    batch = torch.randn(300, k, generator=gen)
     threads(2)
     whole = kernels.linear(batch, w, bias)
     for rows in (1, 2, 3, 5, 64, 65, 300):
@@ -111,7 +149,8 @@ def test_dispatch_sends_cpu_linear_to_the_c_kernel(kernels):
         chosen = dispatch.lookup("linear", x)
         assert getattr(chosen, "__name__", "") == "linear"
         assert isinstance(getattr(chosen, "__self__", None), cpu_ops.CpuKernels)
-        assert_close_to_exact(chosen(x, w), exact(x, w, None), 64)
+        expected = exact(as_computed(x, kernels.bf16_dot), w, None)
+        assert_close_to_exact(chosen(x, w), expected, 64)
         dispatch.set_cpu_kernels_enabled(False)
         assert dispatch.lookup("linear", x) is linear_ref
     finally:
@@ -124,3 +163,40 @@ def test_mismatched_shapes_get_one_line_errors(kernels):
         kernels.linear(torch.randn(2, 32), w)
     with pytest.raises(ValueError, match="bias must be"):
         kernels.linear(torch.randn(2, 64), w, torch.randn(7))
+
+
+def test_bf16_dot_products_where_the_build_and_cpu_have_them(kernels):
+    """The native build on a CPU with AVX512-BF16 takes the dot-product path by default."""
+    native = "-march=native" in kernels.build_info
+    assert kernels.bf16_dot_available == (native and _cpu_has_bf16_dot())
+    assert kernels.bf16_dot == kernels.bf16_dot_available
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(3, 96, generator=gen), torch.randn(20, 96, generator=gen).to(BF16)
+    assert_close_to_exact(
+        kernels.linear(x, w), exact(as_computed(x, kernels.bf16_dot), w, None), 96
+    )
+
+
+@pytest.mark.skipif(not _cpu_has_bf16_dot(), reason="the CPU has no AVX512-BF16")
+def test_the_avx2_build_keeps_float32_activations():
+    """PDSERVE_CPU_ISA=avx2 (a child process: the build is per process) computes bf16
+    weights against float32 x, as every AVX2 machine does, and asking that build for
+    bf16 dot products is an error, not other numbers."""
+    code = (
+        "import torch; from pdserve.kernels import cpu_ops; k = cpu_ops.load(); "
+        "g = torch.Generator().manual_seed(5); x = torch.randn(4, 64, generator=g); "
+        "w = torch.randn(8, 64, generator=g).bfloat16(); "
+        "err = (k.linear(x, w).double() - x.double() @ w.double().T).abs().max().item(); "
+        "print(k.bf16_dot_available, k.bf16_dot, err < 1e-4)\n"
+        "k.bf16_dot = True\n"
+        "try: k.linear(x, w)\n"
+        "except ValueError as e: print(e)"
+    )
+    env = {**os.environ, "PDSERVE_CPU_ISA": "avx2"}
+    child = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    lines = child.stdout.strip().splitlines()
+    assert lines[-2].split() == ["False", "False", "True"]
+    assert "no bf16 dot-product linear layer" in lines[-1]

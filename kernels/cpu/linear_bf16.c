@@ -1,0 +1,227 @@
+/* Linear layer on bf16 dot-product instructions: y[M, N] = bf16(x)[M, K] @ W[N, K]^T
+ * (+ bias), for a bfloat16 W, on CPUs with AVX512-BF16 (`vdpbf16ps`).
+ *
+ * x is float32 and rounded to bf16 once per call (to nearest even; the instruction
+ * treats bf16 subnormals as zero); each product of two bf16 values is exact in float32
+ * and accumulates in float32. W is read in place: `vdpbf16ps` multiplies bf16 pairs
+ * (k, k + 1), which is how a row-major [N, K] bf16 matrix already lies in memory.
+ *
+ * Invariance, as in linear.c: y[m, n] is one 16-lane accumulator over K (lane j sums
+ * the pairs 2j, 2j + 1 of every 32-wide step of k, in increasing k; a tail step masks
+ * the weights past K to zero) and one horizontal sum with a fixed tree (halves of 8,
+ * 4, 2, 1 lanes), whatever M, the tile shape, the thread count or the blocking.
+ *
+ * - Micro-kernel: R rows of x by C rows of W (R x C in {1x24, 2x12, 3x8, 4x6}: 24
+ *   accumulators, the x rows and a weight vector fit the 32 zmm registers). A tile's
+ *   outputs are summed sixteen at a time by a transposing tree that adds each output's
+ *   lanes in the same order as one vector's fold (sum16), so every tile shape, the
+ *   tail tiles of one weight row included, gives an output the same sum.
+ * - Prefetch and blocking: as linear.c (a thread owns a run of 24-row weight units; a
+ *   weight block small enough for L2 is reused by every block of x rows).
+ */
+#include "linear.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+
+#define UNIT_N 24 /* weight rows per work unit: C divides it for every R */
+#define MAX_R 4
+#define BLOCK_BYTES (96 << 10)
+#define X_BLOCK_BYTES (96 << 10) /* packed (bf16) x bytes per block of rows */
+#define MIN_MACS_PER_THREAD (1 << 18)
+
+typedef struct {
+    const uint16_t *xp; /* packed bf16 x, row stride kp (K rounded up to 32) */
+    const uint16_t *w;
+    int64_t w_rs;
+    const void *bias;
+    int bias_dt; /* -1: none */
+    float *y;
+    int64_t y_rs;
+    int64_t m, n;
+    int k, kp;
+} dot_args;
+
+/* The sums of 16 vectors in one vector: out[4q + t] = sum(v[4t + q]). Output i is the
+ * tree (((l0+l8) + (l4+l12)) + ((l2+l10) + (l6+l14))) + (((l1+l9) + ...)) of v[i]'s
+ * lanes, for every i and whatever the other vectors hold. */
+ALWAYS_INLINE __m512 sum16(const __m512 *v) {
+    __m512 s[8], u[4], w[2];
+    for (int i = 0; i < 8; i++) /* lanes i + 8 onto i, two vectors per result */
+        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* lanes i + 4 onto i within each half */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) { /* lanes i + 2 onto i within each 128-bit lane */
+        __m512d a = _mm512_castps_pd(u[2 * i]), b = _mm512_castps_pd(u[2 * i + 1]);
+        w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* R rows of packed x times C weight rows from w: y[r][c] for the tile. */
+ALWAYS_INLINE void dot_tile(const dot_args *A, const uint16_t *xp, const uint16_t *w, int64_t n,
+                            float *y, const int R, const int C) {
+    const int K = A->k, K32 = K & ~31, KP = A->kp;
+    const int64_t rs = A->w_rs;
+    __m512 acc[32]; /* R * C used; the rest stay zero for the sums */
+#pragma GCC unroll 32
+    for (int i = 0; i < 32; i++) acc[i] = _mm512_setzero_ps();
+    for (int k = 0; k < K32; k += 32) {
+        __m512i xv[MAX_R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) xv[r] = _mm512_load_si512(xp + r * KP + k);
+#pragma GCC unroll 24
+        for (int c = 0; c < C; c++) {
+            const uint16_t *row = w + c * rs + k;
+            /* The next tile's rows, a line ahead of each of these (as linear.c). */
+            __builtin_prefetch(row + C * rs, 0, 0);
+            __m512bh wv = (__m512bh)_mm512_loadu_si512(row);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], (__m512bh)xv[r], wv);
+        }
+    }
+    if (K32 < K) { /* the tail: weights past K read as zero (x is zero-padded) */
+        const __mmask32 keep = (__mmask32)((1ull << (K - K32)) - 1);
+#pragma GCC unroll 24
+        for (int c = 0; c < C; c++) {
+            __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(keep, w + c * rs + K32);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                __m512i xv = _mm512_load_si512(xp + r * KP + K32);
+                acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], (__m512bh)xv, wv);
+            }
+        }
+    }
+    float sums[32];
+    _mm512_storeu_ps(sums, sum16(acc));
+    if (R * C > 16) _mm512_storeu_ps(sums + 16, sum16(acc + 16));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 24
+        for (int c = 0; c < C; c++) {
+            const int i = r * C + c;
+            float s = sums[(i & ~15) + 4 * (i & 3) + ((i & 15) >> 2)];
+            if (A->bias_dt >= 0) s += load_scalar(A->bias, A->bias_dt, n + c);
+            y[r * A->y_rs + c] = s;
+        }
+}
+
+/* Rows m0..m0+R of x against weight rows [n0, n1), in tiles of C. */
+ALWAYS_INLINE void dot_rows_times_block(const dot_args *A, int64_t m0, int64_t n0, int64_t n1,
+                                        const int R) {
+    const int C = R == 1 ? 24 : R == 2 ? 12 : R == 3 ? 8 : 6;
+    const uint16_t *xp = A->xp + m0 * A->kp;
+    float *y = A->y + m0 * A->y_rs;
+    int64_t n = n0;
+    for (; n + C <= n1; n += C) dot_tile(A, xp, A->w + n * A->w_rs, n, y + n, R, C);
+    for (; n < n1; n++) dot_tile(A, xp, A->w + n * A->w_rs, n, y + n, R, 1);
+}
+
+static __attribute__((noinline)) void dot_rows_r(const dot_args *A, int64_t m, int64_t n0,
+                                                 int64_t n1, int R) {
+    switch (R) {
+    case 4: dot_rows_times_block(A, m, n0, n1, 4); break;
+    case 3: dot_rows_times_block(A, m, n0, n1, 3); break;
+    case 2: dot_rows_times_block(A, m, n0, n1, 2); break;
+    default: dot_rows_times_block(A, m, n0, n1, 1); break;
+    }
+}
+
+/* Every row against weight units [u0, u1): blocks of x rows, blocks of weight rows. */
+static void dot_run_units(const dot_args *A, int64_t u0, int64_t u1) {
+    int64_t rows = X_BLOCK_BYTES / ((int64_t)A->kp * 2) & ~(int64_t)3;
+    if (rows < 4) rows = 4;
+    int64_t block = BLOCK_BYTES / ((int64_t)UNIT_N * A->k * 2);
+    if (block < 1) block = 1;
+    for (int64_t m0 = 0; m0 < A->m; m0 += rows) {
+        int64_t m1 = m0 + rows < A->m ? m0 + rows : A->m;
+        for (int64_t b0 = u0; b0 < u1; b0 += block) {
+            int64_t n0 = b0 * UNIT_N, n1 = (b0 + block < u1 ? b0 + block : u1) * UNIT_N;
+            if (n1 > A->n) n1 = A->n;
+            int64_t m = m0;
+            for (; m + 4 <= m1; m += 4) dot_rows_r(A, m, n0, n1, 4);
+            if (m < m1) dot_rows_r(A, m, n0, n1, (int)(m1 - m));
+        }
+    }
+}
+
+/* x rows rounded to bf16 (to nearest even), each row zero-padded to kp elements. */
+static void pack_x_bf16(const float *x, int64_t x_rs, int64_t m, int k, int kp, uint16_t *dst) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *src = x + r * x_rs;
+        uint16_t *out = dst + r * kp;
+        for (int c = 0; c < kp; c += 32) {
+            int left = k - c;
+            __mmask16 lo = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+            __mmask16 hi = left >= 32 ? 0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
+            __m512 a = _mm512_maskz_loadu_ps(lo, src + c);
+            __m512 b = _mm512_maskz_loadu_ps(hi, src + c + 16);
+            _mm512_store_si512(out + c, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        }
+    }
+}
+
+static __thread uint16_t *dot_buffer;
+static __thread size_t dot_capacity;
+
+static uint16_t *dot_space(size_t elems) {
+    if (elems > dot_capacity) {
+        free(dot_buffer);
+        size_t bytes = (elems * sizeof(uint16_t) + 63) & ~(size_t)63;
+        dot_buffer = aligned_alloc(64, bytes);
+        dot_capacity = dot_buffer ? bytes / sizeof(uint16_t) : 0;
+    }
+    return dot_buffer;
+}
+
+int linear_bf16_dot_available(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+}
+
+int linear_bf16_dot(const float *x, int64_t x_rs, const uint16_t *w, int64_t w_rs,
+                    const void *bias, int bias_dt, float *y, int64_t y_rs, int64_t m, int64_t n,
+                    int64_t k, int num_threads) {
+    if (m == 0 || n == 0) return PD_OK;
+    const int kp = (int)((k + 31) & ~(int64_t)31);
+    uint16_t *xp = dot_space((size_t)(m * kp));
+    if (!xp) return PD_NO_MEMORY;
+    pack_x_bf16(x, x_rs, m, (int)k, kp, xp);
+    dot_args A = {.xp = xp, .w = w, .w_rs = w_rs, .bias = bias, .bias_dt = bias_dt,
+                  .y = y, .y_rs = y_rs, .m = m, .n = n, .k = (int)k, .kp = kp};
+    const int64_t units = (n + UNIT_N - 1) / UNIT_N;
+    int threads = threads_for(num_threads, m * n * k, MIN_MACS_PER_THREAD);
+    if (threads > units) threads = (int)units;
+    if (threads == 1) {
+        dot_run_units(&A, 0, units);
+    } else {
+#pragma omp parallel num_threads(threads)
+        {
+#ifdef _OPENMP
+            const int t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+            const int t = 0, T = 1;
+#endif
+            dot_run_units(&A, units * t / T, units * (t + 1) / T);
+        }
+    }
+    return PD_OK;
+}
+
+#else /* the compiler does not target AVX512-BF16: the float32 path serves every call */
+
+int linear_bf16_dot_available(void) { return 0; }
+
+int linear_bf16_dot(const float *x, int64_t x_rs, const uint16_t *w, int64_t w_rs,
+                    const void *bias, int bias_dt, float *y, int64_t y_rs, int64_t m, int64_t n,
+                    int64_t k, int num_threads) {
+    (void)x, (void)x_rs, (void)w, (void)w_rs, (void)bias, (void)bias_dt, (void)y, (void)y_rs;
+    (void)m, (void)n, (void)k, (void)num_threads;
+    return PD_UNSUPPORTED;
+}
+
+#endif
