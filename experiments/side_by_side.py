@@ -39,10 +39,11 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -90,13 +91,21 @@ DEFAULT_SERVERS = {
 }
 
 
+def chosen_scenarios(args: argparse.Namespace) -> list[Scenario]:
+    """The scenarios asked for, with `--num-prompts` in place of their own counts."""
+    chosen = [SCENARIOS[name] for name in args.scenarios]
+    if args.num_prompts:
+        return [replace(s, num_prompts=args.num_prompts) for s in chosen]
+    return chosen
+
+
 class SideBySide:
     """The rounds of one run: each server started, warmed up, measured, stopped."""
 
     def __init__(self, args: argparse.Namespace, peers: Peers, tokenizer: Tokenizer) -> None:
         self.args = args
         self.peers = peers
-        self.scenarios = [SCENARIOS[name] for name in args.scenarios]
+        self.scenarios = chosen_scenarios(args)
         self.samples = {
             s.name: self.make_samples(s, tokenizer, args.seed + 100 * i)
             for i, s in enumerate(self.scenarios)
@@ -152,6 +161,7 @@ class SideBySide:
 
     def run_server(self, spec: ServerSpec, repeat: int) -> list[dict]:
         """One round of `spec`: started, warmed up, every scenario, stopped by its PID."""
+        print(f"round {repeat + 1}/{self.args.repeats}: starting {spec.label}", flush=True)
         started = time.monotonic()
         try:
             server = start_server(spec, self.peers, self.pdserve_args, self.args.start_timeout)
@@ -251,6 +261,7 @@ def parser() -> argparse.ArgumentParser:
     )
     found.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
     found.add_argument("--repeats", type=int, default=3, help="rounds over every server")
+    found.add_argument("--num-prompts", type=int, default=None, help="per scenario (its own)")
     for kind, what in (
         ("pdserve", "LABEL=FLAGS of pdserve serve"),
         ("vllm", "LABEL=FLAGS of vLLM's OpenAI server"),
@@ -288,7 +299,20 @@ def parser() -> argparse.ArgumentParser:
     return found
 
 
+def stop_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM ends the run as Ctrl-C does: the server of the round is stopped first."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
+    try:
+        return run(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     if args.show:
         saved = json.loads(Path(args.show).read_text())
@@ -319,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint": str(checkpoint),
         "baseline": baseline,
         "repeats": args.repeats,
-        "scenarios": [asdict(SCENARIOS[name]) for name in args.scenarios],
+        "scenarios": [asdict(s) for s in chosen_scenarios(args)],
         "servers": [asdict(spec) for spec in specs],
         "records": records,
         "rows": rows,

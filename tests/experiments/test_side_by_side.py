@@ -112,7 +112,7 @@ def test_a_run_measures_each_server_in_rounds_and_skips_what_is_missing(tmp_path
     fast = json.dumps({"ttft_s": 0.01, "itl_s": 0.0005})
     slow = json.dumps({"ttft_s": 0.01, "itl_s": 0.0015})
     code = main([
-        "--scenarios", "single", "--repeats", "2", "--warmups", "1",
+        "--scenarios", "single", "--repeats", "2", "--warmups", "1", "--num-prompts", "4",
         "--llama", f"fast={gguf} --script '{fast}'", "--llama", f"slow={gguf} --script '{slow}'",
         "--llama", f"broken={broken}",
         "--servers", "fast", "slow", "broken", "vllm-bf16",
@@ -130,7 +130,7 @@ def test_a_run_measures_each_server_in_rounds_and_skips_what_is_missing(tmp_path
         ("fast", 0), ("slow", 0), ("fast", 1), ("slow", 1)
     ]  # fmt: skip
     for r in measured:
-        assert r["metrics"]["completed"] == 8 and r["metrics"]["tokens_per_chunk"] == 1.0
+        assert r["metrics"]["completed"] == 4 and r["metrics"]["tokens_per_chunk"] == 1.0
         with pytest.raises(ProcessLookupError):
             os.kill(r["pid"], 0)
     rows = {row["server"]: row for row in saved["rows"]}
