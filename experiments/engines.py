@@ -13,8 +13,10 @@ is `NotInstalled`, with the command that would make it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import signal
 import subprocess
 import tempfile
 import time
@@ -116,11 +118,36 @@ class StartFailed(RuntimeError):
     """A server exited, or did not answer /v1/models in time; the message quotes its log."""
 
 
+class PeerProcess(ServeProcess):
+    """A peer in a process group of its own, which its PID names: vLLM's engine core
+    outlives an API server stopped while it starts, so the whole group is stopped."""
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        group = self.process.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while group_alive(group) and time.monotonic() < deadline:
+            self.process.poll()  # reaps the leader, which otherwise keeps the group alive
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+        return self.process.wait()
+
+
+def group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def start_peer(
     command: list[str], port: int, env: dict[str, str], timeout_s: float
 ) -> ServeProcess:
-    """`command` as a child process whose output goes to a log file, once its
-    `/v1/models` answers on `port`."""
+    """`command` as a child process in a new process group, its output in a log file,
+    once its `/v1/models` answers on `port`."""
     with tempfile.NamedTemporaryFile(
         "w", prefix="side-by-side-", suffix=".log", delete=False
     ) as log:  # the child keeps writing to its own copy of the descriptor
@@ -130,8 +157,9 @@ def start_peer(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**os.environ, **env},
+            start_new_session=True,
         )
-    server = ServeProcess(process, f"http://127.0.0.1:{port}", log.name, api_key=None)
+    server = PeerProcess(process, f"http://127.0.0.1:{port}", log.name, api_key=None)
     wait_ready(server, timeout_s)
     return server
 

@@ -133,7 +133,10 @@ class SideBySide:
         return build_samples(spec, tokenizer)
 
     def run(self, specs: list[ServerSpec]) -> list[dict]:
+        """Every round's records, in the order they ran, then those of the servers
+        skipped as not installed."""
         records: list[dict] = []
+        skipped: list[dict] = []
         ready = []
         for spec in specs:
             try:
@@ -141,11 +144,11 @@ class SideBySide:
                 ready.append(spec)
             except NotInstalled as exc:
                 print(f"{spec.label}: skipped: {exc}", flush=True)
-                records += self.records_of(spec, None, f"skipped: {exc}")
+                skipped += self.records_of(spec, None, f"skipped: {exc}")
         for repeat in range(self.args.repeats):
             for spec in ready:
                 records += self.run_server(spec, repeat)
-        return records
+        return records + skipped
 
     def records_of(self, spec: ServerSpec, repeat: int | None, status: str) -> list[dict]:
         return [

@@ -4,7 +4,6 @@ against scripted servers that stand in for installed peers (one missing, one bro
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -85,15 +84,25 @@ def test_a_missing_peer_names_the_command_that_makes_it(tmp_path) -> None:
         ServerSpec.parse("pdserve", "--mode colocated")
 
 
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
 def fake_llama_install(tmp_path: Path) -> tuple[Path, Path]:
     """A peer scripts folder whose llama-server.sh serves the scripted server on the
     port it is given (its flags after the port are the scripted server's) or exits at
-    once for a model named broken, and an install folder that looks built."""
+    once for a model named broken, and an install folder that looks built. Each served
+    one leaves a child of its own behind (its PID in `children`), as vLLM's engine core."""
     scripts = tmp_path / "scripts"
     scripts.mkdir()
     server = f"{sys.executable} -m tests.bench.scripted_server"
     (scripts / "llama-server.sh").write_text(
         'case "$3" in *broken*) echo "cannot read $3" >&2; exit 3;; esac\n'
+        f"sleep 300 & echo $! >> {tmp_path / 'children'}\n"
         f'cd {REPO} && exec {server} --port "$4" "${{@:5}}"\n'
     )
     llama = tmp_path / "llama"
@@ -125,15 +134,17 @@ def test_a_run_measures_each_server_in_rounds_and_skips_what_is_missing(tmp_path
     printed = capsys.readouterr().out
     assert saved["table"] in printed and saved["baseline"] == "fast"
     measured = [r for r in saved["records"] if r["status"] == "ok"]
-    # Round-major: fast, slow, fast, slow; each server stopped (by its PID) after its round.
+    # Round-major: fast, slow, fast, slow; each server and its children stopped after its round.
     assert [(r["server"], r["repeat"]) for r in measured] == [
         ("fast", 0), ("slow", 0), ("fast", 1), ("slow", 1)
     ]  # fmt: skip
     for r in measured:
         assert r["metrics"]["completed"] == 4 and r["metrics"]["tokens_per_chunk"] == 1.0
-        with pytest.raises(ProcessLookupError):
-            os.kill(r["pid"], 0)
+    children = [int(pid) for pid in (tmp_path / "children").read_text().split()]
+    assert len(children) == 4
+    assert [pid for pid in [r["pid"] for r in measured] + children if alive(pid)] == []
     rows = {row["server"]: row for row in saved["rows"]}
+    assert list(rows) == ["fast", "slow", "broken", "vllm-bf16"]
     assert rows["fast"]["status"] == rows["slow"]["status"] == "2/2"
     assert rows["fast"]["ratios"]["median_request_tpot_ms"] == 1.0
     assert rows["slow"]["ratios"]["median_request_tpot_ms"] > 1.5, rows
