@@ -13,7 +13,7 @@ COLUMNS = (
     ("median_request_tpot_ms", "TPOT p50 ms", True),
     ("median_itl_ms", "ITL p50 ms", False),
     ("tokens_per_chunk", "tok/chunk", False),
-    ("failed", "failed req", False),
+    ("failed", "failed req, all rounds", False),
 )
 
 
@@ -54,8 +54,8 @@ def measurement(result: dict) -> dict:
 
 
 def summarize(records: list[dict], baseline: str) -> list[dict]:
-    """One row per server and scenario: the medians over its good rounds, and their
-    ratios to the baseline's."""
+    """One row per server and scenario: the medians over its good rounds (failed
+    requests: their sum), and their ratios to the baseline's."""
     keys = list(dict.fromkeys((r["server"], r["scenario"]) for r in records))
     medians: dict[tuple[str, str], dict] = {}
     rows = []
@@ -68,6 +68,7 @@ def summarize(records: list[dict], baseline: str) -> list[dict]:
             for name, _, _ in COLUMNS:
                 values = [m[name] for m in good if m.get(name) is not None]
                 row[name] = statistics.median(values) if values else None
+            row["failed"] = sum(m["failed"] for m in good)
             medians[key] = row
         else:
             row["status"] = mine[0]["status"]
@@ -85,6 +86,8 @@ def summarize(records: list[dict], baseline: str) -> list[dict]:
 def cell(value: float | None) -> str:
     if value is None:
         return "-"
+    if isinstance(value, int):
+        return str(value)
     if abs(value) < 10:
         return f"{value:.2f}"
     return f"{value:.1f}" if abs(value) < 1000 else f"{value:.0f}"

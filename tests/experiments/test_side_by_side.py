@@ -42,6 +42,7 @@ def test_tpot_runs_from_first_to_last_token_whatever_the_chunks_carry() -> None:
 def test_rows_take_medians_over_good_rounds_and_ratios_to_the_baseline() -> None:
     base = [measurement(result([[0.02] * 3], [4], t)) for t in (10.0, 30.0, 20.0)]
     other = [measurement(result([[0.04] * 3], [4], t)) for t in (40.0, 60.0)]
+    other[1]["failed"] = 3
     records = [
         *(record("base", i, m) for i, m in enumerate(base)),
         record("other", 0, other[0]),
@@ -54,6 +55,7 @@ def test_rows_take_medians_over_good_rounds_and_ratios_to_the_baseline() -> None
     rows = {row["server"]: row for row in summarize(records, "base")}
     assert rows["base"]["output_throughput"] == 20.0 and rows["base"]["status"] == "3/3"
     assert rows["other"]["status"] == "2/3" and rows["other"]["output_throughput"] == 50.0
+    assert rows["other"]["failed"] == 3
     assert rows["other"]["ratios"]["output_throughput"] == pytest.approx(2.5)
     assert rows["other"]["ratios"]["median_request_tpot_ms"] == pytest.approx(2.0)
     assert rows["peer"]["ratios"] == {} and "output_throughput" not in rows["peer"]
