@@ -39,6 +39,7 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import signal
 import sys
 import tempfile
@@ -339,7 +340,7 @@ def run(argv: list[str] | None) -> int:
     shown = argv if argv is not None else sys.argv[1:]
     out = Path(args.out or tempfile.mkstemp(prefix="side-by-side-", suffix=".json")[1])
     saved = {
-        "command": " ".join(["python -m experiments.side_by_side", *shown]),
+        "command": "python -m experiments.side_by_side " + shlex.join(shown),
         "started": started.isoformat(timespec="seconds"),
         "wall_s": (datetime.now(UTC) - started).total_seconds(),
         "machine": machine(),
