@@ -1,7 +1,8 @@
 """A scripted OpenAI-compatible server with known latencies, for benchmark tests.
 
-Run as `python -m tests.bench.scripted_server`: it binds 127.0.0.1 on a free port,
-prints the port on stdout, and serves until terminated. `POST /script` sets its
+Run as `python -m tests.bench.scripted_server [--port N] [--script JSON]`: it binds
+127.0.0.1 on port N (a free one by default), prints the port on stdout, and serves
+until terminated, with the script given or the default one. `POST /script` sets its
 behaviour (latencies, which may grow with the number of requests in flight, error
 statuses, /tokenize on or off, preemptions above a concurrency) and resets its
 counters; `GET /stats` returns what it served. With an `api_key` scripted, every
@@ -12,6 +13,7 @@ the scrape's key is tested); `/script` and `/stats` stay open for the tests.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import socket
@@ -195,11 +197,16 @@ async def generate(request: Request, chat: bool):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.bench.scripted_server")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--script", type=json.loads, default={}, help="a Script as JSON")
+    args = parser.parse_args()
+    state["script"] = Script(**args.script)
     # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on sockets that say they are
     # TCP; without it Nagle's algorithm and delayed ACKs add ~40 ms to small replies.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind(("127.0.0.1", args.port))
     print(sock.getsockname()[1], flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
