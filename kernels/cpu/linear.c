@@ -184,44 +184,50 @@ static void pack_x(const float *x, int64_t x_rs, int64_t m, int k, int w_dt, flo
 
 /* The packed copy of x lives in a per-thread buffer that only grows: no allocation
  * (and no page faults) per call. */
-static __thread float *pack_buffer;
-static __thread size_t pack_capacity;
+static __thread void *scratch_buffer;
+static __thread size_t scratch_capacity;
 
-static float *pack_space(size_t floats) {
-    if (floats > pack_capacity) {
-        free(pack_buffer);
-        size_t bytes = (floats * sizeof(float) + 63) & ~(size_t)63;
-        pack_buffer = aligned_alloc(64, bytes);
-        pack_capacity = pack_buffer ? bytes / sizeof(float) : 0;
+void *linear_scratch(size_t bytes) {
+    if (bytes > scratch_capacity) {
+        free(scratch_buffer);
+        bytes = (bytes + 63) & ~(size_t)63;
+        scratch_buffer = aligned_alloc(64, bytes);
+        scratch_capacity = scratch_buffer ? bytes : 0;
     }
-    return pack_buffer;
+    return scratch_buffer;
 }
+
+void linear_split(linear_units_fn run, const void *args, int64_t units, int64_t macs,
+                  int num_threads) {
+    int threads = threads_for(num_threads, macs, MIN_MACS_PER_THREAD);
+    if (threads > units) threads = (int)units;
+    if (threads == 1) {
+        run(args, 0, units);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+        const int t = 0, T = 1;
+#endif
+        run(args, units * t / T, units * (t + 1) / T);
+    }
+}
+
+static void run_any_units(const void *A, int64_t u0, int64_t u1) { run_units(A, u0, u1); }
 
 static int linear(const float *x, int64_t x_rs, const void *w, int w_dt, int64_t w_rs,
                   const void *bias, int bias_dt, float *y, int64_t y_rs, int64_t m, int64_t n,
                   int64_t k, int num_threads) {
     if (m == 0 || n == 0) return PD_OK;
-    float *xp = pack_space((size_t)(m * k));
+    float *xp = linear_scratch((size_t)(m * k) * sizeof(float));
     if (!xp) return PD_NO_MEMORY;
     pack_x(x, x_rs, m, (int)k, w_dt, xp);
     linear_args A = {.xp = xp, .w = w, .w_dt = w_dt, .w_rs = w_rs, .bias = bias, .bias_dt = bias_dt,
                      .y = y, .y_rs = y_rs, .m = m, .n = n, .k = (int)k};
-    const int64_t units = (n + UNIT_N - 1) / UNIT_N;
-    int threads = threads_for(num_threads, m * n * k, MIN_MACS_PER_THREAD);
-    if (threads > units) threads = (int)units;
-    if (threads == 1) {
-        run_units(&A, 0, units);
-    } else {
-#pragma omp parallel num_threads(threads)
-        {
-#ifdef _OPENMP
-            const int t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-            const int t = 0, T = 1;
-#endif
-            run_units(&A, units * t / T, units * (t + 1) / T);
-        }
-    }
+    linear_split(run_any_units, &A, (n + UNIT_N - 1) / UNIT_N, m * n * k, num_threads);
     return PD_OK;
 }
 

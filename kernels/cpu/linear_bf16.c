@@ -27,7 +27,6 @@
 #define MAX_R 4
 #define BLOCK_BYTES (96 << 10)
 #define X_BLOCK_BYTES (96 << 10) /* packed (bf16) x bytes per block of rows */
-#define MIN_MACS_PER_THREAD (1 << 18)
 
 typedef struct {
     const uint16_t *xp; /* packed bf16 x, row stride kp (K rounded up to 32) */
@@ -165,18 +164,7 @@ static void pack_x_bf16(const float *x, int64_t x_rs, int64_t m, int k, int kp, 
     }
 }
 
-static __thread uint16_t *dot_buffer;
-static __thread size_t dot_capacity;
-
-static uint16_t *dot_space(size_t elems) {
-    if (elems > dot_capacity) {
-        free(dot_buffer);
-        size_t bytes = (elems * sizeof(uint16_t) + 63) & ~(size_t)63;
-        dot_buffer = aligned_alloc(64, bytes);
-        dot_capacity = dot_buffer ? bytes / sizeof(uint16_t) : 0;
-    }
-    return dot_buffer;
-}
+static void dot_any_units(const void *A, int64_t u0, int64_t u1) { dot_run_units(A, u0, u1); }
 
 int linear_bf16_dot_available(void) {
     __builtin_cpu_init();
@@ -188,27 +176,12 @@ int linear_bf16_dot(const float *x, int64_t x_rs, const uint16_t *w, int64_t w_r
                     int64_t k, int num_threads) {
     if (m == 0 || n == 0) return PD_OK;
     const int kp = (int)((k + 31) & ~(int64_t)31);
-    uint16_t *xp = dot_space((size_t)(m * kp));
+    uint16_t *xp = linear_scratch((size_t)(m * kp) * sizeof(uint16_t));
     if (!xp) return PD_NO_MEMORY;
     pack_x_bf16(x, x_rs, m, (int)k, kp, xp);
     dot_args A = {.xp = xp, .w = w, .w_rs = w_rs, .bias = bias, .bias_dt = bias_dt,
                   .y = y, .y_rs = y_rs, .m = m, .n = n, .k = (int)k, .kp = kp};
-    const int64_t units = (n + UNIT_N - 1) / UNIT_N;
-    int threads = threads_for(num_threads, m * n * k, MIN_MACS_PER_THREAD);
-    if (threads > units) threads = (int)units;
-    if (threads == 1) {
-        dot_run_units(&A, 0, units);
-    } else {
-#pragma omp parallel num_threads(threads)
-        {
-#ifdef _OPENMP
-            const int t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-            const int t = 0, T = 1;
-#endif
-            dot_run_units(&A, units * t / T, units * (t + 1) / T);
-        }
-    }
+    linear_split(dot_any_units, &A, (n + UNIT_N - 1) / UNIT_N, m * n * k, num_threads);
     return PD_OK;
 }
 
