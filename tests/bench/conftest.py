@@ -1,16 +1,12 @@
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests import printed_port
+from tests.printed_port import printed_port_server
 
 
 class ScriptedServer:
@@ -28,40 +24,11 @@ class ScriptedServer:
 
 @pytest.fixture(scope="session")
 def scripted_server() -> Iterator[ScriptedServer]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.bench.scripted_server"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        port = int(proc.stdout.readline().strip())
-        server = ScriptedServer(port)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(f"{server.base_url}/v1/models", timeout=1).raise_for_status()
-                break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
-            raise RuntimeError("scripted server did not come up")
-        yield server
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    with printed_port_server("tests.bench.scripted_server", "/v1/models") as base_url:
+        yield ScriptedServer(int(base_url.rsplit(":", 1)[1]))
 
 
 @pytest.fixture
 def refused_url() -> str:
     """A 127.0.0.1 address where nothing listens."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return f"http://127.0.0.1:{port}"
+    return printed_port.refused_url()

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
+from tests import printed_port
 from tests.no_torch import _no_torch, pytest_make_collect_report  # noqa: F401
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.printed_port import printed_port_server
 
 
 class TableServer:
@@ -35,39 +30,11 @@ class TableServer:
 
 @pytest.fixture(scope="session")
 def table_server() -> Iterator[TableServer]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.eval.table_server"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        server = TableServer(int(proc.stdout.readline().strip()))
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(f"{server.root}/tables/none/requests", timeout=1).raise_for_status()
-                break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
-            raise RuntimeError("table server did not come up")
-        yield server
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    with printed_port_server("tests.eval.table_server", "/tables/none/requests") as base_url:
+        yield TableServer(int(base_url.rsplit(":", 1)[1]))
 
 
 @pytest.fixture
 def refused_url() -> str:
     """A 127.0.0.1 address where nothing listens."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return f"http://127.0.0.1:{port}"
+    return printed_port.refused_url()

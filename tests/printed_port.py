@@ -1,0 +1,54 @@
+"""Test servers that run as `python -m MODULE`, bind 127.0.0.1 on a free port and print
+it on their first line (the scripted OpenAI server, the eval's table server)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@contextmanager
+def printed_port_server(module: str, ready_path: str) -> Iterator[str]:
+    """Starts `python -m module`, yields its base URL once `GET ready_path` answers 2xx,
+    and ends the process on the way out."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        base_url = f"http://127.0.0.1:{int(proc.stdout.readline().strip())}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(f"{base_url}{ready_path}", timeout=1).raise_for_status()
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            raise RuntimeError(f"{module} did not come up")
+        yield base_url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def refused_url() -> str:
+    """A 127.0.0.1 address where nothing listens."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return f"http://127.0.0.1:{port}"
