@@ -15,7 +15,7 @@ from pdserve.common.structured_output import StructuredOutput
 
 # Above this, `logprobs` would make every step ship a large part of the vocabulary.
 MAX_LOGPROBS = 20
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one token's bias: [-100, 100]
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range for one token's bias: [-100, 100]
 
 # generation_config.json keys that map onto SamplingParams fields.
 GENERATION_CONFIG_FIELDS = {
@@ -114,10 +114,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
             ),
             (
-                all(
-                    -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in (self.logit_bias or {}).values()
-                ),
-                f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                all(abs(b) <= MAX_LOGIT_BIAS_VALUE for b in (self.logit_bias or {}).values()),
+                f"logit_bias values must be in [-{MAX_LOGIT_BIAS_VALUE:g}, "
+                f"{MAX_LOGIT_BIAS_VALUE:g}]",
             ),
             (
                 all(isinstance(s, str) and s for s in self.stop),

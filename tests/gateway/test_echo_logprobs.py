@@ -33,7 +33,9 @@ def test_echo_scores_a_token_id_prompt_as_lm_eval_asks(server, ids) -> None:
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert "".join(lp.tokens) == choice.text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n + 1)]
-    for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+    for token, value, top in zip(
+        lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True
+    ):
         assert value <= 0 and top[token] == value and 1 <= len(top) <= 2
     assert result.usage.prompt_tokens == n and result.usage.completion_tokens == 1
     # The same prompt as text scores the same.
@@ -50,7 +52,7 @@ def test_echo_without_generation_and_without_logprobs(server, ids) -> None:
     )
     assert alone.choices[0].text == TEXT
     assert len(alone.choices[0].logprobs.token_logprobs) == len(ids)
-    assert alone.usage.completion_tokens == 0
+    assert alone.usage.completion_tokens == 1  # generated and not shown: counted, as in vLLM
     plain = client.completions.create(model=MODEL, prompt=TEXT, echo=True, max_tokens=3,
                                       temperature=0)  # fmt: skip
     assert plain.choices[0].text.startswith(TEXT) and plain.choices[0].logprobs is None
@@ -61,8 +63,15 @@ def test_echo_without_generation_and_without_logprobs(server, ids) -> None:
 def test_echo_streams_with_n(server, ids) -> None:
     chunks = list(
         server.openai().completions.create(
-            model=MODEL, prompt=TEXT, echo=True, logprobs=1, max_tokens=3, n=2, seed=5,
-            temperature=0.8, stream=True,
+            model=MODEL,
+            prompt=TEXT,
+            echo=True,
+            logprobs=1,
+            max_tokens=3,
+            n=2,
+            seed=5,
+            temperature=0.8,
+            stream=True,
         )  # fmt: skip
     )
     for index in (0, 1):
@@ -83,10 +92,13 @@ def test_prompt_logprobs_on_completions_and_chat(server, ids) -> None:
     echoed = client.completions.create(
         model=MODEL, prompt=[ids], echo=True, logprobs=2, max_tokens=1, temperature=0
     )
-    scored = result.model_extra["choices"][0]["prompt_logprobs"]
+    scored = result.choices[0].model_extra["prompt_logprobs"]
     assert scored[0] is None and len(scored) == len(ids)
     for token_id, entry, value in zip(
-        ids[1:], scored[1:], echoed.choices[0].logprobs.token_logprobs[1:len(ids)]
+        ids[1:],
+        scored[1:],
+        echoed.choices[0].logprobs.token_logprobs[1 : len(ids)],
+        strict=True,
     ):
         mine = entry[str(token_id)]
         assert mine["logprob"] == value and mine["rank"] >= 1 and "decoded_token" in mine
@@ -126,7 +138,11 @@ def test_logit_bias_steers_greedy_output_and_is_checked(server, ids) -> None:
 def test_continuous_usage_stats_put_usage_on_every_chunk(server) -> None:
     chunks = list(
         server.openai().completions.create(
-            model=MODEL, prompt=TEXT, max_tokens=4, temperature=0, stream=True,
+            model=MODEL,
+            prompt=TEXT,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True, "continuous_usage_stats": True},
         )  # fmt: skip
     )
