@@ -59,7 +59,10 @@ def test_tool_choice_defaults_to_auto_as_openai_does() -> None:
 
 def test_hermes_reads_smollm2s_list_of_calls_in_one_block() -> None:
     """SmolLM2 (the embedded model) was taught `<tool_call>[{...}, ...]</tool_call>`."""
-    text = '<tool_call>[{"name": "weather", "arguments": {"city": "Oslo"}}, {"name": "clock", "arguments": {}}]</tool_call>'
+    text = (
+        '<tool_call>[{"name": "weather", "arguments": {"city": "Oslo"}}, '
+        '{"name": "clock", "arguments": {}}]</tool_call>'
+    )
     assert HermesParser().parse(text) == (
         None, [ToolCall("weather", '{"city": "Oslo"}'), ToolCall("clock", "{}")]
     )  # fmt: skip
