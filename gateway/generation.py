@@ -50,8 +50,6 @@ class Choice(ChoiceText):
     error: str | None = None
     last_token_at: float | None = None
     source: str = ""  # the instance its last output came from
-    # Prompt tokens 1..n-1's logprobs, when asked for: from the first delta that has them.
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -199,8 +197,6 @@ class GenerationRun:
             message = delta.error or "the instance failed the request"
             self._fail(choice, message, rejected=not choice.token_ids)
         choice.source = event.source
-        if delta.prompt_logprobs is not None and choice.prompt_logprobs is None:
-            choice.prompt_logprobs = delta.prompt_logprobs
         self._observe_timing(choice, event, len(delta.new_token_ids))
         absorbed = choice.absorb(delta)
         if absorbed.end_request:

@@ -22,17 +22,18 @@ def run(core: EngineCore, request_id: str, prompt: list[int], params: SamplingPa
 
 
 @pytest.fixture(scope="module")
-def core():
+def llm():
     """Prompts in chunks of 16 tokens; the decode steps one token each."""
-    engine = EngineCore(
+    from pdserve import LLM
+
+    return LLM(
         dtype="float32", num_threads=1, num_kv_blocks=64, max_model_len=256,
         max_num_batched_tokens=16,
     )  # fmt: skip
-    yield engine
-    engine.shutdown()
 
 
-def test_prompt_logprobs_come_once_and_equal_the_decode_steps_that_sampled_them(core) -> None:
+def test_prompt_logprobs_come_once_and_equal_the_decode_steps_that_sampled_them(llm) -> None:
+    core = llm.engine
     greedy = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)
     generated = run(core, "gen", PROMPT, greedy)
     continuation = [d.new_token_ids[0] for d in generated]
@@ -57,3 +58,7 @@ def test_prompt_logprobs_come_once_and_equal_the_decode_steps_that_sampled_them(
     assert plain[0].prompt_logprobs is None
     one = run(core, "one", PROMPT[:1], scoring)
     assert one[0].prompt_logprobs == []
+    # The offline LLM returns them as vLLM's does: one per prompt token, the first None.
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], scoring)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    assert [s.logprob for s in out.prompt_logprobs[1:]] == first
