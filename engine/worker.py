@@ -277,12 +277,12 @@ class ModelWorker:
         return self.sample(logits[:num_sampling], batch.sampling_requests)
 
     def _score_prompts(self, logits: torch.Tensor, batch: StepBatch) -> None:
-        """Raw logprobs (no mask, bias or penalty) of the prompt tokens the rows predict."""
-        logprobs = torch.log_softmax(logits, dim=-1)
+        """Raw logprobs (no mask, bias or penalty) of the prompt tokens the rows predict,
+        a span at a time (a long chunk's rows × the vocabulary are already large)."""
         row = 0
         for span in batch.prompt_spans:
             num_top = span.request.sampling_params.prompt_logprobs or 0
-            rows = logprobs[row : row + span.count]
+            rows = torch.log_softmax(logits[row : row + span.count], dim=-1)
             described = describe_rows(rows, span.token_ids, num_top)
             self._prompt_logprobs.append(
                 PromptLogprobs(span.request.request_id, span.first, described)
