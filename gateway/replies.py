@@ -111,7 +111,7 @@ async def respond(
             "choices": [form.final(c) for c in choices],
             "usage": run.usage(),
             **form.body_fields(choices),
-        }  # fmt: skip
+        }
     )
 
 

@@ -54,16 +54,15 @@ def logit_bias_of(request: SamplingFields, vocab_size: int | None) -> dict[int, 
         return None
     bias = {}
     for key, value in request.logit_bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias keys are token ids, got {key!r}", "logit_bias") from None
-        if token < 0 or (vocab_size is not None and token >= vocab_size):
+        if not (key.isascii() and key.isdigit()):  # int() would take " 7", "7_0", "-7"
+            raise bad_request(f"logit_bias keys are token ids, got {key!r}", "logit_bias")
+        # Over 18 digits is past any vocabulary (and int() refuses 4300 and more).
+        if len(key) > 18 or (vocab_size is not None and int(key) >= vocab_size):
             raise bad_request(
-                f"logit_bias holds token id {token}, outside the vocabulary of {vocab_size}",
+                f"logit_bias holds token id {key[:20]}, outside the vocabulary of {vocab_size}",
                 "logit_bias",
             )
-        bias[token] = value
+        bias[int(key)] = value
     return bias
 
 

@@ -63,6 +63,8 @@ def test_chat_fields_map_onto_sampling_params() -> None:
         (completion(logit_bias={"5": 100.5}), "logit_bias"),
         (completion(logit_bias={"five": 1}), "logit_bias"),
         (completion(logit_bias={"-1": 1}), "logit_bias"),
+        (completion(logit_bias={"9" * 5000: 1}), "logit_bias"),
+        (completion(logit_bias={"1_0": 1}), "logit_bias"),
         (chat(top_logprobs=1), "top_logprobs"),
         (completion(temperature=-0.5), "temperature"),
     ],
