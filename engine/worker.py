@@ -94,6 +94,7 @@ class ModelWorker:
         self._stage = stage  # its pipeline stage (None: the whole model)
         self.requests: dict[str, Request] = {}
         self.block_tables: dict[str, list[int]] = {}
+        self._prompt_logprobs: list[PromptLogprobs] = []  # the current step's
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -224,7 +225,7 @@ class ModelWorker:
         if exchange:
             self.connector.apply(plan.kv_connector)
         in_collectives, in_sends = self.tp.clock.seconds, self.stage.clock.seconds
-        self._prompt_logprobs: list[PromptLogprobs] = []
+        self._prompt_logprobs = []
         sampled = self._run(plan) if plan.chunks else []
         reports = [self.connector.report()] if exchange else []
         return StepResult(
