@@ -151,3 +151,13 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(server) -> None:
     assert counts == sorted(counts) and counts[-1] == 4 and counts[0] >= 1
     assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
                for c in chunks)  # fmt: skip
+    chat = list(
+        server.openai().chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )  # fmt: skip
+    )
+    assert all(c.usage is not None for c in chat) and chat[0].usage.completion_tokens == 0
