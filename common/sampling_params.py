@@ -15,6 +15,7 @@ from pdserve.common.structured_output import StructuredOutput
 
 # Above this, `logprobs` would make every step ship a large part of the vocabulary.
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range for one token's bias: [-100, 100]
 
 # generation_config.json keys that map onto SamplingParams fields.
 GENERATION_CONFIG_FIELDS = {
@@ -55,6 +56,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top alternatives besides the sampled token
+    # Logprobs of every prompt token (but the first) with this many top alternatives,
+    # computed where the prompt is computed and returned once, with the first token.
+    prompt_logprobs: int | None = None
+    # Added to these tokens' logits before sampling (not to the logprobs reported, which
+    # are the model's raw distribution, as vLLM's default `raw_logprobs`).
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     # The output must match this (JSON schema, regex, choice, grammar): sampled under
     # its token mask on every instance the request runs on.
@@ -101,6 +108,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+            ),
+            (
+                all(abs(b) <= MAX_LOGIT_BIAS_VALUE for b in (self.logit_bias or {}).values()),
+                f"logit_bias values must be in [-{MAX_LOGIT_BIAS_VALUE:g}, "
+                f"{MAX_LOGIT_BIAS_VALUE:g}]",
             ),
             (
                 all(isinstance(s, str) and s for s in self.stop),

@@ -20,7 +20,13 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.executor import ConnectorFactory, Executor, InProcessExecutor
 from pdserve.engine.grammar_gate import GrammarGate
-from pdserve.engine.step_plan import NewRequest, PlannedChunk, StepPlan, WorkerInfo
+from pdserve.engine.step_plan import (
+    NewRequest,
+    PlannedChunk,
+    PromptLogprobs,
+    StepPlan,
+    WorkerInfo,
+)
 from pdserve.scheduler.config import SchedulerConfig
 from pdserve.scheduler.outputs import SchedulerOutput
 from pdserve.scheduler.step_scheduler import Scheduler
@@ -276,6 +282,8 @@ class EngineCore:
         sampled = {s.request_id: s.token_id for s in result.sampled}
         self.scheduler.update_from_output(output, sampled)
         requests = {c.request.request_id: c.request for c in output.chunks}
+        for scored in result.prompt_logprobs:
+            self._keep_prompt_logprobs(requests[scored.request_id], scored)
         deltas = [self._delta(requests[s.request_id], s) for s in result.sampled]
         return failed + deltas, result.kv_reports
 
@@ -285,13 +293,28 @@ class EngineCore:
         return self.executor.execute(StepPlan(kv_connector=kv_connector)).kv_reports
 
     @staticmethod
+    def _keep_prompt_logprobs(request: Request, scored: PromptLogprobs) -> None:
+        """Into the request's list of prompt tokens 1..n-1, by position."""
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = [None] * (request.num_prompt_tokens - 1)
+        start = scored.first - 1
+        request.prompt_logprobs[start : start + len(scored.logprobs)] = scored.logprobs
+
+    @staticmethod
     def _delta(request: Request, sampled) -> RequestDelta:
         status = request.status
+        prompt_logprobs = None
+        output_index = request.num_output_tokens - 1
+        if output_index == 0 and request.sampling_params.prompt_logprobs is not None:
+            # Once, with the first token: a one-token prompt has none to score.
+            prompt_logprobs = request.prompt_logprobs or []
+            request.prompt_logprobs = None
         return RequestDelta(
             request_id=request.request_id,
             new_token_ids=[sampled.token_id],
-            output_index=request.num_output_tokens - 1,
+            output_index=output_index,
             logprobs=None if sampled.logprobs is None else [sampled.logprobs],
+            prompt_logprobs=prompt_logprobs,
             finish_reason=status.finish_reason if status.finished else None,
             stop_reason=request.stop_reason if status.finished else None,
             num_prompt_tokens=request.num_prompt_tokens,

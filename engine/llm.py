@@ -48,6 +48,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = True
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     # Shortcuts to the first (usually only) completion.
     @property
@@ -191,6 +193,8 @@ class LLM:
         for state in tracked.values():
             result = results[state.prompt_index]
             result.num_cached_tokens = state.num_cached_tokens
+            if state.prompt_logprobs is not None and state.completion_index == 0:
+                result.prompt_logprobs = [None, *state.prompt_logprobs]
             cumulative = (
                 sum(lp.logprob for lp in state.logprobs) if state.logprobs is not None else None
             )

@@ -188,9 +188,9 @@ def run_stage(worker: ModelWorker, chunks: list[ScheduledChunk]) -> list[Sampled
         if not stage.is_last:
             sends.append(stage.send(out))
             in_flight.append(out)
-        elif batch.sampling_requests:
+        elif batch.logits_indices.numel():  # rows to sample, or prompt tokens to score
             logits = model.compute_logits(out[batch.logits_indices])
-            sampled.extend(worker.sample(logits, batch.sampling_requests))
+            sampled.extend(worker.take_logits(logits, batch))
     stage.wait(sends)
     if not sampling:
         return []

@@ -3,7 +3,7 @@ over the paged KV cache, and returns the logits of the positions that sample."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -16,9 +16,25 @@ from pdserve.scheduler.outputs import ScheduledChunk
 Tensor = torch.Tensor
 
 
+@dataclass(frozen=True)
+class PromptSpan:
+    """Prompt tokens [first, first + count) of a request scored in this step (the rows
+    of the positions before them predict them)."""
+
+    request: Request
+    first: int
+    count: int
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids[self.first : self.first + self.count]
+
+
 @dataclass
 class StepBatch(StepInputs):
-    sampling_requests: list[Request]  # in logits_indices order
+    # logits_indices holds the sampling rows (in this order), then the prompt spans' rows.
+    sampling_requests: list[Request]
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -48,13 +64,35 @@ class ModelRunner:
             lens, starts, tables, bs, num_decodes, self.model.sliding_window
         )
         sampling = [i for i, c in enumerate(chunks) if c.samples]
+        spans, prompt_rows = self._prompt_rows(chunks, query_start)
         return StepBatch(
             token_ids=torch.tensor(self._gather_tokens(chunks), dtype=torch.long),
             positions=torch.from_numpy(positions),
             meta=meta,
-            logits_indices=torch.from_numpy(query_start[1:][sampling] - 1),
+            logits_indices=torch.from_numpy(
+                np.concatenate([query_start[1:][sampling] - 1, *prompt_rows])
+            ),
             sampling_requests=[chunks[i].request for i in sampling],
+            prompt_spans=spans,
         )
+
+    @staticmethod
+    def _prompt_rows(
+        chunks: list[ScheduledChunk], query_start: np.ndarray
+    ) -> tuple[list[PromptSpan], list[np.ndarray]]:
+        """The spans of prompt tokens this step scores, and the batch rows predicting
+        them: positions [start, min(end, n - 1)) of a chunk predict tokens start + 1 on
+        (the last prompt position predicts the first output token: that is sampling)."""
+        spans, rows = [], []
+        for i, chunk in enumerate(chunks):
+            request = chunk.request
+            last = min(chunk.end, request.num_prompt_tokens - 1)
+            if not request.computes_prompt_logprobs or last <= chunk.start:
+                continue
+            count = last - chunk.start
+            spans.append(PromptSpan(request, chunk.start + 1, count))
+            rows.append(np.arange(query_start[i], query_start[i] + count, dtype=np.int64))
+        return spans, rows
 
     @staticmethod
     def _gather_tokens(chunks: list[ScheduledChunk]) -> list[int]:
@@ -73,7 +111,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> Tensor:
-        """Logits [num_samples, vocab] in float32."""
+        """Logits [len(logits_indices), vocab] in float32."""
+        if self.device_runner is not None and batch.prompt_spans:
+            return self.device_runner.execute_eagerly(batch)  # graphs sample one row a request
         if self.device_runner is not None:
             return self.device_runner.execute(batch)
         hidden = self.model(batch.token_ids, batch.positions, self.kv_cache.layers, batch.meta)

@@ -36,6 +36,7 @@ class Sampler:
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._apply_penalties(logits, requests)
+        logits = self._apply_logit_bias(logits, requests)
         logits = self._suppress_stops_before_min_tokens(logits, requests)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -82,6 +83,20 @@ class Sampler:
                 counts = torch.zeros(vocab, device=logits.device)
                 counts.scatter_add_(0, out, torch.ones(len(out), device=logits.device))
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        return logits
+
+    @staticmethod
+    def _apply_logit_bias(logits: Tensor, requests: list[Request]) -> Tensor:
+        """Each request's biases added to its row (after the raw logprobs were taken)."""
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.logit_bias]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            bias = requests[i].sampling_params.logit_bias or {}
+            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, ids, values)
         return logits
 
     def _suppress_stops_before_min_tokens(self, logits: Tensor, requests: list[Request]) -> Tensor:
@@ -165,3 +180,22 @@ class Sampler:
         return TokenLogprobs(
             token_id=token, logprob=chosen, rank=rank, top_ids=top_ids, top_logprobs=top_logprobs
         )
+
+
+def describe_rows(logprobs: Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+    """Each row's logprob and rank of its token in `token_ids`, with its `num_top` most
+    likely alternatives: the logprobs of tokens given rather than sampled (a prompt's)."""
+    targets = torch.tensor(token_ids, dtype=torch.long, device=logprobs.device)[:, None]
+    chosen = logprobs.gather(1, targets)
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    top_ids: list[list[int]] = [[] for _ in token_ids]
+    top_values: list[list[float]] = [[] for _ in token_ids]
+    if num_top:
+        top = logprobs.topk(num_top, dim=-1)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    return [
+        TokenLogprobs(token_id=t, logprob=v, rank=r, top_ids=i, top_logprobs=tv)
+        for t, v, r, i, tv in zip(
+            token_ids, chosen[:, 0].tolist(), ranks, top_ids, top_values, strict=True
+        )
+    ]

@@ -95,8 +95,19 @@ class SampledToken(msgspec.Struct, array_like=True):
     logprobs: TokenLogprobs | None = None
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of prompt tokens [first, first + len(logprobs)) of a request, scored by
+    the step that computed the positions before them."""
+
+    request_id: str
+    first: int
+    logprobs: list[TokenLogprobs]
+
+
 class StepResult(msgspec.Struct):
     sampled: list[SampledToken] = []
+    # Requests that asked for prompt logprobs: those of the prompt positions this step ran.
+    prompt_logprobs: list[PromptLogprobs] = []
     # One entry per rank: its KV connector's report (opaque to the engine).
     kv_reports: list[Any] = []
     # Of this step, the seconds the sampling rank spent in tensor-parallel collectives,

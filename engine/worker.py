@@ -35,9 +35,16 @@ from pdserve.engine.kv_cache import KVCache, KVCacheShape
 from pdserve.engine.loader import load_model
 from pdserve.engine.parallel import TensorParallel, check_tp_size
 from pdserve.engine.pipeline import PipelineStage, run_stage
-from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampler import Sampler
-from pdserve.engine.step_plan import KVGeometry, SampledToken, StepPlan, StepResult, WorkerInfo
+from pdserve.engine.runner import ModelRunner, StepBatch
+from pdserve.engine.sampler import Sampler, describe_rows
+from pdserve.engine.step_plan import (
+    KVGeometry,
+    PromptLogprobs,
+    SampledToken,
+    StepPlan,
+    StepResult,
+    WorkerInfo,
+)
 from pdserve.kernels import dispatch
 from pdserve.scheduler.outputs import ScheduledChunk
 
@@ -87,6 +94,7 @@ class ModelWorker:
         self._stage = stage  # its pipeline stage (None: the whole model)
         self.requests: dict[str, Request] = {}
         self.block_tables: dict[str, list[int]] = {}
+        self._prompt_logprobs: list[PromptLogprobs] = []  # the current step's
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -217,10 +225,12 @@ class ModelWorker:
         if exchange:
             self.connector.apply(plan.kv_connector)
         in_collectives, in_sends = self.tp.clock.seconds, self.stage.clock.seconds
+        self._prompt_logprobs = []
         sampled = self._run(plan) if plan.chunks else []
         reports = [self.connector.report()] if exchange else []
         return StepResult(
             sampled=sampled,
+            prompt_logprobs=self._prompt_logprobs,
             kv_reports=reports,
             collective_seconds=self.tp.clock.seconds - in_collectives,
             stage_transfer_seconds=self.stage.clock.seconds - in_sends,
@@ -255,10 +265,30 @@ class ModelWorker:
         if self.stage.enabled:
             return run_stage(self, chunks)
         batch = self.runner.prepare(chunks)
-        logits = self.runner.execute(batch)
-        if not batch.sampling_requests:  # a step of mid-prompt chunks samples nothing
+        return self.take_logits(self.runner.execute(batch), batch)
+
+    def take_logits(self, logits: torch.Tensor, batch: StepBatch) -> list[SampledToken]:
+        """The batch's logits rows: its prompt spans scored (kept for the step's result),
+        then its sampling requests' tokens sampled."""
+        num_sampling = len(batch.sampling_requests)
+        if batch.prompt_spans:
+            self._score_prompts(logits[num_sampling:], batch)
+        if not num_sampling:  # a step of mid-prompt chunks samples nothing
             return []
-        return self.sample(logits, batch.sampling_requests)
+        return self.sample(logits[:num_sampling], batch.sampling_requests)
+
+    def _score_prompts(self, logits: torch.Tensor, batch: StepBatch) -> None:
+        """Raw logprobs (no mask, bias or penalty) of the prompt tokens the rows predict,
+        a span at a time (a long chunk's rows × the vocabulary are already large)."""
+        row = 0
+        for span in batch.prompt_spans:
+            num_top = span.request.sampling_params.prompt_logprobs or 0
+            rows = torch.log_softmax(logits[row : row + span.count], dim=-1)
+            described = describe_rows(rows, span.token_ids, num_top)
+            self._prompt_logprobs.append(
+                PromptLogprobs(span.request.request_id, span.first, described)
+            )
+            row += span.count
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         """Tokens for `requests` from their logits rows; appended to their mirrors."""

@@ -9,7 +9,8 @@ child processes with a pipe each by default, Ray actors under the Ray launcher. 
 the driver sends the same encoded `StepPlan` to every rank; the ranks run the model
 together (all-reduces inside it), every rank samples the same tokens from the same
 gathered logits (so their request mirrors agree), and each sends back its `StepResult`:
-the driver takes the sampling rank's tokens and every rank's KV report.
+the driver takes the sampling rank's tokens (and prompt logprobs) and every rank's KV
+report.
 With pipeline stages (`engine/pipeline.py`) the group holds tp × pp ranks, stage-major;
 the stages pass hidden states to each other within the step, and the tokens come from
 the last stage's first rank.
@@ -150,6 +151,7 @@ class WorkerGroupExecutor:
         sampler = results[self._sampling_rank]
         return StepResult(
             sampled=sampler.sampled,
+            prompt_logprobs=sampler.prompt_logprobs,
             kv_reports=reports,
             collective_seconds=sampler.collective_seconds,
             stage_transfer_seconds=max(r.stage_transfer_seconds for r in results),

@@ -12,8 +12,8 @@ from pdserve.gateway.auth import tenant_of
 from pdserve.gateway.gateway import Gateway
 from pdserve.gateway.generation import Choice, ChoiceUpdate
 from pdserve.gateway.limits import check_sampling_limits
-from pdserve.gateway.logprobs import TokenText, chat_logprobs
-from pdserve.gateway.prompts import chat_prompt
+from pdserve.gateway.logprobs import TokenText, chat_logprobs, prompt_logprobs_entries
+from pdserve.gateway.prompts import Prompt, chat_prompt
 from pdserve.gateway.replies import choice_entry, respond
 from pdserve.gateway.schemas import ChatCompletionRequest, read_body
 from pdserve.gateway.tools import (
@@ -44,7 +44,8 @@ async def create_chat_completion(request: Request, gateway: Gateway) -> Response
         template_kwargs=body.chat_template_kwargs,
         trust_request_template=gateway.config.trust_request_chat_template,
     )
-    form = ChatFormat(TokenText(gateway.tokenizer), tools)
+    scored = prompt if body.prompt_logprobs is not None else None
+    form = ChatFormat(TokenText(gateway.tokenizer), tools, scored)
     return await respond(request, gateway, body, model, card, [prompt], form, tools.constraint)
 
 
@@ -54,6 +55,7 @@ class ChatFormat:
 
     token_text: TokenText
     tools: ToolPlan
+    scored_prompt: Prompt | None = None  # vLLM's `prompt_logprobs` asked for: of this prompt
     streams: dict[int, ToolCallStream] = field(default_factory=dict)
     id_prefix = "chatcmpl"
     object = "chat.completion"
@@ -97,3 +99,11 @@ class ChatFormat:
         if finished and stream.ids:
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         return choice_entry(update.choice, {"delta": delta}, logprobs, finish_reason)
+
+    def body_fields(self, choices: list[Choice]) -> dict[str, Any]:
+        """vLLM's `prompt_logprobs`, beside the choices (one prompt: one list)."""
+        if self.scored_prompt is None or not choices:
+            return {}
+        scored = choices[0].prompt_logprobs
+        ids = self.scored_prompt.token_ids
+        return {"prompt_logprobs": prompt_logprobs_entries(ids, scored, self.token_text)}

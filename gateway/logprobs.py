@@ -33,9 +33,7 @@ def completion_logprobs(
         text = token_text(lp.token_id)
         tokens.append(text)
         token_logprobs.append(lp.logprob)
-        top = {token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
-        top.setdefault(text, lp.logprob)
-        tops.append(top)
+        tops.append(_top_map(lp, text, token_text))
         offsets.append(offset)
         offset += len(text)
     return {
@@ -44,6 +42,65 @@ def completion_logprobs(
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def _top_map(lp: TokenLogprobs, text: str, token_text: TokenText) -> dict[str, float]:
+    """{token text: logprob} of the alternatives and the token itself."""
+    top = {token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
+    top.setdefault(text, lp.logprob)
+    return top
+
+
+def echoed_prompt_logprobs(
+    token_ids: list[int], scored: list[TokenLogprobs | None] | None, token_text: TokenText
+) -> dict:
+    """The prompt's entries in front of a completion's logprobs under `echo`: one per
+    prompt token, the first (and any not scored) null, offsets from 0."""
+    scored = scored or []
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = 0
+    for i, token_id in enumerate(token_ids):
+        text = token_text(token_id)
+        lp = scored[i - 1] if 0 < i <= len(scored) else None
+        tokens.append(text)
+        token_logprobs.append(None if lp is None else lp.logprob)
+        tops.append(None if lp is None else _top_map(lp, text, token_text))
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def joined_logprobs(first: dict, then: dict) -> dict:
+    """Two completion logprobs objects one after the other."""
+    return {key: first[key] + then[key] for key in first}
+
+
+def prompt_logprobs_entries(
+    token_ids: list[int], scored: list[TokenLogprobs | None] | None, token_text: TokenText
+) -> list[dict[str, dict] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (the first null) {token id: {"logprob",
+    "rank", "decoded_token"}} for the token itself and its most likely alternatives."""
+    scored = scored or []
+    entries: list[dict[str, dict] | None] = [None]
+    for i, token_id in enumerate(token_ids[1:]):
+        lp = scored[i] if i < len(scored) else None
+        if lp is None:
+            entries.append(None)
+            continue
+        entry = {str(token_id): _vllm_logprob(lp.logprob, lp.rank, token_text(token_id))}
+        for rank, (other, value) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True)):
+            entry.setdefault(str(other), _vllm_logprob(value, rank + 1, token_text(other)))
+        entries.append(entry)
+    return entries
+
+
+def _vllm_logprob(value: float, rank: int, text: str) -> dict:
+    return {"logprob": value, "rank": rank, "decoded_token": text}
 
 
 def chat_logprobs(logprobs: list[TokenLogprobs], token_text: TokenText) -> dict:

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from pdserve.common.sampling_params import MAX_LOGPROBS
+from pdserve.common.sampling_params import MAX_LOGIT_BIAS_VALUE, MAX_LOGPROBS
 from pdserve.gateway import limits
 from pdserve.gateway.prompts import MAX_PROMPTS
 from pdserve.gateway.sampling import MAX_N
@@ -40,7 +40,15 @@ SHARED_LIMITS: dict[str, dict[str, Any]] = {
     "stop": {"maxItems": limits.MAX_STOP_STRINGS, "maxLength": limits.MAX_STOP_STRING_CHARS},
     "stop_token_ids": {"maxItems": limits.MAX_STOP_TOKEN_IDS},
     "cache_salt": {"maxLength": limits.MAX_CACHE_SALT_CHARS},
-    "logit_bias": {"maxProperties": limits.MAX_LOGIT_BIAS},
+    "logit_bias": {
+        "maxProperties": limits.MAX_LOGIT_BIAS,
+        "additionalProperties": {
+            "type": "number",
+            "minimum": -MAX_LOGIT_BIAS_VALUE,
+            "maximum": MAX_LOGIT_BIAS_VALUE,
+        },
+    },
+    "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
     "user": {"maxLength": limits.MAX_USER_CHARS},
     "metadata": {"maxProperties": limits.MAX_METADATA},
     "top_k": {"minimum": -1, "maximum": limits.MAX_TOP_K},
@@ -63,6 +71,7 @@ OWN_LIMITS: dict[str, dict[str, dict[str, Any]]] = {
         "prompt": {"maxItems": MAX_PROMPTS},
         "best_of": {"minimum": 1, "maximum": MAX_N},
         "logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+        "max_tokens": {"minimum": 0},  # 0: with echo, the prompt alone
     },
     "ChatCompletionRequest": {
         "messages": {"maxItems": limits.MAX_MESSAGES, "minItems": 1},

@@ -46,6 +46,10 @@ class ChoiceFormat(Protocol):
         """The update's entry in a chunk."""
         ...
 
+    def body_fields(self, choices: list[Choice]) -> dict[str, Any]:
+        """Fields of the JSON body besides the choices and usage (vLLM's extras)."""
+        ...
+
 
 def choice_entry(
     choice: Choice, content: dict[str, Any], logprobs: Any, finish_reason: str | None
@@ -85,6 +89,7 @@ async def respond(
         longest,
         constraint,
         max_tokens_cap=tenant.max_tokens_per_request,
+        vocab_size=card.vocab_size,
     )
     if gateway.config.enable_log_requests:
         request_log.info("%s: params=%r", request_id, params)
@@ -92,27 +97,42 @@ async def respond(
     header = {"id": run.request_id, "object": form.object, "created": int(time.time()),
               "model": model}  # fmt: skip
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        # vLLM's extension: usage so far on every chunk (with include_usage only, as there).
+        continuous = include_usage and bool(options and options.continuous_usage_stats)
         chunk_header = {**header, "object": form.chunk_object}
-        chunks = _chunks(run, chunk_header, form, include_usage, gateway)
+        chunks = _chunks(run, chunk_header, form, (include_usage, continuous), gateway)
         return AbortingStreamingResponse(chunks, run.abort)
     choices = await gateway.finish_run(request, run)
     return gateway.json(
-        {**header, "choices": [form.final(c) for c in choices], "usage": run.usage()}
+        {
+            **header,
+            "choices": [form.final(c) for c in choices],
+            "usage": run.usage(),
+            **form.body_fields(choices),
+        }
     )
 
 
 async def _chunks(run: GenerationRun, header: dict[str, Any], form: ChoiceFormat,
-                  include_usage: bool, gateway: Gateway) -> AsyncIterator[bytes]:  # fmt: skip
-    usage_field = {"usage": None} if include_usage else {}
+                  usage: tuple[bool, bool], gateway: Gateway) -> AsyncIterator[bytes]:  # fmt: skip
+    """`usage`: (include_usage, continuous_usage_stats)."""
+    include_usage, continuous = usage
+
+    def usage_field() -> dict[str, Any]:
+        if not include_usage:
+            return {}
+        return {"usage": run.usage() if continuous else None}
+
     try:
         for choice in run.choices:
             opening = form.opening(choice)
             if opening is not None:
-                yield sse({**header, "choices": [opening], **usage_field})
+                yield sse({**header, "choices": [opening], **usage_field()})
         async for update in run.updates():
             if update.text or update.finish_reason or update.logprobs:
-                yield sse({**header, "choices": [form.chunk(update)], **usage_field})
+                yield sse({**header, "choices": [form.chunk(update)], **usage_field()})
         if include_usage:
             yield sse({**header, "choices": [], "usage": run.usage()})
     except Exception as exc:  # the stream is under way: report it in the stream, never raise

@@ -26,11 +26,7 @@ _FROM_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"
 
 
 def check_unsupported(request: SamplingFields) -> None:
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
     if isinstance(request, CompletionRequest):
-        if request.echo:
-            raise bad_request("echo is not supported", param="echo")
         if request.suffix:
             raise bad_request("suffix is not supported", param="suffix")
         if request.best_of not in (None, 1, request.n):
@@ -39,6 +35,35 @@ def check_unsupported(request: SamplingFields) -> None:
         raise bad_request("echo is not supported", param="echo")
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+    if request.stream and request.prompt_logprobs is not None:  # as vLLM: once, in a body
+        raise bad_request("prompt_logprobs are not available with stream=true", "prompt_logprobs")
+
+
+def requested_prompt_logprobs(request: SamplingFields) -> int | None:
+    """`prompt_logprobs`, or what a completion's `echo` with `logprobs` needs (the prompt's
+    entries carry as many alternatives as the generated ones)."""
+    wanted = request.prompt_logprobs
+    if isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None:
+        wanted = max(wanted or 0, request.logprobs)
+    return wanted
+
+
+def logit_bias_of(request: SamplingFields, vocab_size: int | None) -> dict[int, float] | None:
+    """`logit_bias` with token ids for keys, each within the vocabulary (when known)."""
+    if not request.logit_bias:
+        return None
+    bias = {}
+    for key, value in request.logit_bias.items():
+        if not (key.isascii() and key.isdigit()):  # int() would take " 7", "7_0", "-7"
+            raise bad_request(f"logit_bias keys are token ids, got {key!r}", "logit_bias")
+        # Over 18 digits is past any vocabulary (and int() refuses 4300 and more).
+        if len(key) > 18 or (vocab_size is not None and int(key) >= vocab_size):
+            raise bad_request(
+                f"logit_bias holds token id {key[:20]}, outside the vocabulary of {vocab_size}",
+                "logit_bias",
+            )
+        bias[int(key)] = value
+    return bias
 
 
 def requested_max_tokens(request: SamplingFields) -> int | None:
@@ -65,10 +90,12 @@ def build_sampling_params(
     longest_prompt: int,
     constraint: StructuredOutput | None = None,
     max_tokens_cap: int | None = None,
+    vocab_size: int | None = None,
 ) -> SamplingParams:
     """SamplingParams for every prompt of the request (the longest decides the limit);
     `constraint`: an output constraint the endpoint adds (a forced tool call);
-    `max_tokens_cap`: the tenant's max_tokens_per_request."""
+    `max_tokens_cap`: the tenant's max_tokens_per_request; `vocab_size`: what
+    `logit_bias`'s token ids must be below."""
     check_unsupported(request)
     structured = structured_output_of(request)
     if constraint is not None:
@@ -107,6 +134,8 @@ def build_sampling_params(
             ignore_eos=request.ignore_eos,
             include_stop_str_in_output=request.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=requested_prompt_logprobs(request),
+            logit_bias=logit_bias_of(request, vocab_size),
             skip_special_tokens=request.skip_special_tokens,
             structured_outputs=structured,
         )
@@ -139,6 +168,8 @@ def _max_tokens(
     if wanted is None:  # the tenant's cap bounds the default too, as its budget would
         default = defaults.get("max_tokens")
         return min(room, int(default) if default else room, cap or room)
+    if wanted == 0 and isinstance(request, CompletionRequest) and request.echo:
+        return 1  # the prompt alone: one token is generated and not shown, as vLLM does
     if wanted < 1:
         raise bad_request(f"{name} must be at least 1, got {wanted}", param=name)
     if cap is not None and wanted > cap:

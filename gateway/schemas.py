@@ -52,6 +52,7 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     # vLLM's extras
+    prompt_logprobs: int | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

@@ -1,9 +1,10 @@
 """Tool calls in a model's free text, as vLLM's `--tool-call-parser` names read them.
 
 `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks after any
-content (Hermes, Qwen). `llama3_json`: the whole answer is `{"name": ..., "parameters":
-{...}}` objects separated by `;`, optionally after `<|python_tag|>` (Llama 3.x). Text that
-does not parse as a call stays content: a model that writes something call-like but broken
+content (Hermes, Qwen), a block holding one call or a list of them (SmolLM2).
+`llama3_json`: the whole answer is `{"name": ..., "parameters": {...}}` objects separated
+by `;`, optionally after `<|python_tag|>` (Llama 3.x). Text that does not parse as a call
+stays content: a model that writes something call-like but broken
 gets its words back rather than a half call.
 
 For streaming, `content_prefix` says how much of the text so far is content for sure (it
@@ -54,6 +55,10 @@ def _call_from(obj: Any, argument_keys: tuple[str, ...]) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
 
 
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
 def _held_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that could begin `marker`."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -73,15 +78,23 @@ class HermesParser:
             return text, []
         calls = []
         for body in self._BLOCK.findall(text[start:]):
-            try:
-                call = _call_from(json.loads(body.strip()), ("arguments", "parameters"))
-            except ValueError:
-                call = None
-            if call is None:
+            found = self._calls_in(body)
+            if not found:
                 return text, []
-            calls.append(call)
+            calls.extend(found)
         content = text[:start].strip()
         return content or None, calls
+
+    @staticmethod
+    def _calls_in(body: str) -> list[ToolCall]:
+        """One block's calls: an object, or a list of them (SmolLM2 writes a list); none
+        if any of them is not a call."""
+        try:
+            value = json.loads(body.strip())
+        except ValueError:
+            return []
+        found = [_call_from(v, ("arguments", "parameters")) for v in _as_list(value)]
+        return [] if None in found else found  # type: ignore[return-value]
 
     def content_prefix(self, text: str) -> int:
         start = text.find(self.OPEN)

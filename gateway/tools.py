@@ -1,8 +1,9 @@
 """Tool calling on the chat endpoint: what `tools` and `tool_choice` ask, and the calls
 that come back.
 
-`none`: the tools only reach the chat template. `auto` (with `--enable-auto-tool-choice
---tool-call-parser NAME`): the model writes freely and the parser finds its calls.
+`none`: the tools only reach the chat template. `auto`, OpenAI's default with `tools` (with
+`--enable-auto-tool-choice --tool-call-parser NAME`, else a 400 naming them): the model
+writes freely and the parser finds its calls.
 `required` and a named function are forced through structured output, so the arguments
 always validate against the tool's parameters: a named call's output is its arguments
 object; `required` outputs `[{"name": ..., "parameters": {...}}, ...]` with each item
@@ -78,15 +79,15 @@ def plan_tools(
             raise bad_request("tool_choice needs `tools`", param="tool_choice")
         return ToolPlan("none", [])
     functions = _functions(tools)
-    if tool_choice is None:  # OpenAI's default with tools is auto, where this server has it
-        tool_choice = "auto" if auto_parser is not None else "none"
+    if tool_choice is None:  # OpenAI's default with tools
+        tool_choice = "auto"
     if tool_choice == "none":
         return ToolPlan("none", functions)
     if tool_choice == "auto":
         if auto_parser is None:
             raise bad_request(
-                '"auto" tool choice needs the server started with --enable-auto-tool-choice '
-                "and --tool-call-parser",
+                'tool_choice "auto" (the default with `tools`) needs the server started with '
+                '`--enable-auto-tool-choice --tool-call-parser NAME`; or send tool_choice "none"',
                 param="tool_choice",
             )
         return ToolPlan("auto", functions, parser=auto_parser)

@@ -76,11 +76,13 @@ class BlockManager:
     ) -> PrefixHit:
         """The longest cached run of full blocks among the first `num_tokens` tokens.
 
+        A request that asks for prompt logprobs it has not had finds nothing.
         With `must_compute_last` the hit leaves at least the last of those tokens to be
         computed (a step must compute something to sample from). It only looks: nothing
         changes until the hit is passed to `allocate_slots`.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.computes_prompt_logprobs:
+            # Prompt logprobs come from computing every prompt position: no hit for them.
             return PrefixHit([], 0, 0)
         limit = max(0, num_tokens - 1 if must_compute_last else num_tokens)
         num_full = limit // self.block_size

@@ -45,6 +45,8 @@ class OutputDelta(Protocol):
     @property
     def logprobs(self) -> Sequence[Any] | None: ...
     @property
+    def prompt_logprobs(self) -> Sequence[Any | None] | None: ...
+    @property
     def finish_reason(self) -> str | None: ...
     @property
     def stop_reason(self) -> int | str | None: ...
@@ -65,6 +67,9 @@ class ChoiceText:
     stream: TextStream
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] | None = None  # None unless logprobs were asked for
+    # Prompt tokens 1..n-1's logprobs, when asked for: from the first delta that has them
+    # (a retried request's may come twice).
+    prompt_logprobs: list[Any | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -88,6 +93,8 @@ class ChoiceText:
         if self.finished:
             return Absorbed("")
         self.token_ids.extend(delta.new_token_ids)
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = list(delta.prompt_logprobs)
         self.num_cached_tokens = delta.num_cached_tokens
         if self.logprobs is not None and delta.logprobs:
             self.logprobs.extend(delta.logprobs)

@@ -116,6 +116,30 @@ def test_a_whole_model_rank_loads_and_steps_on_cuda(monkeypatch, checkpoint) -> 
     assert set(fake.ops.names) >= TRITON_OPS
 
 
+def test_prompt_rows_are_scored_from_the_devices_logits(monkeypatch, checkpoint) -> None:
+    """A step of prompts that ask for prompt logprobs runs eagerly and scores every
+    position before the last of each prompt (values need real tensors: recorded here)."""
+    import pdserve.engine.worker as worker_module
+
+    scored = []
+    monkeypatch.setattr(
+        worker_module, "describe_rows",
+        lambda rows, ids, k: scored.append((tuple(rows.shape), rows.device, len(ids), k)) or [],
+    )  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1)
+    plan = StepPlan(
+        new_requests=[NewRequest(rid, p, [], params, 0) for rid, p in PROMPTS.items()],
+        chunks=[PlannedChunk("a", 0, 20, [0, 1]), PlannedChunk("b", 0, 5, [2])],
+    )
+    with fake_cuda(monkeypatch):
+        worker = _worker(checkpoint)
+        result = worker.execute(plan)
+    vocab = CFG.vocab_size
+    assert scored == [((19, vocab), CUDA, 19, 1), ((4, vocab), CUDA, 4, 1)]
+    assert [(p.request_id, p.first) for p in result.prompt_logprobs] == [("a", 1), ("b", 1)]
+    assert worker.sampler.handed == [((2, vocab), torch.float32, CUDA)]  # sampling rows only
+
+
 @pytest.mark.parametrize("index", [0, 1])
 def test_each_pipeline_stage_runs_its_step_on_cuda(monkeypatch, checkpoint, index) -> None:
     """Stage 0 embeds the step's tokens and sends [2, tokens, hidden] on; stage 1

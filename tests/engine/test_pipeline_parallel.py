@@ -192,10 +192,11 @@ class _FakeWorker:
             logits_indices=torch.arange(len(group)),
         )  # fmt: skip
 
-    def sample(self, logits, requests):
+    def take_logits(self, logits, batch):
         from pdserve.engine.step_plan import SampledToken
 
-        for request in requests:  # as ModelWorker.sample: the mirror takes its token
+        requests = batch.sampling_requests
+        for request in requests:  # as ModelWorker.take_logits: the mirror takes its token
             request.output_token_ids.append(7)
         return [SampledToken(r.request_id, 7) for r in requests]
 

@@ -7,7 +7,7 @@ import torch
 
 from pdserve.common.request import Request
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.engine.sampler import Sampler, noise_seed
+from pdserve.engine.sampler import Sampler, describe_rows, noise_seed
 
 
 def _req(rid="r", prompt=(1, 2), out=(), seed=7, eos=frozenset({0}), **params):
@@ -99,3 +99,27 @@ def test_logprobs_report_raw_distribution_rank_and_top_alternatives():
 def test_noise_seed_mixes_both_inputs():
     seeds = {noise_seed(s, i) for s in range(30) for i in range(30)}
     assert len(seeds) == 900 and all(0 <= x < 2**63 for x in seeds)
+
+
+def test_logit_bias_moves_the_choice_but_not_the_logprobs():
+    logits = torch.tensor([[4.0, 3.0, 2.0]])
+    biased = _req(temperature=0, logprobs=1, logit_bias={2: 5.0})
+    tokens, lps = Sampler().sample(logits, [biased])
+    assert tokens == [2]
+    # The logprobs are the model's raw distribution (vLLM's default `raw_logprobs`).
+    raw = torch.log_softmax(logits[0], dim=-1)
+    assert lps[0].logprob == pytest.approx(float(raw[2])) and lps[0].rank == 3
+    banned = _req(temperature=0, logit_bias={0: -100.0})
+    assert Sampler().sample(logits, [banned])[0] == [1]
+    # Another row of the batch keeps its own logits.
+    both = Sampler().sample(logits.repeat(2, 1), [biased, _req(temperature=0)])[0]
+    assert both == [2, 0]
+
+
+def test_describe_rows_scores_given_tokens_with_ranks_and_alternatives():
+    logprobs = torch.log_softmax(torch.tensor([[1.0, 3.0, 2.0], [0.0, 0.0, 5.0]]), dim=-1)
+    rows = describe_rows(logprobs, [2, 2], 2)
+    assert [r.token_id for r in rows] == [2, 2] and [r.rank for r in rows] == [2, 1]
+    assert rows[0].logprob == pytest.approx(float(logprobs[0, 2]))
+    assert rows[0].top_ids == [1, 2] and rows[1].top_ids[0] == 2
+    assert describe_rows(logprobs, [0, 1], 0)[1].top_ids == []

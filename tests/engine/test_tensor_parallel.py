@@ -63,16 +63,20 @@ def _engine(model: str, tp: int):
 
 
 def _run(llm, prompts) -> list:
-    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, ignore_eos=True)
-    return [o.outputs[0] for o in llm.generate(prompts, params)]
+    """Each prompt's (completion, prompt logprobs): the prompt's scored on the ranks too."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=12, logprobs=5, prompt_logprobs=2, ignore_eos=True
+    )
+    return [(o.outputs[0], o.prompt_logprobs) for o in llm.generate(prompts, params)]
 
 
 def _assert_same(whole, split, tolerance: float) -> None:
-    for a, b in zip(whole, split, strict=True):
+    for (a, a_prompt), (b, b_prompt) in zip(whole, split, strict=True):
         assert a.token_ids == b.token_ids
-        for x, y in zip(a.logprobs, b.logprobs, strict=True):
-            assert x.top_ids == y.top_ids
-            pairs = zip(x.top_logprobs, y.top_logprobs, strict=True)
+        assert a_prompt[0] is None and b_prompt[0] is None and len(a_prompt) == len(b_prompt)
+        for x, y in zip([*a.logprobs, *a_prompt[1:]], [*b.logprobs, *b_prompt[1:]], strict=True):
+            assert x.top_ids == y.top_ids and x.rank == y.rank
+            pairs = zip([x.logprob, *x.top_logprobs], [y.logprob, *y.top_logprobs], strict=True)
             assert max(abs(u - v) for u, v in pairs) < tolerance
 
 

@@ -78,6 +78,7 @@ BAD_CHATS = [
     ({"messages": CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format"),
     # Tools: a choice this server cannot honour, or a malformed tool, is refused.
     ({"messages": CHAT, "tools": TOOLS, "tool_choice": "auto"}, 400, "tool_choice"),
+    ({"messages": CHAT, "tools": TOOLS}, 400, "tool_choice"),  # auto, OpenAI's default
     ({"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice"),
     ({"messages": CHAT, "tools": TOOLS,
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),

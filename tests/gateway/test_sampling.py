@@ -56,7 +56,15 @@ def test_chat_fields_map_onto_sampling_params() -> None:
         (completion(max_tokens=95), "max_tokens"),
         (completion(n=0), "n"),
         (completion(logprobs=21), "logprobs"),
-        (completion(echo=True), "echo"),
+        (chat(echo=True), "echo"),
+        (completion(max_tokens=0), "max_tokens"),  # the prompt alone needs echo
+        (completion(prompt_logprobs=21), "prompt_logprobs"),
+        (completion(prompt_logprobs=1, stream=True), "prompt_logprobs"),
+        (completion(logit_bias={"5": 100.5}), "logit_bias"),
+        (completion(logit_bias={"five": 1}), "logit_bias"),
+        (completion(logit_bias={"-1": 1}), "logit_bias"),
+        (completion(logit_bias={"9" * 5000: 1}), "logit_bias"),
+        (completion(logit_bias={"1_0": 1}), "logit_bias"),
         (chat(top_logprobs=1), "top_logprobs"),
         (completion(temperature=-0.5), "temperature"),
     ],
@@ -77,3 +85,20 @@ def test_body_decoding_names_the_field_and_checks_the_content_type() -> None:
     assert error.value.status == 415
     assert decode_body(b'{"prompt": "x", "user": "u"}', "application/json; charset=utf-8",
                        CompletionRequest).prompt == "x"  # fmt: skip
+
+
+def test_echo_logit_bias_and_prompt_logprobs_map_onto_sampling_params() -> None:
+    echoed = build_sampling_params(completion(echo=True, logprobs=2, max_tokens=0), {}, 100, 10)
+    # The prompt's entries carry as many alternatives as the generated ones; max_tokens 0
+    # generates one token the reply does not show.
+    assert (echoed.prompt_logprobs, echoed.logprobs, echoed.max_tokens) == (2, 2, 1)
+    assert build_sampling_params(completion(echo=True), {}, 100, 10).prompt_logprobs is None
+    asked = build_sampling_params(chat(prompt_logprobs=0), {}, 100, 10)
+    assert asked.prompt_logprobs == 0
+    biased = build_sampling_params(
+        completion(logit_bias={"7": -100, "12": 2.5}), {}, 100, 10, vocab_size=13
+    )
+    assert biased.logit_bias == {7: -100.0, 12: 2.5}
+    with pytest.raises(APIError, match="outside the vocabulary") as error:
+        build_sampling_params(completion(logit_bias={"13": 1}), {}, 100, 10, vocab_size=13)
+    assert error.value.param == "logit_bias"

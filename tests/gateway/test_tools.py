@@ -46,12 +46,27 @@ def test_a_named_choice_constrains_to_its_parameters() -> None:
     assert calls_in(plan, '{"city": "Ro') == ('{"city": "Ro', [])  # cut by max_tokens
 
 
-def test_tool_choice_defaults_follow_the_server() -> None:
-    assert plan_tools(TOOLS, None, None, None).mode == "none"
+def test_tool_choice_defaults_to_auto_as_openai_does() -> None:
     assert plan_tools(TOOLS, None, None, HermesParser()).mode == "auto"
     assert plan_tools(None, None, None, HermesParser()).mode == "none"
-    with pytest.raises(APIError, match="enable-auto-tool-choice"):
-        plan_tools(TOOLS, "auto", None, None)
+    assert plan_tools(TOOLS, "none", None, None).mode == "none"
+    # `tools` alone means auto: without a parser that is a 400 naming the flags, not none.
+    for choice in (None, "auto"):
+        with pytest.raises(APIError, match="--enable-auto-tool-choice --tool-call-parser") as e:
+            plan_tools(TOOLS, choice, None, None)
+        assert e.value.status == 400 and e.value.param == "tool_choice"
+
+
+def test_hermes_reads_smollm2s_list_of_calls_in_one_block() -> None:
+    """SmolLM2 (the embedded model) was taught `<tool_call>[{...}, ...]</tool_call>`."""
+    text = (
+        '<tool_call>[{"name": "weather", "arguments": {"city": "Oslo"}}, '
+        '{"name": "clock", "arguments": {}}]</tool_call>'
+    )
+    assert HermesParser().parse(text) == (
+        None, [ToolCall("weather", '{"city": "Oslo"}'), ToolCall("clock", "{}")]
+    )  # fmt: skip
+    assert HermesParser().parse("<tool_call>[]</tool_call>") == ("<tool_call>[]</tool_call>", [])
 
 
 def test_hermes_finds_calls_after_content() -> None:
