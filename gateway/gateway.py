@@ -169,7 +169,7 @@ class Gateway:
         cluster that keeps pools: a bare gateway knows no size to fall short of)."""
         if self.pools is None:
             return {}
-        counts = {}
+        counts: dict[str, PoolCount] = {}
         for role in POOL_ROLES:
             members = self.pools.members(role)
             if members:
