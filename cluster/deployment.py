@@ -310,6 +310,8 @@ def check_flags(args: argparse.Namespace) -> None:
     for name in ("request_timeout", "instance_stall_timeout", "max_request_retries"):
         if getattr(args, name) < 0:
             raise ServeError(f"--{name.replace('_', '-')} must be >= 0 (0: none)")
+    if args.ttft_slo_ms is not None and not 0 < args.ttft_slo_ms < float("inf"):
+        raise ServeError("--ttft-slo-ms must be a positive number of milliseconds")
     parse_size(args.kv_cache_memory)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ServeError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")

@@ -241,6 +241,7 @@ def make_gateway(deployment: Deployment, model_path: str, zmq_host: str) -> Gate
             metrics_public=args.metrics_public,
             deployment_secret=deployment_secret(),
             request_timeout_s=args.request_timeout,
+            ttft_slo_ms=args.ttft_slo_ms,
             zmq_host=zmq_host,
         )
     )

@@ -175,6 +175,13 @@ def _add_http_flags(http: argparse._ArgumentGroup) -> None:
         help="serve /metrics without a key (for a scraper inside a trusted network)",
     )
     http.add_argument(
+        "--ttft-slo-ms",
+        type=float,
+        default=None,
+        help="the time-to-first-token objective, exported as pdserve:ttft_slo_seconds for "
+        "the p95 TTFT alert (deploy/prometheus/alerts.yaml); nothing else changes",
+    )
+    http.add_argument(
         "--trust-request-chat-template",
         action="store_true",
         help="let requests bring their own chat template (chat_template_kwargs.chat_template; "

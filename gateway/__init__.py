@@ -13,8 +13,9 @@
   `structured_outputs`, `guided_*`, checked with `jsonschema`), tool calls
   (`tools.py`: forced calls as JSON schemas; `tool_parsers.py`: `hermes`,
   `llama3_json`), SSE and JSON replies (`replies.py`), tokenize/detokenize
-  (`tokenization.py`), `/metrics` (`metrics.py`), `/health` (`health.py`: each
-  instance, and what degrades the service while it serves).
+  (`tokenization.py`), `/metrics` (`metrics.py`; `deployment_metrics.py`: the
+  TTFT SLO, seats and pool sizes the alert rules compare against), `/health`
+  (`health.py`: each instance, and what degrades the service while it serves).
 - One request on the cluster: `generation.py` (`GenerationRun`: its choices submitted,
   their tokens detokenized and stop strings matched on the event loop), readiness and
   the runs' admission (`gateway.py`: `Gateway`).

@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from pdserve.common.messages import InstanceInfo
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.gateway.deployment_metrics import PoolCount
 from pdserve.gateway.dispatcher import Dispatcher
 from pdserve.gateway.errors import APIError, error_body
 from pdserve.gateway.generation import Choice, GenerationFailed, GenerationRun
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+POOL_ROLES = ("prefill", "decode", "colocated")
 CLIENT_CLOSED_REQUEST = 499  # nginx's code: nobody reads it, but logs show it
 
 
@@ -78,6 +80,8 @@ class GatewayConfig:
     metrics_public: bool = False
     deployment_secret: bytes | None = field(default=None, repr=False)
     request_timeout_s: float = 0.0  # a request's deadline from arrival to its end (0: none)
+    # The time-to-first-token objective, exported for alert rules (None: none set).
+    ttft_slo_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,9 @@ class Gateway:
             self.metrics.tenants.add(tenant.name)
         self.scheduler = GlobalScheduler(config.scheduler)
         self.dispatcher = Dispatcher(self.scheduler, self.metrics, config.zmq_host)
+        if config.ttft_slo_ms is not None:
+            self.metrics.deployment.set_ttft_slo(config.ttft_slo_ms / 1000.0)
+        self.metrics.deployment.watch_pools(self.pool_counts)
         self.model_card: ModelCard | None = None
         # Starts and stops instances for /admin/* (set by `pdserve serve`; None: cannot).
         self.pools: PoolControl | None = None
@@ -150,9 +157,26 @@ class Gateway:
         self.model_card = ModelCard(limit, info.vocab_size, dict(info.generation_defaults))
         self.dispatcher.register(info)
         self._registered.add(info.address.instance_id)
+        self.metrics.deployment.set_max_num_seqs(
+            info.address.role, info.address.instance_id, info.max_num_seqs
+        )
 
     def instance_lost(self, instance_id: str, reason: str) -> None:
         self.dispatcher.instance_lost(instance_id, reason)
+
+    def pool_counts(self) -> dict[str, PoolCount]:
+        """Each pool's size and how many of its instances are alive (none without a
+        cluster that keeps pools: a bare gateway knows no size to fall short of)."""
+        if self.pools is None:
+            return {}
+        counts: dict[str, PoolCount] = {}
+        for role in POOL_ROLES:
+            members = self.pools.members(role)
+            if members:
+                views = (self.scheduler.views.get(i) for i in members)
+                up = sum(1 for view in views if view is not None and view.alive)
+                counts[role] = PoolCount(len(members), up)
+        return counts
 
     def ready(self) -> bool:
         """Whether a request can be finished: startup is over and a decode or colocated

@@ -25,6 +25,7 @@ from prometheus_client import (
 )
 
 from pdserve.common.messages import InstanceOutput, InstanceStats
+from pdserve.gateway.deployment_metrics import DeploymentSeries
 from pdserve.gateway.health import recompute_ratio
 
 PREFIX = "pdserve:"
@@ -246,6 +247,7 @@ class GatewayMetrics:
         }
         self.vllm = VLLMSeries(self.registry, model_name)
         self.tenants = TenantSeries(self.registry)
+        self.deployment = DeploymentSeries(self.registry)  # what alert rules compare against
         self.rejected = Counter(
             PREFIX + "num_requests_rejected",
             "Requests refused by admission control (503)",

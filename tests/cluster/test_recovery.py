@@ -118,10 +118,18 @@ def test_a_killed_instance_is_restarted_and_serves_again(server) -> None:
     expected = complete(server, GREEDY)
     kill(server, "decode-1")  # decode-0 alone serves until decode-1 is back
     wait_for(lambda: not alive(server, "decode-1"), 10, "decode-1's death to be seen")
+    assert pool_gauges(server, "decode") == (2.0, 1.0)  # what PdservePoolShort reads
     assert complete(server, GREEDY) == expected
     wait_for(lambda: alive(server, "decode-1"), 60, "decode-1 to be back")
     assert counter(server, "num_instances_restarted_total") == 2.0
+    assert pool_gauges(server, "decode") == (2.0, 2.0)
     server.assert_blocks_free_or_cached()
+
+
+def pool_gauges(server: ServeProcess, role: str) -> tuple[float, float]:
+    """`pdserve:pool_size` and `pdserve:pool_instances_up` of the pool."""
+    label = f'{{role="{role}"}}'
+    return counter(server, "pool_size" + label), counter(server, "pool_instances_up" + label)
 
 
 def gone(pid: int) -> bool:
@@ -167,6 +175,7 @@ def test_scaling_and_draining_under_load_drop_no_request(server) -> None:
     scaled = server.post("/admin/pools/decode/scale", json={"size": 3}, headers=admin)
     assert scaled.json() == {"role": "decode", "size": 3, "starting": ["decode-2"], "draining": []}
     wait_for(lambda: "decode-2" in pool(server, "decode"), 60, "decode-2 to join its pool")
+    assert pool_gauges(server, "decode") == (3.0, 3.0)
 
     streams = []
     for _ in range(3):  # round robin: one on each decode instance
@@ -180,4 +189,5 @@ def test_scaling_and_draining_under_load_drop_no_request(server) -> None:
     assert complete(server, GREEDY) == expected
     assert counter(server, "requests_migrated_total") == 4.0  # none since the pause
     assert counter(server, "num_instances_restarted_total") == 3.0  # drained stay down
+    assert pool_gauges(server, "decode") == (1.0, 1.0)  # drained ones leave the pool's size
     server.assert_blocks_free_or_cached()

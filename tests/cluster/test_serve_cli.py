@@ -108,6 +108,14 @@ def test_liveness_flags_reach_the_global_scheduler() -> None:
     assert (config.max_attempts, config.instance_stall_timeout_s) == (1, 0.0)
 
 
+@pytest.mark.parametrize("slo", ["0", "-5", "nan", "inf"])
+def test_the_ttft_slo_must_be_a_positive_number_of_milliseconds(slo: str) -> None:
+    assert parse().ttft_slo_ms is None  # no SLO unless given: nothing is exported
+    assert parse("--ttft-slo-ms", "800").ttft_slo_ms == 800.0
+    with pytest.raises(ServeError, match="--ttft-slo-ms must be a positive number"):
+        Deployment.from_args(parse("--ttft-slo-ms", slo))
+
+
 def test_inconsistent_kv_transfer_limits_fail_with_one_line() -> None:
     result = run_cli("--kv-lease-seconds", "2", "--kv-transfer-timeout", "3")
     assert result.returncode == 2

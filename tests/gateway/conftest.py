@@ -17,10 +17,11 @@ import pytest
 from experiments.serving import ServeProcess
 
 MAX_MODEL_LEN = 512
+TTFT_SLO_MS = 30_000  # exported for the alert rules; changes nothing else
 SERVER_ARGS = (
     "--mode", "colocated", "--launcher", "local", "--num-colocated", "1",
     "--dtype", "float32", "--kv-cache-memory", "128MiB", "--max-model-len", str(MAX_MODEL_LEN),
-    "--enable-test-hooks", "--threads-per-instance", "1",
+    "--enable-test-hooks", "--threads-per-instance", "1", "--ttft-slo-ms", str(TTFT_SLO_MS),
 )  # fmt: skip
 
 

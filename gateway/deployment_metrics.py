@@ -1,0 +1,94 @@
+"""The deployment's settings and pool sizes as `/metrics` series: the thresholds the
+alert rules (`deploy/prometheus/alerts.yaml`) compare live series against, so the
+rules need no per-deployment editing.
+
+- `pdserve:ttft_slo_seconds`: `pdserve serve --ttft-slo-ms`, absent without it (a
+  gauge at 0 would read as an SLO every request misses);
+- `pdserve:max_num_seqs{role, instance}`: each instance's running seats
+  (`--max-num-seqs`), as the instance reported them when it registered;
+- `pdserve:pool_size{role}` and `pdserve:pool_instances_up{role}`: the instances a
+  pool should have (planned at start, or set by `/admin/pools/{role}/scale`; drained
+  ones leave it) and those of them loaded and heard from, read at each scrape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import msgspec
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "pdserve:"
+
+
+class PoolCount(msgspec.Struct, frozen=True):
+    size: int  # the instances the pool should have
+    up: int  # those of them loaded and alive
+
+
+PoolReader = Callable[[], dict[str, PoolCount]]
+
+
+class _PoolCollector(Collector):
+    """Reads the pools when scraped: sizes change with scaling, draining and deaths,
+    and a stored copy could lag behind any of them."""
+
+    def __init__(self, read: PoolReader) -> None:
+        self.read = read
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        """The names alone, for the registry's clash check (no pools read then)."""
+        return self._families({})
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        return self._families(self.read())
+
+    @staticmethod
+    def _families(pools: dict[str, PoolCount]) -> Iterator[GaugeMetricFamily]:
+        size = GaugeMetricFamily(
+            PREFIX + "pool_size",
+            "Instances the pool should have: planned at start or set by "
+            "/admin/pools/{role}/scale, drained ones not counted",
+            labels=("role",),
+        )
+        up = GaugeMetricFamily(
+            PREFIX + "pool_instances_up",
+            "Instances of the pool loaded and heard from (pool_size when none is missing)",
+            labels=("role",),
+        )
+        for role, count in sorted(pools.items()):
+            size.add_metric((role,), count.size)
+            up.add_metric((role,), count.up)
+        yield size
+        yield up
+
+
+class DeploymentSeries:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.max_num_seqs = Gauge(
+            PREFIX + "max_num_seqs",
+            "Requests the instance runs at once (--max-num-seqs)",
+            ("role", "instance"),
+            registry=registry,
+        )
+        self.ttft_slo: Gauge | None = None
+
+    def set_ttft_slo(self, seconds: float) -> None:
+        """Registered only once known, so a deployment without an SLO exports none."""
+        if self.ttft_slo is None:
+            self.ttft_slo = Gauge(
+                PREFIX + "ttft_slo_seconds",
+                "The time-to-first-token objective (--ttft-slo-ms), in seconds",
+                registry=self.registry,
+            )
+        self.ttft_slo.set(seconds)
+
+    def set_max_num_seqs(self, role: str, instance: str, seats: int) -> None:
+        self.max_num_seqs.labels(role, instance).set(seats)
+
+    def watch_pools(self, read: PoolReader) -> None:
+        """`read`: each pool's size and live instances now (called at every scrape)."""
+        self.registry.register(_PoolCollector(read))
