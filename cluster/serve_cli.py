@@ -246,6 +246,14 @@ def _add_topology_flags(topology: argparse._ArgumentGroup) -> None:
         help="pipeline stages per instance, each a contiguous range of the layers on "
         "--tensor-parallel-size ranks of its own (the same in every pool)",
     )
+    topology.add_argument(
+        "--max-pool-size",
+        type=int,
+        default=None,
+        help="the most instances POST /admin/pools/{role}/scale may ask for in any pool "
+        "(default: per pool, how many of its instances the cores and GPUs hold; a larger "
+        "request is a 400)",
+    )
     _add_kv_transfer_flags(topology)
     topology.add_argument(
         "--launcher",

@@ -95,6 +95,7 @@ def test_draining_and_scaling_up_under_load_drop_nothing(server) -> None:
     streams = start_streams(server, [GREEDY, GREEDY])  # one on each decode instance
     assert server.post("/admin/instances/decode-1/drain", headers=admin).status_code == 200
     scaled = server.post("/admin/pools/decode/scale", json={"size": 2}, headers=admin)
+    assert scaled.status_code == 202
     assert scaled.json() == {"role": "decode", "size": 2, "starting": ["decode-2"], "draining": []}
     more = start_streams(server, [GREEDY])  # while decode-1 drains: on decode-0
     assert all(s.join(120) == expected and s.errors == [] for s in streams + more)
