@@ -273,7 +273,7 @@ class StepLoop:
         for delta in deltas:
             if delta.request_id == suspect:
                 delta.step_failed = ""
-                delta.error = f"{reason} (its second instance to fail a step with it)"
+                delta.error = f"{reason} (a step with it failed on 2 instances)"
         if suspect is None and self.breaker.record_failure(reason) and not self.io.unhealthy:
             self.io.unhealthy = self.breaker.tripped
             logger.error("%s: circuit breaker tripped: %s", self.spec.instance_id, reason)
