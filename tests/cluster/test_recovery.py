@@ -28,7 +28,9 @@ from experiments.serving import (
     MODEL,
     BackgroundStream,
     ServeProcess,
+    assert_health_answers_within,
     counter,
+    gateway_threads,
     pool,
     served,
     wait_for,
@@ -76,17 +78,6 @@ class Stream(BackgroundStream):
         text = super().join(timeout_s)
         assert self.errors == []
         return text
-
-
-def gateway_threads(server: ServeProcess) -> int:
-    with open(f"/proc/{server.process.pid}/status") as status:
-        return int(next(line for line in status if line.startswith("Threads:")).split()[1])
-
-
-def assert_health_answers_within(server: ServeProcess, seconds: float) -> None:
-    began = time.monotonic()
-    assert server.get("/health").status_code == 200
-    assert time.monotonic() - began < seconds
 
 
 KILLED: dict[str, tuple[int, float]] = {}  # instance id → (its pid, when it was killed)
