@@ -1,6 +1,7 @@
 """cluster: bringing it up. Ray lives here only.
 
-- `pdserve serve`: `serve.py`, `serve_cli.py`, `deployment.py` (`Deployment`: what the
+- `pdserve serve`: `serve.py`, `serve_cli.py`, `exposure.py` (beyond loopback only
+  with tenant and admin keys, or `--allow-unauthenticated`), `deployment.py` (`Deployment`: what the
   flags bring up, the engine and KV transfer configs built from them by attribute),
   `http_server.py` (uvicorn's settings and the request-head timeout);
 - placement on cores and GPUs (`placement.py`), where sockets bind (`addresses.py`),
@@ -13,6 +14,6 @@
 - `supervisor.py`: restarts an instance whose process exited and kills a fenced one;
   `ray_watch.py`: the Ray launcher's actors after the launch (the death watch over
   `load()` and `run()` calls; one actor started, stopped or killed);
-- `pools.py`: the pools' control for `/admin/*` (members, one more started, one
-  drained stopped).
+- `pools.py`: the pools' control for `/admin/*` (members, the `--max-pool-size` cap,
+  more started a few at a time in the background, one drained stopped).
 """

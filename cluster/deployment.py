@@ -19,6 +19,7 @@ from pdserve.cluster.placement import (
     available_gpus,
     place,
     place_on_gpus,
+    pool_capacity,
     resolve_device,
 )
 from pdserve.common.model_split import (
@@ -80,6 +81,8 @@ class Deployment:
     tensor_parallel: dict[str, int] = field(default_factory=dict)
     # Ray custom resources per instance actor, by role (--prefill-resources, ...)
     resources: dict[str, dict[str, float]] = field(default_factory=dict)
+    # The most instances `/admin/pools/{role}/scale` may ask for, by role.
+    max_pool_sizes: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_args(
@@ -94,7 +97,8 @@ class Deployment:
         check_flags(args)
         resources = ray_resources(args)
         roles = _roles(args)
-        instances = place(roles, cores or available_cores(), args.threads_per_instance)
+        cores = cores or available_cores()
+        instances = place(roles, cores, args.threads_per_instance)
         gpus = available_gpus() if gpus is None else gpus
         names = args.served_model_name or [args.model or MODEL_NAME]
         model_path = local_model(args)
@@ -129,10 +133,30 @@ class Deployment:
         if args.tokenizer is not None and not os.path.isdir(os.path.expanduser(args.tokenizer)):
             raise ServeError(f"--tokenizer {args.tokenizer}: no such tokenizer folder")
         keys = api_keys_of(args, names)
+        max_pool_sizes = pool_limits(args, instances, len(cores), len(gpus))
         return cls(
             args, model_path, names, instances, engine, scheduler, kv_transfer, chat_template,
             *keys, tensor_parallel=tensor_parallel, resources=resources,
+            max_pool_sizes=max_pool_sizes,
         )  # fmt: skip
+
+
+def pool_limits(
+    args: argparse.Namespace, instances: list[PlannedInstance], num_cores: int, num_gpus: int
+) -> dict[str, int]:
+    """`--max-pool-size` for every pool, or what the cores and GPUs hold of each role's
+    instances (`pool_capacity`); never below a pool's planned size."""
+    capacity = pool_capacity(instances, num_cores, num_gpus)
+    if args.max_pool_size is None:
+        return capacity
+    planned = {role: sum(i.role == role for i in instances) for role in capacity}
+    for role, count in planned.items():
+        if args.max_pool_size < count:
+            raise ServeError(
+                f"--max-pool-size {args.max_pool_size} is below the {count} {role} "
+                "instances planned"
+            )
+    return dict.fromkeys(capacity, args.max_pool_size)
 
 
 def api_keys_of(

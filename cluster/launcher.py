@@ -33,6 +33,8 @@ class LaunchError(RuntimeError):
 
 
 class Launcher(ABC):
+    can_start = False  # whether start_instance works after the launch
+
     def __init__(self, ready_timeout_s: float = 600.0) -> None:
         self.ready_timeout_s = ready_timeout_s
         self.cancelled = threading.Event()

@@ -35,6 +35,8 @@ STOP_GRACE_S = 10.0
 
 
 class LocalLauncher(Launcher):
+    can_start = True
+
     def __init__(self, ready_timeout_s: float = 600.0, env: dict[str, str] | None = None) -> None:
         super().__init__(ready_timeout_s)
         self.env = env

@@ -163,3 +163,22 @@ def load_waves(instances: list[PlannedInstance]) -> list[list[PlannedInstance]]:
             waves.append([])
         waves[wave].append(planned)
     return waves
+
+
+def pool_capacity(
+    instances: list[PlannedInstance], num_cores: int, num_gpus: int
+) -> dict[str, int]:
+    """The default `--max-pool-size` of each role: how many instances of its first
+    planned one's shape (its CPUs, and GPUs) the cores and GPUs hold, never fewer than
+    planned. More could not all be placed: Ray would keep the rest pending, the local
+    launcher would crowd them onto the same cores."""
+    capacity: dict[str, int] = {}
+    for role in dict.fromkeys(planned.role for planned in instances):
+        members = [planned for planned in instances if planned.role == role]
+        shape = members[0]
+        fits = [num_cores / shape.num_cpus] if shape.num_cpus > 0 else []
+        if shape.num_gpus > 0:
+            fits.append(num_gpus / shape.num_gpus)
+        fit = int(min(fits) + 1e-9) if fits else len(members)
+        capacity[role] = max(len(members), fit)
+    return capacity

@@ -38,6 +38,8 @@ STOP_GRACE_S = 10.0
 
 
 class RayLauncher(Launcher):
+    can_start = True
+
     def __init__(
         self,
         address: str | None = None,

@@ -8,12 +8,12 @@ the instance's READY: `on_ready`, then its `run()` is watched) and each running 
 actor whose call ended is killed for good (its resources, placement group and name are
 freed) and its exit reported (`on_exit`); the supervisor then starts it again.
 
-Starting an actor never blocks the caller: the actor is created on a thread of its own
-(a tensor-parallel one waits for its placement group there), and its `load()` is
-watched like any other. An actor Ray cannot place (its node lost, no other node with
-room: "pools full" means the configured sizes on the nodes that remain) stays pending
-until room appears; it is logged once, and neither the watch nor the supervisor waits
-on it.
+Starting an actor never blocks the caller: the actor is queued for creation on one of
+`CREATE_WORKERS` threads (a tensor-parallel one waits for its placement group there),
+never a thread per actor, and its `load()` is watched like any other. An actor Ray
+cannot place (its node lost, no other node with room: "pools full" means the
+configured sizes on the nodes that remain) stays pending until room appears; it is
+logged once, and neither the watch nor the supervisor waits on it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import contextlib
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,8 @@ NAME_WAIT_S = 30.0
 # An actor still loading this long is said (once) to wait for room in the cluster.
 PLACEMENT_NOTE_S = 30.0
 STOP_GRACE_S = 10.0
+# Actors created at once after the launch (restarts and pools scaled up alike).
+CREATE_WORKERS = 4
 
 
 @dataclass
@@ -64,6 +67,7 @@ class ActorWatch:
         self._on_exit: ExitCallback | None = None
         self._thread: threading.Thread | None = None
         self._stopped: set[str] = set()  # drained for good (an id is never reused)
+        self._creator = ThreadPoolExecutor(CREATE_WORKERS, thread_name_prefix="ray-start")
 
     # ---- watching ---------------------------------------------------------------------
 
@@ -79,6 +83,7 @@ class ActorWatch:
         self._thread.start()
 
     def join(self) -> None:
+        self._creator.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None:
             self._thread.join(timeout=2.0)
 
@@ -150,17 +155,20 @@ class ActorWatch:
     # ---- single actors ----------------------------------------------------------------
 
     def start_instance(self, spec: InstanceSpec, on_ready: ReadyCallback) -> bool:
-        """Creates the instance's actor on a thread of its own (a predecessor of the same
-        id is killed first); its READY goes to `on_ready`, a failure to `on_exit`."""
+        """Queues the instance's actor for creation on the creator's threads (a
+        predecessor of the same id is killed first); its READY goes to `on_ready`, a
+        failure to `on_exit`."""
         if self.launcher.stopping.is_set():
             return False
         self.launcher.inherit_share(spec)
-        thread = threading.Thread(
-            target=self._create, args=(spec, on_ready), name=f"ray-start-{spec.instance_id}",
-            daemon=True,
-        )  # fmt: skip
-        thread.start()
+        self._creator.submit(self._create_or_report, spec, on_ready)
         return True
+
+    def _create_or_report(self, spec: InstanceSpec, on_ready: ReadyCallback) -> None:
+        try:
+            self._create(spec, on_ready)
+        except Exception as exc:  # a pool thread's exception would go unseen
+            self._failed(spec.instance_id, f"cannot create its actor: {one_line(exc)}")
 
     def _create(self, spec: InstanceSpec, on_ready: ReadyCallback) -> None:
         instance_id = spec.instance_id

@@ -271,7 +271,7 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     serving = loop.create_task(server.serve(sockets=[listener]))
-    code, supervisor = 0, None
+    code, supervisor, pools = 0, None, None
     try:
         waves = instance_specs(
             deployment, model_path, gateway.output_address, args.launcher == "ray"
@@ -291,7 +291,8 @@ async def serve(
         for wave in waves:
             await loop.run_in_executor(None, launcher.launch, wave, on_ready)
         supervisor = Supervisor(launcher, specs, on_ready)
-        gateway.pools = Pools(launcher, supervisor, on_ready)
+        pools = Pools(launcher, supervisor, on_ready, deployment.max_pool_sizes)
+        gateway.pools = pools
         gateway.dispatcher.on_fenced = supervisor.fence
         launcher.watch(
             lambda i, why: loop.call_soon_threadsafe(exited, gateway, supervisor, i, why)
@@ -309,6 +310,8 @@ async def serve(
         server.should_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(serving, timeout=10)
+        if pools is not None:
+            pools.close()
         if supervisor is not None:
             supervisor.close()
         await loop.run_in_executor(None, launcher.shutdown)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 
 from pdserve.cluster.deployment import LAUNCHERS, MODES
+from pdserve.cluster.exposure import ExposureError, check_exposure
 from pdserve.cluster.placement import DEVICES
 from pdserve.gateway.routing import DEFAULT_POLICY, POLICIES
 from pdserve.gateway.tool_parsers import PARSERS
@@ -147,7 +149,12 @@ def _add_model_flags(model: argparse._ArgumentGroup) -> None:
 
 
 def _add_http_flags(http: argparse._ArgumentGroup) -> None:
-    http.add_argument("--host", default="127.0.0.1")
+    http.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="beyond loopback (0.0.0.0, a node's address) it needs tenant keys and an "
+        "admin key, or --allow-unauthenticated",
+    )
     http.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     http.add_argument(
         "--api-key",
@@ -166,8 +173,15 @@ def _add_http_flags(http: argparse._ArgumentGroup) -> None:
     http.add_argument(
         "--admin-api-key",
         default=None,
-        help="the key of the operator endpoints (/debug/*); no tenant key opens them "
+        help="the key of the operator endpoints (/admin/*, /debug/*); no tenant key opens them "
         "(without the flag: the PDSERVE_ADMIN_API_KEY environment variable, if set)",
+    )
+    http.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve on a --host beyond loopback without tenant and admin keys (every "
+        "route, /admin/* included, open to whoever reaches the port: only behind a "
+        "trusted network)",
     )
     http.add_argument(
         "--metrics-public",
@@ -238,6 +252,14 @@ def _add_topology_flags(topology: argparse._ArgumentGroup) -> None:
         default=1,
         help="pipeline stages per instance, each a contiguous range of the layers on "
         "--tensor-parallel-size ranks of its own (the same in every pool)",
+    )
+    topology.add_argument(
+        "--max-pool-size",
+        type=int,
+        default=None,
+        help="the most instances POST /admin/pools/{role}/scale may ask for in any pool "
+        "(default: per pool, how many of its instances the cores and GPUs hold; a larger "
+        "request is a 400)",
     )
     _add_kv_transfer_flags(topology)
     topology.add_argument(
@@ -358,6 +380,11 @@ def _add_debug_flags(debug: argparse._ArgumentGroup) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    try:  # before the serving stack loads: a refusal is one line within a second
+        check_exposure(args)
+    except ExposureError as exc:
+        print(f"pdserve serve: error: {exc}", file=sys.stderr)
+        return 2
     from pdserve.cluster.serve import run_serve  # the serving stack loads only for this command
 
     return run_serve(args)

@@ -41,10 +41,19 @@ class RequestDelta(msgspec.Struct):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # Set on the error delta of a request whose step failed on this instance, which
+    # dropped it: the gateway sends it elsewhere instead of failing it. STEP_SUSPECT: it
+    # may be the cause (a strike against it); STEP_BYSTANDER: another request on
+    # probation here was (no strike).
+    step_failed: str = ""
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+STEP_SUSPECT = "suspect"
+STEP_BYSTANDER = "bystander"
 
 
 def error_delta(
@@ -81,6 +90,10 @@ class GenerateTask(msgspec.Struct, tag="generate"):
     # index on, so penalties, stop checks and seeded sampling go on as if nothing happened.
     # Sent only to an instance that runs the request to its end (never with decode_target).
     output_token_ids: list[int] = []
+    # Instances on which a step with this request failed (the gateway's count): above 0
+    # the request is on probation, run there one such request at a time, and a second
+    # failed step ends it (`instance/probation.py`).
+    step_failures: int = 0
 
 
 class AbortTask(msgspec.Struct, tag="abort"):
@@ -112,7 +125,16 @@ class LeakBlocksTask(msgspec.Struct, tag="leak_blocks"):
     owner: str = "leaked-on-purpose"
 
 
-Task = GenerateTask | AbortTask | SnapshotTask | InspectTask | LeakBlocksTask
+class FailStepsTask(msgspec.Struct, tag="fail_steps"):
+    """Test hook: from now on every step fails (`every_step`), or every step while a
+    request whose prompt starts with `prompt_prefix` is on the instance; the defaults
+    turn it off. Honoured only by instances started with test hooks enabled."""
+
+    every_step: bool = False
+    prompt_prefix: list[int] = []
+
+
+Task = GenerateTask | AbortTask | SnapshotTask | InspectTask | LeakBlocksTask | FailStepsTask
 
 
 class InstanceStats(msgspec.Struct):
@@ -176,6 +198,9 @@ class InstanceOutput(msgspec.Struct):
     # not): heartbeats come from the I/O thread, so this tells a loop that progresses
     # (however long its steps) from one that hangs while the I/O thread lives on.
     loop_turns: int = 0
+    # Why the instance cannot serve though its loop turns (its circuit breaker tripped:
+    # `instance/breaker.py`); the gateway then fences it like a stalled one.
+    unhealthy: str = ""
 
 
 class InstanceInfo(msgspec.Struct, frozen=True):

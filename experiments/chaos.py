@@ -29,7 +29,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiments.chaos_harness import GREEDY, SEEDED, Chaos, Load, Row, Shape, wait_for
+from experiments.chaos_harness import GREEDY, SEEDED, Chaos, Load, Row, Shape, health, wait_for
 from experiments.serving import LOCAL, served
 from experiments.two_nodes import (
     A_RESOURCES,
@@ -140,6 +140,35 @@ def pause_decode(chaos: Chaos, load: Load) -> None:
     chaos.pause("decode-0", INSTANCE_TIMEOUT_S + 5)
 
 
+def fail_every_step(chaos: Chaos, load: Load) -> None:
+    # A sticky fault on prefill-0 (the test hook fails each of its steps): its circuit
+    # breaker trips, it is fenced and replaced, and its requests go on elsewhere.
+    # The pools are timed from its fence: "pools full" is how long its replacement took.
+    wait_for(lambda: len(decoding(load, 2)) >= 1, 60, "streams decoding")
+    chaos.fail_steps("prefill-0", every_step=True)
+    wait_for(lambda: not chaos.alive("prefill-0"), 60, "prefill-0's breaker to trip")
+    chaos._watch()
+
+
+# Token ids only the poison request's prompt has.
+POISON_PROMPT = [31000 + i for i in range(24)]
+
+
+def poison_one_request(chaos: Chaos, load: Load) -> None:
+    # Every step fails while one request is on an instance: it fails with the step's
+    # reason on its second instance; the requests that shared its steps go on.
+    wait_for(lambda: len(decoding(load, 2)) >= 1, 60, "streams decoding")
+    instances = [e["id"] for e in health(chaos.server) if e["alive"]]
+    for instance_id in instances:
+        chaos.fail_steps(instance_id, prompt_prefix=POISON_PROMPT[:8])
+    try:
+        poison = load.send(Shape("poison", POISON_PROMPT, GREEDY))
+        wait_for(lambda: poison.done, 60, "the poison request's end")
+    finally:
+        for instance_id in instances:
+            chaos.fail_steps(instance_id)
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -157,6 +186,8 @@ LOCAL_SCENARIOS = [
         "sever a transfer", sever_transfer, short_within_s=KV_DELAY_S + KV_TRANSFER_TIMEOUT_S + 4
     ),
     Scenario("pause decode past timeout", pause_decode, short_within_s=INSTANCE_TIMEOUT_S + 4),
+    Scenario("an instance fails every step", fail_every_step),
+    Scenario("one request fails every step", poison_one_request),
 ]
 
 

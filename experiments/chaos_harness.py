@@ -3,7 +3,7 @@ and one row of counts per scenario (`experiments/chaos.py` has the scenarios).
 
 A `Load` keeps a number of streams open (each a `Probe` read on a thread); a `Chaos`
 runs one scenario on a server: the pools full, the fault-free texts known, the load
-on, the fault injected (`kill`, `pause`), the pools awaited (`PoolWatch`), the load
+on, the fault injected (`kill`, `pause`, `fail_steps`), the pools awaited (`PoolWatch`), the load
 drained, and then it counts: completed, failed (an error event or HTTP error), lost
 (neither), wrong (text, or prompt and completion token counts, unlike the fault-free
 run's), blocks held once idle (`/debug/instances`), and the counters of `/metrics`.
@@ -277,6 +277,18 @@ class Chaos:
         finally:
             with contextlib.suppress(ProcessLookupError):  # fenced meanwhile: killed
                 os.kill(pid, signal.SIGCONT)
+
+    def fail_steps(
+        self, instance_id: str, every_step: bool = False, prompt_prefix: list[int] | None = None
+    ) -> None:
+        """The test hook: the instance's steps fail (all of them, or while a request
+        with this prompt prefix is there); no arguments: they stop failing."""
+        body = {"every_step": every_step, "prompt_prefix": prompt_prefix or []}
+        response = self.server.post(f"/debug/instances/{instance_id}/fail-steps", json=body)
+        response.raise_for_status()
+
+    def alive(self, instance_id: str) -> bool:
+        return any(e["id"] == instance_id and e["alive"] for e in health(self.server))
 
     def _watch(self) -> None:
         if self.watch is None:

@@ -255,3 +255,15 @@ def counter(server: ServeProcess, name: str) -> float:
     """An unlabelled `pdserve:` counter's value from /metrics (0 when absent)."""
     match = re.search(rf"^pdserve:{name} (\S+)$", server.get("/metrics").text, re.M)
     return float(match.group(1)) if match else 0.0
+
+
+def gateway_threads(server: ServeProcess) -> int:
+    """The gateway process's thread count (Linux: /proc)."""
+    with open(f"/proc/{server.process.pid}/status") as status:
+        return int(next(line for line in status if line.startswith("Threads:")).split()[1])
+
+
+def assert_health_answers_within(server: ServeProcess, seconds: float) -> None:
+    began = time.monotonic()
+    assert server.get("/health").status_code == 200
+    assert time.monotonic() - began < seconds

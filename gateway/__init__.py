@@ -21,7 +21,8 @@
   the runs' admission (`gateway.py`: `Gateway`).
 - The dispatcher between HTTP runs and instances (`dispatcher.py`, `request_stream.py`)
   and the global scheduler it drives (`global_scheduler.py`, `routing.py`: admission,
-  routing policies, failover).
+  routing policies, failover); a failed step's requests moved on
+  (`step_failures.py`); instances' books asked for (`inspections.py`).
 - Operators: `/admin/*` (`admin.py`: drain an instance, scale a pool, through the
   cluster's `PoolControl`), `/debug/*` (`debug.py`, mounted only with
   `--enable-test-hooks`).

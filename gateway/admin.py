@@ -2,8 +2,10 @@
 
 - `POST /admin/instances/{id}/drain`: routing sends it nothing new, it is never
   restarted, the requests it has finish, then it is stopped and leaves `/health`.
-- `POST /admin/pools/{role}/scale` `{"size": N}`: more instances start and join their
-  pool once loaded, or the newest drain as above.
+- `POST /admin/pools/{role}/scale` `{"size": N}`: answers 202 at once with the target;
+  more instances start (a few at a time, on the cluster's threads) and join their pool
+  once loaded, or the newest drain as above. A size over the pool's `--max-pool-size`
+  is a 400.
 
 Neither drops nor fails a request. Starting and stopping processes is the cluster's
 (`Gateway.pools`, a `PoolControl` that `pdserve serve` sets); without one these routes
@@ -34,8 +36,13 @@ class PoolControl(Protocol):
         """The pool's instances (loaded or loading, not draining), oldest first."""
         ...
 
+    def max_size(self, role: str) -> int | None:
+        """The most instances the pool may hold (None: no limit)."""
+        ...
+
     def start(self, role: str, count: int) -> list[str]:
-        """Starts `count` more instances of the pool; their ids (ValueError: cannot)."""
+        """The ids of `count` more instances of the pool, which start in the background;
+        returns at once (ValueError: cannot)."""
         ...
 
     def retire(self, instance_id: str) -> None:
@@ -93,6 +100,11 @@ def admin_router(gateway: Gateway) -> APIRouter:
         least = 1 if role in ROLES_THAT_DECODE else 0
         if size < least:
             raise APIError(400, f"a {role} pool needs at least {least} instance(s)", "size")
+        most = pools().max_size(role)
+        if most is not None and size > most:
+            raise APIError(
+                400, f"a {role} pool may hold at most {most} instances (--max-pool-size)", "size"
+            )
         started, drained = [], members[size:][::-1]  # the newest go first
         if size > len(members):
             try:
@@ -101,7 +113,8 @@ def admin_router(gateway: Gateway) -> APIRouter:
                 raise APIError(501, str(exc), code="unsupported") from None
         for instance_id in drained:
             drain(instance_id)
-        return gateway.json({"role": role, "size": size, "starting": started, "draining": drained})
+        body = {"role": role, "size": size, "starting": started, "draining": drained}
+        return gateway.json(body, status=202)
 
     return router
 

@@ -7,9 +7,10 @@ shows no instance's books and lets nobody switch policies or leak blocks.
 from __future__ import annotations
 
 import msgspec
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from pdserve.common.messages import FailStepsTask
 from pdserve.gateway.errors import APIError
 from pdserve.gateway.gateway import Gateway
 from pdserve.gateway.routing import make_policy
@@ -53,4 +54,23 @@ def debug_router(gateway: Gateway) -> APIRouter:
             raise APIError(400, f"cannot leak {blocks} blocks on {instance_id!r}")
         return gateway.json({"leaked": blocks, "instance": instance_id})
 
+    @router.post("/instances/{instance_id}/fail-steps")
+    async def fail_steps(instance_id: str, request: Request) -> Response:
+        """From now on every step of the instance fails (`{"every_step": true}`), or
+        every step while a request whose prompt starts with `prompt_prefix` is there;
+        `{}` turns it off (the chaos suite's breaker and probation rows)."""
+        try:
+            task = msgspec.json.decode(await request.body(), type=FailStepsBody)
+        except msgspec.DecodeError as exc:
+            raise APIError(400, f"the body: {exc}", "every_step") from None
+        rule = FailStepsTask(task.every_step, task.prompt_prefix)
+        if not gateway.dispatcher.fail_steps(instance_id, rule):
+            raise APIError(404, f"no instance {instance_id!r}", code="not_found")
+        return gateway.json({"instance": instance_id, **msgspec.to_builtins(rule)})
+
     return router
+
+
+class FailStepsBody(msgspec.Struct, forbid_unknown_fields=True):
+    every_step: bool = False
+    prompt_prefix: list[int] = []

@@ -11,8 +11,10 @@ stats and heartbeats); an instance silent past the timeout, or reported gone by 
 launcher, is taken out, and the requests that still need it are sent again or failed:
 one whose stream has begun is migrated with the tokens its client already has as its
 output, so the stream goes on at the next index (`_retry`). One silent or stalled
-(a paused or hung process) is fenced: its epoch retired (whatever it sends later is
-dropped) and `on_fenced` tells the cluster to kill it and start a replacement.
+(a paused or hung process), or one that says it is unhealthy (its circuit breaker
+tripped), is fenced: its epoch retired (whatever it sends later is dropped) and
+`on_fenced` tells the cluster to kill it and start a replacement. A request whose step
+failed on an instance moves on as `gateway/step_failures.py` says.
 
 Every frame is sealed with the deployment's MAC (`pdserve.common.wire_auth`); an
 output or event batch without a valid one is dropped before it is decoded.
@@ -24,7 +26,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Callable
 
 import msgspec
@@ -34,8 +35,8 @@ import zmq.asyncio
 from pdserve.common.block_events import BlockEventBatch
 from pdserve.common.messages import (
     AbortTask,
+    FailStepsTask,
     GenerateTask,
-    InspectTask,
     InstanceInfo,
     InstanceInspection,
     InstanceOutput,
@@ -51,9 +52,11 @@ from pdserve.gateway.global_scheduler import (
     Route,
     handoffs_from,
 )
+from pdserve.gateway.inspections import Inspections
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.request_stream import RequestStream, StreamEvent
 from pdserve.gateway.routing import RouteRequest
+from pdserve.gateway.step_failures import next_move
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +89,7 @@ class Dispatcher:
         self._task_sockets: dict[str, zmq.Socket] = {}
         self.streams: dict[str, RequestStream] = {}
         self._tasks: dict[str, GenerateTask] = {}
-        self._inspections: dict[tuple[str, str], asyncio.Future] = {}
+        self._inspections = Inspections()
         self._snapshot_requested: set[str] = set()
         self._encoder = msgspec.msgpack.Encoder()
         self._output_decoder = msgspec.msgpack.Decoder(InstanceOutput)
@@ -180,9 +183,7 @@ class Dispatcher:
             self._fail(request_id, message)
         for request_id in failover.retry:
             self._retry(request_id, f"instance {instance_id} failed mid-request: {reason}")
-        for (owner, _), future in list(self._inspections.items()):
-            if owner == instance_id and not future.done():
-                future.set_result(None)
+        self._inspections.forget(instance_id)
         if self.on_instance_lost is not None:
             self.on_instance_lost(instance_id, reason)
 
@@ -224,7 +225,24 @@ class Dispatcher:
             task = msgspec.structs.replace(task, decode_target=None)
         self._send(route.first.instance_id, task)
 
-    def _retry(self, request_id: str, why: str) -> None:
+    def _step_failed(self, instance_id: str, delta: RequestDelta) -> None:
+        """The instance dropped the request after a failed step: elsewhere, or the end."""
+        rid, task = delta.request_id, self._tasks.get(delta.request_id)
+        assignment, view = self.scheduler.assignments.get(rid), self.scheduler.views[instance_id]
+        if task is None or assignment is None or rid not in view.in_flight:
+            return  # e.g. a prefill instance's news of a request its decode instance has
+        route = assignment.route
+        for other in route.instances:
+            if other is not view and other.alive:
+                self._send(other.instance_id, AbortTask([rid], handoffs_from(route, other)))
+        attempts, most = assignment.attempts, self.scheduler.config.max_attempts
+        move = next_move(task, delta, instance_id, attempts, most)
+        if move.task is None:
+            return self._fail(rid, move.fail)
+        self._tasks[rid] = move.task
+        self._retry(rid, move.why, avoid=frozenset({instance_id}))
+
+    def _retry(self, request_id: str, why: str, avoid: frozenset[str] = frozenset()) -> None:
         """Sends a request whose instance died again. With no token released to its
         client yet it starts over on any route; otherwise it is migrated: its released
         tokens ride as output to one instance that computes prompt and output and
@@ -237,7 +255,7 @@ class Dispatcher:
             return
         output = list(stream.token_ids)
         try:
-            route = self.scheduler.route(assignment.request, with_prefill=not output)
+            route = self.scheduler.route(assignment.request, not output, avoid)
         except AdmissionRejected as exc:
             self._fail(request_id, f"{why}; no instance left to send it to: {exc}")
             return
@@ -270,25 +288,14 @@ class Dispatcher:
 
     async def inspect(self, timeout_s: float = 10.0) -> dict[str, InstanceInspection | None]:
         """Every live instance's books (None for one that did not answer in time)."""
-        query_id = uuid.uuid4().hex
-        loop = asyncio.get_running_loop()
-        futures: dict[str, asyncio.Future] = {}
-        for view in self.scheduler.views.values():
-            if view.alive:
-                future = loop.create_future()
-                self._inspections[(view.instance_id, query_id)] = future
-                futures[view.instance_id] = future
-                self._send(view.instance_id, InspectTask(query_id))
-        try:
-            if futures:
-                await asyncio.wait(futures.values(), timeout=timeout_s)
-        finally:
-            for instance_id in futures:
-                self._inspections.pop((instance_id, query_id), None)
-        return {i: f.result() if f.done() else None for i, f in futures.items()}
+        live = [v.instance_id for v in self.scheduler.views.values() if v.alive]
+        return await self._inspections.ask(live, self._send, timeout_s)
 
     def leak_blocks(self, instance_id: str, num_blocks: int) -> bool:
         return self._send(instance_id, LeakBlocksTask(num_blocks))
+
+    def fail_steps(self, instance_id: str, task: FailStepsTask) -> bool:
+        return self._send(instance_id, task)
 
     # ---- receiving --------------------------------------------------------------------
 
@@ -320,10 +327,11 @@ class Dispatcher:
         self.metrics.record_output(output)
         for delta in output.deltas:
             self._on_delta(instance_id, delta, arrival)
+        if output.unhealthy:
+            self.fence(instance_id, f"it reports itself unhealthy: {output.unhealthy}")
+            return
         if output.inspection is not None:
-            future = self._inspections.get((instance_id, output.inspection.query_id))
-            if future is not None and not future.done():
-                future.set_result(output.inspection)
+            self._inspections.answer(instance_id, output.inspection)
         if output.block_snapshot is not None:
             self._snapshot_requested.discard(instance_id)
             if not self.scheduler.apply_snapshot(instance_id, output.block_snapshot):
@@ -337,6 +345,9 @@ class Dispatcher:
             return  # ended here already (aborted, stop string, failed over)
         if all(view.instance_id != instance_id for view in assignment.route.instances):
             return  # from an instance the request was moved away from
+        if delta.step_failed:
+            self._step_failed(instance_id, delta)
+            return
         if delta.new_token_ids:
             self.scheduler.mark_started(request_id)
         if instance_id == assignment.route.decode.instance_id:

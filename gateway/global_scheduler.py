@@ -234,12 +234,17 @@ class GlobalScheduler:
                 self.config.retry_after_s,
             )
 
-    def route(self, request: RouteRequest, with_prefill: bool = True) -> Route:
+    def route(
+        self, request: RouteRequest, with_prefill: bool = True, avoid: frozenset[str] = frozenset()
+    ) -> Route:
         """Picks live instances for the request (raises AdmissionRejected if none).
         Without `with_prefill` it runs whole on one instance (a migrated request: its
-        output so far is recomputed there, and a handoff carries only a first token)."""
+        output so far is recomputed there, and a handoff carries only a first token).
+        `avoid`: instances a step with it failed on, used only when no other decodes
+        (no other prefill instance: it runs whole on its decode instance)."""
         decoders = self.live(ROLES_THAT_DECODE)
-        prefillers = self.live(("prefill",))
+        decoders = [v for v in decoders if v.instance_id not in avoid] or decoders
+        prefillers = [v for v in self.live(("prefill",)) if v.instance_id not in avoid]
         colocated = [v for v in decoders if v.role == "colocated"]
         if colocated:
             return Route(None, self.policy.pick_colocated(colocated, request))

@@ -1,6 +1,9 @@
 """instance: the instance process.
 
-- `loop.py` (`StepLoop`): the step loop;
+- `loop.py` (`StepLoop`): the step loop; a failed step's requests go back to the
+  gateway, `breaker.py` trips the circuit breaker on failed steps (the instance says it
+  is unhealthy and is fenced), `probation.py` runs requests that failed a step
+  elsewhere one at a time;
 - `kinds.py`: the roles by name (a plain mapping), and `colocated.py`
   (`ColocatedRole`), the role that runs whole requests;
 - `io.py`: the I/O thread, owner of every ZMQ socket, which heartbeats while a step

@@ -6,7 +6,10 @@ carries none of this and pays nothing for it.
   proves the idle-invariant check catches a leak;
 - `PDSERVE_TEST_KV_DELAY_S`: every pull of a decode instance starts this many seconds
   after its blocks were allocated, so tests can tell the first token (from the prefill
-  instance) from the rest.
+  instance) from the rest;
+- `FailStepsTask`: every step fails from now on (a sticky device fault), or every step
+  while a request with a given prompt prefix is on the instance (a poison request), so
+  the chaos suite can prove the circuit breaker and probation.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 
-from pdserve.common.messages import LeakBlocksTask
+from pdserve.common.messages import FailStepsTask, LeakBlocksTask
 from pdserve.common.request import Request
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.core import EngineCore
@@ -61,11 +64,30 @@ class DelayedPulls:
         return len(self._queue)
 
 
+class InjectedStepFailure(RuntimeError):
+    """The step failure a `FailStepsTask` asked for."""
+
+
 class TestHooks:
     __test__ = False  # not a pytest class
 
     def __init__(self, environ: dict[str, str] | None = None) -> None:
         self.kv_delay_s = injected_delay_s(environ)
+        self.step_failures = FailStepsTask()
+
+    def fail_steps(self, task: FailStepsTask) -> None:
+        self.step_failures = task
+
+    def before_step(self, engine: EngineCore) -> None:
+        """Raises InjectedStepFailure where a `FailStepsTask` says this step fails."""
+        rule = self.step_failures
+        if rule.every_step:
+            raise InjectedStepFailure("injected: every step of this instance fails")
+        prefix = rule.prompt_prefix
+        if prefix and any(
+            r.prompt_token_ids[: len(prefix)] == prefix for r in engine.scheduler.requests.values()
+        ):
+            raise InjectedStepFailure("injected: every step with this request fails")
 
     def delayed_pulls(self) -> DelayedPulls | None:
         return DelayedPulls(self.kv_delay_s) if self.kv_delay_s > 0 else None

@@ -84,6 +84,7 @@ class InstanceIO:
         # Set by the step loop, read here (plain ints: one assignment is atomic).
         self.epoch = 0
         self.loop_turns = 0
+        self.unhealthy = ""  # why the instance cannot serve (its breaker tripped)
         self._peer_sockets: dict[bytes, zmq.Socket] = {}  # the I/O thread's, by task address
         self._last_sent = 0.0
         self._thread = threading.Thread(target=self._run, name=f"io-{instance_id}", daemon=True)
@@ -165,6 +166,7 @@ class InstanceIO:
             stats=self.latest_stats,
             epoch=self.epoch,
             loop_turns=self.loop_turns,
+            unhealthy=self.unhealthy,
         )
 
     def _receive_tasks(self) -> None:

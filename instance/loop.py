@@ -17,6 +17,11 @@ Each loop turn, top to bottom:
 
 The role object is the only thing that differs between colocated, prefill and decode
 instances (instance/kinds.py). The I/O thread sends heartbeats while the loop idles.
+
+A step that raises fails the requests it touched (held handoffs aside), which the
+gateway sends on elsewhere (`RequestDelta.step_failed`); requests that already failed
+a step elsewhere run here one at a time (`instance/probation.py`), and steps that keep
+failing trip the circuit breaker (`instance/breaker.py`).
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ from pdserve.common import messages as wire
 from pdserve.engine.core import EngineCore, default_executor
 from pdserve.engine.executor import Executor
 from pdserve.engine.ranks import RankLauncher, WorkerGroupFailed
+from pdserve.instance.breaker import StepBreaker
 from pdserve.instance.hooks import TestHooks
 from pdserve.instance.io import InstanceIO
 from pdserve.instance.kinds import Role, role_kind
+from pdserve.instance.probation import Probation
 from pdserve.instance.reporting import CounterBaseline, inspect_scheduler, instance_stats
 from pdserve.instance.spec import InstanceSpec
 
@@ -68,6 +75,8 @@ class StepLoop:
             self.kind.task_type,
         )
         self.io.epoch = spec.epoch
+        self.breaker = StepBreaker()
+        self.probation = Probation()
         self.engine: EngineCore | None = None
         self.role: Role | None = None
         self._stopped = threading.Event()
@@ -171,6 +180,7 @@ class StepLoop:
             deltas=deltas,
             epoch=self.io.epoch,
             loop_turns=self.io.loop_turns,
+            unhealthy=self.io.unhealthy,
             stats=stats,
             metrics=metrics,
             inspection=self._pending_inspection,
@@ -194,8 +204,9 @@ class StepLoop:
     def _apply(self, task: wire.Task) -> wire.RequestDelta | None:
         role = self.require_role()
         if isinstance(task, wire.GenerateTask):
-            return self._admit(role, task)
+            return self._admit(role, task) if self.probation.admit(task) else None
         if isinstance(task, wire.AbortTask):
+            self.probation.drop(task.request_ids)
             role.abort(task)
         elif isinstance(task, wire.SnapshotTask):
             self._pending_snapshot = self.require_engine().scheduler.block_cache_snapshot()
@@ -210,6 +221,9 @@ class StepLoop:
                 )
             else:
                 self.hooks.leak_blocks(self.require_engine(), task)
+        elif isinstance(task, wire.FailStepsTask):
+            if self.hooks is not None:
+                self.hooks.fail_steps(task)
         else:
             return role.on_task(task)
         return None
@@ -229,13 +243,43 @@ class StepLoop:
 
     def _step(self, role: Role) -> list[wire.RequestDelta]:
         try:
-            return role.step()
+            if self.hooks is not None:
+                self.hooks.before_step(self.require_engine())
+            deltas = role.step()
         except WorkerGroupFailed as exc:  # the ranks are gone: this instance cannot go on
             self.failure = str(exc)
             return []  # its requests go on elsewhere once it exited (`_end_after_failure`)
         except Exception as exc:  # a broken step must not take the instance down
             logger.exception("%s: engine step failed", self.spec.instance_id)
-            return self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+            return self._fail_step(f"engine step failed: {type(exc).__name__}: {exc}")
+        self.breaker.record_success()
+        return deltas + self._admit_cleared(role)
+
+    def _admit_cleared(self, role: Role) -> list[wire.RequestDelta]:
+        """The next request on probation, once the one on trial was cleared or blamed."""
+        deltas = []
+        for task in self.probation.clear(self.require_engine().scheduler):
+            if (delta := self._admit(role, task)) is not None:
+                deltas.append(delta)
+        return deltas
+
+    def _fail_step(self, reason: str) -> list[wire.RequestDelta]:
+        """Drops the failed step's requests. One on probation here is blamed and ends
+        (its second failed step); the others go elsewhere (suspects, or bystanders when
+        one on probation was blamed), and only an unexplained failure counts toward the
+        breaker."""
+        suspect = self.probation.blame()
+        deltas = self._fail_all(reason, wire.STEP_BYSTANDER if suspect else wire.STEP_SUSPECT)
+        for delta in deltas:
+            if delta.request_id == suspect:
+                delta.step_failed = ""
+                delta.error = f"{reason} (a step with it failed on 2 instances)"
+        if suspect is None and self.breaker.record_failure(reason) and not self.io.unhealthy:
+            self.io.unhealthy = self.breaker.tripped
+            logger.error("%s: circuit breaker tripped: %s", self.spec.instance_id, reason)
+        if suspect is not None:
+            deltas += self._admit_cleared(self.require_role())
+        return deltas
 
     def _on_group_failure(self, reason: str) -> None:
         """From the executor's watcher thread: a rank died between steps."""
@@ -254,16 +298,21 @@ class StepLoop:
         )
         self._stopped.set()
 
-    def _fail_all(self, message: str) -> list[wire.RequestDelta]:
+    def _fail_all(self, message: str, step_failed: str) -> list[wire.RequestDelta]:
+        """Ends every request the step touched: not the handed-off ones, whose compute
+        is done and whose blocks their decode instance may be pulling."""
         engine = self.require_engine()
+        held = engine.scheduler.held
         deltas = []
         for request_id, request in list(engine.scheduler.requests.items()):
+            if request_id in held:
+                continue
             engine.abort_request(request_id)
-            deltas.append(
-                wire.error_delta(
-                    request_id, message, request.num_prompt_tokens, request.num_output_tokens
-                )
+            delta = wire.error_delta(
+                request_id, message, request.num_prompt_tokens, request.num_output_tokens
             )
+            delta.step_failed = step_failed
+            deltas.append(delta)
         return deltas
 
     def _publish_block_events(self) -> None:

@@ -155,9 +155,14 @@ class KVTransferWorker:
                 self._wake.send(b"", zmq.NOBLOCK)
 
     def get_finished(self) -> TransferReport:
+        """What finished since the last call; raises once the I/O thread is gone, so
+        every step of the instance fails and its circuit breaker trips."""
+        thread = self._thread
         with self._lock:
             if self._error:
                 raise RuntimeError(f"KV transfer I/O thread failed: {self._error}")
+            if thread is not None and not thread.is_alive() and not self._stop.is_set():
+                raise RuntimeError("KV transfer I/O thread died")
             report, self._report = self._report, TransferReport()
             report.quarantined = list(self._quarantined)
             self._has_report.clear()

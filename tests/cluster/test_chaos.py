@@ -1,7 +1,9 @@
 """The chaos suite: each fault under a steady load of streaming requests (greedy,
 and one seeded stream at temperature 0.8 per round) loses no request, fails none while
 a live instance of each role remains, changes no text against a fault-free run, leaks
-no KV block, and the pools are full again within a minute.
+no KV block, and the pools are full again within a minute. An instance whose every
+step fails is fenced and replaced, its requests moved on; one request that
+fails every step it is in fails alone, with its reason, and fences nothing.
 
 The scenarios are `experiments/chaos.py`, the harness `experiments/chaos_harness.py`
 (`python -m experiments.chaos` prints the same rows as a table). The single-node
@@ -89,6 +91,28 @@ def test_pause_decode_past_the_instance_timeout(chaos) -> None:
     assert row.migrated >= 1, row
     # Fenced (its epoch retired, killed) and replaced, both counted in /metrics.
     assert (row.counters.get("fenced"), row.counters.get("restarted")) == (1, 1), row
+
+
+def test_an_instance_that_fails_every_step_is_replaced(chaos) -> None:
+    row = run(chaos, "an instance fails every step")
+    # Its circuit breaker tripped: fenced and replaced (timed from its fence: the
+    # replacement's load; within the suite's minute, as every row, since a loaded CI
+    # machine loads weights slowly), and its requests moved on, none failed.
+    assert (row.counters.get("fenced"), row.counters.get("restarted")) == (1, 1), row
+    assert row.retried + row.migrated >= 1, row
+
+
+def test_one_request_that_fails_every_step_fails_alone(chaos) -> None:
+    row = run_scenario(chaos, SCENARIOS["one request fails every step"])
+    print(row)
+    # That request fails with the step's reason; every other one completes, right.
+    assert (row.failed, row.completed, row.lost) == (1, row.sent - 1, 0), row
+    assert "every step with this request fails" in " ".join(row.notes), row
+    assert "a step with it failed on 2 instances" in " ".join(row.notes), row
+    assert (row.wrong, row.leaked_blocks) == (0, 0), row
+    # No instance fenced nor replaced: one poison request does not trip a breaker.
+    assert "fenced" not in row.counters and "restarted" not in row.counters, row
+    assert row.pools_full_s == 0.0, row
 
 
 @pytest.fixture(scope="module")

@@ -22,11 +22,15 @@ from experiments.serving import (
     MODEL,
     BackgroundStream,
     ServeProcess,
+    assert_health_answers_within,
     counter,
+    gateway_threads,
     pool,
     served,
     wait_for,
 )
+from pdserve.cluster.pools import START_WORKERS
+from pdserve.cluster.ray_watch import CREATE_WORKERS
 from tests.cluster.conftest import RAY_ENV, ray_list
 
 pytestmark = pytest.mark.slow
@@ -94,7 +98,16 @@ def test_draining_and_scaling_up_under_load_drop_nothing(server) -> None:
     expected = complete(server, GREEDY)
     streams = start_streams(server, [GREEDY, GREEDY])  # one on each decode instance
     assert server.post("/admin/instances/decode-1/drain", headers=admin).status_code == 200
+    threads = gateway_threads(server)
+    began = time.monotonic()
+    huge = server.post("/admin/pools/decode/scale", json={"size": 100000}, headers=admin)
+    assert huge.status_code == 400 and "--max-pool-size" in huge.text
+    assert time.monotonic() - began < 1.0
     scaled = server.post("/admin/pools/decode/scale", json={"size": 2}, headers=admin)
+    assert scaled.status_code == 202
+    assert_health_answers_within(server, 1.0)
+    # The pool starters and the actor creators: no thread per actor.
+    assert gateway_threads(server) <= threads + START_WORKERS + CREATE_WORKERS
     assert scaled.json() == {"role": "decode", "size": 2, "starting": ["decode-2"], "draining": []}
     more = start_streams(server, [GREEDY])  # while decode-1 drains: on decode-0
     assert all(s.join(120) == expected and s.errors == [] for s in streams + more)

@@ -6,7 +6,8 @@ again within a minute; one paused (SIGSTOP) past `--instance-timeout` under stre
 fenced: its streams migrate alike, it is killed (gone even once resumed) and replaced,
 the fence and the restart counted in /metrics; under streaming load a pool scales up,
 an instance drains and a pool scales down without a request dropped or failed (behind
-the admin key).
+the admin key); a scale past `--max-pool-size` is a 400 at once, a legal one a 202 at
+once, `/health` answering throughout and the gateway's threads bounded.
 
 The tests run in file order on one server.
 """
@@ -27,11 +28,14 @@ from experiments.serving import (
     MODEL,
     BackgroundStream,
     ServeProcess,
+    assert_health_answers_within,
     counter,
+    gateway_threads,
     pool,
     served,
     wait_for,
 )
+from pdserve.cluster.pools import START_WORKERS
 
 pytestmark = pytest.mark.slow
 
@@ -172,8 +176,19 @@ def test_scaling_and_draining_under_load_drop_no_request(server) -> None:
     for path in ("/admin/pools/decode/scale", "/admin/instances/decode-0/drain"):
         assert server.post(path, json={"size": 3}).status_code == 403  # a tenant's key
     expected = complete(server, GREEDY)
+    threads = gateway_threads(server)
+    began = time.monotonic()
+    huge = server.post("/admin/pools/decode/scale", json={"size": 100000}, headers=admin)
+    assert time.monotonic() - began < 1.0
+    assert huge.status_code == 400 and huge.json()["error"]["param"] == "size"
+    assert "--max-pool-size" in huge.json()["error"]["message"]
+    assert_health_answers_within(server, 1.0)
     scaled = server.post("/admin/pools/decode/scale", json={"size": 3}, headers=admin)
+    assert scaled.status_code == 202
     assert scaled.json() == {"role": "decode", "size": 3, "starting": ["decode-2"], "draining": []}
+    assert_health_answers_within(server, 1.0)
+    # The starter's threads and the new process's stdout reader, nothing per request.
+    assert gateway_threads(server) <= threads + START_WORKERS + 1
     wait_for(lambda: "decode-2" in pool(server, "decode"), 60, "decode-2 to join its pool")
     assert pool_gauges(server, "decode") == (3.0, 3.0)
 

@@ -113,6 +113,7 @@ class Harness:
         self.inspections: dict[str, Any] = {}
         self.histograms: dict[str, list[float]] = {}  # every observation shipped
         self.epoch = 0  # of the latest output
+        self.unhealthy = ""  # of the latest output
         self.loop_turns = 0
 
     def send(self, task: Any) -> None:
@@ -128,6 +129,7 @@ class Harness:
         while self.outputs.poll(50):
             output = decoder.decode(Sealer().open(self.outputs.recv()))
             self.epoch, self.loop_turns = output.epoch, output.loop_turns
+            self.unhealthy = output.unhealthy
             self.deltas.extend(output.deltas)
             for name, values in (output.metrics.histograms if output.metrics else {}).items():
                 self.histograms.setdefault(name, []).extend(values)

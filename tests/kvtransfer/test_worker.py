@@ -3,6 +3,7 @@ cancellation, and misbehaving peers."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -237,3 +238,19 @@ def _abort(request_id: str):
     from pdserve.kvtransfer.messages import Abort
 
     return Abort(request_id, "test")
+
+
+def test_a_dead_io_thread_fails_every_report(make_worker):
+    # The instance's steps then fail, and its circuit breaker trips (instance/breaker.py).
+    worker, _ = make_worker("p")
+    assert worker.get_finished() == TransferReport()
+    alive = worker._thread
+    gone = threading.Thread(target=lambda: None)
+    gone.start()
+    gone.join()
+    worker._thread = gone  # as if the I/O thread had ended on its own
+    try:
+        with pytest.raises(RuntimeError, match="I/O thread died"):
+            worker.get_finished()
+    finally:
+        worker._thread = alive
