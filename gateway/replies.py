@@ -85,6 +85,7 @@ async def respond(
         longest,
         constraint,
         max_tokens_cap=tenant.max_tokens_per_request,
+        disable_any_whitespace=gateway.config.disable_any_whitespace,
     )
     if gateway.config.enable_log_requests:
         request_log.info("%s: params=%r", request_id, params)
