@@ -71,7 +71,32 @@ async def respond(
     constraint: StructuredOutput | None = None,
 ) -> Response:
     """`constraint`: an output constraint the endpoint adds (a forced tool call)."""
-    request_id = f"{form.id_prefix}-{uuid.uuid4().hex}"
+    run = start_generation(request, gateway, body, card, prompts, form.id_prefix, constraint)
+    header = {"id": run.request_id, "object": form.object, "created": int(time.time()),
+              "model": model}  # fmt: skip
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunk_header = {**header, "object": form.chunk_object}
+        chunks = _chunks(run, chunk_header, form, include_usage, gateway)
+        return AbortingStreamingResponse(chunks, run.abort)
+    choices = await gateway.finish_run(request, run)
+    return gateway.json(
+        {**header, "choices": [form.final(c) for c in choices], "usage": run.usage()}
+    )
+
+
+def start_generation(
+    request: Request,
+    gateway: Gateway,
+    body: SamplingFields,
+    card: ModelCard,
+    prompts: list[Prompt],
+    id_prefix: str,
+    constraint: StructuredOutput | None = None,
+) -> GenerationRun:
+    """The request's sampling parameters, and its run started under the tenant's limits
+    (what every generating endpoint does between its prompts and its reply)."""
+    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     if gateway.config.enable_log_requests:  # prompts are the clients' data: only when asked
         texts = [p.text if p.text is not None else p.token_ids for p in prompts]
         request_log.info("%s: prompts=%r", request_id, texts)
@@ -89,18 +114,7 @@ async def respond(
     )
     if gateway.config.enable_log_requests:
         request_log.info("%s: params=%r", request_id, params)
-    run = gateway.start_run(request_id, prompts, params, tenant, body.cache_salt)
-    header = {"id": run.request_id, "object": form.object, "created": int(time.time()),
-              "model": model}  # fmt: skip
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunk_header = {**header, "object": form.chunk_object}
-        chunks = _chunks(run, chunk_header, form, include_usage, gateway)
-        return AbortingStreamingResponse(chunks, run.abort)
-    choices = await gateway.finish_run(request, run)
-    return gateway.json(
-        {**header, "choices": [form.final(c) for c in choices], "usage": run.usage()}
-    )
+    return gateway.start_run(request_id, prompts, params, tenant, body.cache_salt)
 
 
 async def _chunks(run: GenerationRun, header: dict[str, Any], form: ChoiceFormat,
