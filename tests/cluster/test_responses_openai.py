@@ -56,40 +56,27 @@ def server() -> Iterator[ServeProcess]:
 
 
 def test_a_response_is_the_chat_completion_of_the_same_conversation(server) -> None:
+    """Whole and streamed as OpenAI's events, the text and usage of the chat completion."""
     client = server.openai()
-    response = client.responses.create(
-        model=MODEL,
-        instructions="Answer briefly.",
-        input="What is the capital of France?",
-        max_output_tokens=24,
-        temperature=0,
-    )
+    question = "What is the capital of France?"
+    kwargs = dict(model=MODEL, instructions="Answer briefly.", input=question,
+                  max_output_tokens=8, temperature=0)  # fmt: skip
+    response = client.responses.create(**kwargs)
+    events = list(client.responses.create(stream=True, **kwargs))
     chat = client.chat.completions.create(
-        model=MODEL,
-        max_tokens=24,
-        temperature=0,
-        messages=[
-            {"role": "system", "content": "Answer briefly."},
-            {"role": "user", "content": "What is the capital of France?"},
-        ],
-    )
+        model=MODEL, max_tokens=8, temperature=0,
+        messages=[{"role": "system", "content": "Answer briefly."},
+                  {"role": "user", "content": question}],
+    )  # fmt: skip
     assert response.object == "response" and response.model == MODEL
     assert response.output_text == chat.choices[0].message.content
     [message] = response.output
     assert message.type == "message" and message.role == "assistant"
-    assert response.status == (
-        "completed" if chat.choices[0].finish_reason == "stop" else "incomplete"
-    )
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.usage.output_tokens == chat.usage.completion_tokens
     assert response.store is False and response.instructions == "Answer briefly."
-
-
-def test_the_stream_is_openais_events_and_adds_up_to_the_response(server) -> None:
-    client = server.openai()
-    kwargs = dict(model=MODEL, input="Tell me a story.", max_output_tokens=12, temperature=0)
-    whole = client.responses.create(**kwargs)
-    events = list(client.responses.create(stream=True, **kwargs))
+    end = {"stop": "completed", "length": "incomplete"}[chat.choices[0].finish_reason]
+    assert response.status == end
     kinds = [e.type for e in events]
     assert kinds[:4] == [
         "response.created",
@@ -97,18 +84,22 @@ def test_the_stream_is_openais_events_and_adds_up_to_the_response(server) -> Non
         "response.output_item.added",
         "response.content_part.added",
     ]
-    assert kinds[-4:] == [
-        "response.output_text.done",
-        "response.content_part.done",
-        "response.output_item.done",
-        "response.incomplete",
-    ]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", f"response.{end}"]  # fmt: skip
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     final = events[-1].response
-    assert deltas == final.output_text == whole.output_text
-    assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
-    assert final.usage.output_tokens == 12
+    assert deltas == final.output_text == response.output_text
+    assert final.usage.output_tokens == response.usage.output_tokens
+
+
+def test_max_output_tokens_leaves_the_response_incomplete(server) -> None:
+    response = server.openai().responses.create(
+        model=MODEL, input="Tell me a long story.", max_output_tokens=3, temperature=0
+    )
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 3
 
 
 def test_message_items_and_function_call_outputs_make_the_chat_turns(server) -> None:
@@ -128,12 +119,12 @@ def test_message_items_and_function_call_outputs_make_the_chat_turns(server) -> 
         input=items,
         tools=[WEATHER],
         tool_choice="none",
-        max_output_tokens=16,
+        max_output_tokens=8,
         temperature=0,
     )
     chat = client.chat.completions.create(
         model=MODEL,
-        max_tokens=16,
+        max_tokens=8,
         temperature=0,
         tool_choice="none",
         tools=[
@@ -162,29 +153,25 @@ def test_message_items_and_function_call_outputs_make_the_chat_turns(server) -> 
 
 
 def test_function_tools_come_back_as_function_call_items(server) -> None:
+    """A named function, whole and streamed (its arguments as they are sampled); the
+    agent below runs `required`."""
     client = server.openai()
-    kwargs = dict(
-        model=MODEL, input="Weather in Paris?", tools=[WEATHER], temperature=0, max_output_tokens=40
-    )
-    for choice in ("required", {"type": "function", "name": "get_weather"}):
-        response = client.responses.create(tool_choice=choice, **kwargs)
-        [call] = response.output
-        assert call.type == "function_call" and call.name == "get_weather", response.output
-        jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
-        assert call.call_id.startswith("call_") and response.status == "completed"
-    events = list(
-        client.responses.create(
-            tool_choice={"type": "function", "name": "get_weather"}, stream=True, **kwargs
-        )
-    )
+    kwargs = dict(model=MODEL, input="Weather in Paris?", tools=[WEATHER], temperature=0,
+                  tool_choice={"type": "function", "name": "get_weather"},
+                  max_output_tokens=40)  # fmt: skip
+    response = client.responses.create(**kwargs)
+    [call] = response.output
+    assert call.type == "function_call" and call.name == "get_weather", response.output
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    assert call.call_id.startswith("call_") and response.status == "completed"
+    events = list(client.responses.create(stream=True, **kwargs))
     kinds = [e.type for e in events]
     assert "response.output_text.delta" not in kinds
     assert kinds.count("response.function_call_arguments.delta") > 1  # as they are sampled
-    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
-    [call] = events[-1].response.output
-    assert deltas == done.arguments == call.arguments
-    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    [streamed] = events[-1].response.output
+    assert "".join(deltas) == done.arguments == streamed.arguments == call.arguments
 
 
 class City(pydantic.BaseModel):
@@ -237,9 +224,10 @@ def test_what_is_not_built_is_a_400_naming_the_field(server, fields, param, says
 
 def test_an_agent_calls_its_tool_through_the_default_responses_model(server) -> None:
     """The OpenAI Agents SDK's default model is its Responses model: the agent calls the
-    tool (forced on the first turn, then left to the model), reads its result and
-    answers, run whole and streamed."""
-    agents = pytest.importorskip("agents")
+    tool (`required` on the first turn, then left to the model), reads its result and
+    answers."""
+    import agents
+
     calls: list[str] = []
 
     @agents.function_tool
@@ -249,28 +237,15 @@ def test_an_agent_calls_its_tool_through_the_default_responses_model(server) -> 
         return f"Sunny in {city}, 21 C."
 
     model = agents.OpenAIResponsesModel(model=MODEL, openai_client=server.async_openai())
-    settings = agents.ModelSettings(
-        tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=40
-    )
-    agent = agents.Agent(
-        name="weather",
-        instructions="Answer with the tool's result.",
-        tools=[get_weather],
-        model=model,
-        model_settings=settings,
-    )
+    settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                    temperature=0, max_tokens=60)  # fmt: skip
+    agent = agents.Agent(name="weather", instructions="Answer with the tool's result.",
+                         tools=[get_weather], model=model, model_settings=settings)  # fmt: skip
     agents.set_tracing_disabled(True)
-
-    async def run() -> list[str]:
-        whole = await agents.Runner.run(agent, "What is the weather in Oslo?", max_turns=3)
-        streamed = agents.Runner.run_streamed(agent, "Weather in Rome?", max_turns=3)
-        async for _ in streamed.stream_events():
-            pass
-        return [whole.final_output, streamed.final_output]
-
-    answers = asyncio.run(run())
-    assert calls == ["Oslo", "Rome"], calls
-    assert "Sunny in Oslo" in answers[0] and "Sunny in Rome" in answers[1], answers
+    run = agents.Runner.run(agent, "What is the weather in Oslo?", max_turns=3)
+    result = asyncio.run(run)
+    assert calls == ["Oslo"]
+    assert "Sunny in Oslo" in result.final_output, result.final_output
 
 
 def test_the_client_raises_the_400_too(server) -> None:
