@@ -104,8 +104,10 @@ def _sse(event: dict[str, Any]) -> bytes:
 def _renamed(exc: APIError) -> APIError:
     param = exc.param or ""
     head = param.split(".", 1)[0].split("[", 1)[0]
+    if head == "tools":  # the chat API nests a tool's fields under `function`
+        return APIError(exc.status, exc.message.replace(".function.", "."), param, exc.code)
     if head not in RENAMED_PARAMS:
         return exc
     new = RENAMED_PARAMS[head] + param[len(head) :]
-    message = str(exc).replace(head, RENAMED_PARAMS[head])
+    message = exc.message.replace(head, RENAMED_PARAMS[head])
     return APIError(exc.status, message, new, exc.code, exc.headers)

@@ -157,5 +157,7 @@ def test_chat_errors_name_the_responses_fields() -> None:
     assert error.param == "max_output_tokens" and error.message.startswith("max_output_tokens")
     error = _renamed(APIError(400, "messages[0]: bad part", "messages[0].content"))
     assert error.param == "input[0].content" and error.message == "input[0]: bad part"
+    error = _renamed(APIError(400, "tools[0].function.name must be a string", "tools"))
+    assert error.message == "tools[0].name must be a string" and error.param == "tools"
     same = APIError(400, "n must be 1", "n")
     assert _renamed(same) is same
