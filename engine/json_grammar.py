@@ -56,15 +56,41 @@ def bounded_number_rules() -> list[str]:
     ]
 
 
+# Where a schema holds subschemas (values such as `const`, `enum` or `default` are data,
+# and are never rewritten).
+_ONE = (
+    "additionalProperties",
+    "items",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "propertyNames",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "additionalItems",
+)
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
 def bound_ranges(schema: Any) -> Any:
     """A copy of `schema` in which every integer or number bounded on one side only is
     bounded on both (the side added lies beyond the given one, so no value the schema
     allows within the type's reach is lost)."""
-    if isinstance(schema, list):
-        return [bound_ranges(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    bounded = {key: bound_ranges(value) for key, value in schema.items()}
+    bounded = dict(schema)
+    for key in _ONE:
+        if isinstance(schema.get(key), dict):
+            bounded[key] = bound_ranges(schema[key])
+    for key in _LIST:
+        if isinstance(schema.get(key), list):
+            bounded[key] = [bound_ranges(item) for item in schema[key]]
+    for key in _MAP:
+        if isinstance(schema.get(key), dict):
+            bounded[key] = {name: bound_ranges(sub) for name, sub in schema[key].items()}
     types = schema.get("type")
     types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
     if types & {"integer", "number"}:

@@ -74,6 +74,10 @@ def test_the_schemas_own_bounds_win() -> None:
     assert bound_ranges(beyond) == beyond
     nested = {"type": "array", "items": {"type": "integer", "maximum": 5}}
     assert bound_ranges(nested)["items"]["minimum"] == -(1 << 63)
+    data = {"const": {"type": "integer", "minimum": 0}, "enum": [{"type": "number", "maximum": 1}]}
+    assert bound_ranges(data) == data  # values, not schemas: never rewritten
+    deep = {"$defs": {"n": {"type": "integer", "minimum": 1}}, "anyOf": [{"$ref": "#/$defs/n"}]}
+    assert bound_ranges(deep)["$defs"]["n"]["maximum"] == (1 << 63) - 1
 
 
 def test_whitespace_between_tokens_is_free_unless_turned_off() -> None:
