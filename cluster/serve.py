@@ -220,31 +220,35 @@ def describe(deployment: Deployment) -> str:
     return ", ".join(parts)
 
 
-def make_gateway(deployment: Deployment, model_path: str, zmq_host: str) -> Gateway:
+def gateway_config(deployment: Deployment, model_path: str, zmq_host: str) -> GatewayConfig:
     args = deployment.args
-    return Gateway(
-        GatewayConfig(
-            model_path=model_path,
-            served_model_names=deployment.served_model_names,
-            max_model_len=args.max_model_len,
-            api_key=deployment.api_key,
-            enable_test_hooks=args.enable_test_hooks,
-            scheduler=deployment.scheduler,
-            expected_instances=len(deployment.instances),
-            tokenizer_path=args.tokenizer,
-            chat_template=deployment.chat_template,
-            tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-            trust_request_chat_template=args.trust_request_chat_template,
-            enable_log_requests=args.enable_log_requests,
-            api_keys=deployment.api_keys,
-            admin_api_key=deployment.admin_api_key,
-            metrics_public=args.metrics_public,
-            deployment_secret=deployment_secret(),
-            request_timeout_s=args.request_timeout,
-            ttft_slo_ms=args.ttft_slo_ms,
-            zmq_host=zmq_host,
-        )
+    structured = args.structured_outputs_config
+    return GatewayConfig(
+        model_path=model_path,
+        served_model_names=deployment.served_model_names,
+        max_model_len=args.max_model_len,
+        api_key=deployment.api_key,
+        enable_test_hooks=args.enable_test_hooks,
+        scheduler=deployment.scheduler,
+        expected_instances=len(deployment.instances),
+        tokenizer_path=args.tokenizer,
+        chat_template=deployment.chat_template,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        disable_any_whitespace=bool(structured and structured.disable_any_whitespace),
+        trust_request_chat_template=args.trust_request_chat_template,
+        enable_log_requests=args.enable_log_requests,
+        api_keys=deployment.api_keys,
+        admin_api_key=deployment.admin_api_key,
+        metrics_public=args.metrics_public,
+        deployment_secret=deployment_secret(),
+        request_timeout_s=args.request_timeout,
+        ttft_slo_ms=args.ttft_slo_ms,
+        zmq_host=zmq_host,
     )
+
+
+def make_gateway(deployment: Deployment, model_path: str, zmq_host: str) -> Gateway:
+    return Gateway(gateway_config(deployment, model_path, zmq_host))
 
 
 async def serve(

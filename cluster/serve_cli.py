@@ -10,6 +10,7 @@ from pdserve.cluster.deployment import LAUNCHERS, MODES
 from pdserve.cluster.exposure import ExposureError, check_exposure
 from pdserve.cluster.placement import DEVICES
 from pdserve.gateway.routing import DEFAULT_POLICY, POLICIES
+from pdserve.gateway.structured import StructuredOutputsConfig, check_structured_outputs_config
 from pdserve.gateway.tool_parsers import PARSERS
 from pdserve.kvtransfer.config import FAILURE_POLICIES
 from pdserve.kvtransfer.transport import TRANSPORTS
@@ -58,7 +59,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         metavar="MODEL",
         help="checkpoint folder or Hugging Face id, as in `vllm serve MODEL` (= --model)",
     )
-    _add_model_flags(parser.add_argument_group("model and engine"))
+    model = parser.add_argument_group("model and engine")
+    _add_model_flags(model)
+    _add_structured_output_flags(model)
     _add_http_flags(parser.add_argument_group("HTTP"))
     _add_topology_flags(parser.add_argument_group("topology"))
     _add_scheduler_flags(parser.add_argument_group("global scheduler"))
@@ -146,6 +149,24 @@ def _add_model_flags(model: argparse._ArgumentGroup) -> None:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
     model.add_argument("--seed", type=int, default=0)
+
+
+def _add_structured_output_flags(model: argparse._ArgumentGroup) -> None:
+    model.add_argument(
+        "--structured-outputs-config",
+        type=_structured_outputs_config,
+        default=None,
+        metavar="JSON",
+        help="structured output's settings, as in vLLM: '{\"disable_any_whitespace\": true}' "
+        "makes JSON answers compact (default: any whitespace between tokens)",
+    )
+
+
+def _structured_outputs_config(text: str) -> StructuredOutputsConfig:
+    try:
+        return check_structured_outputs_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_http_flags(http: argparse._ArgumentGroup) -> None:

@@ -2,9 +2,10 @@
 
 Exactly one constraint per request: a JSON schema (`json`, serialized), any JSON object
 (`json_object`), a regular expression, one of a list of strings (`choice`), or an EBNF
-grammar (`grammar`). Torch-free and plain data: it travels inside `SamplingParams` from
-the gateway to the prefill instance and on, with the handoff, to the decode instance,
-where each compiles it (xgrammar) and masks the tokens it samples.
+grammar (`grammar`); a JSON constraint also says whether whitespace between its tokens
+is free (`docs/structured-output.md`). Torch-free and plain data: it travels inside
+`SamplingParams` from the gateway to the prefill instance and on, with the handoff, to
+the decode instance, where each compiles it (xgrammar) and masks the tokens it samples.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None  # EBNF, in xgrammar's (GBNF-like) dialect
+    # JSON only: compact separators instead of any whitespace between tokens (vLLM's
+    # name; its default, off, lets the model write `{\n  "a": 1}` as it likes).
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
@@ -32,6 +36,8 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
             not self.choice or not all(isinstance(c, str) and c for c in self.choice)
         ):
             raise ValueError("choice must be a non-empty list of non-empty strings")
+        if self.disable_any_whitespace and given[0] not in ("json", "json_object"):
+            raise ValueError("disable_any_whitespace applies to json and json_object only")
 
     @property
     def kind(self) -> str:

@@ -17,5 +17,6 @@ model's files are (`model_source.py`: a folder, or a Hugging Face id from the hu
 cache); structured output (`grammar_gate.py` on the driver: a request waits out of the
 scheduler while its grammar compiles; `grammar.py` on the rank: xgrammar compiles off
 the loop into a bounded cache, one matcher per request, the token mask before
-sampling); and the offline `LLM` (`llm.py`).
+sampling; `json_grammar.py`: a JSON schema as EBNF with every number bounded); and the
+offline `LLM` (`llm.py`).
 """

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from pdserve.common.structured_output import StructuredOutput
+from pdserve.engine.json_grammar import json_schema_grammar
 
 MAX_CACHED_GRAMMARS = 128
 CACHE_LIMIT_BYTES = 64 << 20  # xgrammar's own cache of compiled token masks
@@ -113,10 +114,11 @@ class GrammarBook:
     def _compile(self, spec: StructuredOutput) -> Any:
         compiler = self._compiler or self._make_compiler()
         try:
-            if spec.json is not None:
-                return compiler.compile_json_schema(spec.json, any_whitespace=False)
-            if spec.json_object:  # an object, as OpenAI's json_object mode promises
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if spec.json is not None or spec.json_object:
+                # json_object: an object, as OpenAI's json_object mode promises
+                schema = spec.json if spec.json is not None else '{"type": "object"}'
+                any_whitespace = not spec.disable_any_whitespace
+                return compiler.compile_grammar(json_schema_grammar(schema, any_whitespace))
             if spec.regex is not None:
                 return compiler.compile_regex(spec.regex)
             if spec.choice is not None:

@@ -8,7 +8,9 @@
 - Tenants and keys: `tenants.py` (the keys file, constant-time key lookup, the tenant's
   cache salt), `auth.py` (who may call which route), `rate_limits.py` (per-tenant
   requests, tokens and seats).
-- The endpoints: `completions.py`, `chat.py`, prompts (`prompts.py`), sampling
+- The endpoints: `completions.py`, `chat.py`, the Responses API
+  (`responses_request.py`: the body as a chat request; `responses_api.py`: the
+  endpoint; `responses_output.py`: output items and OpenAI's events), prompts (`prompts.py`), sampling
   parameters (`sampling.py`), output constraints (`structured.py`: `response_format`,
   `structured_outputs`, `guided_*`, checked with `jsonschema`), tool calls
   (`tools.py`: forced calls as JSON schemas; `tool_parsers.py`: `hermes`,

@@ -26,6 +26,7 @@ from pdserve.gateway.debug import debug_router
 from pdserve.gateway.errors import APIError
 from pdserve.gateway.gateway import Gateway
 from pdserve.gateway.openapi import openapi_document
+from pdserve.gateway.responses_api import create_response
 from pdserve.gateway.tokenization import detokenize, tokenize
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ PROTECTED_ROUTES: list[tuple[str, str, Handler]] = [
     ("GET", "/v1/models", models),
     ("POST", "/v1/completions", create_completion),
     ("POST", "/v1/chat/completions", create_chat_completion),
+    ("POST", "/v1/responses", create_response),
     ("POST", "/tokenize", tokenize),
     ("POST", "/detokenize", detokenize),
 ]

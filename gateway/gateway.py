@@ -67,6 +67,9 @@ class GatewayConfig:
     chat_template: str | None = None  # replaces the tokenizer's own templates
     # tool_choice "auto": which parser finds calls in the model's text (None: refused)
     tool_call_parser: str | None = None
+    # JSON constraints: compact separators instead of free whitespace (vLLM's
+    # --structured-outputs-config disable_any_whitespace; a request may say otherwise)
+    disable_any_whitespace: bool = False
     # Hostile input (docs/security.md): request-supplied chat templates are refused
     # unless trusted; prompts and completions are logged only when asked for.
     trust_request_chat_template: bool = False

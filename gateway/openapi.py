@@ -17,6 +17,7 @@ import msgspec
 from pdserve.common.sampling_params import MAX_LOGIT_BIAS_VALUE, MAX_LOGPROBS
 from pdserve.gateway import limits
 from pdserve.gateway.prompts import MAX_PROMPTS
+from pdserve.gateway.responses_request import ResponsesRequest
 from pdserve.gateway.sampling import MAX_N
 from pdserve.gateway.schemas import (
     ChatCompletionRequest,
@@ -30,6 +31,7 @@ REF = "#/components/schemas/{name}"
 BODIES = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/responses": ResponsesRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
@@ -79,6 +81,11 @@ OWN_LIMITS: dict[str, dict[str, dict[str, Any]]] = {
         "tools": {"maxItems": limits.MAX_TOOLS},
         "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
         "max_completion_tokens": {"minimum": 1},
+    },
+    "ResponsesRequest": {
+        "input": {"maxItems": limits.MAX_MESSAGES, "minItems": 1},
+        "tools": {"maxItems": limits.MAX_TOOLS},
+        "max_output_tokens": {"minimum": 1},
     },
     "DetokenizeRequest": {"tokens": {"maxItems": limits.MAX_DETOKENIZE_TOKENS}},
 }

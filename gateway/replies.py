@@ -75,25 +75,7 @@ async def respond(
     constraint: StructuredOutput | None = None,
 ) -> Response:
     """`constraint`: an output constraint the endpoint adds (a forced tool call)."""
-    request_id = f"{form.id_prefix}-{uuid.uuid4().hex}"
-    if gateway.config.enable_log_requests:  # prompts are the clients' data: only when asked
-        texts = [p.text if p.text is not None else p.token_ids for p in prompts]
-        request_log.info("%s: prompts=%r", request_id, texts)
-    longest = max(len(p.token_ids) for p in prompts)
-    check_vocabulary(body.stop_token_ids or [], card.vocab_size, "stop_token_ids")
-    tenant = tenant_of(request)
-    params = build_sampling_params(
-        body,
-        card.generation_defaults,
-        card.max_model_len,
-        longest,
-        constraint,
-        max_tokens_cap=tenant.max_tokens_per_request,
-        vocab_size=card.vocab_size,
-    )
-    if gateway.config.enable_log_requests:
-        request_log.info("%s: params=%r", request_id, params)
-    run = gateway.start_run(request_id, prompts, params, tenant, body.cache_salt)
+    run = start_generation(request, gateway, body, card, prompts, form.id_prefix, constraint)
     header = {"id": run.request_id, "object": form.object, "created": int(time.time()),
               "model": model}  # fmt: skip
     if body.stream:
@@ -113,6 +95,39 @@ async def respond(
             **form.body_fields(choices),
         }
     )
+
+
+def start_generation(
+    request: Request,
+    gateway: Gateway,
+    body: SamplingFields,
+    card: ModelCard,
+    prompts: list[Prompt],
+    id_prefix: str,
+    constraint: StructuredOutput | None = None,
+) -> GenerationRun:
+    """The request's sampling parameters, and its run started under the tenant's limits
+    (what every generating endpoint does between its prompts and its reply)."""
+    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    if gateway.config.enable_log_requests:  # prompts are the clients' data: only when asked
+        texts = [p.text if p.text is not None else p.token_ids for p in prompts]
+        request_log.info("%s: prompts=%r", request_id, texts)
+    longest = max(len(p.token_ids) for p in prompts)
+    check_vocabulary(body.stop_token_ids or [], card.vocab_size, "stop_token_ids")
+    tenant = tenant_of(request)
+    params = build_sampling_params(
+        body,
+        card.generation_defaults,
+        card.max_model_len,
+        longest,
+        constraint,
+        max_tokens_cap=tenant.max_tokens_per_request,
+        vocab_size=card.vocab_size,
+        disable_any_whitespace=gateway.config.disable_any_whitespace,
+    )
+    if gateway.config.enable_log_requests:
+        request_log.info("%s: params=%r", request_id, params)
+    return gateway.start_run(request_id, prompts, params, tenant, body.cache_salt)
 
 
 async def _chunks(run: GenerationRun, header: dict[str, Any], form: ChoiceFormat,

@@ -18,7 +18,7 @@ from pdserve.common.sampling_params import (
 from pdserve.common.structured_output import StructuredOutput
 from pdserve.gateway.errors import bad_request
 from pdserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from pdserve.gateway.structured import structured_output_of
+from pdserve.gateway.structured import structured_output_of, with_whitespace_policy
 
 MAX_N = 128  # choices per request: beyond this one request would occupy a whole server
 _INT64 = 1 << 63
@@ -91,11 +91,13 @@ def build_sampling_params(
     constraint: StructuredOutput | None = None,
     max_tokens_cap: int | None = None,
     vocab_size: int | None = None,
+    disable_any_whitespace: bool = False,
 ) -> SamplingParams:
     """SamplingParams for every prompt of the request (the longest decides the limit);
     `constraint`: an output constraint the endpoint adds (a forced tool call);
     `max_tokens_cap`: the tenant's max_tokens_per_request; `vocab_size`: what
-    `logit_bias`'s token ids must be below."""
+    `logit_bias`'s token ids must be below; `disable_any_whitespace`: the server's
+    whitespace policy for JSON constraints."""
     check_unsupported(request)
     structured = structured_output_of(request)
     if constraint is not None:
@@ -106,6 +108,7 @@ def build_sampling_params(
                 param="tool_choice",
             )
         structured = constraint
+    structured = with_whitespace_policy(structured, disable_any_whitespace, request)
     if not 1 <= request.n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {request.n}", param="n")
     if request.seed is not None and not -_INT64 <= request.seed < _INT64:

@@ -46,6 +46,16 @@ class StructuredOutputsField(msgspec.Struct, kw_only=True, forbid_unknown_fields
     grammar: str | None = None
     json_object: bool | None = None
     backend: str | None = None
+    # JSON only: compact separators (None: the server's --structured-outputs-config)
+    disable_any_whitespace: bool | None = None
+
+
+class StructuredOutputsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`pdserve serve --structured-outputs-config '{...}'`: vLLM's flag, the keys that
+    apply to the one engine there is."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False
 
 
 def check_json_schema(schema: Any, what: str, param: str | None = None) -> str:
@@ -110,6 +120,17 @@ def _from_response_format(value: ResponseFormat) -> StructuredOutput | None:
 def _from_structured_outputs(value: StructuredOutputsField) -> StructuredOutput:
     param = "structured_outputs"
     _check_backend(value.backend, param)
+    spec = _constraint_of(value, param)
+    if value.disable_any_whitespace is None:
+        return spec
+    if spec.kind not in ("json", "json_object"):
+        raise bad_request(
+            f"{param}.disable_any_whitespace applies to json and json_object only", param
+        )
+    return msgspec.structs.replace(spec, disable_any_whitespace=value.disable_any_whitespace)
+
+
+def _constraint_of(value: StructuredOutputsField, param: str) -> StructuredOutput:
     given = [
         name
         for name in ("json", "regex", "choice", "grammar", "json_object")
@@ -137,6 +158,30 @@ def _check_backend(backend: str | None, param: str) -> None:
         raise bad_request(
             f"{param}: backend {backend!r} is not available; pdserve runs xgrammar", param
         )
+
+
+def with_whitespace_policy(
+    spec: StructuredOutput | None, disable_any_whitespace: bool, request: Any = None
+) -> StructuredOutput | None:
+    """A JSON constraint under the server's whitespace policy, unless the request's
+    `structured_outputs.disable_any_whitespace` set its own."""
+    if spec is None or spec.kind not in ("json", "json_object"):
+        return spec
+    own = getattr(request, "structured_outputs", None)
+    if own is not None and own.disable_any_whitespace is not None:
+        return spec
+    return msgspec.structs.replace(spec, disable_any_whitespace=disable_any_whitespace)
+
+
+def check_structured_outputs_config(text: str) -> StructuredOutputsConfig:
+    """The flag's JSON, checked; a ValueError names what is wrong in one line."""
+    try:
+        config = msgspec.json.decode(text, type=StructuredOutputsConfig)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"not a JSON object of backend, disable_any_whitespace: {exc}") from None
+    if config.backend not in BACKENDS:
+        raise ValueError(f"backend {config.backend!r} is not available; pdserve runs xgrammar")
+    return config
 
 
 def structured_output_of(request: Any) -> StructuredOutput | None:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
+import pydantic
 import pytest
 
 from experiments.serving import LOCAL, MODEL, ServeProcess, served
@@ -110,6 +111,43 @@ def test_json_schema_answers_validate_streamed_and_not(server) -> None:
             for part in parts:
                 seen += part
                 assert is_json_prefix(seen), (prompt, seen)
+
+
+class City(pydantic.BaseModel):
+    name: str
+    population_millions: float
+
+
+def test_parse_returns_an_object_whose_float_ended(server) -> None:
+    """The SDK's `parse()` with a float field, greedy: the number ends and the object
+    parses (unbounded digits ran to max_tokens: `finish_reason: length`)."""
+    result = server.openai().chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me about Tokyo."}],
+        response_format=City, temperature=0, max_tokens=100,
+    )  # fmt: skip
+    choice = result.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert choice.message.parsed.name == "Tokyo"
+
+
+def test_whitespace_is_free_unless_the_request_turns_it_off(server) -> None:
+    """vLLM's default lets the model write whitespace between JSON tokens (this model
+    does); `disable_any_whitespace` forbids it: not even among the alternatives."""
+    schema = City.model_json_schema()
+    texts = {}
+    for compact in (False, True):
+        result = _chat(
+            server.openai(), "Tell me about Tokyo.", temperature=0, max_tokens=100,
+            logprobs=True, top_logprobs=10, extra_body={"structured_outputs": {
+                "json": schema, "disable_any_whitespace": compact}},
+        )  # fmt: skip
+        choice = result.choices[0]
+        assert choice.finish_reason == "stop"
+        City.model_validate_json(choice.message.content)
+        texts[compact] = choice.message.content
+        alternatives = [a.token for e in choice.logprobs.content for a in e.top_logprobs]
+        assert any("\n" in t for t in alternatives) != compact
+    assert "\n" in texts[False] and "\n" not in texts[True], texts
 
 
 def test_guided_choice_is_always_one_of_the_choices(server) -> None:

@@ -43,6 +43,10 @@ def test_structured_output_takes_exactly_one_constraint() -> None:
         StructuredOutput(choice=("a", ""))
     assert StructuredOutput(regex="a").key != StructuredOutput(grammar="a").key
     assert StructuredOutput(json_object=True).kind == "json_object"
+    with pytest.raises(ValueError, match="json and json_object only"):
+        StructuredOutput(regex="a", disable_any_whitespace=True)
+    spec = StructuredOutput(json_object=True)
+    assert spec.key != StructuredOutput(json_object=True, disable_any_whitespace=True).key
 
 
 def test_the_gate_holds_a_request_until_its_grammar_compiled() -> None:
@@ -192,3 +196,22 @@ def test_min_tokens_gives_way_to_a_complete_grammar(llm) -> None:
     )  # fmt: skip
     [out] = [o.outputs[0] for o in llm.generate(["Answer:"], params)]
     assert out.text in ("yes", "no") and out.finish_reason == "stop"
+
+
+CITY = {"type": "object", "properties": {"name": {"type": "string"},
+        "population_millions": {"type": "number"}},
+        "required": ["name", "population_millions"], "additionalProperties": False}  # fmt: skip
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_a_float_field_ends_within_max_tokens(llm, compact: bool) -> None:
+    """Greedy, the embedded model writes `123.0000000000000012300…` for this float when
+    its digits are unbounded and separators compact: the number must end, and the object
+    with it, whichever the whitespace policy."""
+    spec = StructuredOutput(json=json.dumps(CITY), disable_any_whitespace=compact)
+    params = SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=spec)
+    messages = [{"role": "user", "content": "Tell me about Tokyo."}]
+    [out] = [o.outputs[0] for o in llm.chat(messages, params)]
+    assert out.finish_reason == "stop", out.text
+    jsonschema.validate(json.loads(out.text), CITY)
+    assert ("\n" not in out.text) == compact, out.text  # free whitespace, and this model uses it
