@@ -11,7 +11,8 @@
 - The endpoints: `completions.py`, `chat.py`, the Responses API
   (`responses_request.py`: the body as a chat request; `responses_api.py`: the
   endpoint; `responses_output.py`: output items and OpenAI's events), prompts
-  (`prompts.py`), sampling parameters (`sampling.py`), output constraints (`structured.py`: `response_format`,
+  (`prompts.py`), sampling parameters (`sampling.py`), output constraints
+  (`structured.py`: `response_format`,
   `structured_outputs`, `guided_*`, checked with `jsonschema`), tool calls
   (`tools.py`: forced calls as JSON schemas; `tool_parsers.py`: `hermes`,
   `llama3_json`), SSE and JSON replies (`replies.py`), tokenize/detokenize
