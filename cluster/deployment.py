@@ -130,9 +130,18 @@ class Deployment:
             raise ServeError(f"--tokenizer {args.tokenizer}: no such tokenizer folder")
         keys = api_keys_of(args, names)
         return cls(
-            args, model_path, names, instances, engine, scheduler, kv_transfer, chat_template,
-            *keys, tensor_parallel=tensor_parallel, resources=resources,
-        )  # fmt: skip
+            args,
+            model_path,
+            names,
+            instances,
+            engine,
+            scheduler,
+            kv_transfer,
+            chat_template,
+            *keys,
+            tensor_parallel=tensor_parallel,
+            resources=resources,
+        )
 
 
 def api_keys_of(

@@ -156,9 +156,11 @@ class ActorWatch:
             return False
         self.launcher.inherit_share(spec)
         thread = threading.Thread(
-            target=self._create, args=(spec, on_ready), name=f"ray-start-{spec.instance_id}",
+            target=self._create,
+            args=(spec, on_ready),
+            name=f"ray-start-{spec.instance_id}",
             daemon=True,
-        )  # fmt: skip
+        )
         thread.start()
         return True
 

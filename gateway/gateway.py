@@ -239,9 +239,16 @@ class Gateway:
 
         salt = tenant_cache_salt(self._secret, tenant.name, cache_salt)
         run = GenerationRun(
-            request_id, prompts, params, self.dispatcher, self.tokenizer, self.metrics, salt,
-            on_end, self.config.request_timeout_s,
-        )  # fmt: skip
+            request_id,
+            prompts,
+            params,
+            self.dispatcher,
+            self.tokenizer,
+            self.metrics,
+            salt,
+            on_end,
+            self.config.request_timeout_s,
+        )
         try:
             run.start()
         except AdmissionRejected as exc:

@@ -89,8 +89,12 @@ async def respond(
     if gateway.config.enable_log_requests:
         request_log.info("%s: params=%r", request_id, params)
     run = gateway.start_run(request_id, prompts, params, tenant, body.cache_salt)
-    header = {"id": run.request_id, "object": form.object, "created": int(time.time()),
-              "model": model}  # fmt: skip
+    header = {
+        "id": run.request_id,
+        "object": form.object,
+        "created": int(time.time()),
+        "model": model,
+    }
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunk_header = {**header, "object": form.chunk_object}
@@ -102,8 +106,13 @@ async def respond(
     )
 
 
-async def _chunks(run: GenerationRun, header: dict[str, Any], form: ChoiceFormat,
-                  include_usage: bool, gateway: Gateway) -> AsyncIterator[bytes]:  # fmt: skip
+async def _chunks(
+    run: GenerationRun,
+    header: dict[str, Any],
+    form: ChoiceFormat,
+    include_usage: bool,
+    gateway: Gateway,
+) -> AsyncIterator[bytes]:
     usage_field = {"usage": None} if include_usage else {}
     try:
         for choice in run.choices:

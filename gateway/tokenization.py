@@ -28,9 +28,11 @@ async def tokenize(request: Request, gateway: Gateway) -> Response:
     if body.messages is not None:
         at_most(body.messages, MAX_MESSAGES, "messages", "messages")
         prompt = await chat_prompt(
-            body.messages, gateway.offload, MAX_TOKENIZE_TOKENS,
+            body.messages,
+            gateway.offload,
+            MAX_TOKENIZE_TOKENS,
             add_generation_prompt=body.add_generation_prompt,
-        )  # fmt: skip
+        )
         ids = prompt.token_ids
     else:
         ids = await gateway.offload.encode(
