@@ -128,17 +128,19 @@ class Deployment:
             raise ServeError(f"--chat-template: {exc}") from None
         if args.tokenizer is not None and not os.path.isdir(os.path.expanduser(args.tokenizer)):
             raise ServeError(f"--tokenizer {args.tokenizer}: no such tokenizer folder")
-        keys = api_keys_of(args, names)
+        api_key, api_keys, admin_api_key = api_keys_of(args, names)
         return cls(
-            args,
-            model_path,
-            names,
-            instances,
-            engine,
-            scheduler,
-            kv_transfer,
-            chat_template,
-            *keys,
+            args=args,
+            model_path=model_path,
+            served_model_names=names,
+            instances=instances,
+            engine=engine,
+            scheduler=scheduler,
+            kv_transfer=kv_transfer,
+            chat_template=chat_template,
+            api_key=api_key,
+            api_keys=api_keys,
+            admin_api_key=admin_api_key,
             tensor_parallel=tensor_parallel,
             resources=resources,
         )
