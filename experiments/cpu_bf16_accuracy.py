@@ -22,6 +22,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.kernels import dispatch
 
+# Chat questions, shared with the embedded model's generation tests.
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -35,6 +36,16 @@ QUESTIONS = [
     "Name a famous painting by Leonardo da Vinci.",
     "Why is the sky blue?",
     "Write a Python function that adds two numbers.",
+    "What are the planets of the solar system?",
+    "Describe a cat in one sentence.",
+    "What is the boiling point of water?",
+    "Suggest a name for a pet goldfish.",
+    "What does a CPU do?",
+    "Tell me a fun fact about octopuses.",
+    "How many days are in a leap year?",
+    "What is the opposite of cold?",
+    "Summarize the story of Cinderella.",
+    "What is machine learning?",
 ]
 Run = list[tuple[list[int], list[float]]]  # per prompt: greedy tokens, their logprobs
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from experiments.serving import ServeProcess
+from experiments.serving import ServeProcess, served
 
 MAX_MODEL_LEN = 512
 SERVER_ARGS = (
@@ -26,12 +26,8 @@ SERVER_ARGS = (
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[ServeProcess]:
-    process = ServeProcess.start(*SERVER_ARGS)
-    try:
+    with served(*SERVER_ARGS, exit_zero=True) as process:
         yield process
-    finally:
-        code = process.stop()
-        assert code == 0, f"pdserve serve exited with {code}:\n{process.log()}"
 
 
 @pytest.fixture(scope="module")
