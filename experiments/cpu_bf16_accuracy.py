@@ -18,6 +18,7 @@ import statistics
 
 import torch
 
+from experiments.hf_greedy import greedy_generate
 from pdserve import LLM, SamplingParams
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.kernels import dispatch
@@ -61,16 +62,7 @@ def pdserve_run(llm: LLM, prompts: list[list[int]], tokens: int, dot: bool) -> R
 def transformers_run(model, prompts: list[list[int]], tokens: int) -> Run:
     result = []
     for p in prompts:
-        with torch.inference_mode():
-            out = model.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=tokens,
-                do_sample=False,
-                pad_token_id=0,
-                output_scores=True,
-                return_dict_in_generate=True,
-            )
+        out = greedy_generate(model, p, tokens, output_scores=True, return_dict_in_generate=True)
         ids = out.sequences[0, len(p) :].tolist()
         scores = zip(out.scores, ids, strict=True)
         logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in scores]
