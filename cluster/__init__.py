@@ -1,7 +1,8 @@
 """cluster: bringing it up. Ray lives here only.
 
-- `pdserve serve`: `serve.py`, `serve_cli.py`, `exposure.py` (beyond loopback only
-  with tenant and admin keys, or `--allow-unauthenticated`), `deployment.py` (`Deployment`: what the
+- `pdserve serve`: `serve.py`, `serve_cli.py` (its flags; `help_format.py`: defaults in
+  `--help` as vLLM shows them), `exposure.py` (beyond loopback only with tenant and
+  admin keys, or `--allow-unauthenticated`), `deployment.py` (`Deployment`: what the
   flags bring up, the engine and KV transfer configs built from them by attribute),
   `http_server.py` (uvicorn's settings and the request-head timeout);
 - placement on cores and GPUs (`placement.py`), where sockets bind (`addresses.py`),

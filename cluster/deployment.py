@@ -132,13 +132,24 @@ class Deployment:
             raise ServeError(f"--chat-template: {exc}") from None
         if args.tokenizer is not None and not os.path.isdir(os.path.expanduser(args.tokenizer)):
             raise ServeError(f"--tokenizer {args.tokenizer}: no such tokenizer folder")
-        keys = api_keys_of(args, names)
+        api_key, api_keys, admin_api_key = api_keys_of(args, names)
         max_pool_sizes = pool_limits(args, instances, len(cores), len(gpus))
         return cls(
-            args, model_path, names, instances, engine, scheduler, kv_transfer, chat_template,
-            *keys, tensor_parallel=tensor_parallel, resources=resources,
+            args=args,
+            model_path=model_path,
+            served_model_names=names,
+            instances=instances,
+            engine=engine,
+            scheduler=scheduler,
+            kv_transfer=kv_transfer,
+            chat_template=chat_template,
+            api_key=api_key,
+            api_keys=api_keys,
+            admin_api_key=admin_api_key,
+            tensor_parallel=tensor_parallel,
+            resources=resources,
             max_pool_sizes=max_pool_sizes,
-        )  # fmt: skip
+        )
 
 
 def pool_limits(

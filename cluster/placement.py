@@ -91,7 +91,15 @@ def place(roles: list[str], cores: list[int], threads: int = 0) -> list[PlannedI
         index = seen[role] = seen.get(role, -1) + 1
         cpus = cores[i * share : (i + 1) * share] if pin else []
         num_cpus = min(float(share), num_cores / count)
-        planned.append(PlannedInstance(f"{role}-{index}", role, share, cpus, num_cpus))
+        planned.append(
+            PlannedInstance(
+                instance_id=f"{role}-{index}",
+                role=role,
+                num_threads=share,
+                cpus=cpus,
+                num_cpus=num_cpus,
+            )
+        )
     return planned
 
 

@@ -56,10 +56,13 @@ def reserve_rank_groups(
 
     per_stage = ranks // stages
     groups = [
-        placement_group([dict(bundle) for _ in range(per_stage)], strategy="STRICT_PACK",
-                        name=group_name(instance_id, stage))
+        placement_group(
+            [dict(bundle) for _ in range(per_stage)],
+            strategy="STRICT_PACK",
+            name=group_name(instance_id, stage),
+        )
         for stage in range(stages)
-    ]  # fmt: skip
+    ]
     ready, _ = ray.wait([g.ready() for g in groups], num_returns=stages, timeout=timeout_s)
     if len(ready) < stages:
         for group in groups:

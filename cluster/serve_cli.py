@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 
 from pdserve.cluster.deployment import LAUNCHERS, MODES
 from pdserve.cluster.exposure import ExposureError, check_exposure
+from pdserve.cluster.help_format import DefaultsHelpFormatter
 from pdserve.cluster.placement import DEVICES
 from pdserve.gateway.routing import DEFAULT_POLICY, POLICIES
 from pdserve.gateway.structured import StructuredOutputsConfig, check_structured_outputs_config
@@ -17,30 +17,6 @@ from pdserve.kvtransfer.transport import TRANSPORTS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TOOL_CALL_PARSERS = tuple(PARSERS)
-
-
-class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """Appends "(default: X)" to each flag's help, as vLLM's --help shows it, where X says
-    something: not for unset (None) or off (False) flags, nor where the help already
-    explains its default."""
-
-    def _format_action(self, action: argparse.Action) -> str:
-        if not action.help and _shows_default(action):
-            action = copy.copy(action)  # argparse prints no help line for a help-less flag
-            action.help = "(default: %(default)s)"
-        return super()._format_action(action)
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if _shows_default(action) and "default" not in text:
-            text = f"{text} (default: %(default)s)"
-        return text
-
-
-def _shows_default(action: argparse.Action) -> bool:
-    default = action.default
-    worth = default is not None and default is not False and default is not argparse.SUPPRESS
-    return worth and bool(action.option_strings)
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -107,7 +107,14 @@ class DecodeKVPuller:
             return
         for piece in source_slices(self._layout, self._tp_rank, self._tp_size, spec.source.tp_size):
             address = spec.source.address_of(self._pp_stage, piece.src_rank)
-            part = PullSlice(request, address, piece.src_rank, piece.start, piece.end, runs)
+            part = PullSlice(
+                request=request,
+                address=address,
+                src_rank=piece.src_rank,
+                head_start=piece.start,
+                head_end=piece.end,
+                runs=runs,
+            )
             request.slices.append(part)
             if not runs:
                 part.state = "received"  # every block was in the local prefix cache

@@ -7,10 +7,11 @@ naming the file and what is wrong, so the CLI and the gateway can show it as is.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pdserve.common.json_file import read_json_file
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -302,11 +303,4 @@ def require_folder(folder: str | Path) -> Path:
 
 
 def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(
-            f"{path}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
-        ) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: cannot read: {exc}") from None
+    return read_json_file(path, CheckpointError)

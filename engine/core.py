@@ -252,7 +252,7 @@ class EngineCore:
             self._gate_errors.append(
                 error_delta(
                     request.request_id, reason, request.num_prompt_tokens, request.num_output_tokens
-                )  # fmt: skip
+                )
             )
         return self.scheduler.schedule()
 

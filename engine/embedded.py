@@ -309,11 +309,17 @@ def tokenizer_config(meta: GGUFMetadata, tokens: list[str], token_types: list[in
         return tokens[index] if index is not None else None
 
     special = {
-        str(i): {"content": t, "special": True, "normalized": False, "lstrip": False,
-                 "rstrip": False, "single_word": False}
+        str(i): {
+            "content": t,
+            "special": True,
+            "normalized": False,
+            "lstrip": False,
+            "rstrip": False,
+            "single_word": False,
+        }
         for i, (t, kind) in enumerate(zip(tokens, token_types, strict=True))
         if kind == _TOKEN_TYPE_CONTROL
-    }  # fmt: skip
+    }
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),

@@ -56,7 +56,15 @@ class PipelineStage:
         cls, num_layers: int, size: int = 1, stage: int = 0, tp_rank: int = 0, tp_size: int = 1
     ) -> PipelineStage:
         start, stop = stage_layers(num_layers, size, stage)
-        return cls(stage, size, start, stop, num_layers, tp_rank, tp_size)
+        return cls(
+            stage=stage,
+            size=size,
+            layer_start=start,
+            layer_end=stop,
+            num_model_layers=num_layers,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
 
     @property
     def enabled(self) -> bool:

@@ -66,6 +66,22 @@ def building_on(device: torch.device | str, dtype: torch.dtype) -> Iterator[None
         torch.set_default_dtype(previous)
 
 
+def small_llama_shape(**changes: Any) -> SyntheticLlamaConfig:
+    """Two layers, 4 query / 2 kv heads of 16, vocab 512: small enough for any test or
+    dry run; `changes` set other shape (or default) fields."""
+    shape: dict[str, Any] = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
+    return SyntheticLlamaConfig(**{**shape, **changes})
+
+
 def llama_8b_shape(max_position_embeddings: int = 8192) -> SyntheticLlamaConfig:
     """Llama 3 8B: hidden 4096, 32 layers, 32 query / 8 kv heads of 128, vocab 128256."""
     return SyntheticLlamaConfig(

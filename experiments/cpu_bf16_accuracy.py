@@ -18,10 +18,12 @@ import statistics
 
 import torch
 
+from experiments.hf_greedy import greedy_generate
 from pdserve import LLM, SamplingParams
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.kernels import dispatch
 
+# Chat questions, shared with the embedded model's generation tests.
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -35,6 +37,16 @@ QUESTIONS = [
     "Name a famous painting by Leonardo da Vinci.",
     "Why is the sky blue?",
     "Write a Python function that adds two numbers.",
+    "What are the planets of the solar system?",
+    "Describe a cat in one sentence.",
+    "What is the boiling point of water?",
+    "Suggest a name for a pet goldfish.",
+    "What does a CPU do?",
+    "Tell me a fun fact about octopuses.",
+    "How many days are in a leap year?",
+    "What is the opposite of cold?",
+    "Summarize the story of Cinderella.",
+    "What is machine learning?",
 ]
 Run = list[tuple[list[int], list[float]]]  # per prompt: greedy tokens, their logprobs
 
@@ -50,16 +62,7 @@ def pdserve_run(llm: LLM, prompts: list[list[int]], tokens: int, dot: bool) -> R
 def transformers_run(model, prompts: list[list[int]], tokens: int) -> Run:
     result = []
     for p in prompts:
-        with torch.inference_mode():
-            out = model.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=tokens,
-                do_sample=False,
-                pad_token_id=0,
-                output_scores=True,
-                return_dict_in_generate=True,
-            )
+        out = greedy_generate(model, p, tokens, output_scores=True, return_dict_in_generate=True)
         ids = out.sequences[0, len(p) :].tolist()
         scores = zip(out.scores, ids, strict=True)
         logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in scores]

@@ -21,7 +21,12 @@ from experiments.gpu_outcome import Outcome
 from pdserve.engine.device_runner import DeviceRunner
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
 from pdserve.engine.step_inputs import StepInputs, build_step_inputs, contiguous_block_tables
-from pdserve.engine.synthetic_model import SyntheticLlamaConfig, llama_8b_shape, random_llama
+from pdserve.engine.synthetic_model import (
+    SyntheticLlamaConfig,
+    llama_8b_shape,
+    random_llama,
+    small_llama_shape,
+)
 from pdserve.kernels import dispatch, load_triton_kernels
 
 Tensor = torch.Tensor
@@ -36,13 +41,10 @@ GREEDY_SHAPE = SyntheticLlamaConfig(
     head_dim=64,
     max_position_embeddings=512,
 )
-DRY_SHAPE = SyntheticLlamaConfig(
+DRY_SHAPE = small_llama_shape(
     vocab_size=1024,
     hidden_size=128,
     intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=32,
     max_position_embeddings=256,
 )

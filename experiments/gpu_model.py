@@ -19,6 +19,7 @@ from pdserve.engine.synthetic_model import (
     hf_fields,
     random_llama,
     save_checkpoint,
+    small_llama_shape,
 )
 
 UNKNOWN = "[UNK]"  # id 0
@@ -28,11 +29,7 @@ EOS_ID = 2
 def model_shape(dry_run: bool) -> SyntheticLlamaConfig:
     """Small enough to load in seconds; whole GQA groups so it splits over 2 ranks."""
     if dry_run:
-        return SyntheticLlamaConfig(
-            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            max_position_embeddings=512,
-        )  # fmt: skip
+        return small_llama_shape(max_position_embeddings=512)
     return SyntheticLlamaConfig(
         vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=4, head_dim=64,

@@ -63,8 +63,12 @@ class ChatFormat:
 
     def opening(self, choice: Choice) -> dict[str, Any]:
         # The role comes first, as OpenAI sends it.
-        return {"index": choice.index, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None}  # fmt: skip
+        return {
+            "index": choice.index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
 
     def final(self, choice: Choice) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": choice.stream.text}

@@ -37,9 +37,12 @@ async def create_completion(request: Request, gateway: Gateway) -> Response:
     gateway.check_rate(tenant_of(request))  # before the prompt costs any CPU
     card = gateway.require_model_card()
     prompts = await completion_prompts(
-        body.prompt, gateway.offload, card.vocab_size,
-        body.add_special_tokens, card.max_model_len,
-    )  # fmt: skip
+        body.prompt,
+        gateway.offload,
+        card.vocab_size,
+        body.add_special_tokens,
+        card.max_model_len,
+    )
     token_text = TokenText(gateway.tokenizer)
     echo = None
     if body.echo:

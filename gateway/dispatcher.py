@@ -27,6 +27,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 import zmq
@@ -59,6 +60,7 @@ from pdserve.gateway.routing import RouteRequest
 from pdserve.gateway.step_failures import next_move
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 LIVENESS_CHECK_INTERVAL_S = 0.5
 _TASK_HWM = 100_000
@@ -305,10 +307,8 @@ class Dispatcher:
             payload = self._sealer.open(frame, "the output socket")
             if payload is None:
                 continue
-            try:
-                output = self._output_decoder.decode(payload)
-            except msgspec.DecodeError as exc:
-                logger.warning("dropping a malformed instance output: %s", exc)
+            output = _decoded(self._output_decoder, payload, "instance output")
+            if output is None:
                 continue
             try:
                 self._on_output(output, time.perf_counter())
@@ -366,12 +366,8 @@ class Dispatcher:
             instance_id = topic.decode(errors="replace")
             if not self._sealer.check_parts(tag, topic, payload, origin=f"events of {instance_id}"):
                 continue
-            try:
-                batch = self._batch_decoder.decode(payload)
-            except msgspec.DecodeError as exc:
-                logger.warning("dropping a malformed block-event batch: %s", exc)
-                continue
-            if not self.scheduler.apply_block_events(instance_id, batch):
+            batch = _decoded(self._batch_decoder, payload, "block-event batch")
+            if batch is not None and not self.scheduler.apply_block_events(instance_id, batch):
                 self._request_snapshot(instance_id)
 
     def _request_snapshot(self, instance_id: str) -> None:
@@ -398,3 +394,13 @@ class Dispatcher:
         self.metrics.fenced.labels(role, instance_id).inc()
         if self.on_fenced is not None:
             self.on_fenced(instance_id)
+
+
+def _decoded(decoder: msgspec.msgpack.Decoder[T], payload: bytes, what: str) -> T | None:
+    """The message, or None (logged) where it is malformed: a receiver drops the frame and
+    goes on."""
+    try:
+        return decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        logger.warning("dropping a malformed %s: %s", what, exc)
+        return None

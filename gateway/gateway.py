@@ -266,9 +266,16 @@ class Gateway:
 
         salt = tenant_cache_salt(self._secret, tenant.name, cache_salt)
         run = GenerationRun(
-            request_id, prompts, params, self.dispatcher, self.tokenizer, self.metrics, salt,
-            on_end, self.config.request_timeout_s,
-        )  # fmt: skip
+            request_id=request_id,
+            prompts=prompts,
+            params=params,
+            dispatcher=self.dispatcher,
+            tokenizer=self.tokenizer,
+            metrics=self.metrics,
+            cache_salt=salt,
+            on_end=on_end,
+            timeout_s=self.config.request_timeout_s,
+        )
         try:
             run.start()
         except AdmissionRejected as exc:

@@ -73,8 +73,10 @@ def _check_constraint_limits(request: SamplingFields) -> None:
         at_most(value, MAX_CONSTRAINT_CHARS, param, "characters")
     at_most(request.guided_choice, MAX_CHOICES, "guided_choice", "choices")
     at_most(structured and structured.choice, MAX_CHOICES, "structured_outputs", "choices")
-    for choices, param in ((request.guided_choice, "guided_choice"),
-                           (structured and structured.choice, "structured_outputs")):  # fmt: skip
+    for choices, param in (
+        (request.guided_choice, "guided_choice"),
+        (structured and structured.choice, "structured_outputs"),
+    ):
         if choices and any(len(c) > MAX_STOP_STRING_CHARS for c in choices):
             raise bad_request(f"each choice has at most {MAX_STOP_STRING_CHARS} characters", param)
 

@@ -32,20 +32,14 @@ PREFIX = "pdserve:"
 LABELS = ("role", "instance")
 _NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
-LATENCY_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
+# Buckets from a second up, shared by pdserve's latencies and vLLM's inter-token latency.
+_SECONDS = (1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, *_SECONDS)
 # vLLM's buckets (vllm/v1/metrics/loggers.py), for its series and the per-request phases.
 VLLM_TTFT_BUCKETS = (*LATENCY_BUCKETS, 160.0, 640.0, 2560.0)
-VLLM_ITL_BUCKETS = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
-VLLM_REQUEST_BUCKETS = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, *_SECONDS)
+_UNDER_A_MINUTE = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0)
+VLLM_REQUEST_BUCKETS = (*_UNDER_A_MINUTE, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 GAUGES = {
@@ -84,10 +78,15 @@ VLLM_LABELS = ("model_name", *LABELS)
 FINISHED_REASONS = ("stop", "length", "abort")  # shown at zero from the start, as in vLLM
 # Counters kept under the same name in both namespaces (names as instances send them).
 VLLM_COUNTERS = (
-    "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
-    "prefix_cache_hits_total", "num_preemptions_total", "kv_transfer_bytes_total",
-    "kv_transfer_failures_total", "kv_transfer_lease_expiries_total",
-)  # fmt: skip
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "prefix_cache_queries_total",
+    "prefix_cache_hits_total",
+    "num_preemptions_total",
+    "kv_transfer_bytes_total",
+    "kv_transfer_failures_total",
+    "kv_transfer_lease_expiries_total",
+)
 # pdserve histogram -> (vLLM names observing the same values, vLLM's buckets).
 VLLM_HISTOGRAMS = {
     "time_to_first_token_seconds": (("time_to_first_token_seconds",), VLLM_TTFT_BUCKETS),

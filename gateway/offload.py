@@ -88,9 +88,12 @@ class Offload:
 
             def work() -> str:
                 return tokenizer.apply_chat_template(
-                    conversation, add_generation_prompt=add_generation_prompt, tools=tools,
-                    chat_template=template, **variables,
-                )  # fmt: skip
+                    conversation,
+                    add_generation_prompt=add_generation_prompt,
+                    tools=tools,
+                    chat_template=template,
+                    **variables,
+                )
 
             return await self.run(work, "rendering the chat template", "messages")
         documents = variables.pop("documents", None)

@@ -22,10 +22,17 @@ OFF_LOOP_IDS = 4096  # token-id prompts this long are checked in a worker thread
 # from the renderer.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {
-        "messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize",
-        "conversation", "raise_exception", "strftime_now", "namespace",
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "conversation",
+        "raise_exception",
+        "strftime_now",
+        "namespace",
     }
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)
@@ -117,9 +124,14 @@ async def chat_prompt(
     _check_template_kwargs(variables)
     conversation = [_flatten_message(m, i) for i, m in enumerate(messages)]
     text = await offload.render(
-        conversation, template, add_generation_prompt, tools, variables, max_model_len,
+        conversation,
+        template,
+        add_generation_prompt,
+        tools,
+        variables,
+        max_model_len,
         from_request,
-    )  # fmt: skip
+    )
     if continue_final_message:
         final = conversation[-1].get("content") or ""
         cut = text.rfind(final) if final else -1

@@ -76,8 +76,12 @@ async def respond(
 ) -> Response:
     """`constraint`: an output constraint the endpoint adds (a forced tool call)."""
     run = start_generation(request, gateway, body, card, prompts, form.id_prefix, constraint)
-    header = {"id": run.request_id, "object": form.object, "created": int(time.time()),
-              "model": model}  # fmt: skip
+    header = {
+        "id": run.request_id,
+        "object": form.object,
+        "created": int(time.time()),
+        "model": model,
+    }
     if body.stream:
         options = body.stream_options
         include_usage = bool(options and options.include_usage)
@@ -130,8 +134,13 @@ def start_generation(
     return gateway.start_run(request_id, prompts, params, tenant, body.cache_salt)
 
 
-async def _chunks(run: GenerationRun, header: dict[str, Any], form: ChoiceFormat,
-                  usage: tuple[bool, bool], gateway: Gateway) -> AsyncIterator[bytes]:  # fmt: skip
+async def _chunks(
+    run: GenerationRun,
+    header: dict[str, Any],
+    form: ChoiceFormat,
+    usage: tuple[bool, bool],
+    gateway: Gateway,
+) -> AsyncIterator[bytes]:
     """`usage`: (include_usage, continuous_usage_stats)."""
     include_usage, continuous = usage
 

@@ -195,8 +195,8 @@ def structured_output_of(request: Any) -> StructuredOutput | None:
         found.append(("structured_outputs", _from_structured_outputs(request.structured_outputs)))
     _check_backend(request.guided_decoding_backend, "guided_decoding_backend")
     if request.guided_json is not None:
-        found.append(("guided_json", StructuredOutput(json=check_json_schema(
-            request.guided_json, "guided_json"))))  # fmt: skip
+        schema = check_json_schema(request.guided_json, "guided_json")
+        found.append(("guided_json", StructuredOutput(json=schema)))
     if request.guided_regex is not None:
         found.append(("guided_regex", _regex(request.guided_regex, "guided_regex")))
     if request.guided_choice is not None:

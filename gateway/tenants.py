@@ -64,12 +64,12 @@ class Tenant:
     @classmethod
     def from_entry(cls, entry: TenantEntry) -> Tenant:
         return cls(
-            entry.name,
-            entry.requests_per_minute,
-            entry.tokens_per_minute,
-            entry.max_concurrent_requests,
-            entry.max_tokens_per_request,
-            None if entry.models is None else frozenset(entry.models),
+            name=entry.name,
+            requests_per_minute=entry.requests_per_minute,
+            tokens_per_minute=entry.tokens_per_minute,
+            max_concurrent_requests=entry.max_concurrent_requests,
+            max_tokens_per_request=entry.max_tokens_per_request,
+            models=None if entry.models is None else frozenset(entry.models),
         )
 
 

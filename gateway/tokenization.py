@@ -8,12 +8,7 @@ from starlette.responses import Response
 from pdserve.gateway.auth import tenant_of
 from pdserve.gateway.errors import bad_request
 from pdserve.gateway.gateway import Gateway
-from pdserve.gateway.limits import (
-    MAX_DETOKENIZE_TOKENS,
-    MAX_MESSAGES,
-    MAX_TOKENIZE_TOKENS,
-    at_most,
-)
+from pdserve.gateway.limits import MAX_DETOKENIZE_TOKENS, MAX_MESSAGES, MAX_TOKENIZE_TOKENS, at_most
 from pdserve.gateway.logprobs import TokenText
 from pdserve.gateway.prompts import chat_prompt, check_vocabulary
 from pdserve.gateway.schemas import DetokenizeRequest, TokenizeRequest, read_body
@@ -28,9 +23,11 @@ async def tokenize(request: Request, gateway: Gateway) -> Response:
     if body.messages is not None:
         at_most(body.messages, MAX_MESSAGES, "messages", "messages")
         prompt = await chat_prompt(
-            body.messages, gateway.offload, MAX_TOKENIZE_TOKENS,
+            body.messages,
+            gateway.offload,
+            MAX_TOKENIZE_TOKENS,
             add_generation_prompt=body.add_generation_prompt,
-        )  # fmt: skip
+        )
         ids = prompt.token_ids
     else:
         ids = await gateway.offload.encode(

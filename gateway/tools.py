@@ -141,8 +141,9 @@ def calls_in(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
     if plan.mode == "required":
         try:
             items = json.loads(text)
-            calls = [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False))
-                     for i in items]  # fmt: skip
+            calls = [
+                ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items
+            ]
         except (ValueError, TypeError, KeyError):
             return text, []
         return None, calls
@@ -152,8 +153,12 @@ def calls_in(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
 
 
 def call_entry(index: int, call: ToolCall, call_id: str) -> dict[str, Any]:
-    return {"index": index, "id": call_id, "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments}}  # fmt: skip
+    return {
+        "index": index,
+        "id": call_id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
 
 
 def new_call_id() -> str:

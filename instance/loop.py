@@ -67,12 +67,12 @@ class StepLoop:
         # Set when a rank of the executor's worker group died: the instance ends.
         self.failure: str | None = None
         self.io = InstanceIO(
-            spec.instance_id,
-            spec.role,
-            spec.gateway_address,
-            spec.host,
-            spec.heartbeat_interval_s,
-            self.kind.task_type,
+            instance_id=spec.instance_id,
+            role=spec.role,
+            gateway_address=spec.gateway_address,
+            host=spec.host,
+            heartbeat_interval_s=spec.heartbeat_interval_s,
+            task_type=self.kind.task_type,
         )
         self.io.epoch = spec.epoch
         self.breaker = StepBreaker()

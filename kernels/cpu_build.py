@@ -70,8 +70,13 @@ def apply_isa() -> str:
 # -ffp-contract=off: the kernels fuse multiply-adds only where they say so (v8_fma), so
 # a value's rounding never depends on how the compiler treated the code around it.
 COMMON_FLAGS = (
-    "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno", "-Wno-psabi", "-ffp-contract=off",
-)  # fmt: skip
+    "-shared",
+    "-fPIC",
+    "-std=gnu11",
+    "-fno-math-errno",
+    "-Wno-psabi",
+    "-ffp-contract=off",
+)
 # A cold build on a busy two-core machine (a test run beside other work) took about 5
 # minutes; the limit only catches a compiler that hangs.
 COMPILE_TIMEOUT_S = 900

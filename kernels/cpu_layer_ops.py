@@ -61,16 +61,18 @@ class CpuLayerOps:
         q = query.stride()
         call = k._RotaryArgs()
         k._pack_rotary(
-            call, 0,
-            qkv.data_ptr(), _dtype("qkv", qkv), qkv.stride(0),
-            positions.data_ptr(), _index("positions", positions),
-            cos_sin_cache.data_ptr(), _dtype("cos_sin_cache", cos_sin_cache),
-            cos_sin_cache.stride(0), cos_sin_cache.shape[0],
-            query.data_ptr(), _dtype("query", query), q[0], q[1], q[2],
+            call,
+            0,
+            *(qkv.data_ptr(), _dtype("qkv", qkv), qkv.stride(0)),
+            *(positions.data_ptr(), _index("positions", positions)),
+            *(cos_sin_cache.data_ptr(), _dtype("cos_sin_cache", cos_sin_cache)),
+            *(cos_sin_cache.stride(0), cos_sin_cache.shape[0]),
+            *(query.data_ptr(), _dtype("query", query), q[0], q[1], q[2]),
             *cache[3:],
-            slot_mapping.data_ptr(), _index("slot_mapping", slot_mapping),
-            num_tokens, num_heads, cache[1], d, cache[2], cache[0], torch.get_num_threads(), -1,
-        )  # fmt: skip
+            *(slot_mapping.data_ptr(), _index("slot_mapping", slot_mapping)),
+            *(num_tokens, num_heads, cache[1], d, cache[2], cache[0]),
+            *(torch.get_num_threads(), -1),
+        )
         _check(k._rotary(call), call)
         return query
 
@@ -101,13 +103,14 @@ class CpuLayerOps:
             r2 = _rows(residual, rows, n)
             summed = torch.empty(x.shape, dtype=torch.float32)
         k._pack_norm(
-            call, 0,
-            x2.data_ptr(), x2.stride(0),
-            0 if r2 is None else r2.data_ptr(), 0 if r2 is None else r2.stride(0),
-            weight.data_ptr(), out.data_ptr(), n,
-            0 if summed is None else summed.data_ptr(), n,
-            rows, n, torch.get_num_threads(), float(eps), -1,
-        )  # fmt: skip
+            call,
+            0,
+            *(x2.data_ptr(), x2.stride(0)),
+            *((0, 0) if r2 is None else (r2.data_ptr(), r2.stride(0))),
+            *(weight.data_ptr(), out.data_ptr(), n),
+            *(0 if summed is None else summed.data_ptr(), n),
+            *(rows, n, torch.get_num_threads(), float(eps), -1),
+        )
         _check(k._norm(call), call)
         return out if summed is None else (out, summed)
 

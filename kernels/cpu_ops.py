@@ -115,14 +115,17 @@ class CpuKernels:
             raise ValueError(f"slot_mapping must be [{shape[0]}], got {tuple(slots.shape)}")
         k, v = key.stride(), value.stride()
         call = self._WriteArgs()
+        # One starred group a line, in the C struct's order: a tensor's fields (pointer,
+        # dtype, strides), then the shapes and threads.
         self._pack_write(
-            call, 0,
-            key.data_ptr(), _dtype("key", key), k[0], k[1], k[2],
-            value.data_ptr(), _dtype("value", value), v[0], v[1], v[2],
+            call,
+            0,
+            *(key.data_ptr(), _dtype("key", key), k[0], k[1], k[2]),
+            *(value.data_ptr(), _dtype("value", value), v[0], v[1], v[2]),
             *cache[3:],
-            slots.data_ptr(), _index("slot_mapping", slots), slots.stride(0),
-            shape[0], cache[1], cache[2], shape[2], cache[0], torch.get_num_threads(), -1,
-        )  # fmt: skip
+            *(slots.data_ptr(), _index("slot_mapping", slots), slots.stride(0)),
+            *(shape[0], cache[1], cache[2], shape[2], cache[0], torch.get_num_threads(), -1),
+        )
         _check(self._write(call), call)
 
     def decode_attention(
@@ -174,10 +177,12 @@ class CpuKernels:
         fields = _attention_fields(query, kv_cache, block_tables, context_lens, out, num_seqs)
         call = self._PrefillArgs()
         self._pack_prefill(
-            call, 0,
-            starts.data_ptr(), _index("query_start_loc", starts), starts.stride(0), num_tokens,
-            *fields, scale, _window(sliding_window), torch.get_num_threads(), -1,
-        )  # fmt: skip
+            call,
+            0,
+            *(starts.data_ptr(), _index("query_start_loc", starts), starts.stride(0), num_tokens),
+            *fields,
+            *(scale, _window(sliding_window), torch.get_num_threads(), -1),
+        )
         _check(self._prefill(call), call)
         return out
 
@@ -213,13 +218,14 @@ class CpuKernels:
         y = torch.empty(rows, n, dtype=torch.float32)
         call = self._LinearArgs()
         self._pack_linear(
-            call, 0,
-            x2.data_ptr(), x_rs, weight.data_ptr(), _DTYPES[weight.dtype], weight.stride(0),
+            call,
+            0,
+            *(x2.data_ptr(), x_rs, weight.data_ptr(), _DTYPES[weight.dtype], weight.stride(0)),
             0 if bias is None else bias.data_ptr(),
             -1 if bias is None else _dtype("bias", bias),
-            y.data_ptr(), n, rows, n, k,
-            int(self.bf16_dot and weight.dtype == torch.bfloat16), torch.get_num_threads(), -1,
-        )  # fmt: skip
+            *(y.data_ptr(), n, rows, n, k),
+            *(int(self.bf16_dot and weight.dtype == torch.bfloat16), torch.get_num_threads(), -1),
+        )
         _check(self._linear(call), call)
         return y if flat else y.reshape(*x.shape[:-1], n)
 
@@ -275,10 +281,9 @@ def _table_fields(num_seqs: int, block_tables: Tensor, context_lens: Tensor) -> 
     if context_lens.dim() != 1 or context_lens.shape[0] != num_seqs:
         raise ValueError(f"context_lens must be [{num_seqs}], got {tuple(context_lens.shape)}")
     t = block_tables.stride()
-    return (
-        block_tables.data_ptr(), _index("block_tables", block_tables), t[0], t[1],
-        context_lens.data_ptr(), _index("context_lens", context_lens), context_lens.stride(0),
-    )  # fmt: skip
+    tables = (block_tables.data_ptr(), _index("block_tables", block_tables), t[0], t[1])
+    lens = (context_lens.data_ptr(), _index("context_lens", context_lens), context_lens.stride(0))
+    return (*tables, *lens)
 
 
 def _attention_fields(
@@ -297,12 +302,12 @@ def _attention_fields(
     tables = _table_fields(num_seqs, block_tables, context_lens)
     q, o = query.stride(), out.stride()
     return (
-        query.data_ptr(), _dtype("query", query), q[0], q[1], q[2],
+        *(query.data_ptr(), _dtype("query", query), q[0], q[1], q[2]),
         *cache[3:],
         *tables,
-        out.data_ptr(), _dtype("out", out), o[0], o[1], o[2],
-        num_seqs, num_heads, cache[1], cache[2], d, cache[0], block_tables.shape[1],
-    )  # fmt: skip
+        *(out.data_ptr(), _dtype("out", out), o[0], o[1], o[2]),
+        *(num_seqs, num_heads, cache[1], cache[2], d, cache[0], block_tables.shape[1]),
+    )
 
 
 def _query_shape(query: Tensor, out: Tensor) -> tuple[int, int, int]:

@@ -115,7 +115,14 @@ def check_attention_query(
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
     group = check_heads(num_heads, num_kv_heads)
     check_same_device(query=query, kv_cache=kv_cache, **others)
-    return AttentionShape(num_rows, num_heads, head_dim, num_kv_heads, block_size, group)
+    return AttentionShape(
+        rows=num_rows,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        group=group,
+    )
 
 
 def check_attention_rest(

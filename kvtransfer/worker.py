@@ -201,14 +201,14 @@ class KVTransferWorker:
             server = ControlServer(self._context, self.config.host, self.config.control_port)
             self._address, self._transport_info = server.address, transport.info
             rank = RankIO(
-                self.config,
-                self.layout,
-                self.tp_rank,
-                self.tp_size,
-                self._memory,
-                transport,
-                self._stats,
-                self.pp_stage,
+                config=self.config,
+                layout=self.layout,
+                tp_rank=self.tp_rank,
+                tp_size=self.tp_size,
+                memory=self._memory,
+                transport=transport,
+                stats=self._stats,
+                pp_stage=self.pp_stage,
             )
             prefill = self._serve(rank, server, self._record) if self._serve else NoServing()
             decode = self._pull(rank, self._context, self._record) if self._pull else NoPulling()

@@ -7,7 +7,8 @@ import sys
 
 from pdserve import __version__
 from pdserve.bench.cli import add_bench_parser
-from pdserve.cluster.serve_cli import DefaultsHelpFormatter, add_serve_parser
+from pdserve.cluster.help_format import DefaultsHelpFormatter
+from pdserve.cluster.serve_cli import add_serve_parser
 from pdserve.eval.cli import add_eval_parser
 from pdserve.planner.cli import add_calibrate_parser, add_plan_parser
 

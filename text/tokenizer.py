@@ -23,6 +23,8 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RustTokenizer
 
+from pdserve.common.json_file import read_json_file
+
 # The named special tokens a chat template sees as variables (transformers' list).
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -343,14 +345,7 @@ def _add_templates(templates: dict[str, str], value: Any, path: Path) -> None:
 def _read_json_object(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise TokenizerError(
-            f"{path}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
-        ) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TokenizerError(f"{path}: cannot read: {_one_line(exc)}") from None
+    value = read_json_file(path, TokenizerError)
     if not isinstance(value, dict):
         raise TokenizerError(f"{path}: expected a JSON object, got {type(value).__name__}")
     return value

@@ -6,11 +6,14 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import TypeVar
 
 import pytest
 
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +45,16 @@ def split_model(tmp_path_factory) -> str:
     from tests.cluster.gpu_plans import write_split_model
 
     return write_split_model(tmp_path_factory.mktemp("split-model"))
+
+
+def in_network_namespace(start: Callable[[], AbstractContextManager[T]]) -> Iterator[T]:
+    """What `start` brings up with node B in a network namespace, for a fixture to yield
+    from: skipped (saying so) without root; as root, a refused `ip netns` fails the test
+    rather than hiding the check."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: node B runs in a network namespace (ip netns)")
+    try:
+        with start() as found:
+            yield found
+    except RuntimeError as exc:
+        pytest.fail(f"two-node cluster: {exc}")

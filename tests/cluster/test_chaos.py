@@ -14,7 +14,6 @@ in a network namespace: needs root, skipped saying so without it).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -28,6 +27,7 @@ from experiments.chaos import (
     node_loss_chaos,
     run_scenario,
 )
+from tests.cluster.conftest import in_network_namespace
 
 pytestmark = pytest.mark.slow
 
@@ -117,13 +117,7 @@ def test_one_request_that_fails_every_step_fails_alone(chaos) -> None:
 
 @pytest.fixture(scope="module")
 def two_node_chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: node B runs in a network namespace (ip netns)")
-    try:
-        with node_loss_chaos(tmp_path_factory.mktemp("chaos-nodes")) as found:
-            yield found
-    except RuntimeError as exc:  # as root, a refused `ip netns` is a failure, not a skip
-        pytest.fail(f"two-node cluster: {exc}")
+    yield from in_network_namespace(lambda: node_loss_chaos(tmp_path_factory.mktemp("chaos-nodes")))
 
 
 def test_lose_node_b(two_node_chaos) -> None:

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from experiments.serving import LOCAL, MODEL, ServeProcess, served
+from tests.processes import still_running
 
 pytestmark = pytest.mark.slow
 
@@ -166,18 +167,7 @@ def test_instances_without_heartbeats_are_fenced_and_killed(server) -> None:
     assert "no instance" in response.json()["error"]["message"]
     text = server.get("/metrics").text
     assert len(re.findall(r"^pdserve:num_instances_fenced_total{.*} 1\.0$", text, re.M)) == 2
-    deadline = time.monotonic() + 10
-    while any(_exists(pid) for pid in server.frozen) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_exists(pid) for pid in server.frozen)  # killed, paused as they were
-
-
-def _exists(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert not still_running(server.frozen, 10)  # killed, paused as they were
 
 
 def test_sigterm_stops_everything_and_frees_the_port(server) -> None:

@@ -19,6 +19,7 @@ import pytest
 from experiments.serving import LOCAL, MODEL, ServeProcess, served
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.embedded import embedded_model_path
+from tests.concurrent_streams import streams_and_alone
 
 pytestmark = pytest.mark.slow
 
@@ -195,24 +196,7 @@ def test_outputs_through_the_handoff_do_not_depend_on_the_load(server, llm) -> N
 
 
 def test_32_concurrent_streams(server, greedy) -> None:
-    client = server.async_openai()
-
-    async def one(prompt: str) -> str:
-        stream = await client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=4, temperature=0, stream=True
-        )
-        return "".join([c.choices[0].text async for c in stream])
-
-    async def run_all() -> list[str]:
-        try:
-            return await asyncio.gather(*(one(PROMPTS[i % len(PROMPTS)]) for i in range(32)))
-        finally:
-            await client.close()
-
-    texts = asyncio.run(run_all())
-    short = {p: server.openai().completions.create(
-        model=MODEL, prompt=p, max_tokens=4, temperature=0).choices[0].text
-        for p in PROMPTS}  # fmt: skip
+    texts, short = streams_and_alone(server, MODEL, PROMPTS)
     assert texts == [short[PROMPTS[i % len(PROMPTS)]] for i in range(32)]
     for prompt, text in short.items():
         assert greedy[prompt].startswith(text)

@@ -22,6 +22,7 @@ from pdserve.cluster.placement import (
 from pdserve.cluster.serve import describe, instance_specs
 from pdserve.engine.config import EngineConfig
 from tests.cluster.gpu_plans import PLANS, plan_id
+from tests.engine.test_devices import started_devices
 
 TWO_GPUS = "GPU 0: NVIDIA H200 (UUID: GPU-a)\nGPU 1: NVIDIA H200 (UUID: GPU-b)\n"
 
@@ -126,29 +127,6 @@ def test_specs_carry_the_device_budget_and_visible_gpu() -> None:
     assert "CUDA_VISIBLE_DEVICES" not in LocalLauncher(env={}).child_env(cpu_wave[0])
 
 
-class _Started(Exception):
-    """Stands in for starting the ranks: the jobs are what the test looks at."""
-
-
-def rank_devices(engine: EngineConfig, visible: str, monkeypatch) -> list[str]:
-    """The device each rank of an instance's worker group is given, in a process whose
-    CUDA_VISIBLE_DEVICES is `visible` (what the local launcher set)."""
-    from pdserve.engine.ranks import ProcessRanks
-    from pdserve.engine.worker_group import WorkerGroupExecutor
-
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    jobs = []
-
-    def start(self, started):
-        jobs.extend(started)
-        raise _Started
-
-    monkeypatch.setattr(ProcessRanks, "start", start)
-    with pytest.raises(_Started):
-        WorkerGroupExecutor(engine).load()
-    return [job.config.device for job in jobs]
-
-
 @pytest.mark.parametrize("plan", PLANS, ids=[plan_id(p) for p in PLANS])
 def test_each_rank_gets_a_gpu_of_its_own(plan, split_model: str, monkeypatch) -> None:
     """The local launcher shows an instance of W = TP x PP ranks W GPUs, rank r uses the
@@ -175,7 +153,7 @@ def test_each_rank_gets_a_gpu_of_its_own(plan, split_model: str, monkeypatch) ->
     )
     if ranks > 1:
         for spec, seen in zip(specs, visible, strict=True):
-            devices = rank_devices(spec.engine, seen, monkeypatch)
+            devices = started_devices(spec.engine, seen, monkeypatch)
             assert devices == [f"cuda:{r}" for r in range(ranks)]
 
 

@@ -19,8 +19,6 @@ import pytest
 
 from experiments.serving import (
     ADMIN_KEY,
-    MODEL,
-    BackgroundStream,
     ServeProcess,
     assert_health_answers_within,
     counter,
@@ -32,6 +30,7 @@ from experiments.serving import (
 from pdserve.cluster.pools import START_WORKERS
 from pdserve.cluster.ray_watch import CREATE_WORKERS
 from tests.cluster.conftest import RAY_ENV, ray_list
+from tests.cluster.recovery_requests import GREEDY, RecoveryRequests
 
 pytestmark = pytest.mark.slow
 
@@ -40,9 +39,8 @@ ARGS = (
     "--kv-cache-memory", "48MiB", "--max-model-len", "512", "--routing-policy", "round_robin",
     "--threads-per-instance", "1", "--enable-test-hooks",
 )  # fmt: skip
-PROMPT = "The capital of France is"
 MAX_TOKENS = 48
-GREEDY = {"temperature": 0}
+REQUESTS = RecoveryRequests("The capital of France is", MAX_TOKENS)
 SEEDED = {"temperature": 0.8, "seed": 4321}
 
 
@@ -52,29 +50,10 @@ def server(ray_cluster: str) -> Iterator[ServeProcess]:
         yield process
 
 
-def body(sampling: dict, stream: bool) -> dict:
-    return {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-            "stream": stream, **sampling}  # fmt: skip
-
-
-def complete(server: ServeProcess, sampling: dict) -> str:
-    response = server.post("/v1/completions", json=body(sampling, stream=False))
-    response.raise_for_status()
-    return response.json()["choices"][0]["text"]
-
-
-def start_streams(server: ServeProcess, samplings: list[dict]) -> list[BackgroundStream]:
-    streams = []
-    for sampling in samplings:  # round robin: alternating decode instances
-        streams.append(BackgroundStream(server, body(sampling, stream=True)))
-        wait_for(lambda s=streams[-1]: len(s.chunks) >= 2, 60, "the stream to begin")
-    return streams
-
-
 def test_a_killed_decode_actor_loses_no_stream_and_is_restarted(server, ray_cluster) -> None:
-    expected = [complete(server, s) for s in (GREEDY, SEEDED)]
+    expected = [REQUESTS.complete(server, s) for s in (GREEDY, SEEDED)]
     pid = server.instances()["decode-0"]["pid"]
-    streams = start_streams(server, [GREEDY, GREEDY, SEEDED, SEEDED])
+    streams = REQUESTS.streams(server, [GREEDY, GREEDY, SEEDED, SEEDED])
     assert all(len(s.chunks) < MAX_TOKENS for s in streams)  # all mid-stream
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
@@ -89,14 +68,14 @@ def test_a_killed_decode_actor_loses_no_stream_and_is_restarted(server, ray_clus
     assert counter(server, "num_instances_restarted_total") == 1.0
     actors = [a for a in ray_list("actors", ray_cluster) if a["name"] == "decode-0"]
     assert sorted(a["state"] for a in actors)[-2:] == ["ALIVE", "DEAD"]
-    assert [complete(server, s) for s in (GREEDY, SEEDED)] == expected
+    assert [REQUESTS.complete(server, s) for s in (GREEDY, SEEDED)] == expected
     server.assert_blocks_free_or_cached()
 
 
 def test_draining_and_scaling_up_under_load_drop_nothing(server) -> None:
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    expected = complete(server, GREEDY)
-    streams = start_streams(server, [GREEDY, GREEDY])  # one on each decode instance
+    expected = REQUESTS.complete(server, GREEDY)
+    streams = REQUESTS.streams(server, [GREEDY, GREEDY])  # one on each decode instance
     assert server.post("/admin/instances/decode-1/drain", headers=admin).status_code == 200
     threads = gateway_threads(server)
     began = time.monotonic()
@@ -109,11 +88,11 @@ def test_draining_and_scaling_up_under_load_drop_nothing(server) -> None:
     # The pool starters and the actor creators: no thread per actor.
     assert gateway_threads(server) <= threads + START_WORKERS + CREATE_WORKERS
     assert scaled.json() == {"role": "decode", "size": 2, "starting": ["decode-2"], "draining": []}
-    more = start_streams(server, [GREEDY])  # while decode-1 drains: on decode-0
+    more = REQUESTS.streams(server, [GREEDY])  # while decode-1 drains: on decode-0
     assert all(s.join(120) == expected and s.errors == [] for s in streams + more)
     # decode-1 stops once empty; decode-2 gets its CPUs and joins.
     wait_for(lambda: pool(server, "decode") == ["decode-0", "decode-2"], 60, "decode-2 to join")
-    streams = start_streams(server, [GREEDY, GREEDY])
+    streams = REQUESTS.streams(server, [GREEDY, GREEDY])
     assert all(s.join(120) == expected and s.errors == [] for s in streams)
     assert counter(server, "requests_migrated_total") == 2.0  # none since the kill
     assert counter(server, "num_instances_restarted_total") == 1.0  # the drained one stays down

@@ -16,6 +16,7 @@ import pytest
 from experiments.serving import MODEL, BackgroundStream, ServeProcess, served
 from pdserve.common.sampling_params import SamplingParams
 from tests.cluster.conftest import RAY_ENV, ray_list
+from tests.processes import running, still_running
 
 pytestmark = pytest.mark.slow
 
@@ -119,7 +120,7 @@ def test_a_killed_rank_actor_ends_its_group_and_the_instance_is_started_again(
             break
         time.sleep(0.3)
     assert all(a["state"] == "DEAD" for a in rank_actors(ray_cluster, group_id))
-    assert not [pid for pid in (a["pid"] for a in ranks) if _alive(pid)]
+    assert not [pid for pid in (a["pid"] for a in ranks) if running(pid)]
     # The supervisor starts it again: new placement group, three new rank actors.
     deadline = time.monotonic() + 90
     while server.get("/health").status_code != 200 and time.monotonic() < deadline:
@@ -133,14 +134,6 @@ def test_a_killed_rank_actor_ends_its_group_and_the_instance_is_started_again(
         model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0
     )
     assert result.choices[0].text == greedy[0]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class _Driver:
@@ -163,9 +156,6 @@ def test_rank_actors_die_with_their_driver_actor(ray_cluster) -> None:
 
     driver = ray.remote(_Driver).options(num_cpus=0).remote()
     rank_pid = ray.get(driver.start_rank.remote(), timeout=60)
-    assert _alive(rank_pid)
+    assert running(rank_pid)
     os.kill(ray.get(driver.pid.remote(), timeout=30), signal.SIGKILL)
-    deadline = time.monotonic() + 20
-    while _alive(rank_pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _alive(rank_pid), "a rank actor outlived its driver"
+    assert not still_running([rank_pid], 20), "a rank actor outlived its driver"

@@ -25,8 +25,6 @@ import pytest
 from experiments.serving import (
     ADMIN_KEY,
     LOCAL,
-    MODEL,
-    BackgroundStream,
     ServeProcess,
     assert_health_answers_within,
     counter,
@@ -36,6 +34,8 @@ from experiments.serving import (
     wait_for,
 )
 from pdserve.cluster.pools import START_WORKERS
+from tests.cluster.recovery_requests import GREEDY, RecoveryRequests
+from tests.processes import still_running
 
 pytestmark = pytest.mark.slow
 
@@ -45,9 +45,8 @@ ARGS = (
     "--kv-cache-memory", "24MiB", "--max-model-len", "512", "--routing-policy", "round_robin",
     "--instance-timeout", str(TIMEOUT_S),
 )  # fmt: skip
-PROMPT = "The capital of France is"
 MAX_TOKENS = 64
-GREEDY = {"temperature": 0}
+REQUESTS = RecoveryRequests("The capital of France is", MAX_TOKENS)
 SEEDED = {"temperature": 0.8, "seed": 1234}
 
 
@@ -55,29 +54,6 @@ SEEDED = {"temperature": 0.8, "seed": 1234}
 def server() -> Iterator[ServeProcess]:
     with served(*ARGS) as process:
         yield process
-
-
-def body(sampling: dict, stream: bool) -> dict:
-    return {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-            "stream": stream, **sampling}  # fmt: skip
-
-
-def complete(server: ServeProcess, sampling: dict) -> str:
-    response = server.post("/v1/completions", json=body(sampling, stream=False))
-    response.raise_for_status()
-    return response.json()["choices"][0]["text"]
-
-
-class Stream(BackgroundStream):
-    """A streaming completion read on a thread: its text chunks and any error event."""
-
-    def __init__(self, server: ServeProcess, sampling: dict) -> None:
-        super().__init__(server, body(sampling, stream=True))
-
-    def join(self, timeout_s: float) -> str:
-        text = super().join(timeout_s)
-        assert self.errors == []
-        return text
 
 
 KILLED: dict[str, tuple[int, float]] = {}  # instance id → (its pid, when it was killed)
@@ -96,19 +72,20 @@ def alive(server: ServeProcess, instance_id: str) -> bool:
     )
 
 
+def expected_of_streams(server: ServeProcess) -> list[str]:
+    """What greedy, greedy, seeded, seeded streams end with, from whole completions."""
+    greedy, seeded = REQUESTS.complete(server, GREEDY), REQUESTS.complete(server, SEEDED)
+    return [greedy, greedy, seeded, seeded]
+
+
 def test_streams_of_a_killed_decode_instance_are_migrated_token_for_token(server) -> None:
-    expected = {"greedy": complete(server, GREEDY), "seeded": complete(server, SEEDED)}
+    expected = expected_of_streams(server)
     # Round robin: of greedy, greedy, seeded, seeded, each decode instance gets one of each.
-    streams = []
-    for kind, sampling in (("greedy", GREEDY), ("greedy", GREEDY),
-                           ("seeded", SEEDED), ("seeded", SEEDED)):  # fmt: skip
-        stream = Stream(server, sampling)
-        wait_for(lambda s=stream: len(s.chunks) >= 2, 60, "the stream to begin")
-        streams.append((kind, stream))
-    assert all(len(s.chunks) < MAX_TOKENS for _, s in streams)  # all mid-stream
+    streams = REQUESTS.streams(server, [GREEDY, GREEDY, SEEDED, SEEDED])
+    assert all(len(s.chunks) < MAX_TOKENS for s in streams)  # all mid-stream
     KILLED["decode-0"] = kill(server, "decode-0")
-    for kind, stream in streams:
-        assert stream.join(120) == expected[kind], kind
+    for stream, want in zip(streams, expected, strict=True):
+        assert stream.join(120) == want and stream.errors == []
     assert counter(server, "requests_migrated_total") == 2.0
     server.assert_blocks_free_or_cached()
 
@@ -119,11 +96,11 @@ def test_a_killed_instance_is_restarted_and_serves_again(server) -> None:
              "decode-0 to be back within a minute of its death")  # fmt: skip
     assert server.instances()["decode-0"]["pid"] != pid  # a new process
     assert counter(server, "num_instances_restarted_total") == 1.0
-    expected = complete(server, GREEDY)
+    expected = REQUESTS.complete(server, GREEDY)
     kill(server, "decode-1")  # decode-0 alone serves until decode-1 is back
     wait_for(lambda: not alive(server, "decode-1"), 10, "decode-1's death to be seen")
     assert pool_gauges(server, "decode") == (2.0, 1.0)  # what PdservePoolShort reads
-    assert complete(server, GREEDY) == expected
+    assert REQUESTS.complete(server, GREEDY) == expected
     wait_for(lambda: alive(server, "decode-1"), 60, "decode-1 to be back")
     assert counter(server, "num_instances_restarted_total") == 2.0
     assert pool_gauges(server, "decode") == (2.0, 2.0)
@@ -136,34 +113,21 @@ def pool_gauges(server: ServeProcess, role: str) -> tuple[float, float]:
     return counter(server, "pool_size" + label), counter(server, "pool_instances_up" + label)
 
 
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"  # killed, not yet reaped
-    except FileNotFoundError:
-        return True
-
-
 def test_a_paused_decode_instance_is_fenced_killed_and_replaced(server) -> None:
-    expected = {"greedy": complete(server, GREEDY), "seeded": complete(server, SEEDED)}
-    streams = []
-    for kind, sampling in (("greedy", GREEDY), ("greedy", GREEDY),
-                           ("seeded", SEEDED), ("seeded", SEEDED)):  # fmt: skip
-        stream = Stream(server, sampling)
-        wait_for(lambda s=stream: len(s.chunks) >= 2, 60, "the stream to begin")
-        streams.append((kind, stream))
+    expected = expected_of_streams(server)
+    streams = REQUESTS.streams(server, [GREEDY, GREEDY, SEEDED, SEEDED])
     pid = server.instances()["decode-0"]["pid"]
-    assert all(not s.done for _, s in streams)  # all mid-stream
+    assert all(not s.done for s in streams)  # all mid-stream
     os.kill(pid, signal.SIGSTOP)
     try:
         time.sleep(TIMEOUT_S + 5)
     finally:
         with contextlib.suppress(ProcessLookupError):  # killed already, as it should be
             os.kill(pid, signal.SIGCONT)
-    for kind, stream in streams:
-        assert stream.join(120) == expected[kind], kind
+    for stream, want in zip(streams, expected, strict=True):
+        assert stream.join(120) == want and stream.errors == []
     assert counter(server, "requests_migrated_total") == 4.0  # 2 of the kill, 2 of the pause
-    wait_for(lambda: gone(pid), 10, "the paused process to be killed")
+    assert not still_running([pid], 10), "the paused process was not killed"
     wait_for(lambda: alive(server, "decode-0"), 60, "decode-0's replacement")
     assert server.instances()["decode-0"]["pid"] != pid
     assert counter(server, 'num_instances_fenced_total{instance="decode-0",role="decode"}') == 1.0
@@ -175,7 +139,7 @@ def test_scaling_and_draining_under_load_drop_no_request(server) -> None:
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     for path in ("/admin/pools/decode/scale", "/admin/instances/decode-0/drain"):
         assert server.post(path, json={"size": 3}).status_code == 403  # a tenant's key
-    expected = complete(server, GREEDY)
+    expected = REQUESTS.complete(server, GREEDY)
     threads = gateway_threads(server)
     began = time.monotonic()
     huge = server.post("/admin/pools/decode/scale", json={"size": 100000}, headers=admin)
@@ -192,16 +156,13 @@ def test_scaling_and_draining_under_load_drop_no_request(server) -> None:
     wait_for(lambda: "decode-2" in pool(server, "decode"), 60, "decode-2 to join its pool")
     assert pool_gauges(server, "decode") == (3.0, 3.0)
 
-    streams = []
-    for _ in range(3):  # round robin: one on each decode instance
-        streams.append(Stream(server, GREEDY))
-        wait_for(lambda s=streams[-1]: len(s.chunks) >= 2, 60, "the stream to begin")
+    streams = REQUESTS.streams(server, [GREEDY] * 3)  # round robin: one on each instance
     assert server.post("/admin/instances/decode-0/drain", headers=admin).status_code == 200
     scaled = server.post("/admin/pools/decode/scale", json={"size": 1}, headers=admin)
     assert scaled.json()["draining"] == ["decode-2"]  # the newest goes
-    assert all(stream.join(120) == expected for stream in streams)
+    assert all(s.join(120) == expected and s.errors == [] for s in streams)
     wait_for(lambda: pool(server, "decode") == ["decode-1"], 30, "the drained ones to leave")
-    assert complete(server, GREEDY) == expected
+    assert REQUESTS.complete(server, GREEDY) == expected
     assert counter(server, "requests_migrated_total") == 4.0  # none since the pause
     assert counter(server, "num_instances_restarted_total") == 3.0  # drained stay down
     assert pool_gauges(server, "decode") == (1.0, 1.0)  # drained ones leave the pool's size

@@ -15,6 +15,7 @@ import pytest
 
 from experiments.serving import LOCAL, MODEL, served
 from pdserve.common.sampling_params import SamplingParams
+from tests.processes import still_running
 
 pytestmark = pytest.mark.slow
 
@@ -108,10 +109,7 @@ def test_a_killed_rank_ends_its_instance_which_fails_no_request_itself() -> None
         assert not worker.is_alive(), "the stream hung after a rank died"
         error = str(outcome.get("error"))
         assert "failed mid-request: it lost its worker group: rank 1" in error, outcome
-        deadline = time.monotonic() + 15
-        while _alive([*ranks, pid]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive([*ranks, pid])  # the instance with its group
+        assert not still_running([*ranks, pid], 15)  # the instance with its group
         deadline = time.monotonic() + 60
         while server.instances()["colocated-0"]["pid"] == pid:
             assert time.monotonic() < deadline, "colocated-0 was not started again"
@@ -144,15 +142,3 @@ def _descends(pid: int, root: int) -> bool:
         if pid == root:
             return True
     return False
-
-
-def _alive(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.append(pid)
-        except OSError:
-            pass
-    return alive

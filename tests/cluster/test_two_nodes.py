@@ -9,7 +9,6 @@ Needs root for `ip netns`: skipped (saying so) without it; as root, a refused
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import re
 import threading
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from experiments.two_nodes import (
     two_nodes,
 )
 from pdserve.common.sampling_params import SamplingParams
+from tests.cluster.conftest import in_network_namespace
 
 pytestmark = pytest.mark.slow
 
@@ -44,13 +44,7 @@ WILDCARDS = {"*", "0.0.0.0", "::"}
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoNodes]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: node B runs in a network namespace (ip netns)")
-    try:
-        with two_nodes(tmp_path_factory.mktemp("two-nodes")) as nodes:
-            yield nodes
-    except RuntimeError as exc:  # as root, a refused `ip netns` is a failure, not a skip
-        pytest.fail(f"two-node cluster: {exc}")
+    yield from in_network_namespace(lambda: two_nodes(tmp_path_factory.mktemp("two-nodes")))
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ import functools
 
 import torch
 
+from experiments.hf_greedy import greedy_generate
+
 
 @functools.lru_cache(maxsize=4)
 def hf_model(folder: str):
@@ -15,13 +17,5 @@ def hf_model(folder: str):
 
 
 def hf_greedy(folder: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    model = hf_model(folder)
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
+    out = greedy_generate(hf_model(folder), prompt_ids, max_new_tokens)
     return out[0, len(prompt_ids) :].tolist()

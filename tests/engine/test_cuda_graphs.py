@@ -22,21 +22,12 @@ from pdserve.engine.gpu_memory import FREE_MEMORY_MARGIN, GiB, MemoryProfile, kv
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.step_inputs import build_step_inputs, contiguous_block_tables
-from pdserve.engine.synthetic_model import SyntheticLlamaConfig, random_llama
+from pdserve.engine.synthetic_model import random_llama, small_llama_shape
 from tests.engine.greedy import greedy_tokens
 
 BS = 16
 BLOCKS_PER_SEQ = 8  # max_model_len 128
-CFG = SyntheticLlamaConfig(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=BS * BLOCKS_PER_SEQ,
-)
+CFG = small_llama_shape(max_position_embeddings=BS * BLOCKS_PER_SEQ)
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs a CUDA device (capture, device memory, device sampling)",

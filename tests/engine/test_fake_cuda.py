@@ -18,27 +18,18 @@ from pdserve.engine.parallel import TensorParallel
 from pdserve.engine.step_inputs import build_step_inputs, contiguous_block_tables
 from pdserve.engine.step_plan import NewRequest, PlannedChunk, StepPlan
 from pdserve.engine.synthetic_model import (
-    SyntheticLlamaConfig,
     building_on,
     hf_fields,
     random_llama,
     save_checkpoint,
+    small_llama_shape,
 )
 from pdserve.engine.worker import ModelWorker
 from pdserve.scheduler.outputs import ScheduledChunk
 from tests.engine.fake_cuda import CUDA, SamplerSeam, SeamStage, fake_cuda
 
 BS = 16
-CFG = SyntheticLlamaConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=8 * BS,
-)
+CFG = small_llama_shape(vocab_size=256, max_position_embeddings=8 * BS)
 PROMPTS = {"a": list(range(1, 21)), "b": list(range(30, 35))}  # 2 blocks, 1 block
 TRITON_OPS = {
     "pdserve::write_kv_cache",

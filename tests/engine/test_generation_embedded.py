@@ -6,36 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from experiments.cpu_bf16_accuracy import QUESTIONS
 from pdserve import LLM, SamplingParams
 from pdserve.engine.embedded import embedded_model_path
 from tests.engine.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain gravity to a child.",
-    "List three primary colors.",
-    "What is 17 times 3?",
-    "Give me a synonym for happy.",
-    "How do airplanes fly?",
-    "Translate 'good morning' into Spanish.",
-    "What is photosynthesis?",
-    "Name a famous painting by Leonardo da Vinci.",
-    "Why is the sky blue?",
-    "Write a Python function that adds two numbers.",
-    "What are the planets of the solar system?",
-    "Describe a cat in one sentence.",
-    "What is the boiling point of water?",
-    "Suggest a name for a pet goldfish.",
-    "What does a CPU do?",
-    "Tell me a fun fact about octopuses.",
-    "How many days are in a leap year?",
-    "What is the opposite of cold?",
-    "Summarize the story of Cinderella.",
-    "What is machine learning?",
-]
 MAX_NEW = 64
 SHORT = 16  # the other scenarios compare a prefix: greedy runs agree token by token
 

@@ -6,7 +6,6 @@ into micro-batches, and a rank that dies takes its group down."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
 import time
@@ -16,11 +15,18 @@ import torch
 
 from pdserve.common.model_split import PipelineParallelError, stage_layers
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.engine.embedded import embedded_model_path
 from pdserve.engine.pipeline import micro_batches
 from pdserve.engine.worker_group import WorkerGroupFailed
 from pdserve.scheduler.outputs import ScheduledChunk
-from tests.engine.test_tensor_parallel import PROMPTS, _assert_same, _gone, _llm, _run, qwen3
+from tests.engine.test_tensor_parallel import (
+    PROMPTS,
+    _assert_same,
+    _llm,
+    _run,
+    qwen3,
+    write_tiny_qwen3,
+)
+from tests.processes import still_running
 
 __all__ = ["qwen3"]  # the tiny random Qwen3 fixture (2 layers, 4 KV heads), shared
 
@@ -50,20 +56,8 @@ def test_pp2_and_tp2_pp2_compute_what_tp1_does_on_a_tiny_qwen3(qwen3) -> None:
 @pytest.fixture(scope="module")
 def odd_qwen3(tmp_path_factory) -> str:
     """3 layers (stages of 2 and 1) and a tied head (the last stage holds the table too)."""
-    import transformers as tf
-
     torch.manual_seed(1)
-    config = tf.Qwen3Config(
-        vocab_size=1001, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=16,
-        max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    folder = tmp_path_factory.mktemp("qwen3") / "odd"
-    tf.Qwen3ForCausalLM(config).eval().save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(embedded_model_path() / name, folder / name)
-    return str(folder)
+    return write_tiny_qwen3(tmp_path_factory.mktemp("qwen3") / "odd", 3, True)
 
 
 @pytest.mark.slow
@@ -141,10 +135,7 @@ def test_a_rank_that_dies_takes_the_pipeline_group_down(qwen3) -> None:
     assert not worker.is_alive(), "generation hung after a rank died"
     assert failure and isinstance(failure[0], WorkerGroupFailed), failure
     assert "rank 0" in str(failure[0])
-    deadline = time.monotonic() + 10
-    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(_gone(pid) for pid in pids)
+    assert not still_running(pids, 10)
 
 
 # ---- micro-batches overlap: two real gloo ranks, a model that only takes time ----------

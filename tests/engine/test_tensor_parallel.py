@@ -9,6 +9,7 @@ import shutil
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from pdserve.common.model_split import TensorParallelError
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.engine.worker_group import WorkerGroupFailed
+from tests.processes import still_running
 
 pytestmark = pytest.mark.slow
 
@@ -24,24 +26,28 @@ VOCAB = 1001  # odd: the vocabulary-split embedding and LM head are padded on th
 PROMPTS = [[5, 17, 300, 42, 7], list(range(100, 140)), [999, 1000, 3]]
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory) -> str:
-    """A tiny random Qwen3 (q/k norms, untied head) with 8 query and 4 KV heads."""
+def write_tiny_qwen3(folder: Path, num_hidden_layers: int, tie_word_embeddings: bool) -> str:
+    """A tiny random Qwen3 (q/k norms) with 8 query and 4 KV heads and the embedded
+    model's tokenizer, written to `folder`."""
     import transformers as tf
 
-    torch.manual_seed(0)
     config = tf.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=16,
-        max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=16, max_position_embeddings=512, initializer_range=0.3,
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
-    folder = tmp_path_factory.mktemp("qwen3") / "tiny"
     tf.Qwen3ForCausalLM(config).eval().save_pretrained(folder)
-    embedded = embedded_model_path()
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(embedded / name, folder / name)
+        shutil.copy(embedded_model_path() / name, folder / name)
     return str(folder)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> str:
+    """2 layers, an untied head."""
+    torch.manual_seed(0)
+    return write_tiny_qwen3(tmp_path_factory.mktemp("qwen3") / "tiny", 2, False)
 
 
 def _llm(model: str | None, tp: int, **kwargs):
@@ -136,16 +142,6 @@ def _write_synthetic(folder) -> str:
     return path
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # A zombie until its parent reaps it: dead all the same.
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split(") ", 1)[1].startswith("Z")
-
-
 def test_a_rank_that_dies_takes_the_group_down(qwen3) -> None:
     llm = _llm(qwen3, 2, max_num_seqs=4)
     pids = llm.engine.executor.rank_pids
@@ -166,9 +162,6 @@ def test_a_rank_that_dies_takes_the_group_down(qwen3) -> None:
     assert not worker.is_alive(), "generation hung after a rank died"
     assert failure and isinstance(failure[0], WorkerGroupFailed), failure
     assert "rank 1" in str(failure[0])
-    deadline = time.monotonic() + 10
-    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(_gone(pid) for pid in pids)
+    assert not still_running(pids, 10)
     with pytest.raises(WorkerGroupFailed):  # and it stays failed
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2))

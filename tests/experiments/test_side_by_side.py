@@ -12,6 +12,7 @@ import pytest
 from experiments.engines import NotInstalled, Peers, ServerSpec
 from experiments.side_by_side import main
 from experiments.side_by_side_report import measurement, summarize, table
+from tests.processes import running
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -86,14 +87,6 @@ def test_a_missing_peer_names_the_command_that_makes_it(tmp_path) -> None:
         ServerSpec.parse("pdserve", "--mode colocated")
 
 
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
 def fake_llama_install(tmp_path: Path) -> tuple[Path, Path]:
     """A peer scripts folder whose llama-server.sh serves the scripted server on the
     port it is given (its flags after the port are the scripted server's) or exits at
@@ -144,7 +137,7 @@ def test_a_run_measures_each_server_in_rounds_and_skips_what_is_missing(tmp_path
         assert r["metrics"]["completed"] == 4 and r["metrics"]["tokens_per_chunk"] == 1.0
     children = [int(pid) for pid in (tmp_path / "children").read_text().split()]
     assert len(children) == 4
-    assert [pid for pid in [r["pid"] for r in measured] + children if alive(pid)] == []
+    assert [pid for pid in [r["pid"] for r in measured] + children if running(pid)] == []
     rows = {row["server"]: row for row in saved["rows"]}
     assert list(rows) == ["fast", "slow", "broken", "vllm-bf16"]
     assert rows["fast"]["status"] == rows["slow"]["status"] == "2/2"

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from experiments.serving import ServeProcess
+from experiments.serving import ServeProcess, served
 
 MAX_MODEL_LEN = 512
 TTFT_SLO_MS = 30_000  # exported for the alert rules; changes nothing else
@@ -27,12 +27,8 @@ SERVER_ARGS = (
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[ServeProcess]:
-    process = ServeProcess.start(*SERVER_ARGS)
-    try:
+    with served(*SERVER_ARGS, exit_zero=True) as process:
         yield process
-    finally:
-        code = process.stop()
-        assert code == 0, f"pdserve serve exited with {code}:\n{process.log()}"
 
 
 @pytest.fixture(scope="module")

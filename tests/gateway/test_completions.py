@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from pdserve.common.sampling_params import SamplingParams
+from tests.concurrent_streams import streams_and_alone
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("idle_after_module")]
 
@@ -135,25 +134,7 @@ def test_vllm_extras_ignore_eos_min_tokens_top_k(server, greedy_reference) -> No
 
 
 def test_32_concurrent_streams(server, greedy_reference) -> None:
-    client = server.async_openai()
-
-    async def one(prompt: str) -> str:
-        stream = await client.completions.create(
-            model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=4, temperature=0,
-            stream=True,
-        )  # fmt: skip
-        return "".join([c.choices[0].text async for c in stream])
-
-    async def run_all() -> list[str]:
-        try:
-            return await asyncio.gather(*(one(PROMPTS[i % len(PROMPTS)]) for i in range(32)))
-        finally:
-            await client.close()
-
-    texts = asyncio.run(run_all())
-    alone = {p: server.openai().completions.create(
-        model="SmolLM2-135M-Instruct", prompt=p, max_tokens=4, temperature=0).choices[0].text
-        for p in PROMPTS}  # fmt: skip
+    texts, alone = streams_and_alone(server, "SmolLM2-135M-Instruct", PROMPTS)
     assert texts == [alone[PROMPTS[i % len(PROMPTS)]] for i in range(32)]
 
 

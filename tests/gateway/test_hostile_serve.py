@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from experiments import serving
 from experiments.serving import ServeProcess
 from tests.gateway.conftest import MAX_MODEL_LEN
 from tests.gateway.test_hostile_input import NESTED_LOOPS, PLAIN_TEMPLATE
@@ -27,11 +28,8 @@ SECRET = "marmot-vellum-4417"
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[ServeProcess]:
-    process = ServeProcess.start(*ARGS)
-    try:
+    with serving.served(*ARGS) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def full_log(server: ServeProcess) -> str:

@@ -11,25 +11,18 @@ import torch
 
 from pdserve.engine.core import EngineCore
 from pdserve.engine.synthetic_model import (
-    SyntheticLlamaConfig,
     hf_fields,
     random_llama,
     save_checkpoint,
+    small_llama_shape,
 )
 from pdserve.kernels import dispatch
 from tests.engine.greedy import greedy_tokens
 
 pytestmark = pytest.mark.slow
 
-CFG = SyntheticLlamaConfig(
-    vocab_size=512,
-    hidden_size=96,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=256,
+CFG = small_llama_shape(
+    hidden_size=96, num_attention_heads=6, head_dim=32, max_position_embeddings=256
 )
 
 
