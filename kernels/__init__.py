@@ -33,7 +33,7 @@ from pdserve.kernels.dispatch import (
     load_triton_kernels,
     triton_unavailable_reason,
 )
-from pdserve.kernels.ops import linear, rms_norm, rotary_embedding
+from pdserve.kernels.ops import linear, linear_int8, rms_norm, rotary_embedding
 
 apply_isa()  # before torch's first vectorised op, which reads the capability once
 
@@ -43,6 +43,7 @@ __all__ = [
     "cpu_kernels_status",
     "decode_attention",
     "linear",
+    "linear_int8",
     "load_triton_kernels",
     "paged_attention",
     "prefill_attention",
