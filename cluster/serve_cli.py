@@ -116,6 +116,14 @@ def _add_model_flags(model: argparse._ArgumentGroup) -> None:
     )
     model.add_argument("--dtype", choices=DTYPES, default="auto")
     model.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        metavar="METHOD",
+        help="quantize the weights at load: int8 (the decoder layers' matrices as int8 with "
+        "per-row scales, CPU; docs/quantization.md) (default: none)",
+    )
+    model.add_argument(
         "--max-model-len",
         type=int,
         default=None,

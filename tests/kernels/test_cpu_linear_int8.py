@@ -130,6 +130,9 @@ def test_dispatch_sends_cpu_int8_linear_to_the_c_kernel(kernels):
     try:
         chosen = dispatch.lookup("linear_int8", x)
         assert isinstance(getattr(chosen, "__self__", None), CpuInt8Linear)
+        scales = torch.rand(8)
+        expected = exact(x, w, scales, None)
+        torch.testing.assert_close(chosen(x, w, scales).double(), expected, atol=1e-3, rtol=1e-5)
         dispatch.set_cpu_kernels_enabled(False)
         assert dispatch.lookup("linear_int8", x) is linear_int8_ref
     finally:
