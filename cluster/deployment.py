@@ -262,6 +262,7 @@ def engine_config(args: argparse.Namespace, model_path: str | None, device: str)
         return EngineConfig(
             model=model_path,
             dtype=args.dtype,
+            quantization=args.quantization,
             block_size=args.block_size,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -195,9 +195,12 @@ def instance_summary(info: InstanceInfo) -> str:
     blocks_per_request = -(-info.max_model_len // info.block_size)
     fit = info.num_blocks // blocks_per_request
     model = os.path.basename(info.model_path.rstrip("/")) or info.model_path
+    weights = f", weights {info.weight_bytes / 2**20:.0f} MiB" if info.weight_bytes else ""
+    if weights and info.quantization:
+        weights += f" ({info.quantization})"
     return (
         f"pdserve: {info.address.instance_id}: {model}, {info.dtype or '?'} on "
-        f"{info.device or '?'}, {info.num_blocks} KV blocks x {info.block_size} = "
+        f"{info.device or '?'}{weights}, {info.num_blocks} KV blocks x {info.block_size} = "
         f"{info.num_blocks * info.block_size} tokens, {fit} requests of "
         f"{info.max_model_len} tokens (max_model_len) fit at once"
         + (f"; kernels: {info.kernels}" if info.kernels else "")

@@ -95,7 +95,7 @@ def _add_model_flags(model: argparse._ArgumentGroup) -> None:
         metavar="NAME",
         help="name(s) clients use for the model (default: --model)",
     )
-    model.add_argument("--dtype", choices=DTYPES, default="auto")
+    _add_precision_flags(model)
     model.add_argument(
         "--max-model-len",
         type=int,
@@ -143,6 +143,19 @@ def _structured_outputs_config(text: str) -> StructuredOutputsConfig:
         return check_structured_outputs_config(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_precision_flags(model: argparse._ArgumentGroup) -> None:
+    model.add_argument("--dtype", choices=DTYPES, default="auto")
+    # Checked by EngineConfig (one line naming the choices), not by argparse's choices.
+    model.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        metavar="METHOD",
+        help="quantize the weights at load: int8 (the decoder layers' matrices as int8 with "
+        "per-row scales, CPU; docs/quantization.md) (default: none)",
+    )
 
 
 def _add_http_flags(http: argparse._ArgumentGroup) -> None:

@@ -223,5 +223,8 @@ class InstanceInfo(msgspec.Struct, frozen=True):
     # What the startup summary names: the KV cache's dtype and the engine's device.
     dtype: str = ""
     device: str = ""
+    # Bytes of the weights a rank holds, and how they are quantized ("" for none).
+    weight_bytes: int = 0
+    quantization: str = ""
     # The epoch its outputs start in (a restarted instance: its predecessor's last + 1).
     epoch: int = 0

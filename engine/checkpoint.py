@@ -82,6 +82,7 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any], path: Path | str = "config.json") -> ModelConfig:
         reader = _ConfigReader(raw, path)
         architecture = reader.architecture()
+        reader.refuse_quantization()
         hidden = reader.positive_int("hidden_size")
         heads = reader.positive_int("num_attention_heads")
         kv_heads = reader.positive_int("num_key_value_heads", default=heads)
@@ -155,6 +156,19 @@ class _ConfigReader:
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         return names[0]
+
+    def refuse_quantization(self) -> None:
+        """A checkpoint quantized by another tool stores packed weights and scales the
+        model classes do not read: refused by its method, never loaded as plain weights."""
+        config = self.raw.get("quantization_config")
+        if config is None:
+            return
+        method = config.get("quant_method") if isinstance(config, dict) else None
+        named = f"quant_method {method!r}" if isinstance(method, str) else "no quant_method"
+        self.fail(
+            f"quantization_config ({named}) is not served: pdserve reads 16/32-bit weights "
+            "(--quantization int8 quantizes them at load)"
+        )
 
     def positive_int(self, key: str, default: Any = None) -> int:
         value = self.get(key, default)

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
+# Weight quantizations applied at load to a 16/32-bit checkpoint (vLLM's spelling).
+QUANTIZATIONS = ("int8",)
 GiB = 1 << 30
 
 
@@ -30,6 +32,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # auto: the checkpoint's dtype; on CPU float16 → bfloat16, and float32 → bfloat16
     # where the CPU has bf16 dot products (`dtype_name`).
     dtype: str = "auto"
+    # None: weights in `dtype`; "int8": the decoder layers' matrices as int8 with per-row
+    # scales, quantized at load (engine/models/int8.py; CPU only).
+    quantization: str | None = None
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -54,6 +59,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        self._check_quantization()
         for name in (
             "block_size",
             "max_num_seqs",
@@ -73,6 +79,17 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"device must be cpu, cuda or cuda:N; got {self.device!r}")
         if self.cuda_graph_sizes is not None and any(s < 1 for s in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be positive, got {self.cuda_graph_sizes}")
+
+    def _check_quantization(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}"
+            )
+        if self.quantization is not None and self.device != "cpu":
+            raise ValueError(
+                f"quantization {self.quantization} runs on CPU (its C kernels); "
+                f"it is not built for device {self.device}"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

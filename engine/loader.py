@@ -22,9 +22,12 @@ def load_model(
     device: torch.device | str = "cpu",
     tp: TensorParallel | None = None,
     stage: PipelineStage | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """With `tp`, the rank's slice of the model, read as slices from the files; with
-    `stage`, only the tensors of the stage's layers (and ends) are read."""
+    `stage`, only the tensors of the stage's layers (and ends) are read; with
+    `quantization="int8"`, the decoder layers' matrices held as int8 with per-row scales,
+    quantized as their tensors are read (`engine/models/int8.py`)."""
     cls = model_class(config.architecture)
     compute = compute_dtype(dtype, device)
     previous = torch.get_default_dtype()
@@ -36,7 +39,8 @@ def load_model(
         torch.set_default_dtype(previous)
     # Shapes and presence are checked from the file headers before any tensor is read.
     check_weights(folder, model.expected_weights())
-    model.load_weights(iter_weights(folder, model.shard_of, model.holds))
+    read_shard = model.quantize_int8().read_shard if quantization == "int8" else model.shard_of
+    model.load_weights(iter_weights(folder, read_shard, model.holds))
     if compute != dtype:
         store_matrices_narrow(model, dtype)
     return model.eval()

@@ -115,7 +115,9 @@ class ModelWorker:
         self.device = torch.device(config.device)
         on_cuda = self.device.type == "cuda"
         free_before_load = gpu_memory.free_device_memory(self.device) if on_cuda else 0
-        self.model = load_model(self.model_path, mc, self.dtype, self.device, self.tp, stage)
+        self.model = load_model(
+            self.model_path, mc, self.dtype, self.device, self.tp, stage, config.quantization
+        )
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )

@@ -2,7 +2,7 @@
 op and by stage.
 
     python -m experiments.decode_step_cost [--batches 1 32] [--steps 40] [--rounds 3]
-        [--threads 1 --clock cpu]
+        [--threads 1 --clock cpu] [--dtype float32 --quantization int8]
 
 Each batch runs `batch` greedy requests of random 128-token prompts through the
 prefill, then times `--steps` decode steps, `--rounds` times (the median round is
@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.models import llama
+from pdserve.engine.models import int8, llama
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.worker import ModelWorker
 from pdserve.kernels import attention
@@ -38,7 +38,8 @@ Clock = dict[str, float]
 # (module, attribute, label), in print order: what gets a timer, where the model has
 # it (the unfused and fused attention ops). Indented labels are parts of the op above.
 MODEL_OPS = [
-    (llama, "linear", "linear (C)"),
+    (int8, "linear", "linear (C)"),  # every decoder-layer projection goes through int8.project
+    (int8, "linear_int8", "linear int8 (C)"),
     (llama, "rms_norm", "rms_norm (+residual)"),
     (llama, "rotary_embedding", "rotary"),
     (llama, "rotary_write_kv_cache", "rotary + KV write"),
@@ -114,13 +115,10 @@ def one_round(llm: LLM, steps: int) -> Clock:
 def breakdown(clock: Clock) -> list[tuple[str, float]]:
     ops = [label for _, _, label in MODEL_OPS if label in clock]
     top_ops = [label for label in ops if not label.startswith("  ")]
-    model_ops = sum(clock[label] for label in top_ops) + clock["LM head (C linear)"]
-    # The LM head's linear call is timed both as "linear" and inside compute_logits.
-    head_in_linear = clock["LM head (C linear)"]
+    head = clock["LM head (C linear)"]
+    model_ops = sum(clock[label] for label in top_ops) + head
     rows = [(label, clock[label]) for label in ops]
-    rows[0] = (rows[0][0], clock[ops[0]] - head_in_linear)
-    rows.append(("LM head (C linear)", head_in_linear))
-    model_ops -= head_in_linear
+    rows.append(("LM head (C linear)", head))
     rows.append(("model glue (Python, torch views)", clock["forward + logits"] - model_ops))
     rows.append(("forward + logits", clock["forward + logits"]))
     for label in ("step inputs (prepare)", "sampling", "rank request mirrors"):
@@ -138,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint folder (default: embedded)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default=None, help="int8: the layers' matrices in int8")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=40)
@@ -148,10 +147,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     global now
     now = time.thread_time if args.clock == "cpu" else time.perf_counter
-    llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads, max_num_seqs=256)
+    llm = LLM(
+        model=args.model, dtype=args.dtype, quantization=args.quantization,
+        num_threads=args.threads, max_num_seqs=256,
+    )  # fmt: skip
     print(
-        f"dtype {args.dtype}, {torch.get_num_threads()} threads, {args.clock} clock, "
-        f"{llm.engine.info.kernels}"
+        f"dtype {args.dtype}, quantization {args.quantization}, weights "
+        f"{llm.engine.info.weight_bytes / 2**20:.0f} MiB, {torch.get_num_threads()} threads, "
+        f"{args.clock} clock, {llm.engine.info.kernels}"
     )
     for batch in args.batches:
         start_requests(llm, batch, args.prompt_len, args.steps)

@@ -118,6 +118,8 @@ class StepLoop:
             kernels=engine.kernels_status(),
             dtype=engine.info.kv.dtype,
             device=self.engine_config.device,
+            weight_bytes=engine.info.weight_bytes,
+            quantization=self.engine_config.quantization or "",
             epoch=self.io.epoch,
         )
 

@@ -12,8 +12,9 @@
   rotation with the KV-cache write, straight from the fused QKV projection, one call
   per layer (`cpu/rotary.c`); RMSNorm with its residual add (`cpu/norm.c`), summing in
   torch's order so float32 values stay the reference's; the linear layer at every row
-  count (`cpu/linear.c`, `cpu/linear_bf16.c`). `cpu_kernels_status()` says which
-  implementation is active.
+  count (`cpu/linear.c`, `cpu/linear_bf16.c`), and its weight-only int8 form
+  (`cpu/linear_int8.c`, bound in `cpu_int8.py`: int8 rows widened in registers, one
+  scale per output row). `cpu_kernels_status()` says which implementation is active.
 - Plain-torch references of the same signatures (`reference.py`), and the dispatch
   between them (`dispatch.py`, `ops.py`, `attention.py`).
 """
@@ -33,7 +34,7 @@ from pdserve.kernels.dispatch import (
     load_triton_kernels,
     triton_unavailable_reason,
 )
-from pdserve.kernels.ops import linear, rms_norm, rotary_embedding
+from pdserve.kernels.ops import linear, linear_int8, rms_norm, rotary_embedding
 
 apply_isa()  # before torch's first vectorised op, which reads the capability once
 
@@ -43,6 +44,7 @@ __all__ = [
     "cpu_kernels_status",
     "decode_attention",
     "linear",
+    "linear_int8",
     "load_triton_kernels",
     "paged_attention",
     "prefill_attention",

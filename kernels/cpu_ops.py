@@ -58,6 +58,9 @@ _CALLS = {
     # x, its row stride, weight, its dtype, its row stride, bias, bias dtype, y, its row
     # stride, then m, n, k, bf16 dot products (0/1), threads.
     "linear": ("pd_linear", struct.Struct("<15q")),
+    # x, its row stride, int8 weight, its row stride, scales, bias, bias dtype, y, its row
+    # stride, then m, n, k, threads (kernels/cpu/linear_int8.c).
+    "linear_int8": ("pd_linear_int8", struct.Struct("<14q")),
     # qkv, positions, cos/sin (and its rows), q_out, cache, slots (pointer, dtype code,
     # strides each), then shapes, threads.
     "rotary": ("pd_rotary_write_kv_cache", struct.Struct("<30q")),
@@ -96,8 +99,9 @@ class CpuKernels:
         (self._decode, self._pack_decode, self._DecodeArgs) = calls[1]
         (self._prefill, self._pack_prefill, self._PrefillArgs) = calls[2]
         (self._linear, self._pack_linear, self._LinearArgs) = calls[3]
-        (self._rotary, self._pack_rotary, self._RotaryArgs) = calls[4]
-        (self._norm, self._pack_norm, self._NormArgs) = calls[5]
+        (self._int8, self._pack_int8, self._Int8Args) = calls[4]
+        (self._rotary, self._pack_rotary, self._RotaryArgs) = calls[5]
+        (self._norm, self._pack_norm, self._NormArgs) = calls[6]
 
     def describe(self) -> str:
         linear = "bf16 dot-product" if self.bf16_dot else "float32"
@@ -348,6 +352,9 @@ def register(kernels: CpuKernels) -> None:
     layer_ops = CpuLayerOps(kernels)
     dispatch.register_cpu("rotary_write_kv_cache", layer_ops.rotary_write_kv_cache)
     dispatch.register_cpu("rms_norm", layer_ops.rms_norm)
+    from pdserve.kernels.cpu_int8 import CpuInt8Linear
+
+    dispatch.register_cpu("linear_int8", CpuInt8Linear(kernels).linear_int8)
 
 
 def main(argv: list[str] | None = None) -> int:

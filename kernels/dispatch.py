@@ -33,6 +33,7 @@ _REFERENCE: dict[str, Callable[..., Any]] = {
     "rotary_embedding": reference.rotary_embedding_ref,
     "rotary_write_kv_cache": reference.rotary_write_kv_cache_ref,
     "linear": reference.linear_ref,
+    "linear_int8": reference.linear_int8_ref,
 }
 _TRITON: dict[str, Callable[..., Any]] = {}
 _load_attempted = False

@@ -200,3 +200,13 @@ def linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def linear_int8_ref(
+    x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None = None
+) -> Tensor:
+    """(x @ weight.T) * scales + bias in x's dtype, for an int8 weight quantized per
+    output row (row n of the original matrix ~ weight[n] * scales[n]): the weight-only
+    int8 linear layer. The scale multiplies each output's sum, as the C kernel does."""
+    y = torch.nn.functional.linear(x, weight.to(x.dtype)) * scales.to(x.dtype)
+    return y if bias is None else y + bias.to(x.dtype)

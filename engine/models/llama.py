@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.models.int8 import Int8Linears, project
 from pdserve.engine.models.rope import cos_sin_cache
 from pdserve.engine.parallel import TensorParallel
 from pdserve.engine.pipeline import PipelineStage
@@ -66,6 +67,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.layer_index = layer_index
+        self.qkv_scales = self.o_scales = None  # per-row scales of int8 weights (int8.py)
 
     def forward(
         self,
@@ -76,7 +78,7 @@ class Attention(nn.Module):
         cos_sin: Tensor,
     ) -> Tensor:
         n = hidden.shape[0]
-        qkv = linear(hidden, self.qkv_weight, self.qkv_bias)
+        qkv = project(hidden, self.qkv_weight, self.qkv_bias, self.qkv_scales)
         if self.q_norm is None:  # rotary and the KV write in one op, straight from qkv
             q = rotary_write_kv_cache(
                 positions, qkv, cos_sin, kv_cache, meta.slot_mapping, self.num_heads
@@ -84,9 +86,10 @@ class Attention(nn.Module):
             attn = attend_cached(q, kv_cache, meta, self.scale)
         else:
             attn = self._attend_normed(positions, qkv, kv_cache, meta, cos_sin)
+        attn = attn.reshape(n, self.q_size)
         if not self.tp.enabled:
-            return linear(attn.reshape(n, self.q_size), self.o_weight, self.o_bias)
-        out = self.tp.all_reduce(linear(attn.reshape(n, self.q_size), self.o_weight))
+            return project(attn, self.o_weight, self.o_bias, self.o_scales)
+        out = self.tp.all_reduce(project(attn, self.o_weight, None, self.o_scales))
         return out if self.o_bias is None else out + self.o_bias
 
     def _attend_normed(
@@ -121,13 +124,16 @@ class MLP(nn.Module):
                 torch.empty(2 * self.intermediate), requires_grad=False
             )
             self.down_bias = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+        self.gate_up_scales = self.down_scales = None  # per-row scales of int8 weights
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate_up = project(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_scales)
         gate, up = gate_up.split(self.intermediate, dim=-1)
         if not self.tp.enabled:
-            return linear(F.silu(gate) * up, self.down_weight, self.down_bias)
-        out = self.tp.all_reduce(linear(F.silu(gate) * up, self.down_weight))
+            return project(F.silu(gate) * up, self.down_weight, self.down_bias, self.down_scales)
+        out = self.tp.all_reduce(
+            project(F.silu(gate) * up, self.down_weight, None, self.down_scales)
+        )
         return out if self.down_bias is None else out + self.down_bias
 
 
@@ -184,6 +190,13 @@ class LlamaForCausalLM(nn.Module):
             ),
             persistent=False,
         )
+        self.int8: Int8Linears | None = None  # set by `quantize_int8`
+
+    def quantize_int8(self) -> Int8Linears:
+        """Every decoder layer's matrices become int8 with per-row scales, before the
+        checkpoint is read (`engine/models/int8.py`)."""
+        self.int8 = Int8Linears(self.layers, self.shard_of, self.tp.enabled)
+        return self.int8
 
     @property
     def hidden_dtype(self) -> torch.dtype:
@@ -339,7 +352,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy Hugging Face tensors into the fused parameters, checking every shape."""
-        expected = {name: self._local_shape(name, shape) for name, shape in self.expected_weights()}
+        expected = {name: self._read_shape(name, shape) for name, shape in self.expected_weights()}
         seen: set[str] = set()
         for name, tensor in weights:
             if name not in expected:
@@ -353,12 +366,21 @@ class LlamaForCausalLM(nn.Module):
                     f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected[name]}"
                 )
             param, offset = self.target_of(name)
-            param.data[offset : offset + tensor.shape[0]].copy_(tensor)
+            if self.int8 is not None and self.int8.holds(param):
+                self.int8.store(name, tensor, param, offset)
+            else:
+                param.data[offset : offset + tensor.shape[0]].copy_(tensor)
             seen.add(name)
         missing = [n for n in expected if n not in seen]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise WeightError(f"checkpoint lacks tensor {missing[0]!r}{more}")
+
+    def _read_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of what loading reads: this rank's part, or all of an int8
+        row-parallel matrix (its scales need whole rows)."""
+        whole = self.int8 is not None and self.int8.reads_whole(name)
+        return shape if whole else self._local_shape(name, shape)
 
     def _local_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         shard = self.shard_of(name)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.models.int8 import SCALES_SUFFIX
+
 
 def compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     if dtype == torch.bfloat16 and torch.device(device).type == "cpu":
@@ -25,8 +27,11 @@ def compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype
 
 def store_matrices_narrow(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Weight matrices (and the embedding table) stored in `dtype`; vectors (norm
-    weights, biases) keep the compute dtype with exactly the values `dtype` holds."""
-    for param in model.parameters():
+    weights, biases) keep the compute dtype with exactly the values `dtype` holds. int8
+    matrices and their float32 scales stay as they are (`int8.py`)."""
+    for name, param in model.named_parameters():
+        if not param.is_floating_point() or name.endswith(SCALES_SUFFIX):
+            continue
         if param.dim() == 2:
             param.data = param.data.to(dtype)
         else:

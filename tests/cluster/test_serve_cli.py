@@ -134,6 +134,7 @@ def test_inconsistent_kv_transfer_limits_fail_with_one_line() -> None:
         (["--skip-prefill-min-cached-ratio", "2"], "min_cached_ratio"),
         (["--request-timeout", "-1"], "--request-timeout must be >= 0"),
         (["--max-request-retries", "-1"], "--max-request-retries must be >= 0"),
+        (["--quantization", "int4"], "quantization must be one of int8; got 'int4'"),
     ],
 )
 def test_bad_flags_fail_with_one_line(flags: list[str], message: str) -> None:

@@ -38,6 +38,20 @@ def test_the_summary_names_the_kv_cache_and_how_many_full_requests_fit() -> None
     assert line.endswith("; kernels: Triton kernels")
 
 
+def test_the_summary_names_the_weight_bytes_and_their_quantization() -> None:
+    address = InstanceAddress("colocated-0", "colocated", "tcp://127.0.0.1:1")
+    info = InstanceInfo(
+        address, "tcp://127.0.0.1:2", "/models/SmolLM2-135M-Instruct", max_model_len=1024,
+        vocab_size=49152, block_size=16, num_blocks=200, max_num_seqs=8,
+        dtype="float32", device="cpu", weight_bytes=220_177_152, quantization="int8",
+    )  # fmt: skip
+    line = instance_summary(info)
+    assert line.startswith(
+        "pdserve: colocated-0: SmolLM2-135M-Instruct, float32 on cpu, weights 210 MiB (int8), "
+        "200 KV blocks"
+    )
+
+
 def test_serve_refuses_a_kv_cache_short_of_one_full_request() -> None:
     # 4 MiB hold 5 fp32 blocks (80 tokens) of the embedded model, whose max_model_len
     # is 8192: the instance fails to load and `pdserve serve` says why in one line.

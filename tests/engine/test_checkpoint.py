@@ -325,3 +325,26 @@ def test_shape_checks_name_tensor_file_expected_and_actual(tmp_path: Path) -> No
         check_shape("x.weight", torch.zeros(2, 3), (3, 2), file="model.safetensors")
     assert_one_line(error, "model.safetensors", "'x.weight'", "[2, 3]", "[3, 2]")
     check_shape("x.weight", torch.zeros(2, 3), (2, 3))
+
+
+@pytest.mark.parametrize(
+    "quantization",
+    [
+        {"quant_method": "gptq", "bits": 4, "group_size": 128},
+        {"quant_method": "fp8", "activation_scheme": "dynamic"},
+        {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+    ],
+    ids=lambda q: q["quant_method"],
+)
+def test_a_quantized_checkpoint_is_refused_by_its_method(tmp_path: Path, quantization) -> None:
+    """A checkpoint whose config.json carries a `quantization_config` stores its weights
+    in a format pdserve does not read (packed, with scales beside them): refused in one
+    line naming the method, rather than loaded as if the numbers were plain weights."""
+    folder = write_config(tmp_path / "ckpt", quantization_config=quantization)
+    with pytest.raises(CheckpointError) as error:
+        ModelConfig.from_folder(folder)
+    assert_one_line(error, "config.json", "quantization_config", quantization["quant_method"])
+    unnamed = write_config(tmp_path / "unnamed", quantization_config={"bits": 4})
+    with pytest.raises(CheckpointError) as error:
+        ModelConfig.from_folder(unnamed)
+    assert_one_line(error, "quantization_config", "no quant_method")

@@ -105,6 +105,16 @@ def test_tp3_on_the_embedded_model_and_tp2_refused() -> None:
     assert "\n" not in message and "3 KV heads" in message and "9 attention heads" in message
 
 
+def test_tp3_int8_computes_what_tp1_int8_does_on_the_embedded_model() -> None:
+    """Ranks hold their int8 rows (QKV, gate/up) or columns (output, down, with every
+    scale): the split model's tokens and log-probabilities are the whole one's."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    whole = _run(_llm(None, 1, quantization="int8"), prompts)
+    split_llm = _llm(None, 3, quantization="int8")
+    _assert_same(whole, _run(split_llm, prompts), 1e-4)
+    split_llm.engine.shutdown()
+
+
 def test_each_rank_reads_and_holds_only_its_shard(tmp_path) -> None:
     """About 1 GiB of float32 weights: at TP=2 each rank's parameters and the memory its
     load took are at most 0.6x those of TP=1 (a rank that read whole tensors fails)."""

@@ -46,8 +46,9 @@ def test_loading_registers_every_kernel_and_cpu_never_runs_triton():
     assert dispatch.triton_unavailable_reason() is None
     from pdserve.kernels.triton_ops import TRITON_KERNELS
 
-    # The linear layer has no Triton kernel: on CUDA its reference is cuBLAS already.
-    assert set(TRITON_KERNELS) == set(dispatch._REFERENCE) - {"linear"}
+    # The linear layer has no Triton kernel: on CUDA its reference is cuBLAS already;
+    # the int8 one serves CPUs only (`--quantization int8` is refused on CUDA).
+    assert set(TRITON_KERNELS) == set(dispatch._REFERENCE) - {"linear", "linear_int8"}
     for name, fn in TRITON_KERNELS.items():
         assert dispatch._TRITON[name] is fn
         assert dispatch.lookup(name, torch.zeros(1)) is not fn

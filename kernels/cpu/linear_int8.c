@@ -1,0 +1,193 @@
+/* Weight-only int8 linear layer: y[M, N] = (x[M, K] @ Q[N, K]^T) * scale[N] (+ bias), for
+ * int8 weights Q quantized per output row (W[n] ~ Q[n] * scale[n]) and float32 x and y.
+ *
+ * The weights stay int8 in memory (a quarter of float32's bytes, half of bf16's: at
+ * decode sizes the layer is bound by streaming them) and widen to float32 in registers,
+ * sixteen (AVX-512) or eight (AVX2) at a time: a sign extension and a conversion, both
+ * exact. Products accumulate in float32 with FMAs; each output's sum is multiplied by
+ * its row's scale once, then the bias is added.
+ *
+ * Invariance, as in linear.c: y[m, n] is one accumulator vector over K (lane j sums a
+ * fixed subset of k in increasing order; the last partial vector reads x zero-padded and
+ * the weights past K as zero) and one horizontal sum, whatever M, the tile shape, the
+ * thread count or the blocking. The AVX-512 and AVX2 builds sum in 16 and 8 lanes, so
+ * the two kinds of machine differ in the last bits.
+ *
+ * - Micro-kernel: R rows of x by C rows of Q, one accumulator per pair; each widened
+ *   weight vector serves the R rows. AVX-512 (32 registers): R x C in {1x24, 2x12, 3x8,
+ *   4x6}; AVX2 (16 registers): {1x12, 2x6, 3x4, 4x3}.
+ * - Prefetch and blocking: as linear.c (a thread owns a run of weight units; a weight
+ *   block small enough for L2 is reused by every block of x rows).
+ */
+#include "linear.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define LANES 16
+#define UNIT_N 24
+typedef __m512 vec;
+ALWAYS_INLINE vec vec_zero(void) { return _mm512_setzero_ps(); }
+ALWAYS_INLINE vec vec_x(const float *p) { return _mm512_load_ps(p); }
+ALWAYS_INLINE vec vec_w(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+ALWAYS_INLINE vec vec_fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+ALWAYS_INLINE float vec_sum(vec v) { return _mm512_reduce_add_ps(v); }
+#define COLS(R) ((R) == 1 ? 24 : (R) == 2 ? 12 : (R) == 3 ? 8 : 6)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+#define UNIT_N 12
+typedef __m256 vec;
+ALWAYS_INLINE vec vec_zero(void) { return _mm256_setzero_ps(); }
+ALWAYS_INLINE vec vec_x(const float *p) { return _mm256_load_ps(p); }
+ALWAYS_INLINE vec vec_w(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+ALWAYS_INLINE vec vec_fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+ALWAYS_INLINE float vec_sum(vec v) { /* halves of 4, 2, 1 lanes */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#define COLS(R) ((R) == 1 ? 12 : (R) == 2 ? 6 : (R) == 3 ? 4 : 3)
+#else /* any other CPU: the same arithmetic one lane wide */
+#define LANES 1
+#define UNIT_N 12
+typedef float vec;
+ALWAYS_INLINE vec vec_zero(void) { return 0.0f; }
+ALWAYS_INLINE vec vec_x(const float *p) { return *p; }
+ALWAYS_INLINE vec vec_w(const int8_t *p) { return (float)*p; }
+ALWAYS_INLINE vec vec_fma(vec a, vec b, vec c) { return fmaf(a, b, c); }
+ALWAYS_INLINE float vec_sum(vec v) { return v; }
+#define COLS(R) ((R) == 1 ? 12 : (R) == 2 ? 6 : (R) == 3 ? 4 : 3)
+#endif
+
+#define MAX_R 4
+#define MAX_ACC (4 * COLS(4)) /* R * C is the same for every R */
+#define BLOCK_BYTES (96 << 10)
+#define X_BLOCK_BYTES (192 << 10)
+
+typedef struct {
+    const float *xp; /* packed x: rows of kp floats (K rounded up to LANES), zero-padded */
+    const int8_t *w;
+    int64_t w_rs;
+    const float *scales;
+    const void *bias;
+    int bias_dt; /* -1: none */
+    float *y;
+    int64_t y_rs;
+    int64_t m, n;
+    int k, kp;
+} int8_args;
+
+/* R rows of packed x times C weight rows from w: y[r][c] for the tile. */
+ALWAYS_INLINE void tile(const int8_args *A, const float *xp, const int8_t *w, int64_t n, float *y,
+                        const int R, const int C) {
+    const int K = A->k, KV = K & ~(LANES - 1), KP = A->kp;
+    const int64_t rs = A->w_rs;
+    vec acc[MAX_ACC];
+#pragma GCC unroll 24
+    for (int i = 0; i < R * C; i++) acc[i] = vec_zero();
+    for (int k = 0; k < KV; k += LANES) {
+        vec xv[MAX_R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) xv[r] = vec_x(xp + r * KP + k);
+#pragma GCC unroll 24
+        for (int c = 0; c < C; c++) {
+            const int8_t *row = w + c * rs + k;
+            /* The next tile's rows, a 64-byte line at a time (as linear.c). */
+            if (!(k & 63)) __builtin_prefetch(row + C * rs, 0, 0);
+            const vec wv = vec_w(row);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) acc[r * C + c] = vec_fma(xv[r], wv, acc[r * C + c]);
+        }
+    }
+    if (KV < K) { /* the last partial vector: weights past K read as zero */
+#pragma GCC unroll 24
+        for (int c = 0; c < C; c++) {
+            int8_t tail[16] = {0};
+            memcpy(tail, w + c * rs + KV, (size_t)(K - KV));
+            const vec wv = vec_w(tail);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                acc[r * C + c] = vec_fma(vec_x(xp + r * KP + KV), wv, acc[r * C + c]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 24
+        for (int c = 0; c < C; c++) {
+            float s = vec_sum(acc[r * C + c]) * A->scales[n + c];
+            if (A->bias_dt >= 0) s += load_scalar(A->bias, A->bias_dt, n + c);
+            y[r * A->y_rs + c] = s;
+        }
+}
+
+/* Rows m0..m0+R of x against weight rows [n0, n1), in tiles of C. */
+ALWAYS_INLINE void rows_times_block(const int8_args *A, int64_t m0, int64_t n0, int64_t n1,
+                                    const int R) {
+    const int C = COLS(R);
+    const float *xp = A->xp + m0 * A->kp;
+    float *y = A->y + m0 * A->y_rs;
+    int64_t n = n0;
+    for (; n + C <= n1; n += C) tile(A, xp, A->w + n * A->w_rs, n, y + n, R, C);
+    for (; n < n1; n++) tile(A, xp, A->w + n * A->w_rs, n, y + n, R, 1);
+}
+
+static __attribute__((noinline)) void rows_r(const int8_args *A, int64_t m, int64_t n0, int64_t n1,
+                                             int R) {
+    switch (R) {
+    case 4: rows_times_block(A, m, n0, n1, 4); break;
+    case 3: rows_times_block(A, m, n0, n1, 3); break;
+    case 2: rows_times_block(A, m, n0, n1, 2); break;
+    default: rows_times_block(A, m, n0, n1, 1); break;
+    }
+}
+
+/* Every row against weight units [u0, u1): blocks of x rows, blocks of weight rows. */
+static void run_units(const void *args, int64_t u0, int64_t u1) {
+    const int8_args *A = args;
+    int64_t rows = X_BLOCK_BYTES / ((int64_t)A->kp * 4) & ~(int64_t)3;
+    if (rows < 4) rows = 4;
+    int64_t block = BLOCK_BYTES / ((int64_t)UNIT_N * A->k);
+    if (block < 1) block = 1;
+    for (int64_t m0 = 0; m0 < A->m; m0 += rows) {
+        int64_t m1 = m0 + rows < A->m ? m0 + rows : A->m;
+        for (int64_t b0 = u0; b0 < u1; b0 += block) {
+            int64_t n0 = b0 * UNIT_N, n1 = (b0 + block < u1 ? b0 + block : u1) * UNIT_N;
+            if (n1 > A->n) n1 = A->n;
+            int64_t m = m0;
+            for (; m + 4 <= m1; m += 4) rows_r(A, m, n0, n1, 4);
+            if (m < m1) rows_r(A, m, n0, n1, (int)(m1 - m));
+        }
+    }
+}
+
+/* x rows copied to rows of kp floats, the padding zero. */
+static void pack_x(const float *x, int64_t x_rs, int64_t m, int k, int kp, float *dst) {
+    for (int64_t r = 0; r < m; r++) {
+        memcpy(dst + r * kp, x + r * x_rs, sizeof(float) * k);
+        memset(dst + r * kp + k, 0, sizeof(float) * (kp - k));
+    }
+}
+
+/* The call's arguments as one struct of 8-byte fields (kernels/cpu_ops.py packs it). */
+typedef struct {
+    int64_t x, x_rs, w, w_rs, scales, bias, bias_dt, y, y_rs;
+    int64_t m, n, k, num_threads, bad;
+} pd_linear_int8_call;
+
+int64_t pd_linear_int8_call_size(void) { return sizeof(pd_linear_int8_call); }
+
+int pd_linear_int8(pd_linear_int8_call *c) {
+    const int64_t m = c->m, n = c->n, k = c->k;
+    if (m == 0 || n == 0) return PD_OK;
+    const int kp = (int)((k + LANES - 1) & ~(int64_t)(LANES - 1));
+    float *xp = linear_scratch((size_t)(m * kp) * sizeof(float));
+    if (!xp) return PD_NO_MEMORY;
+    pack_x(PTR(c->x), c->x_rs, m, (int)k, kp, xp);
+    int8_args A = {.xp = xp, .w = PTR(c->w), .w_rs = c->w_rs, .scales = PTR(c->scales),
+                   .bias = PTR(c->bias), .bias_dt = (int)c->bias_dt, .y = PTR(c->y),
+                   .y_rs = c->y_rs, .m = m, .n = n, .k = (int)k, .kp = kp};
+    linear_split(run_units, &A, (n + UNIT_N - 1) / UNIT_N, m * n * k, (int)c->num_threads);
+    return PD_OK;
+}

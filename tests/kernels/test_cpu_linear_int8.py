@@ -1,0 +1,180 @@
+"""The weight-only int8 linear layer in C against a float64 product of the same int8
+values and scales and against its plain-torch reference, on this CPU's build (AVX-512
+here) and on the AVX2 build (`PDSERVE_CPU_ISA=avx2`, in a child process); each row's
+output independent of the other rows of the call.
+
+The grid walks row counts through every micro-kernel shape (1-4 rows and their
+remainders) and a block of rows past the first, weight rows through partial units and
+tiles, and K through the vector loop with and without a partial last vector.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pdserve.kernels import dispatch
+from pdserve.kernels.cpu_int8 import CpuInt8Linear
+from pdserve.kernels.reference import linear_int8_ref
+
+BF16 = torch.bfloat16
+# (rows, weight rows, k, bias dtype, threads)
+GRID = [
+    (1, 24, 16, None, 1),
+    (1, 25, 17, torch.float32, 2),  # one row past a unit; a 1-element last vector
+    (1, 960, 576, None, 2),  # SmolLM2's fused QKV at decode
+    (2, 12, 32, BF16, 1),
+    (3, 37, 40, None, 2),  # 3-row tiles; K past a vector by 8
+    (4, 100, 576, torch.float32, 2),
+    (5, 11, 48, BF16, 1),  # 4 + 1 rows; fewer weight rows than a unit
+    (7, 37, 1536, None, 2),  # 4 + 3 rows; SmolLM2's down projection width
+    (13, 1, 64, torch.float32, 1),  # a single weight row
+    (64, 50, 5, None, 2),  # K below one vector
+    (97, 61, 203, BF16, 2),  # a prefill chunk of odd sizes
+    (300, 70, 576, None, 2),  # more rows than one block of x
+]
+
+
+def case_tensors(m: int, n: int, k: int, bias_dtype: torch.dtype | None):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, generator=gen) * 0.02 + 1e-3
+    bias = None if bias_dtype is None else torch.randn(n, generator=gen).to(bias_dtype)
+    return x, w, scales, bias
+
+
+def exact(x, w, scales, bias) -> torch.Tensor:
+    y = (x.double() @ w.double().T) * scales.double()
+    return y if bias is None else y + bias.double()
+
+
+def tolerance(k: int) -> float:
+    # float32 sums of k products of |x| ~ 1, |w| <= 127, times scales <= 0.021.
+    return 127 * 0.021 * (1e-6 * k**0.5 + 1e-7 * k)
+
+
+@pytest.fixture(scope="module")
+def op(kernels) -> CpuInt8Linear:
+    return CpuInt8Linear(kernels)
+
+
+@pytest.mark.parametrize("case", GRID, ids=lambda c: f"m{c[0]}n{c[1]}k{c[2]}-{c[3]}-t{c[4]}")
+def test_int8_linear_matches_exact_product_and_reference(op, threads, case):
+    m, n, k, bias_dtype, num_threads = case
+    threads(num_threads)
+    x, w, scales, bias = case_tensors(m, n, k, bias_dtype)
+    y = op.linear_int8(x, w, scales, bias)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    expected = exact(x, w, scales, bias)
+    torch.testing.assert_close(y.double(), expected, atol=tolerance(k), rtol=1e-5)
+    reference = linear_int8_ref(x, w, scales, bias)
+    torch.testing.assert_close(y, reference, atol=2 * tolerance(k), rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [576, 203])
+def test_a_row_does_not_depend_on_the_other_rows(op, threads, k):
+    """Bit for bit: one row alone, inside any batch, at 1 or 2 threads."""
+    x, w, scales, bias = case_tensors(300, 130, k, torch.float32)
+    threads(2)
+    whole = op.linear_int8(x, w, scales, bias)
+    for rows in (1, 2, 3, 5, 64, 65, 300):
+        for num_threads in (1, 2):
+            threads(num_threads)
+            assert torch.equal(op.linear_int8(x[-rows:], w, scales, bias), whole[-rows:])
+
+
+def test_strided_rows_leading_dims_and_other_dtypes(op):
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randint(-127, 128, (30, 64), generator=gen, dtype=torch.int8)
+    scales = torch.rand(30, generator=gen)
+    wide = torch.randn(6, 200, generator=gen)
+    x = wide[:, 8:72]  # rows 200 apart: read in place
+    torch.testing.assert_close(
+        op.linear_int8(x, w, scales).double(), exact(x, w, scales, None), atol=1e-3, rtol=1e-5
+    )
+    x3 = torch.randn(2, 3, 64, generator=gen)
+    assert op.linear_int8(x3, w, scales).shape == (2, 3, 30)
+    xb = x.to(BF16)  # not float32: the reference computes it
+    assert torch.equal(op.linear_int8(xb, w, scales), linear_int8_ref(xb, w, scales))
+    assert op.linear_int8(torch.empty(0, 64), w, scales).shape == (0, 30)
+
+
+def test_bad_arguments_get_one_line_errors(op):
+    w = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
+    scales = torch.ones(8)
+    x = torch.randn(2, 64)
+    cases = [
+        ((torch.randn(2, 32), w, scales), "x has 32 features, weight expects 64"),
+        ((x, w.float(), scales), "weight must be a 2-D int8 matrix"),
+        ((x, w, torch.ones(7)), r"scales must be float32 \[8\]"),
+        ((x, w, scales.double()), r"scales must be float32 \[8\]"),
+        ((x, w, scales, torch.ones(7)), r"bias must be \[8\]"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message) as raised:
+            op.linear_int8(*args)
+        assert "\n" not in str(raised.value)
+
+
+def test_dispatch_sends_cpu_int8_linear_to_the_c_kernel(kernels):
+    x = torch.randn(2, 64)
+    w = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
+    before = dispatch._cpu_enabled
+    dispatch.set_cpu_kernels_enabled(True)
+    try:
+        chosen = dispatch.lookup("linear_int8", x)
+        assert isinstance(getattr(chosen, "__self__", None), CpuInt8Linear)
+        scales = torch.rand(8)
+        expected = exact(x, w, scales, None)
+        torch.testing.assert_close(chosen(x, w, scales).double(), expected, atol=1e-3, rtol=1e-5)
+        dispatch.set_cpu_kernels_enabled(False)
+        assert dispatch.lookup("linear_int8", x) is linear_int8_ref
+    finally:
+        dispatch.set_cpu_kernels_enabled(before)
+
+
+def _cpu_has_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read().split()
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+@pytest.mark.skipif(not _cpu_has_avx2(), reason="the CPU has no AVX2")
+def test_the_avx2_build_matches_exact_products():
+    """PDSERVE_CPU_ISA=avx2 (a child process: the build is per process) runs the 8-lane
+    path on the same grid, within the same bounds, rows independent as well."""
+    code = (
+        "import json, torch, sys\n"
+        "from pdserve.kernels import cpu_ops\n"
+        "from pdserve.kernels.cpu_int8 import CpuInt8Linear\n"
+        "from tests.kernels.test_cpu_linear_int8 import GRID, case_tensors, exact\n"
+        "k = cpu_ops.load(); op = CpuInt8Linear(k)\n"
+        "errors = []\n"
+        "for m, n, kk, b, t in GRID:\n"
+        "    torch.set_num_threads(t)\n"
+        "    x, w, s, bias = case_tensors(m, n, kk, b)\n"
+        "    y = op.linear_int8(x, w, s, bias)\n"
+        "    errors.append((y.double() - exact(x, w, s, bias)).abs().max().item())\n"
+        "x, w, s, bias = case_tensors(300, 130, 203, None)\n"
+        "alone = torch.equal(op.linear_int8(x[-3:], w, s), op.linear_int8(x, w, s)[-3:])\n"
+        "print(json.dumps({'info': k.build_info, 'errors': errors, 'alone': alone}))\n"
+    )
+    env = {**os.environ, "PDSERVE_CPU_ISA": "avx2"}
+    child = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    assert result["info"].startswith("AVX2+FMA")
+    assert result["alone"]
+    for (_, _, k, _, _), error in zip(GRID, result["errors"], strict=True):
+        assert error <= tolerance(k), (k, error)
