@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -137,7 +137,7 @@ class _ConfigReader:
         self.raw = raw
         self.path = path
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str) -> NoReturn:
         raise CheckpointError(f"{self.path}: {message}")
 
     def get(self, key: str, default: Any = None) -> Any:
