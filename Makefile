@@ -28,10 +28,13 @@ $(STAMP): pyproject.toml
 serve: install
 	$(VENV)/bin/pdserve serve $(SERVE_ARGS)
 
+# mypy reads its settings from pyproject.toml: the product code, through the pdserve/<room> links.
 test: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q $(TEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
