@@ -1,1 +1,18 @@
-"""cluster"""
+"""cluster: bringing it up. Ray lives here only.
+
+- `pdserve serve`: `serve.py`, `serve_cli.py`, `deployment.py` (`Deployment`: what the
+  flags bring up, the engine and KV transfer configs built from them by attribute),
+  `http_server.py` (uvicorn's settings and the request-head timeout);
+- placement on cores and GPUs (`placement.py`), where sockets bind (`addresses.py`),
+  a joined Ray cluster's inventory (`ray_cluster.py`);
+- the launchers (`launcher.py`): the Ray launcher (`ray_launcher.py`, `ray_actors.py`:
+  actors `PrefillInstance`, `DecodeInstance`, `ColocatedInstance` with the pools'
+  custom resources; a tensor-parallel instance's ranks as `TensorParallelRank` actors
+  in its placement groups, `ray_ranks.py`) and the Ray-free local launcher
+  (`local_launcher.py`: processes titled `pdserve::DecodeInstance decode-0`);
+- `supervisor.py`: restarts an instance whose process exited and kills a fenced one;
+  `ray_watch.py`: the Ray launcher's actors after the launch (the death watch over
+  `load()` and `run()` calls; one actor started, stopped or killed);
+- `pools.py`: the pools' control for `/admin/*` (members, one more started, one
+  drained stopped).
+"""

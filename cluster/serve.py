@@ -189,8 +189,9 @@ def exited(gateway: Gateway, supervisor: Supervisor, instance_id: str, reason: s
 
 
 def instance_summary(info: InstanceInfo) -> str:
-    """One line per ready instance: what it runs, its KV cache, and how many requests
-    of full length (`max_model_len`) its blocks hold at once."""
+    """One line per ready instance: what it runs (model, precision, device, kernels),
+    its KV cache, and how many requests of full length (`max_model_len`) its blocks
+    hold at once."""
     blocks_per_request = -(-info.max_model_len // info.block_size)
     fit = info.num_blocks // blocks_per_request
     model = os.path.basename(info.model_path.rstrip("/")) or info.model_path
@@ -199,6 +200,7 @@ def instance_summary(info: InstanceInfo) -> str:
         f"{info.device or '?'}, {info.num_blocks} KV blocks x {info.block_size} = "
         f"{info.num_blocks * info.block_size} tokens, {fit} requests of "
         f"{info.max_model_len} tokens (max_model_len) fit at once"
+        + (f"; kernels: {info.kernels}" if info.kernels else "")
     )
 
 

@@ -1,1 +1,12 @@
-"""common: what every room shares; imports nothing from pdserve."""
+"""common: what every room shares. Pure Python, the leaf: it imports no other room.
+
+- `request.py`: the request and its lifecycle (its statuses, phase times);
+- `sampling_params.py`: sampling parameters, and the output constraints they carry
+  (`structured_output.py`: JSON schema, regex, choice, grammar);
+- `messages.py`: the wire messages between gateway and instances, and
+  `block_events.py`: the block events among them;
+- `wire_auth.py`: the deployment secret and the MAC every frame between processes
+  carries;
+- `model_split.py`: how a model splits across tensor- and pipeline-parallel ranks
+  (`check_tp_size`, `check_pp_size`, `stage_layers`).
+"""

@@ -160,7 +160,9 @@ class DecodeKVPuller:
     # ---- handshake and pull ---------------------------------------------------------
 
     def _handshake(self, source: PrefillRank, now: float) -> None:
-        hello = Hello(*self._rank.introduction(), self._transport.info, self._pp_stage)
+        hello = Hello(
+            *self._rank.introduction(), self._transport.info, self._pp_stage, self._config.host
+        )
         source.handshake(hello, now + self._config.handshake_timeout_s)
 
     def _start(self, part: PullSlice) -> None:

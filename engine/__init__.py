@@ -1,1 +1,21 @@
-"""engine"""
+"""engine: what runs a step.
+
+The torch-free driver, `core.py` (`EngineCore`: the step scheduler driving an executor;
+`request_of`, a gateway task's request for every role), takes its arguments from
+`config.py` (`EngineConfig`, a msgspec Struct). The seam's messages are in
+`step_plan.py` and its protocol in `executor.py`.
+
+Behind the seam, one rank (`worker.py`: model, KV cache, runner, sampler, CUDA graphs;
+`device_runner.py`: a step on a CUDA device, graph replay or eager) or a tensor- and
+pipeline-parallel group of them (`worker_group.py`, `parallel.py`, `pipeline.py`). How
+ranks start and what carries their messages: `ranks.py`'s `RankLauncher` (child
+processes with a pipe each by default); which GPU each rank uses: `devices.py`.
+
+Also here: the model definitions (`models/`), checkpoints and loading (`checkpoint.py`,
+`loader.py`, `safetensors_reader.py`), the embedded model (`embedded.py`), where a
+model's files are (`model_source.py`: a folder, or a Hugging Face id from the hub
+cache); structured output (`grammar_gate.py` on the driver: a request waits out of the
+scheduler while its grammar compiles; `grammar.py` on the rank: xgrammar compiles off
+the loop into a bounded cache, one matcher per request, the token mask before
+sampling); and the offline `LLM` (`llm.py`).
+"""

@@ -23,7 +23,7 @@ from pdserve.kernels.triton_rotary import rotary_embedding_triton
 
 Tensor = torch.Tensor
 DEVICE = "cuda"  # a CPU dry run under TRITON_INTERPRET=1 may set "cpu" (checks only)
-COPY_BANDWIDTH = 4.2e12  # bytes/s measured on the H200 (issue target: >= 70%)
+COPY_BANDWIDTH = 4.2e12  # bytes/s measured on the H200 (target: >= 70%)
 TOLERANCE = {
     torch.float32: 1e-4,
     torch.float16: 3e-3,

@@ -1,1 +1,27 @@
-"""gateway"""
+"""gateway: the OpenAI HTTP API and the global scheduler behind it (FastAPI). Torch-free.
+
+- Validation: `schemas.py` (a field it does not implement is a 400 naming it; the
+  body's size and time limits), `limits.py` (every list and string field's), errors in
+  OpenAI's shape (`errors.py`).
+- CPU-heavy work off the event loop: `offload.py` (templates, tokenization),
+  `template_sandbox.py` (request-supplied templates in killable children).
+- Tenants and keys: `tenants.py` (the keys file, constant-time key lookup, the tenant's
+  cache salt), `auth.py` (who may call which route), `rate_limits.py` (per-tenant
+  requests, tokens and seats).
+- The endpoints: `completions.py`, `chat.py`, prompts (`prompts.py`), sampling
+  parameters (`sampling.py`), output constraints (`structured.py`: `response_format`,
+  `structured_outputs`, `guided_*`, checked with `jsonschema`), tool calls
+  (`tools.py`: forced calls as JSON schemas; `tool_parsers.py`: `hermes`,
+  `llama3_json`), SSE and JSON replies (`replies.py`), tokenize/detokenize
+  (`tokenization.py`), `/metrics` (`metrics.py`), `/health` (`health.py`: each
+  instance, and what degrades the service while it serves).
+- One request on the cluster: `generation.py` (`GenerationRun`: its choices submitted,
+  their tokens detokenized and stop strings matched on the event loop), readiness and
+  the runs' admission (`gateway.py`: `Gateway`).
+- The dispatcher between HTTP runs and instances (`dispatcher.py`, `request_stream.py`)
+  and the global scheduler it drives (`global_scheduler.py`, `routing.py`: admission,
+  routing policies, failover).
+- Operators: `/admin/*` (`admin.py`: drain an instance, scale a pool, through the
+  cluster's `PoolControl`), `/debug/*` (`debug.py`, mounted only with
+  `--enable-test-hooks`).
+"""

@@ -3,7 +3,7 @@
 - `require_tenant`: the API routes. With tenant keys configured, `Authorization: Bearer`
   must carry one (401 otherwise); the tenant lands in `request.state.tenant`. Without
   any, every client is the anonymous `default` tenant.
-- `require_admin`: operator endpoints (`/debug/*` today, and any added later). Only
+- `require_admin`: operator endpoints (`/admin/*`, and `/debug/*` with test hooks). Only
   the admin key opens them, never a tenant's key (403); with no key configured at all
   they are as open as everything else.
 - `require_metrics_reader`: `/metrics`, for any tenant's key or the admin key, unless

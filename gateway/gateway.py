@@ -65,12 +65,12 @@ class GatewayConfig:
     chat_template: str | None = None  # replaces the tokenizer's own templates
     # tool_choice "auto": which parser finds calls in the model's text (None: refused)
     tool_call_parser: str | None = None
-    # Hostile input (README: "Security"): request-supplied chat templates are refused
+    # Hostile input (docs/security.md): request-supplied chat templates are refused
     # unless trusted; prompts and completions are logged only when asked for.
     trust_request_chat_template: bool = False
     enable_log_requests: bool = False
     cpu_budget_s: float = DEFAULT_BUDGET_S  # rendering or tokenizing one request's prompt
-    # Tenants (README: "Security"): a keys file instead of `api_key`, the operators' key,
+    # Tenants (docs/security.md): a keys file instead of `api_key`, the operators' key,
     # /metrics without a key, and the secret of every cache salt (None: random, so
     # salts differ between runs; secrets stay out of any repr).
     api_keys: KeysFile | None = field(default=None, repr=False)

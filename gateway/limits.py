@@ -3,7 +3,7 @@
 Each choice carries its own copy of the sampling parameters to the prefill instance and
 on to the decode one, and stop strings are matched per token per choice on the event
 loop: without limits, a 30 MB body with `n` choices becomes gigabytes of messages. The
-limits are generous for real use and finite (README: "Security"); one exceeded is a 400
+limits are generous for real use and finite (docs/security.md); one exceeded is a 400
 naming the field. (`n` is `sampling.MAX_N`, the body `schemas.MAX_BODY_BYTES`, prompts
 `prompts.MAX_PROMPTS`.)
 """

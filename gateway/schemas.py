@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI API (and vLLM's extras), decoded strictly with msgspec.
 
-A completion or chat request may hold only the fields below (README: "Request fields"):
+A completion or chat request may hold only the fields below (docs/serving.md, "Request fields"):
 one pdserve does not implement is a 400 naming it, never silently dropped. `user`,
 `store`, `metadata` and `service_tier`, which SDKs send, are accepted and do nothing. A
 field of the wrong type is an error naming the field: "Expected `int`, got `str` - at
@@ -169,7 +169,7 @@ def decode_body(body: bytes, content_type: str | None, schema: type[T]) -> T:
         if unknown is not None:
             raise bad_request(
                 f"unsupported field `{unknown}`: pdserve does not implement it "
-                "(the README's table lists the request fields it takes)",
+                "(docs/serving.md lists the request fields it takes)",
                 param=unknown,
             ) from None
         raise bad_request(f"invalid request: {exc}", param=_param_of(str(exc))) from None

@@ -1,10 +1,21 @@
-"""Paged attention and fused ops: Triton kernels with plain-torch references.
+"""kernels: the model's arithmetic: paged attention, the linear layer and fused ops.
 
-Importing `kernels` never imports triton: CUDA calls load the Triton kernels on first
-use (`load_triton_kernels`), and where triton is missing they run the references and
-`triton_unavailable_reason()` says why. CPU calls run C kernels built on first use
-(`pdserve.kernels.cpu_ops`); `cpu_kernels_status()` says which implementation is active.
-PDSERVE_CPU_ISA=avx2 runs an AVX-512 machine on the AVX2 kernels (checked here).
+- Triton kernels for CUDA, called as torch operators (`cuda_ops.py`), each with a fake
+  implementation that checks shapes, dtypes and devices, so the CUDA path runs on fake
+  `cuda` tensors in the tests (`tests/engine/test_fake_cuda.py`). Importing `kernels`
+  never imports triton: CUDA calls load the Triton kernels on first use
+  (`load_triton_kernels`), and where triton is missing they run the references and
+  `triton_unavailable_reason()` says why.
+- C kernels for CPU, built on first use for this CPU, or for AVX2 under
+  `PDSERVE_CPU_ISA=avx2` (`cpu_build.py`, checked here; `cpu_ops.py` loads them): one
+  attention arithmetic for decode and prefill (`cpu/attend.h`); the query and key
+  rotation with the KV-cache write, straight from the fused QKV projection, one call
+  per layer (`cpu/rotary.c`); RMSNorm with its residual add (`cpu/norm.c`), summing in
+  torch's order so float32 values stay the reference's; the linear layer at every row
+  count (`cpu/linear.c`, `cpu/linear_bf16.c`). `cpu_kernels_status()` says which
+  implementation is active.
+- Plain-torch references of the same signatures (`reference.py`), and the dispatch
+  between them (`dispatch.py`, `ops.py`, `attention.py`).
 """
 
 from pdserve.kernels.attention import (

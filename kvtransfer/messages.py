@@ -109,6 +109,7 @@ class Hello(msgspec.Struct, tag="hello"):
     transport: str  # "ucx", "ucx-listener" or "zmq": both sides must agree
     transport_info: bytes  # a UCX worker address, or host:port of a listener/socket
     pp_stage: int = 0  # the pipeline stage whose layers this rank holds
+    host: str = ""  # the node address the rank binds: whether P and D share a node
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply"):

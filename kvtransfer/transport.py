@@ -41,8 +41,9 @@ class Transport(abc.ABC):
         """File descriptors or ZMQ sockets whose readiness means progress is due."""
 
     @abc.abstractmethod
-    def add_peer(self, peer: str, info: bytes) -> None:
-        """Remember how to send to `peer` (the receiver's `info`)."""
+    def add_peer(self, peer: str, info: bytes, host: str = "") -> None:
+        """Remember how to send to `peer` (the receiver's `info`; `host`, the node
+        address it binds, empty when unknown)."""
 
     @abc.abstractmethod
     def send(self, peer: str, buffer: Any, tag: int) -> TransferOp: ...

@@ -1,8 +1,13 @@
 """UCX through ucxx's synchronous core API, driven by one I/O thread.
 
-- "ucx": endpoints from worker addresses with error handling off. On one node UCX
-  then moves host memory over shared memory (CMA/SysV/POSIX); the TLS setting
-  (`UCX_TLS` or `tls`) decides what is allowed, e.g. "sm,self" or "tcp,self".
+- "ucx": endpoints from worker addresses. On one node UCX moves host memory over
+  shared memory (CMA/SysV/POSIX); the TLS setting (`UCX_TLS` or `tls`) decides what
+  is allowed, e.g. "sm,self" or "tcp,self". Error handling is off towards a receiver
+  that may be reached over shared memory (same node, shared memory allowed), since
+  those transports refuse an endpoint with it; a sender that dies mid-message shows
+  there as an I/O error on the receive anyway. Towards any other receiver it is on:
+  without it a TCP receive whose sender died mid-message never ends, and its blocks
+  could never be freed.
 - "ucx-listener": endpoints through a UCX listener (sockaddr) with error handling on,
   the across-nodes setup (TCP, RDMA where present).
 
@@ -44,6 +49,7 @@ _CLOSE_PERIOD_NS = 200_000_000  # bound on how long closing an endpoint may bloc
 _SIOCGIFADDR = 0x8915
 # Transports that use no RDMA device: narrowing the network devices cannot lose one.
 _NARROWABLE_TLS = {"tcp", "self", "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem"}
+_SHARED_MEMORY_TLS = {"sm", "shm", "posix", "sysv", "cma", "knem", "xpmem"}
 
 
 def device_of(host: str) -> str | None:
@@ -78,6 +84,28 @@ def narrowed_devices(host: str, tls: str | None) -> str | None:
     except ValueError:
         return None
     return device_of(host)
+
+
+def allows_shared_memory(tls: str | None) -> bool:
+    """Whether the TLS setting (`tls`, else UCX_TLS; unset: UCX's choice) lets UCX
+    use a shared-memory transport."""
+    tls = tls or os.environ.get("UCX_TLS")
+    if not tls:
+        return True
+    names = {t.strip() for t in tls.lstrip("^").split(",")}
+    if tls.startswith("^"):  # everything but these
+        return not {"sm", "shm"} & names
+    return bool(names & (_SHARED_MEMORY_TLS | {"all"}))
+
+
+def same_node(host: str, other: str) -> bool:
+    """Whether two ranks' bind addresses are one node's (unknown counts as the same)."""
+    if not host or not other or host == other:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback and ipaddress.ip_address(other).is_loopback
+    except ValueError:
+        return False
 
 
 def _ucx() -> Any:
@@ -156,6 +184,9 @@ class UcxTransport(Transport):
         self._worker = ucx.UCXWorker(self._context)
         self._worker.init_blocking_progress_mode()
         self._error_handling = listener
+        self._host = host
+        self._shared_memory = allows_shared_memory(tls)
+        self._checked: dict[str, bool] = {}  # peer -> error handling on its endpoint
         self._accepted: list[Any] = []  # endpoints senders opened to our listener
         self._listener = None
         if listener:
@@ -183,8 +214,10 @@ class UcxTransport(Transport):
     def _open_group(self) -> Any:
         return self._worker.create_endpoint_from_worker_address(self._worker.address, False)
 
-    def add_peer(self, peer: str, info: bytes) -> None:
+    def add_peer(self, peer: str, info: bytes, host: str = "") -> None:
         self._peer_info[peer] = info
+        shared = self._shared_memory and same_node(self._host, host)
+        self._checked[peer] = self._error_handling or not shared
 
     def _endpoint(self, peer: str) -> Any:
         endpoint = self._endpoints.get(peer)
@@ -195,7 +228,8 @@ class UcxTransport(Transport):
                 endpoint = self._worker.create_endpoint_from_hostname(host, int(port), True)
             else:
                 address = self._ucx.UCXAddress.create_from_buffer(info)
-                endpoint = self._worker.create_endpoint_from_worker_address(address, False)
+                checked = self._checked[peer]
+                endpoint = self._worker.create_endpoint_from_worker_address(address, checked)
             self._endpoints[peer] = endpoint
         return endpoint
 

@@ -76,7 +76,7 @@ class ZmqTransport(Transport):
     def poll_handles(self) -> list[Any]:
         return [self._inbox]
 
-    def add_peer(self, peer: str, info: bytes) -> None:
+    def add_peer(self, peer: str, info: bytes, host: str = "") -> None:
         self._drop_outbox(peer)
         self._peer_info[peer] = info
 

@@ -6,7 +6,8 @@ The rooms (`pdserve.engine`, `pdserve.scheduler`, ...) live in folders at the
 repository's top level; an installed wheel maps them under `pdserve/`. In a bare
 checkout (no install, e.g. the GPU check on a machine without network) this package
 finds them beside itself. The public names load on first use, so importing a torch-free
-room (`pdserve.scheduler`, `pdserve.gateway`) never loads torch.
+room (`pdserve.scheduler`, `pdserve.gateway`) never loads torch. `cli.py` is the one
+command-line entry point (`pdserve serve|bench|plan|eval`).
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ class PrefillKVServer:
             error = str(exc)
         if not error:
             self._peers[peer] = hello
-            self._transport.add_peer(peer.hex(), hello.transport_info)
+            self._transport.add_peer(peer.hex(), hello.transport_info, hello.host)
         reply = HelloReply(*self._rank.introduction(), error, self._pp_stage)
         self._server.send(peer, reply)
 

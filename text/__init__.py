@@ -1,2 +1,7 @@
-"""The torch-free text path: tokenizer, chat templates, detokenizer, stop strings, and each
-choice's text as the front ends (gateway, offline LLM) build it."""
+"""text: the text path of every front end (the gateway, the offline `LLM`). Torch-free.
+
+- `tokenizer.py`: the tokenizer and chat templates;
+- `detokenizer.py`: the incremental detokenizer and stop strings;
+- `choice.py`: one choice's text and finish (`ChoiceText`), and the seeds of `n`
+  choices (`choice_seeds`).
+"""

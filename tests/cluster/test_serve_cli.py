@@ -40,7 +40,7 @@ def test_parse_size_rejects(text: str) -> None:
         parse_size(text)
 
 
-def test_defaults_are_the_issue_defaults() -> None:
+def test_defaults_match_vllm_serve_and_bind_locally() -> None:
     args = parse()
     assert (args.host, args.port) == ("127.0.0.1", 8000)
     assert (args.num_prefill, args.num_decode, args.mode) == (1, 1, "disaggregated")

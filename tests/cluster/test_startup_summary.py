@@ -28,13 +28,14 @@ def test_the_summary_names_the_kv_cache_and_how_many_full_requests_fit() -> None
     info = InstanceInfo(
         address, "tcp://127.0.0.1:2", "/models/SmolLM2-135M-Instruct", max_model_len=1024,
         vocab_size=49152, block_size=16, num_blocks=200, max_num_seqs=8,
-        dtype="bfloat16", device="cuda",
+        dtype="bfloat16", device="cuda", kernels="Triton kernels",
     )  # fmt: skip
     line = instance_summary(info)
     assert "\n" not in line
     assert line.startswith("pdserve: decode-0: SmolLM2-135M-Instruct, bfloat16 on cuda")
     assert "200 KV blocks x 16 = 3200 tokens" in line
     assert "3 requests of 1024 tokens (max_model_len) fit at once" in line
+    assert line.endswith("; kernels: Triton kernels")
 
 
 def test_serve_refuses_a_kv_cache_short_of_one_full_request() -> None:

@@ -1,5 +1,5 @@
-"""No tenant hits another's prefix-cache blocks (issue "Hostile input and tenants"): on a
-real `pdserve serve` with a keys file, tenant A's repeat of a long prompt is served
+"""No tenant hits another's prefix-cache blocks: on a real `pdserve serve` with a keys
+file, tenant A's repeat of a long prompt is served
 from the prefix cache (the positive control), while tenant B's identical prompt finds
 nothing cached: its hit counter and computed-prompt-token count equal a first sight's.
 The salt is the gateway's HMAC of the tenant, so a `cache_salt` B chooses cannot reach

@@ -1,5 +1,5 @@
 """Hostile input gets a 400 (or 413) with an OpenAI-style body, never a 500 nor a hung
-gateway (issue "Hostile input and tenants"). A gateway with a make-believe instance: the
+gateway (docs/security.md). A gateway with a make-believe instance: the
 requests here never reach one. Bodies that would pass every check carry `max_tokens: 0`,
 the last check before a run starts, so a check that is missing shows as a 400 naming
 `max_tokens` instead of the field under test."""

@@ -1,4 +1,4 @@
-"""Per-tenant limits (issue "Hostile input and tenants"): each trips at exactly its
+"""Per-tenant limits (docs/security.md): each trips at exactly its
 configured number with a 429 and `Retry-After`, and resets; tokens reserved at
 admission are corrected with what a run used. The clock is a fake one handed to the
 gateway's constructor."""

@@ -1,4 +1,4 @@
-"""Tenants and keys at the gateway (issue "Hostile input and tenants"): a key is needed
+"""Tenants and keys at the gateway (docs/security.md): a key is needed
 whenever keys are configured (401 in OpenAI's shape otherwise), a tenant sees only its
 models, no tenant key opens the operator endpoints, /metrics needs a key unless
 public, every request's cache salt is bound to its tenant, and no key is ever logged."""

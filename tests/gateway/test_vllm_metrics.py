@@ -14,7 +14,7 @@ from pdserve.common.messages import (
 from pdserve.gateway.metrics import GatewayMetrics
 
 MODEL = "served-model"
-# Every vLLM series the issue names, with the kind of count it must show after traffic.
+# The vLLM series pdserve exports, with the kind of count it must show after traffic.
 VLLM_COUNTED = [
     "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
     "vllm:time_per_output_token_seconds_count", "vllm:e2e_request_latency_seconds_count",

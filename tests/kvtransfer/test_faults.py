@@ -20,6 +20,8 @@ from tests.kvtransfer.peer import wait_for
 pytestmark = pytest.mark.slow
 
 TCP_ENV = {"UCX_TLS": "tcp,self"}
+# Small TCP segments make a transfer stream for seconds instead of a fraction of one.
+SLOW_TCP_ENV = TCP_ENV | {"UCX_TCP_TX_SEG_SIZE": "8k", "UCX_TCP_RX_SEG_SIZE": "8k"}
 BIG = KVLayout(block_size=16, num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 NUM_BLOCKS = 136  # 272 MiB per side
 REQUEST_TOKENS = 128 * BIG.block_size  # 128 blocks = 256 MiB
@@ -49,11 +51,17 @@ def test_decode_killed_mid_pull_prefill_frees_at_lease_expiry(fresh_peers):
     assert p.pool.num_free == NUM_BLOCKS
 
 
-def test_prefill_killed_decode_fails_within_timeout(fresh_peers):
+@pytest.mark.parametrize("mid_message", [False, True], ids=["at-once", "mid-message"])
+def test_prefill_killed_decode_fails_within_timeout(fresh_peers, mid_message):
+    """Killed as its sends start, or while D is receiving the message (a receive UCX
+    can no longer cancel: only the sender's death can end it)."""
     config = {"lease_s": 10.0, "transfer_timeout_s": 2.0, "handshake_timeout_s": 1.0}
-    p, d = _pair(fresh_peers, config)
+    env = SLOW_TCP_ENV if mid_message else TCP_ENV
+    p, d = _pair(fresh_peers, config, env, env)
     admit_and_pull(d, hand_off(p, "orphan", REQUEST_TOKENS))
     wait_for(lambda: d.stats()["in_flight"] > 0 and p.stats()["in_flight"] > 0, timeout=20)
+    if mid_message:
+        time.sleep(0.3)  # the message streams in small segments meanwhile
     p.peer.kill()
     pulled = time.monotonic()
     outcomes = run_until(None, d, lambda o: o.decode.failed, timeout=10)

@@ -50,7 +50,7 @@ class ManualTransport(Transport):
     def poll_handles(self) -> list[Any]:
         return []
 
-    def add_peer(self, peer: str, info: bytes) -> None:
+    def add_peer(self, peer: str, info: bytes, host: str = "") -> None:
         pass
 
     def send(self, peer: str, buffer: Any, tag: int) -> TransferOp:

@@ -1,5 +1,6 @@
 """ARCHITECTURE.md stays true to the code: the disaggregated journey is at most ten
-anchors, each an existing `path:function`, and every file or function it names exists."""
+anchors, each an existing `path:function`, and every file or function it names exists;
+each room's cell is short, its detail in the room's package docstring."""
 
 from __future__ import annotations
 
@@ -20,6 +21,18 @@ def main_line(text: str) -> list[str]:
     """The numbered items of the journey's main line, in order."""
     section = text.split(MAIN_LINE, 1)[1].split("\n#", 1)[0]
     return [line for line in section.splitlines() if re.match(r"\d+\. ", line)]
+
+
+def room_cells(text: str) -> dict[str, str]:
+    """Each room of the Rooms table and its "owns" cell (cells split on " | ", since a
+    cell may hold `serve|sweep`)."""
+    section = text.split("## Rooms", 1)[1].split("\n## ", 1)[0]
+    cells = {}
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            room, owns = line.split(" | ")[:2]
+            cells[room.strip("| `/")] = owns
+    return cells
 
 
 def defines(path: Path, qualname: str) -> bool:
@@ -59,6 +72,16 @@ def test_every_named_function_and_file_exists() -> None:
         assert (REPO / path).is_file(), f"ARCHITECTURE.md names {path}, which does not exist"
 
 
+def test_room_cells_are_short_and_the_detail_is_in_the_package_docstring() -> None:
+    cells = room_cells(PAGE.read_text())
+    assert {"common", "gateway", "engine", "experiments"} <= set(cells)
+    for room, owns in cells.items():
+        assert len(owns.split()) <= 30, f"{room}: {len(owns.split())} words"
+        package = REPO / room / "__init__.py"
+        docstring = ast.get_docstring(ast.parse(package.read_text())) or ""
+        assert len(docstring.split()) > len(owns.split()), f"{room}/__init__.py says less"
+
+
 def test_the_checker_notices_a_missing_function(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("class A:\n    def run(self):\n        pass\n\ndef f():\n    pass\n")
@@ -67,3 +90,7 @@ def test_the_checker_notices_a_missing_function(tmp_path: Path) -> None:
         assert not defines(module, missing)
     with pytest.raises(IndexError):
         main_line("no journey here")
+    table = (
+        "## Rooms\n\n| `a/` | `x serve|sweep` y | z |\n| b | c | d |\n\n## Next\n| `c/` | e | f |"
+    )
+    assert room_cells(table) == {"a": "`x serve|sweep` y"}
