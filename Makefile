@@ -44,10 +44,13 @@ $(STAMP): pyproject.toml
 serve: prepare  # serving needs no promtool
 	$(VENV)/bin/pdserve serve --enable-auto-tool-choice --tool-call-parser hermes $(SERVE_ARGS)
 
+# mypy reads its settings from pyproject.toml: the product code, through the pdserve/<room> links.
 test: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q $(TEST_ARGS)
 
 lint: prepare
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy

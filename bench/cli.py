@@ -31,10 +31,12 @@ def guarded(
 ):
     """Run a handler; expected failures (and `errors`) become one line on stderr."""
 
+    expected: tuple[type[Exception], ...] = (ValueError, OSError, *errors)
+
     def run(args: argparse.Namespace) -> int:
         try:
             return handler(args)
-        except (ValueError, OSError, *errors) as exc:
+        except expected as exc:
             print(f"pdserve {name}: error: {exc}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:

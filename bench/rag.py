@@ -11,6 +11,7 @@ tokenizer the prompts are token ids of exactly that length.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import numpy as np
 
@@ -59,10 +60,11 @@ class RagCorpus:
         document = self.documents[self.rng.choice(len(self.documents), p=self.popularity)]
         chunks = document[:num_chunks]
         question = self.make_question(question_len)
-        if self.tokenizer.exact:
-            ids = [t for chunk in chunks for t in chunk] + list(question)
+        if self.tokenizer.exact:  # chunks and question are token ids
+            ids = [t for chunk in cast(list[list[int]], chunks) for t in chunk]
+            ids += cast(list[int], question)
             return SampleRequest(ids, len(ids), 0)
-        text = "\n\n".join([*chunks, str(question)])
+        text = "\n\n".join([*cast(list[str], chunks), str(question)])
         return SampleRequest(text, self.tokenizer.count(text), 0)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from pdserve.bench.client import CompletionsClient
 from pdserve.bench.datasets import SampleRequest
@@ -128,7 +129,7 @@ def working_point(steps: list[dict], stop_index: int | None, backoff: tuple[floa
 
 
 def step_record(concurrency: int, result: dict, server: dict) -> dict:
-    record = {"concurrency": concurrency}
+    record: dict[str, Any] = {"concurrency": concurrency}
     record.update({k: v for k, v in result.items() if k not in PER_REQUEST_FIELDS})
     record["mean_input_tokens"] = result["total_input_tokens"] / max(1, result["completed"])
     record["mean_output_tokens"] = result["total_output_tokens"] / max(1, result["completed"])

@@ -23,7 +23,7 @@ from pdserve.common.messages import InstanceInfo
 from pdserve.instance.spec import InstanceSpec
 
 ReadyCallback = Callable[[InstanceInfo], None]
-ExitCallback = Callable[[str, str], None]  # (instance id, reason)
+ExitCallback = Callable[[str, str], object]  # (instance id, reason); its result is unused
 
 PROGRESS_INTERVAL_S = 2.0
 

@@ -101,7 +101,9 @@ class LocalLauncher(Launcher):
         if process is None or process.poll() is not None:
             return False
         process.send_signal(signal.SIGTERM)
-        timer = threading.Timer(STOP_GRACE_S, lambda: process.poll() is None and process.kill())
+        timer = threading.Timer(
+            STOP_GRACE_S, lambda: process.kill() if process.poll() is None else None
+        )
         timer.daemon = True
         timer.start()
         return True

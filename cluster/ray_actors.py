@@ -9,10 +9,24 @@ the step loop while `stop()` and `ping()` use the others.
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import msgspec
 
 from pdserve.cluster.addresses import resolve_host
 from pdserve.instance.spec import InstanceSpec
+
+
+class RemoteMethod(Protocol):
+    def remote(self, *args: Any) -> Any: ...  # a Ray ObjectRef
+
+
+class InstanceHandle(Protocol):
+    """The launcher's Ray handle to an instance actor: each method called as `.remote()`."""
+
+    load: RemoteMethod
+    run: RemoteMethod
+    stop: RemoteMethod
 
 
 class _InstanceActor:

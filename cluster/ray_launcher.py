@@ -26,7 +26,7 @@ from pdserve.cluster.launcher import (
     LoadProgress,
     ReadyCallback,
 )
-from pdserve.cluster.ray_actors import ACTOR_CLASSES
+from pdserve.cluster.ray_actors import ACTOR_CLASSES, InstanceHandle
 from pdserve.cluster.ray_cluster import join, one_line, ray_module
 from pdserve.cluster.ray_ranks import driver_options, reserve_rank_groups
 from pdserve.cluster.ray_watch import ActorWatch
@@ -56,7 +56,7 @@ class RayLauncher(Launcher):
         self.num_cpus = num_cpus or {}
         self.num_gpus = num_gpus or {}
         self.resources = resources or {}
-        self.actors: dict[str, object] = {}
+        self.actors: dict[str, InstanceHandle] = {}
         self.run_refs: dict[object, str] = {}
         self.started_cluster = False
         self.placement_groups: dict[str, list] = {}  # instance id → its stages' groups
@@ -105,7 +105,7 @@ class RayLauncher(Launcher):
                 progress.mark_ready(instance_id, info.kernels)
                 self.run_refs[self.actors[instance_id].run.remote()] = instance_id
 
-    def create_actor(self, spec: InstanceSpec, runtime_env: dict | None = None) -> object:
+    def create_actor(self, spec: InstanceSpec, runtime_env: dict | None = None) -> InstanceHandle:
         """The instance's actor, named after it (ValueError: the name is taken)."""
         if runtime_env is None:
             runtime_env = {"env_vars": {SECRET_ENV: ensure_secret()}}

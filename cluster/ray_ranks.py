@@ -116,10 +116,13 @@ def on_this_node(job: RankJob) -> RankJob:
     """The job as this rank must run it where Ray placed it: a rank on another node than
     its driver (a pipeline stage placed elsewhere) binds and advertises its KV connector
     on its own node's address, not the driver's."""
+    # Imported here: the launcher's process (the gateway's) never builds a connector.
+    from pdserve.kvtransfer.connector import TransferConnectorFactory
+
     factory = job.connector
-    config = getattr(factory, "config", None)
-    if config is None or getattr(config, "host", LOOPBACK) == LOOPBACK:
-        return job  # one machine: everything on loopback
+    if not isinstance(factory, TransferConnectorFactory) or factory.config.host == LOOPBACK:
+        return job  # one machine, or no KV to move: everything on loopback
+    config = factory.config
     here = node_host()
     if here == config.host:
         return job

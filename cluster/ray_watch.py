@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from pdserve.cluster.launcher import ExitCallback, ReadyCallback
+from pdserve.cluster.ray_actors import InstanceHandle
 from pdserve.cluster.ray_cluster import one_line
 from pdserve.common.messages import InstanceInfo
 from pdserve.instance.spec import InstanceSpec
@@ -53,7 +54,7 @@ class _Call:
     """One watched call of one actor: its `load()` (`on_ready` set) or its `run()`."""
 
     instance_id: str
-    actor: object
+    actor: InstanceHandle
     on_ready: ReadyCallback | None
     since: float
     noted: bool = False
@@ -187,7 +188,7 @@ class ActorWatch:
         if self.launcher.stopping.is_set() or instance_id in self._stopped:
             self._kill(actor)
 
-    def _create_named(self, spec: InstanceSpec) -> object | None:
+    def _create_named(self, spec: InstanceSpec) -> InstanceHandle | None:
         """The actor, or None (reported) if it cannot be created."""
         deadline = time.monotonic() + NAME_WAIT_S
         while not self.launcher.stopping.is_set():

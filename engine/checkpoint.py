@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pdserve.common.json_file import read_json_file
 
@@ -139,7 +139,7 @@ class _ConfigReader:
         self.raw = raw
         self.path = path
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str) -> NoReturn:
         raise CheckpointError(f"{self.path}: {message}")
 
     def get(self, key: str, default: Any = None) -> Any:

@@ -22,10 +22,14 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.kernels import AttentionMetadata, dispatch, reference
+
+if TYPE_CHECKING:
+    from pdserve.engine.models.llama import LlamaForCausalLM
 
 Tensor = torch.Tensor
 # Kernels one decode step runs; each must be its Triton version (no host syncs) to capture.
@@ -156,6 +160,7 @@ class DecodeInputBuffers:
         h["logits_indices"][:num_samples] = logits_indices.numpy()
         if self._copied is not None:
             self._copy_rows(size, k, num_samples)
+            self._copied.record()
         return self.buffers["logits_indices"][:num_samples]
 
     def stage_padding(self, size: int) -> None:
@@ -180,7 +185,6 @@ class DecodeInputBuffers:
         self.buffers["logits_indices"][:num_samples].copy_(
             self.host["logits_indices"][:num_samples], non_blocking=True
         )
-        self._copied.record()
 
 
 class DecodeGraphs:
@@ -188,7 +192,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         kv_caches: list[Tensor],
         sizes: Sequence[int],
         max_blocks_per_seq: int,
@@ -258,6 +262,8 @@ class DecodeGraphs:
     def run(self, token_ids: Tensor, positions: Tensor, meta: AttentionMetadata, logits_indices):
         """Logits [num_samples, vocab] float32 on the device (a fresh tensor)."""
         size = self.padded_size(meta.num_seqs)
+        if size is None:  # callers ask can_run first
+            raise ValueError(f"{meta.num_seqs} sequences: over the largest graph, {self.max_size}")
         indices = self.inputs.stage(token_ids, positions, meta, logits_indices, size)
         self._steps[size]()
         return self.logits.index_select(0, indices)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import torch
 
@@ -23,6 +23,7 @@ from pdserve.kernels import AttentionMetadata, load_triton_kernels
 
 if TYPE_CHECKING:  # the GPU check runs this module where msgspec is not installed
     from pdserve.engine.config import EngineConfig
+    from pdserve.engine.models.llama import LlamaForCausalLM
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class Step(Protocol):
     positions: Tensor
     meta: AttentionMetadata
     logits_indices: Tensor
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # a dataclass (dataclasses.replace)
 
 
 S = TypeVar("S", bound=Step)  # a dataclass: staging copies it with device tensors
@@ -43,7 +45,7 @@ S = TypeVar("S", bound=Step)  # a dataclass: staging copies it with device tenso
 class DeviceRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         kv_cache: KVCache,
         max_model_len: int,
         graph_sizes: list[int],
@@ -72,7 +74,7 @@ class DeviceRunner:
     @classmethod
     def for_engine(
         cls,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         kv_cache: KVCache,
         config: EngineConfig,
         max_model_len: int,

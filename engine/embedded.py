@@ -281,7 +281,7 @@ def build_tokenizer(tokens: list[str], token_types: list[int], merges: list[str]
         token if set(token) <= spelled else "".join(alphabet[b] for b in token.encode()): index
         for index, token in enumerate(tokens)
     }
-    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    pairs = [(left, right) for left, right in (merge.split(" ", 1) for merge in merges)]
     model = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
     tokenizer = Tokenizer(model)
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(

@@ -12,11 +12,15 @@ their (small) pool from the headroom left by `utilization` < 1.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
 from pdserve.engine.step_inputs import build_step_inputs, contiguous_block_tables
+
+if TYPE_CHECKING:
+    from pdserve.engine.models.llama import LlamaForCausalLM
 
 GiB = 1 << 30
 # Slack kept free on the device beyond the budget (allocator fragmentation).
@@ -60,7 +64,7 @@ def free_device_memory(device: torch.device) -> int:
 
 @torch.inference_mode()
 def profile_memory(
-    model: torch.nn.Module,
+    model: LlamaForCausalLM,
     shape: KVCacheShape,
     device: torch.device,
     free_before_load: int,

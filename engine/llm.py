@@ -15,7 +15,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -115,7 +115,8 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        nested = messages and isinstance(messages[0], list)
+        conversations = cast(list[list[dict[str, Any]]], messages if nested else [messages])
         texts = [
             self.tokenizer.apply_chat_template(
                 conv, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
@@ -150,7 +151,7 @@ class LLM:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return list(prompt["prompt_token_ids"])
-            prompt = prompt["prompt"]
+            return self._encode(prompt["prompt"])
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return list(prompt)
@@ -214,5 +215,5 @@ class LLM:
         return results
 
 
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
     return msgspec.structs.replace(params, seed=seed)

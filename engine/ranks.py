@@ -19,7 +19,7 @@ import signal
 import socket
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Protocol
+from typing import NoReturn, Protocol, cast
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.devices import group_devices
@@ -108,7 +108,8 @@ class ProcessRanks:
 
     def start(self, jobs: list[RankJob]) -> ProcessGroup:
         context = mp.get_context("spawn")
-        processes, pipes = [], []
+        processes: list[mp.process.BaseProcess] = []
+        pipes: list[Connection] = []
         for job in jobs:
             ours, theirs = context.Pipe()
             process = context.Process(
@@ -143,14 +144,15 @@ class ProcessGroup:
         for item in ready:
             if isinstance(item, int):  # a process sentinel: that rank is gone
                 self._died(sentinels[item])
-            rank = self.pipes.index(item)
+            pipe = cast(Connection, item)  # not a sentinel: one of the pipes
+            rank = self.pipes.index(pipe)
             try:
-                replies.append((rank, item.recv_bytes()))
+                replies.append((rank, pipe.recv_bytes()))
             except (EOFError, OSError):
                 self._died(rank)
         return replies
 
-    def _died(self, rank: int) -> None:
+    def _died(self, rank: int) -> NoReturn:
         raise WorkerGroupFailed(f"rank {rank} of the worker group died ({self._exit(rank)})")
 
     def _exit(self, rank: int) -> str:
@@ -162,7 +164,8 @@ class ProcessGroup:
         ready = wait(list(sentinels))
         if self._closed:
             return None
-        dead = sentinels[ready[0]]  # not is_alive(): the stepping thread may reap it first
+        # not is_alive(): the stepping thread may reap it first
+        dead = sentinels[cast(int, ready[0])]
         return dead, self._exit(dead)
 
     def pids(self) -> list[int | None]:

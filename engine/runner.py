@@ -4,6 +4,7 @@ over the paged KV cache, and returns the logits of the positions that sample."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -12,6 +13,10 @@ from pdserve.common.request import Request
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.step_inputs import StepInputs, attention_inputs
 from pdserve.scheduler.outputs import ScheduledChunk
+
+if TYPE_CHECKING:
+    from pdserve.engine.device_runner import DeviceRunner
+    from pdserve.engine.models.llama import LlamaForCausalLM
 
 Tensor = torch.Tensor
 
@@ -42,11 +47,11 @@ class StepBatch(StepInputs):
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int):
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
-        self.device_runner = None  # set by the engine on CUDA: `pdserve.engine.device_runner`
+        self.device_runner: DeviceRunner | None = None  # set by the engine on CUDA
 
     def prepare(self, scheduled: list[ScheduledChunk]) -> StepBatch:
         # Single-token chunks first: the attention op takes decodes before prefills.

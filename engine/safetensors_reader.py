@@ -76,7 +76,7 @@ class SafetensorsReader:
         return out
 
     def _read_into(self, out: torch.Tensor, offset: int) -> torch.Tensor:
-        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        view = out.view(torch.uint8).numpy().data.cast("B")
         done = 0
         while done < len(view):
             got = os.preadv(self._fd, [view[done:]], offset + done)

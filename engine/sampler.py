@@ -46,7 +46,7 @@ class Sampler:
         token_list = tokens.tolist()
         logprobs = [
             None
-            if p.logprobs is None
+            if p.logprobs is None or raw_logprobs is None
             else self._describe(raw_logprobs[i], token_list[i], p.logprobs)
             for i, p in enumerate(params)
         ]
@@ -108,16 +108,16 @@ class Sampler:
             stops = set(p.stop_token_ids)
             if not p.ignore_eos:
                 stops |= req.eos_token_ids
-            stops = [t for t in stops if t < logits.shape[1]]
-            if not stops:
+            in_vocab = [t for t in stops if t < logits.shape[1]]
+            if not in_vocab:
                 continue
             # A complete structured output allows only its end: then the end it is.
             allowed = torch.isfinite(logits[i])
-            if int(allowed.sum()) <= int(allowed[stops].sum()):
+            if int(allowed.sum()) <= int(allowed[in_vocab].sum()):
                 continue
             if not cloned:
                 logits, cloned = logits.clone(), True
-            logits[i, stops] = float("-inf")
+            logits[i, in_vocab] = float("-inf")
         return logits
 
     def _sample_random(self, logits: Tensor, requests: list[Request]) -> Tensor:

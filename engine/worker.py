@@ -223,13 +223,13 @@ class ModelWorker:
         """A plan that carries connector metadata gets the connector's report back; one
         without it leaves the report for the next plan that does."""
         self._update_requests(plan)
-        exchange = self.connector is not None and plan.kv_connector is not None
-        if exchange:
-            self.connector.apply(plan.kv_connector)
+        connector = self.connector if plan.kv_connector is not None else None
+        if connector is not None:
+            connector.apply(plan.kv_connector)
         in_collectives, in_sends = self.tp.clock.seconds, self.stage.clock.seconds
         self._prompt_logprobs = []
         sampled = self._run(plan) if plan.chunks else []
-        reports = [self.connector.report()] if exchange else []
+        reports = [connector.report()] if connector is not None else []
         return StepResult(
             sampled=sampled,
             prompt_logprobs=self._prompt_logprobs,

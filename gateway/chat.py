@@ -91,12 +91,12 @@ class ChatFormat:
         if update.choice.logprobs is not None:
             logprobs = chat_logprobs(update.logprobs, self.token_text)
         if not self.tools.returns_calls:
-            delta = {"content": update.text} if update.text else {}
+            delta: dict[str, Any] = {"content": update.text} if update.text else {}
             return choice_entry(update.choice, {"delta": delta}, logprobs, update.finish_reason)
         stream = self.streams.setdefault(update.choice.index, ToolCallStream(self.tools))
         finished = update.finish_reason is not None
         content, calls = stream.feed(update.choice.stream.text, update.text, finished)
-        delta: dict[str, Any] = {"content": content} if content else {}
+        delta = {"content": content} if content else {}
         if calls:
             delta["tool_calls"] = calls
         finish_reason = update.finish_reason

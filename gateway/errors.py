@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import msgspec
 from starlette.responses import Response
 
@@ -29,14 +31,14 @@ class APIError(Exception):
         message: str,
         param: str | None = None,
         code: str | None = None,
-        headers: dict[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = " ".join(message.split())
         self.param = param
         self.code = code
-        self.headers = headers or {}
+        self.headers = dict(headers or {})
 
     def response(self) -> Response:
         return Response(

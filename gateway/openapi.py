@@ -173,10 +173,10 @@ def _constrain(schema: dict[str, Any], keywords: dict[str, Any]) -> dict[str, An
         "string": ("maxLength",),
         "array": ("maxItems", "minItems"),
         "object": ("maxProperties",),
-    }.get(kind, ())
+    }.get(str(kind), ())
     out = {**schema, **{k: v for k, v in keywords.items() if k in applies}}
     items = schema.get("items")
     string_items = isinstance(items, dict) and items.get("type") == "string"
-    if kind == "array" and string_items and "maxLength" in keywords:
+    if kind == "array" and isinstance(items, dict) and string_items and "maxLength" in keywords:
         out["items"] = {**items, "maxLength": keywords["maxLength"]}
     return out

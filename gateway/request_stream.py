@@ -53,9 +53,10 @@ class RequestStream:
         if self.closed:
             return True
         if delta.output_index < self.next_index:
-            delta = _without_repeats(delta, self.next_index)
-            if delta is None:
+            fresh = _without_repeats(delta, self.next_index)
+            if fresh is None:
                 return False  # only tokens already released
+            delta = fresh
         self.pending[delta.output_index] = (delta, source, arrival)
         while self.next_index in self.pending and not self.closed:
             ready, origin, at = self.pending.pop(self.next_index)

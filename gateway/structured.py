@@ -70,7 +70,8 @@ def check_json_schema(schema: Any, what: str, param: str | None = None) -> str:
     if not isinstance(schema, dict | bool):
         raise bad_request(f"{what} must be a JSON schema object", param=param)
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
+        # A bool is a schema too (true: anything); the stubs allow dicts only.
+        jsonschema.validators.validator_for(schema).check_schema(schema)  # type: ignore[arg-type]
     except jsonschema.SchemaError as exc:
         raise bad_request(f"{what} is not a valid JSON schema: {exc.message}", param) from None
     text = json.dumps(schema)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -30,8 +32,9 @@ async def tokenize(request: Request, gateway: Gateway) -> Response:
         )
         ids = prompt.token_ids
     else:
+        text = cast(str, body.prompt)  # exactly one of the two, checked above
         ids = await gateway.offload.encode(
-            body.prompt, body.add_special_tokens, MAX_TOKENIZE_TOKENS, "prompt"
+            text, body.add_special_tokens, MAX_TOKENIZE_TOKENS, "prompt"
         )
     card = gateway.model_card
     token_strs = None

@@ -33,6 +33,7 @@ import threading
 import msgspec
 
 from pdserve.common import messages as wire
+from pdserve.common.block_events import BlockCacheSnapshot
 from pdserve.engine.core import EngineCore, default_executor
 from pdserve.engine.executor import Executor
 from pdserve.engine.ranks import RankLauncher, WorkerGroupFailed
@@ -57,7 +58,7 @@ class StepLoop:
         """`executor`: the ranks behind the seam (default: one rank in this process,
         with the role's KV connector beside its cache, or a worker group whose ranks
         `ranks` starts: child processes unless told otherwise)."""
-        self.spec = spec
+        self.spec: InstanceSpec = spec
         self.kind = role_kind(spec.role)
         self.engine_config = spec.engine
         self.executor = executor or default_executor(
@@ -83,7 +84,7 @@ class StepLoop:
         self._encoder = msgspec.msgpack.Encoder()
         self._counted = CounterBaseline()
         self._pending_inspection: wire.InstanceInspection | None = None
-        self._pending_snapshot = None
+        self._pending_snapshot: BlockCacheSnapshot | None = None
 
     @property
     def address(self) -> wire.InstanceAddress:

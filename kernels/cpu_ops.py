@@ -320,7 +320,7 @@ def _query_shape(query: Tensor, out: Tensor) -> tuple[int, int, int]:
         raise ValueError(f"query must be [tokens, heads, head_dim], got {tuple(shape)}")
     if out.shape != shape:
         raise ValueError(f"out {tuple(out.shape)} must match query {tuple(shape)}")
-    return shape  # type: ignore[return-value]
+    return shape
 
 
 def _check_heads(num_heads: int, num_kv_heads: int) -> None:

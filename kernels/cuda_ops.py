@@ -18,6 +18,8 @@ interpreter gets the reloaded kernel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pdserve.kernels import (
@@ -100,7 +102,7 @@ def _rotary_fake(positions, query, key, cos_sin_cache) -> tuple[Tensor, Tensor]:
     return triton_rotary.rotary_outputs(positions, query, key, cos_sin_cache)
 
 
-_IMPLEMENTATIONS = {
+_IMPLEMENTATIONS: dict[str, tuple[Callable[..., object], Callable[..., object]]] = {
     "write_kv_cache": (_write_kv_cache_impl, _write_kv_cache_fake),
     "decode_attention": (_decode_impl, _decode_fake),
     "prefill_attention": (_prefill_impl, _prefill_fake),

@@ -8,6 +8,8 @@ the dtype torch would give `weight * x`.
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 import triton
 import triton.language as tl
@@ -58,6 +60,12 @@ def _rows(tensor: Tensor, hidden: int) -> Tensor:
     return rows if rows.stride(1) == 1 else rows.contiguous()
 
 
+@overload
+def rms_norm_triton(x: Tensor, weight: Tensor, eps: float, residual: None = None) -> Tensor: ...
+@overload
+def rms_norm_triton(
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor
+) -> tuple[Tensor, Tensor]: ...
 def rms_norm_triton(
     x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -66,7 +74,7 @@ def rms_norm_triton(
     hidden = x.shape[-1]
     x_rows = _rows(x, hidden)
     out_rows = out.view(-1, hidden)
-    if residual is not None:
+    if residual is not None and residual_out is not None:
         res_rows = _rows(residual, hidden)
         res_out_rows = residual_out.view(-1, hidden)
     else:
@@ -90,11 +98,15 @@ def rms_norm_triton(
             HAS_RESIDUAL=residual is not None,
             num_warps=min(16, max(1, block // 256)),
         )
-    if residual is None:
+    if residual_out is None:
         return out
     return out, residual_out
 
 
+@overload
+def rms_norm_outputs(x: Tensor, weight: Tensor, residual: None) -> tuple[Tensor, None]: ...
+@overload
+def rms_norm_outputs(x: Tensor, weight: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]: ...
 def rms_norm_outputs(
     x: Tensor, weight: Tensor, residual: Tensor | None
 ) -> tuple[Tensor, Tensor | None]:

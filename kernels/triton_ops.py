@@ -8,6 +8,8 @@ lookup and falls back to the references (with the reason kept) where triton is a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pdserve.kernels import cuda_ops, dispatch
@@ -30,7 +32,7 @@ def rotary_write_kv_cache(
     return query
 
 
-TRITON_KERNELS = {
+TRITON_KERNELS: dict[str, Callable[..., object]] = {
     "write_kv_cache": cuda_ops.write_kv_cache,
     "decode_attention": cuda_ops.decode_attention,
     "prefill_attention": cuda_ops.prefill_attention,

@@ -138,7 +138,7 @@ def prefill_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    table_row = tables_ptr + seq.to(tl.int64) * stride_ts
+    table_row = tables_ptr + tl.cast(seq, tl.int64) * stride_ts
     head_base = cache_ptr + kv_head * stride_ch
     # Keys before the tile's first row's position are visible to every row, so without
     # a window the tiles wholly before it (phase 0) need no masking at all; the tiles

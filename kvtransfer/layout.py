@@ -11,6 +11,7 @@ through a staging buffer (see kv_memory.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from pdserve.common.model_split import TensorParallelError, check_tp_size
 from pdserve.kvtransfer.messages import DTYPE_SIZES, KVLayout
@@ -25,17 +26,32 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def layout_of(shape: object, tp_size: int = 1) -> KVLayout:
+class KVShape(Protocol):
+    """What a layout is read from: the engine's `KVCacheShape` or `KVGeometry`."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def dtype(self) -> object: ...  # a torch dtype or its name
+
+
+def layout_of(shape: KVShape, tp_size: int = 1) -> KVLayout:
     """The KVLayout of an engine `KVCacheShape` or `KVGeometry` (whose kv heads are per
     rank, and whose layers a pipeline stage's: the geometry names the model's)."""
-    dtype = str(shape.dtype).removeprefix("torch.")  # type: ignore[attr-defined]
+    dtype = str(shape.dtype).removeprefix("torch.")
     if dtype not in DTYPE_SIZES:
         raise KVLayoutMismatch(f"KV dtype {dtype} is not supported for transfer")
     return KVLayout(
-        block_size=shape.block_size,  # type: ignore[attr-defined]
-        num_layers=getattr(shape, "model_layers", 0) or shape.num_layers,  # type: ignore[attr-defined]
-        num_kv_heads=shape.num_kv_heads * tp_size,  # type: ignore[attr-defined]
-        head_dim=shape.head_dim,  # type: ignore[attr-defined]
+        block_size=shape.block_size,
+        num_layers=getattr(shape, "model_layers", 0) or shape.num_layers,
+        num_kv_heads=shape.num_kv_heads * tp_size,
+        head_dim=shape.head_dim,
         dtype=dtype,
         pipeline_parallel_size=getattr(shape, "pipeline_parallel_size", 1),
     )

@@ -13,7 +13,7 @@ process without the secret cannot write into KV memory.
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import zmq
@@ -96,8 +96,10 @@ class ZmqTransport(Transport):
         for offset in range(0, max(view.nbytes, 1), _CHUNK):
             chunk = view[offset : offset + _CHUNK]
             header = _HEADER.pack(tag, offset)
-            frames = [self._sealer.tag_parts(header, memoryview(chunk)), header, chunk]
-            trackers.append(socket.send_multipart(frames, copy=False, track=True))
+            data = chunk.data
+            frames: list[bytes | memoryview] = [self._sealer.tag_parts(header, data), header, data]
+            tracker = socket.send_multipart(frames, copy=False, track=True)
+            trackers.append(cast(zmq.MessageTracker, tracker))  # track=True: always one
         return _SendOp(view.nbytes, trackers, view)
 
     def recv(self, buffer: Any, tag: int) -> TransferOp:

@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 
 _CHECKOUT = Path(__file__).resolve().parent.parent
 if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "scheduler").is_dir():
-    __path__.append(str(_CHECKOUT))  # type: ignore[name-defined]  # noqa: F821
+    __path__.append(str(_CHECKOUT))  # noqa: F821
 
 _PUBLIC = {
     "LLM": "pdserve.engine.llm",

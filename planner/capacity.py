@@ -104,6 +104,7 @@ def plan_capacity(
                 "prefill_mean_ttft_ms": prefill_ttft_ms(load, throughput, tp, prefill_instances),
             }
         )
+    notes: list[str] = []
     result = {
         "requests_per_s": load.requests_per_s,
         "input_tokens_per_s": load.input_tokens_per_s,
@@ -119,7 +120,7 @@ def plan_capacity(
         "at_target_utilization": at_targets,
         "prefill_service_ms": prefill_service_s(load, throughput, tp) * 1000.0,
         "prefill_max_utilization_for_ttft": None,
-        "notes": [],
+        "notes": notes,
     }
     if load.ttft_slo_ms is not None:
         service = prefill_service_s(load, throughput, tp)
@@ -127,12 +128,12 @@ def plan_capacity(
             service, load.ttft_slo_ms / 1000.0
         )
         if service * 1000.0 >= load.ttft_slo_ms:
-            result["notes"].append(
+            notes.append(
                 f"one prompt alone takes {service * 1000:.0f} ms to prefill at this throughput, "
                 f"above the {load.ttft_slo_ms:g} ms TTFT SLO: raise TP or shorten prompts"
             )
     if load.itl_slo_ms is not None:
-        result["notes"].append(
+        notes.append(
             "the decode throughput is taken to meet the ITL SLO (true when it comes from a "
             "sweep's working point); check it with the simulator otherwise"
         )

@@ -8,6 +8,7 @@ from a calibration); cost needs a GPU price; simulation needs a calibration.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from pdserve.planner.capacity import LoadProfile, PhaseThroughput, plan_capacity
 from pdserve.planner.cost import CostInputs, plan_cost
@@ -129,7 +130,7 @@ def simulate_plan(request: PlanRequest, capacity: dict) -> dict:
         slos["ttft"] = request.load.ttft_slo_ms
     if request.load.itl_slo_ms is not None:
         slos["tpot"] = request.load.itl_slo_ms
-    result = {}
+    result: dict[str, Any] = {}
     for name, config in deployments.items():
         summary = summarize_simulation(simulate(config, workload), goodput_slos_ms=slos or None)
         summary["deployment"] = config.label()

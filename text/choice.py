@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Self
+from typing import Any, Protocol, Self, overload
 
 from pdserve.text.detokenizer import Decoder, TextStream
 
@@ -80,7 +80,7 @@ class ChoiceText:
         stream = TextStream(
             tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
         )
-        logprobs = [] if params.logprobs is not None else None
+        logprobs: list[Any] | None = [] if params.logprobs is not None else None
         return cls(stream=stream, logprobs=logprobs, **fields)
 
     @property
@@ -112,7 +112,13 @@ class ChoiceText:
         return Absorbed(released.text + tail.text, self.finish_reason)
 
 
-def choice_seeds(seed: int | None, n: int, rng: random.Random | None = None) -> list[int | None]:
+@overload
+def choice_seeds(seed: int | None, n: int, rng: random.Random) -> list[int]: ...
+@overload
+def choice_seeds(seed: int | None, n: int, rng: None = None) -> list[int | None]: ...
+def choice_seeds(
+    seed: int | None, n: int, rng: random.Random | None = None
+) -> list[int] | list[int | None]:
     """The seeds of one prompt's `n` choices: `seed + j`, so a seeded request repeats choice
     by choice. Without a seed, a fresh 63-bit one from `rng` each, or None when there is no
     `rng` (the engine then draws one from its own seeded generator)."""

@@ -10,7 +10,7 @@ No torch here: the gateway imports this module to tokenize and to apply chat tem
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -118,9 +118,10 @@ class Tokenizer:
             raise TokenizerError(f"encode expects a string, got {type(text).__name__}")
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         # tokenizer_config's add_bos_token asks for a BOS that some tokenizer.json files omit.
-        wants_bos = add_special_tokens and self.add_bos_token and self.bos_token_id is not None
-        if wants_bos and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id, *ids]
+        bos = self.bos_token_id
+        wants_bos = add_special_tokens and self.add_bos_token
+        if wants_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -330,7 +331,9 @@ def _add_templates(templates: dict[str, str], value: Any, path: Path) -> None:
     if isinstance(value, str):
         templates["default"] = value
         return
-    entries = value.items() if isinstance(value, Mapping) else None
+    entries: Iterable[tuple[Any, Any]] | None = (
+        value.items() if isinstance(value, Mapping) else None
+    )
     if isinstance(value, list):
         pairs = [(e.get("name"), e.get("template")) for e in value if isinstance(e, Mapping)]
         entries = pairs if len(pairs) == len(value) else None

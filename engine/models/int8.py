@@ -85,8 +85,9 @@ class Int8Linears:
         """Quantizes `tensor`'s rows into `param` from `row_offset` on, with their scales;
         a row-parallel tensor read whole keeps this rank's columns."""
         q, scales = quantize_rows(tensor)
-        if self.reads_whole(name):
-            _, start, stop = self.shard_of(name)
+        shard = self.shard_of(name) if self.reads_whole(name) else None
+        if shard is not None:  # under TP a row-parallel matrix always has this rank's slice
+            _, start, stop = shard
             q = q[:, start:stop]
         rows = q.shape[0]
         param.data[row_offset : row_offset + rows].copy_(q)

@@ -8,6 +8,7 @@ into single matmuls because on CPU every op costs fixed overhead per layer.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +97,7 @@ class Attention(nn.Module):
         self, positions: Tensor, qkv: Tensor, kv_cache: Tensor, meta: AttentionMetadata, cos_sin
     ) -> Tensor:
         """Attention with q/k norms (Qwen3): normed before the rotation."""
+        assert self.q_norm is not None and self.k_norm is not None  # forward checked q_norm
         n = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -202,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
     def hidden_dtype(self) -> torch.dtype:
         """The compute dtype: what flows between layers and stages (the embedding table
         may be stored narrower, precision.py); every stage holds at least one layer."""
-        return self.layers[0].input_norm.weight.dtype
+        return cast(DecoderLayer, self.layers[0]).input_norm.weight.dtype
 
     @property
     def sliding_window(self) -> int | None:
@@ -220,6 +222,7 @@ class LlamaForCausalLM(nn.Module):
         stage starts from `carried` instead of the tokens, and a stage before the last
         returns [2, num_tokens, hidden]: hidden states and residual for the next one."""
         if carried is None:
+            assert self.embed is not None  # the first stage: it holds the table
             # The table may be stored narrower than the compute dtype (precision.py).
             hidden = self.tp.embed(token_ids, self.embed, self.cfg.vocab_size, self.hidden_dtype)
             residual = None
@@ -228,12 +231,14 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.cos_sin)
         if self.norm is None:
+            assert residual is not None  # every stage holds at least one layer
             return torch.stack((hidden, residual))
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         head = self.embed if self.lm_head is None else self.lm_head
+        assert head is not None  # the last stage: it holds the head (or the tied table)
         logits = linear(hidden, head).float()
         if not self.tp.enabled:
             return logits
@@ -316,14 +321,15 @@ class LlamaForCausalLM(nn.Module):
 
     def target_of(self, name: str) -> tuple[Tensor, int]:
         """The parameter slice a Hugging Face tensor is copied into: (param, row offset)."""
-        if name == "model.embed_tokens.weight":
+        # Only names of expected_weights() come here: the stage holds what they name.
+        if name == "model.embed_tokens.weight" and self.embed is not None:
             return self.embed, 0
-        if name == "model.norm.weight":
+        if name == "model.norm.weight" and self.norm is not None:
             return self.norm.weight, 0
-        if name == "lm_head.weight":
+        if name == "lm_head.weight" and self.lm_head is not None:
             return self.lm_head, 0
         parts = name.split(".")
-        layer = self.layers[int(parts[2]) - self.stage.layer_start]
+        layer = cast(DecoderLayer, self.layers[int(parts[2]) - self.stage.layer_start])
         key = ".".join(parts[3:])
         attn = layer.attn
         qkv_offsets = {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size}
@@ -341,11 +347,11 @@ class LlamaForCausalLM(nn.Module):
                 table[f"self_attn.{proj}_proj.bias"] = (attn.qkv_bias, offset)
         if attn.o_bias is not None:
             table["self_attn.o_proj.bias"] = (attn.o_bias, 0)
-        if layer.mlp.gate_up_bias is not None:
+        if layer.mlp.gate_up_bias is not None and layer.mlp.down_bias is not None:
             table["mlp.gate_proj.bias"] = (layer.mlp.gate_up_bias, 0)
             table["mlp.up_proj.bias"] = (layer.mlp.gate_up_bias, layer.mlp.intermediate)
             table["mlp.down_proj.bias"] = (layer.mlp.down_bias, 0)
-        if attn.q_norm is not None:
+        if attn.q_norm is not None and attn.k_norm is not None:
             table["self_attn.q_norm.weight"] = (attn.q_norm.weight, 0)
             table["self_attn.k_norm.weight"] = (attn.k_norm.weight, 0)
         return table[key]

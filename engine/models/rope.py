@@ -14,7 +14,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind in (None, "default"):
         return inv_freq
-    if kind == "llama3":
+    if kind == "llama3" and scaling is not None:
         return _llama3_frequencies(inv_freq, scaling)
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, llama3)")
 

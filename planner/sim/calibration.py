@@ -32,7 +32,7 @@ class CalibrationUnavailable(RuntimeError):
 
 def load_engine(model: str | None, dtype: str, engine_args: dict):
     try:
-        from pdserve import LLM, SamplingParams  # type: ignore[attr-defined]
+        from pdserve import LLM, SamplingParams
     except ImportError as exc:
         raise CalibrationUnavailable(
             f"the pdserve engine is not available (from pdserve import LLM failed: {exc})"

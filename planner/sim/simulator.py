@@ -24,6 +24,7 @@ predictions and the measurements are summarized by the same code.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections import deque
@@ -152,7 +153,7 @@ class SimulatedInstance:
             self.loop.schedule(self.loop.now, self.start_step)
 
     def take_chunks(self, budget: int, seq_room: int) -> list[tuple[SimRequest, int]]:
-        chunks = []
+        chunks: list[tuple[SimRequest, int]] = []
         for request in self.queue:
             if budget <= 0 or len(chunks) >= seq_room:
                 break
@@ -354,7 +355,7 @@ class Simulation:
             )
         ]
         for request in requests:
-            self.loop.schedule(request.arrival, lambda r=request: self.arrive(r))
+            self.loop.schedule(request.arrival, functools.partial(self.arrive, request))
         self.loop.run()
         return requests
 
@@ -370,8 +371,8 @@ def summarize_simulation(
 ) -> dict:
     """The simulated run in `bench serve`'s result fields."""
     outcomes = [r.outcome() for r in requests]
-    done = [r for r in requests if r.finish is not None]
-    duration = (max(r.finish for r in done) - min(r.arrival for r in requests)) if done else 0.0
+    finishes = [r.finish for r in requests if r.finish is not None]
+    duration = (max(finishes) - min(r.arrival for r in requests)) if finishes else 0.0
     result = summarize(outcomes, duration, percentiles, goodput_slos_ms=goodput_slos_ms)
     for name in ("input_lens", "output_lens", "ttfts", "itls", "errors"):
         result.pop(name)
