@@ -7,10 +7,16 @@ tests share them without importing the engine.
 
 from __future__ import annotations
 
+import logging
+from typing import TypeVar
+
 import msgspec
 
 from pdserve.common.block_events import BlockCacheSnapshot
 from pdserve.common.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -228,3 +234,14 @@ class InstanceInfo(msgspec.Struct, frozen=True):
     quantization: str = ""
     # The epoch its outputs start in (a restarted instance: its predecessor's last + 1).
     epoch: int = 0
+
+
+
+def decoded(decoder: msgspec.msgpack.Decoder[T], payload: bytes, what: str) -> T | None:
+    """The message, or None (logged) where it is malformed: a receiver drops the frame and
+    goes on."""
+    try:
+        return decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        logger.warning("dropping a malformed %s: %s", what, exc)
+        return None

@@ -27,7 +27,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
 
 import msgspec
 import zmq
@@ -45,6 +44,7 @@ from pdserve.common.messages import (
     RequestDelta,
     SnapshotTask,
     Task,
+    decoded,
 )
 from pdserve.common.wire_auth import MAX_FRAME_BYTES, Sealer
 from pdserve.gateway.global_scheduler import (
@@ -60,7 +60,6 @@ from pdserve.gateway.routing import RouteRequest
 from pdserve.gateway.step_failures import next_move
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 LIVENESS_CHECK_INTERVAL_S = 0.5
 _TASK_HWM = 100_000
@@ -307,7 +306,7 @@ class Dispatcher:
             payload = self._sealer.open(frame, "the output socket")
             if payload is None:
                 continue
-            output = _decoded(self._output_decoder, payload, "instance output")
+            output = decoded(self._output_decoder, payload, "instance output")
             if output is None:
                 continue
             try:
@@ -366,7 +365,7 @@ class Dispatcher:
             instance_id = topic.decode(errors="replace")
             if not self._sealer.check_parts(tag, topic, payload, origin=f"events of {instance_id}"):
                 continue
-            batch = _decoded(self._batch_decoder, payload, "block-event batch")
+            batch = decoded(self._batch_decoder, payload, "block-event batch")
             if batch is not None and not self.scheduler.apply_block_events(instance_id, batch):
                 self._request_snapshot(instance_id)
 
@@ -394,13 +393,3 @@ class Dispatcher:
         self.metrics.fenced.labels(role, instance_id).inc()
         if self.on_fenced is not None:
             self.on_fenced(instance_id)
-
-
-def _decoded(decoder: msgspec.msgpack.Decoder[T], payload: bytes, what: str) -> T | None:
-    """The message, or None (logged) where it is malformed: a receiver drops the frame and
-    goes on."""
-    try:
-        return decoder.decode(payload)
-    except msgspec.DecodeError as exc:
-        logger.warning("dropping a malformed %s: %s", what, exc)
-        return None
