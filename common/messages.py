@@ -236,7 +236,6 @@ class InstanceInfo(msgspec.Struct, frozen=True):
     epoch: int = 0
 
 
-
 def decoded(decoder: msgspec.msgpack.Decoder[T], payload: bytes, what: str) -> T | None:
     """The message, or None (logged) where it is malformed: a receiver drops the frame and
     goes on."""
