@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pdserve.common.messages import TokenLogprobs
 from pdserve.text.tokenizer import Tokenizer
 
@@ -27,13 +29,35 @@ def completion_logprobs(
 ) -> dict:
     """{"tokens", "token_logprobs", "top_logprobs", "text_offset"} for these tokens;
     `text_offset` is where the first of them starts in the choice's text."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    offset = text_offset
-    for lp in logprobs:
-        text = token_text(lp.token_id)
+    entries = [(token_text(lp.token_id), lp) for lp in logprobs]
+    return _entries(entries, token_text, text_offset)
+
+
+def echoed_prompt_logprobs(
+    token_ids: list[int], scored: list[TokenLogprobs | None] | None, token_text: TokenText
+) -> dict:
+    """The prompt's entries in front of a completion's logprobs under `echo`: one per
+    prompt token, the first (and any not scored) null, offsets from 0."""
+    scored = scored or []
+    entries = [
+        (token_text(token_id), scored[i - 1] if 0 < i <= len(scored) else None)
+        for i, token_id in enumerate(token_ids)
+    ]
+    return _entries(entries, token_text, 0)
+
+
+def _entries(
+    entries: Sequence[tuple[str, TokenLogprobs | None]], token_text: TokenText, offset: int
+) -> dict:
+    """The completions API's logprobs object of (token text, its logprobs or None)."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for text, lp in entries:
         tokens.append(text)
-        token_logprobs.append(lp.logprob)
-        tops.append(_top_map(lp, text, token_text))
+        token_logprobs.append(None if lp is None else lp.logprob)
+        tops.append(None if lp is None else _top_map(lp, text, token_text))
         offsets.append(offset)
         offset += len(text)
     return {
@@ -49,30 +73,6 @@ def _top_map(lp: TokenLogprobs, text: str, token_text: TokenText) -> dict[str, f
     top = {token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
     top.setdefault(text, lp.logprob)
     return top
-
-
-def echoed_prompt_logprobs(
-    token_ids: list[int], scored: list[TokenLogprobs | None] | None, token_text: TokenText
-) -> dict:
-    """The prompt's entries in front of a completion's logprobs under `echo`: one per
-    prompt token, the first (and any not scored) null, offsets from 0."""
-    scored = scored or []
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    offset = 0
-    for i, token_id in enumerate(token_ids):
-        text = token_text(token_id)
-        lp = scored[i - 1] if 0 < i <= len(scored) else None
-        tokens.append(text)
-        token_logprobs.append(None if lp is None else lp.logprob)
-        tops.append(None if lp is None else _top_map(lp, text, token_text))
-        offsets.append(offset)
-        offset += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
 
 
 def joined_logprobs(first: dict, then: dict) -> dict:
