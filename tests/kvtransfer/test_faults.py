@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 TCP_ENV = {"UCX_TLS": "tcp,self"}
 # Small TCP segments make a transfer stream for seconds instead of a fraction of one.
-SLOW_TCP_ENV = TCP_ENV | {"UCX_TCP_TX_SEG_SIZE": "8k", "UCX_TCP_RX_SEG_SIZE": "8k"}
+SLOW_TCP_ENV = TCP_ENV | {"UCX_TCP_TX_SEG_SIZE": "2k", "UCX_TCP_RX_SEG_SIZE": "2k"}
 BIG = KVLayout(block_size=16, num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 NUM_BLOCKS = 136  # 272 MiB per side
 REQUEST_TOKENS = 128 * BIG.block_size  # 128 blocks = 256 MiB
@@ -61,10 +61,11 @@ def test_prefill_killed_decode_fails_within_timeout(fresh_peers, mid_message):
     admit_and_pull(d, hand_off(p, "orphan", REQUEST_TOKENS))
     wait_for(lambda: d.stats()["in_flight"] > 0 and p.stats()["in_flight"] > 0, timeout=20)
     if mid_message:
-        time.sleep(0.3)  # the message streams in small segments meanwhile
+        time.sleep(0.1)  # the message streams in small segments meanwhile
     p.peer.kill()
     pulled = time.monotonic()
-    outcomes = run_until(None, d, lambda o: o.decode.failed, timeout=10)
+    outcomes = run_until(None, d, lambda o: o.decode.failed or o.decode.ready, timeout=10)
+    assert not outcomes.decode.ready, "the transfer ended before the prefill side died"
     assert time.monotonic() - pulled < config["transfer_timeout_s"] + 1.5
     failure = outcomes.decode.failed[0]
     assert failure.request_id == "orphan" and failure.policy == "recompute"
