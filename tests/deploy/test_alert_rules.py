@@ -11,9 +11,7 @@ import subprocess
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.common.messages import InstanceAddress, InstanceOutput, MetricsDelta
 from pdserve.gateway.deployment_metrics import PoolCount
 from pdserve.gateway.metrics import GatewayMetrics
 from tests.deploy.rules import (
@@ -22,8 +20,8 @@ from tests.deploy.rules import (
     TARGET_LABELS,
     labels_in,
     rules,
-    series_in,
 )
+from tests.gateway.exported_series import exported_series, series_in
 
 SEVERITIES = {"critical", "warning", "info"}
 
@@ -75,18 +73,7 @@ def exported() -> dict[str, set[str]]:
         metrics.deployment.set_max_num_seqs(role, f"{role}-0", 8)
     metrics.deployment.set_ttft_slo(1.0)
     metrics.deployment.watch_pools(lambda: {"decode": PoolCount(size=2, up=1)})
-    # A counter the gateway only learns from instances (kv_transfer_lease_expiries_total).
-    address = InstanceAddress("prefill-0", "prefill", "tcp://127.0.0.1:1")
-    counters = {"kv_transfer_lease_expiries_total": 1.0}
-    metrics.record_output(InstanceOutput(address, metrics=MetricsDelta(counters=counters)))
-    series: dict[str, set[str]] = {}
-    for family in text_string_to_metric_families(metrics.render().decode()):
-        for sample in family.samples:
-            name = sample.name
-            for suffix in ("_bucket", "_sum", "_count"):
-                name = name.removesuffix(suffix)
-            series.setdefault(name, set()).update(sample.labels.keys() - {"le"})
-    return series
+    return exported_series(metrics)
 
 
 def test_every_series_and_label_the_rules_name_is_exported() -> None:

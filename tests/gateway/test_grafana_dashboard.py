@@ -8,16 +8,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from pdserve.common.messages import InstanceAddress, InstanceOutput, MetricsDelta
 from pdserve.gateway.metrics import GatewayMetrics
+from tests.gateway.exported_series import exported_series, series_in
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdserve.json"
-# Series names: PromQL's functions, keywords and label names never hold a colon.
-_SERIES = re.compile(r"\b(?:vllm|pdserve):[a-zA-Z0-9_:]*")
 _GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
-_SUFFIXES = ("_bucket", "_sum", "_count")
 
 
 def exported() -> dict[str, set[str]]:
@@ -25,18 +20,7 @@ def exported() -> dict[str, set[str]]:
     metrics = GatewayMetrics(model_name="m")
     for role in ("prefill", "decode", "colocated"):
         metrics.add_instance(role, f"{role}-0")
-    # A counter the gateway only learns from instances (kv_transfer_lease_expiries_total).
-    address = InstanceAddress("prefill-0", "prefill", "tcp://127.0.0.1:1")
-    counters = {"kv_transfer_lease_expiries_total": 1.0}
-    metrics.record_output(InstanceOutput(address, metrics=MetricsDelta(counters=counters)))
-    series: dict[str, set[str]] = {}
-    for family in text_string_to_metric_families(metrics.render().decode()):
-        for sample in family.samples:
-            name = sample.name
-            for suffix in _SUFFIXES:
-                name = name.removesuffix(suffix)
-            series.setdefault(name, set()).update(sample.labels.keys() - {"le"})
-    return series
+    return exported_series(metrics)
 
 
 def queries(node: Any) -> list[str]:
@@ -49,22 +33,13 @@ def queries(node: Any) -> list[str]:
     return []
 
 
-def names_in(expr: str) -> set[str]:
-    names = set()
-    for name in _SERIES.findall(expr):
-        for suffix in _SUFFIXES:
-            name = name.removesuffix(suffix)
-        names.add(name)
-    return names
-
-
 def test_every_dashboard_query_names_exported_series_and_labels() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     series = exported()
     exprs = queries(dashboard)
     assert len(exprs) > 20
     for expr in exprs:
-        names = names_in(expr)
+        names = series_in(expr)
         assert names, f"no pdserve or vLLM series in {expr!r}"
         missing = names - series.keys()
         assert not missing, f"{expr!r} names series /metrics lacks: {missing}"
@@ -80,7 +55,7 @@ def test_every_dashboard_query_names_exported_series_and_labels() -> None:
 
 def test_the_dashboard_has_vllms_panels_and_the_handoff() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
-    used = set().union(*(names_in(e) for e in queries(dashboard)))
+    used = set().union(*(series_in(e) for e in queries(dashboard)))
     for name in (
         "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
         "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
