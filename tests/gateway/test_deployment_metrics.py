@@ -14,8 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.gateway.gateway import Gateway, GatewayConfig
-from tests.deploy.rules import rules, series_in
+from tests.deploy.rules import rules
 from tests.gateway.conftest import TTFT_SLO_MS
+from tests.gateway.exported_series import series_in
 from tests.gateway.instances import instance_info
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
