@@ -196,6 +196,10 @@ def _flatten_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     if not isinstance(role, str) or not role:
         raise bad_request(f"messages[{index}] needs a role", param=f"messages[{index}].role")
     content = message.get("content")
+    if content is None and role == "assistant":
+        # OpenAI's API lets an assistant turn of tool calls leave its text out (the
+        # Agents SDK and LangChain send null); templates read it as a string, as vLLM does.
+        return {**message, "content": ""}
     if content is None or isinstance(content, str):
         return message
     if not isinstance(content, list):
