@@ -1,5 +1,6 @@
 """Test servers that run as `python -m MODULE`, bind 127.0.0.1 on a free port and print
-it on their first line (the scripted OpenAI server, the eval's table server)."""
+it on their first line (the scripted OpenAI server, the eval's table server), and the
+`refused_url` fixture their tests share."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,8 +47,9 @@ def printed_port_server(module: str, ready_path: str) -> Iterator[str]:
             proc.wait(timeout=10)
 
 
+@pytest.fixture
 def refused_url() -> str:
-    """A 127.0.0.1 address where nothing listens."""
+    """A 127.0.0.1 address where nothing listens (a fixture: conftests import it)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
