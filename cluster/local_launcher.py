@@ -56,12 +56,7 @@ class LocalLauncher(Launcher):
         pending = {spec.instance_id for spec in specs}
         deadline = time.monotonic() + self.ready_timeout_s
         while pending:
-            if self.cancelled.is_set():
-                raise LaunchError("cancelled while instances were loading")
-            if time.monotonic() > deadline:
-                raise LaunchError(
-                    f"instances not ready after {self.ready_timeout_s:g} s: {sorted(pending)}"
-                )
+            self.check_loading(deadline, pending)
             progress.tick()
             try:
                 instance_id, kind, payload = self._events.get(timeout=0.5)
