@@ -26,6 +26,9 @@ ReadyCallback = Callable[[InstanceInfo], None]
 ExitCallback = Callable[[str, str], object]  # (instance id, reason); its result is unused
 
 PROGRESS_INTERVAL_S = 2.0
+# What a stopping instance gets to end its step and exit before it is killed, under
+# either launcher.
+STOP_GRACE_S = 10.0
 
 
 class LaunchError(RuntimeError):

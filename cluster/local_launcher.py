@@ -20,6 +20,7 @@ import time
 import msgspec
 
 from pdserve.cluster.launcher import (
+    STOP_GRACE_S,
     ExitCallback,
     Launcher,
     LaunchError,
@@ -30,8 +31,6 @@ from pdserve.common.messages import InstanceInfo
 from pdserve.common.wire_auth import SECRET_ENV, SECRET_FILE_ENV, ensure_secret
 from pdserve.instance.main import FAILED_PREFIX, READY_PREFIX
 from pdserve.instance.spec import InstanceSpec
-
-STOP_GRACE_S = 10.0
 
 
 class LocalLauncher(Launcher):

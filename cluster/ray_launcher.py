@@ -20,6 +20,7 @@ import time
 import msgspec
 
 from pdserve.cluster.launcher import (
+    STOP_GRACE_S,
     ExitCallback,
     Launcher,
     LaunchError,
@@ -33,8 +34,6 @@ from pdserve.cluster.ray_watch import ActorWatch
 from pdserve.common.messages import InstanceInfo
 from pdserve.common.wire_auth import SECRET_ENV, ensure_secret
 from pdserve.instance.spec import InstanceSpec
-
-STOP_GRACE_S = 10.0
 
 
 class RayLauncher(Launcher):
