@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TextIO
 
 from pdserve.common.messages import InstanceInfo
@@ -26,6 +26,9 @@ ReadyCallback = Callable[[InstanceInfo], None]
 ExitCallback = Callable[[str, str], object]  # (instance id, reason); its result is unused
 
 PROGRESS_INTERVAL_S = 2.0
+# What a stopping instance gets to end its step and exit before it is killed, under
+# either launcher.
+STOP_GRACE_S = 10.0
 
 
 class LaunchError(RuntimeError):
@@ -68,6 +71,16 @@ class Launcher(ABC):
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def check_loading(self, deadline: float, pending: Iterable[str], cause: str = "") -> None:
+        """Gives up a launch that was cancelled, or whose `pending` instances are still
+        loading at `deadline` (`cause`: what likely held them, after their names)."""
+        if self.cancelled.is_set():
+            raise LaunchError("cancelled while instances were loading")
+        if time.monotonic() > deadline:
+            raise LaunchError(
+                f"instances not ready after {self.ready_timeout_s:g} s: {sorted(pending)}{cause}"
+            )
 
 
 class LoadProgress:

@@ -20,6 +20,7 @@ import time
 import msgspec
 
 from pdserve.cluster.launcher import (
+    STOP_GRACE_S,
     ExitCallback,
     Launcher,
     LaunchError,
@@ -30,8 +31,6 @@ from pdserve.common.messages import InstanceInfo
 from pdserve.common.wire_auth import SECRET_ENV, SECRET_FILE_ENV, ensure_secret
 from pdserve.instance.main import FAILED_PREFIX, READY_PREFIX
 from pdserve.instance.spec import InstanceSpec
-
-STOP_GRACE_S = 10.0
 
 
 class LocalLauncher(Launcher):
@@ -56,12 +55,7 @@ class LocalLauncher(Launcher):
         pending = {spec.instance_id for spec in specs}
         deadline = time.monotonic() + self.ready_timeout_s
         while pending:
-            if self.cancelled.is_set():
-                raise LaunchError("cancelled while instances were loading")
-            if time.monotonic() > deadline:
-                raise LaunchError(
-                    f"instances not ready after {self.ready_timeout_s:g} s: {sorted(pending)}"
-                )
+            self.check_loading(deadline, pending)
             progress.tick()
             try:
                 instance_id, kind, payload = self._events.get(timeout=0.5)

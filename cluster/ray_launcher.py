@@ -20,6 +20,7 @@ import time
 import msgspec
 
 from pdserve.cluster.launcher import (
+    STOP_GRACE_S,
     ExitCallback,
     Launcher,
     LaunchError,
@@ -33,8 +34,6 @@ from pdserve.cluster.ray_watch import ActorWatch
 from pdserve.common.messages import InstanceInfo
 from pdserve.common.wire_auth import SECRET_ENV, ensure_secret
 from pdserve.instance.spec import InstanceSpec
-
-STOP_GRACE_S = 10.0
 
 
 class RayLauncher(Launcher):
@@ -84,15 +83,9 @@ class RayLauncher(Launcher):
             loads[actor.load.remote()] = spec.instance_id
         progress = LoadProgress(len(specs))
         deadline = time.monotonic() + self.ready_timeout_s
+        cause = " (not enough CPUs, GPUs or custom resources in the cluster?)"
         while loads:
-            if self.cancelled.is_set():
-                raise LaunchError("cancelled while instances were loading")
-            if time.monotonic() > deadline:
-                raise LaunchError(
-                    f"instances not ready after {self.ready_timeout_s:g} s: "
-                    f"{sorted(loads.values())} (not enough CPUs, GPUs or custom resources "
-                    "in the cluster?)"
-                )
+            self.check_loading(deadline, loads.values(), cause)
             progress.tick()
             ready, _ = ray.wait(list(loads), num_returns=1, timeout=0.5)
             for ref in ready:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from pdserve.cluster.launcher import ExitCallback, ReadyCallback
+from pdserve.cluster.launcher import STOP_GRACE_S, ExitCallback, ReadyCallback
 from pdserve.cluster.ray_actors import InstanceHandle
 from pdserve.cluster.ray_cluster import one_line
 from pdserve.common.messages import InstanceInfo
@@ -44,7 +44,6 @@ WAIT_S = 0.5
 NAME_WAIT_S = 30.0
 # An actor still loading this long is said (once) to wait for room in the cluster.
 PLACEMENT_NOTE_S = 30.0
-STOP_GRACE_S = 10.0
 # Actors created at once after the launch (restarts and pools scaled up alike).
 CREATE_WORKERS = 4
 

@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pdserve.gateway.auth import tenant_of
-from pdserve.gateway.gateway import Gateway
+from pdserve.gateway.gateway import Gateway, ModelCard
 from pdserve.gateway.generation import Choice, ChoiceUpdate
 from pdserve.gateway.limits import check_sampling_limits
 from pdserve.gateway.logprobs import TokenText, chat_logprobs, prompt_logprobs_entries
@@ -29,11 +29,32 @@ from pdserve.gateway.tools import (
 
 async def create_chat_completion(request: Request, gateway: Gateway) -> Response:
     body = await read_body(request, ChatCompletionRequest)
+    chat = await admit_chat(request, gateway, body)
+    scored = chat.prompt if body.prompt_logprobs is not None else None
+    form = ChatFormat(TokenText(gateway.tokenizer), chat.tools, scored)
+    return await respond(
+        request, gateway, body, chat.model, chat.card, [chat.prompt], form, chat.tools.constraint
+    )
+
+
+@dataclass(frozen=True)
+class AdmittedChat:
+    """A chat request checked, admitted and rendered: what its generation starts from."""
+
+    tools: ToolPlan
+    model: str  # the served name
+    card: ModelCard
+    prompt: Prompt
+
+
+async def admit_chat(
+    request: Request, gateway: Gateway, body: ChatCompletionRequest
+) -> AdmittedChat:
+    """The chat path's checks in their order, then the rendered prompt (also the
+    Responses API's, whose body becomes a chat request)."""
     check_sampling_limits(body)
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, gateway.tool_parser)
-    model = gateway.check_model(body.model, tenant_of(request))
-    gateway.check_rate(tenant_of(request))  # before the prompt costs any CPU
-    card = gateway.require_model_card()
+    model, card = gateway.admit(body.model, tenant_of(request))
     prompt = await chat_prompt(
         body.messages,
         gateway.offload,
@@ -44,9 +65,7 @@ async def create_chat_completion(request: Request, gateway: Gateway) -> Response
         template_kwargs=body.chat_template_kwargs,
         trust_request_template=gateway.config.trust_request_chat_template,
     )
-    scored = prompt if body.prompt_logprobs is not None else None
-    form = ChatFormat(TokenText(gateway.tokenizer), tools, scored)
-    return await respond(request, gateway, body, model, card, [prompt], form, tools.constraint)
+    return AdmittedChat(tools, model, card, prompt)
 
 
 @dataclass

@@ -33,9 +33,7 @@ from pdserve.text.tokenizer import Tokenizer
 async def create_completion(request: Request, gateway: Gateway) -> Response:
     body = await read_body(request, CompletionRequest)
     check_sampling_limits(body)
-    model = gateway.check_model(body.model, tenant_of(request))
-    gateway.check_rate(tenant_of(request))  # before the prompt costs any CPU
-    card = gateway.require_model_card()
+    model, card = gateway.admit(body.model, tenant_of(request))
     prompts = await completion_prompts(
         body.prompt,
         gateway.offload,

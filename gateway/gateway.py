@@ -241,6 +241,13 @@ class Gateway:
             self.metrics.tenants.rate_limited(tenant.name)
             raise exc.api_error() from None
 
+    def admit(self, name: str | None, tenant: Tenant) -> tuple[str, ModelCard]:
+        """The served name a generation asks for and the model card it runs against, once
+        the tenant is within its rate limits: before the prompt costs any CPU."""
+        model = self.check_model(name, tenant)
+        self.check_rate(tenant)
+        return model, self.require_model_card()
+
     def start_run(
         self,
         request_id: str,

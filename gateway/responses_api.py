@@ -19,12 +19,11 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pdserve.gateway.auth import tenant_of
+from pdserve.gateway.chat import admit_chat
 from pdserve.gateway.errors import APIError
 from pdserve.gateway.gateway import Gateway
 from pdserve.gateway.generation import ChoiceUpdate, GenerationRun
-from pdserve.gateway.limits import MAX_MESSAGES, MAX_TOOLS, at_most, check_sampling_limits
-from pdserve.gateway.prompts import chat_prompt
+from pdserve.gateway.limits import MAX_MESSAGES, MAX_TOOLS, at_most
 from pdserve.gateway.replies import start_generation
 from pdserve.gateway.responses_output import ResponseWriter
 from pdserve.gateway.responses_request import (
@@ -34,7 +33,6 @@ from pdserve.gateway.responses_request import (
 )
 from pdserve.gateway.schemas import read_body
 from pdserve.gateway.streaming import AbortingStreamingResponse
-from pdserve.gateway.tools import plan_tools
 
 
 async def create_response(request: Request, gateway: Gateway) -> Response:
@@ -50,21 +48,15 @@ async def _respond(request: Request, gateway: Gateway, body: ResponsesRequest) -
         at_most(body.input, MAX_MESSAGES, "input", "items")
     at_most(body.tools, MAX_TOOLS, "tools", "tools")
     chat = chat_request_of(body)
-    check_sampling_limits(chat)
-    tools = plan_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls, gateway.tool_parser)
-    model = gateway.check_model(chat.model, tenant_of(request))
-    gateway.check_rate(tenant_of(request))  # before the prompt costs any CPU
-    card = gateway.require_model_card()
-    prompt = await chat_prompt(
-        chat.messages,
-        gateway.offload,
-        card.max_model_len,
-        tools=chat.tools,
-        trust_request_template=gateway.config.trust_request_chat_template,
+    admitted = await admit_chat(request, gateway, chat)
+    tools = admitted.tools
+    run = start_generation(
+        request, gateway, chat, admitted.card, [admitted.prompt], "resp", tools.constraint
     )
-    run = start_generation(request, gateway, chat, card, [prompt], "resp", tools.constraint)
     params = run.params
-    writer = ResponseWriter(run.request_id, model, body, tools, params.temperature, params.top_p)
+    writer = ResponseWriter(
+        run.request_id, admitted.model, body, tools, params.temperature, params.top_p
+    )
     if body.stream:
         return AbortingStreamingResponse(_events(run, writer, gateway), run.abort)
     [choice] = await gateway.finish_run(request, run)

@@ -1,5 +1,6 @@
 """Test servers that run as `python -m MODULE`, bind 127.0.0.1 on a free port and print
-it on their first line (the scripted OpenAI server, the eval's table server)."""
+it on their first line (the scripted OpenAI server, the eval's table server): how they
+serve and how their tests start them, and the `refused_url` fixture those tests share."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,10 +48,26 @@ def printed_port_server(module: str, ready_path: str) -> Iterator[str]:
             proc.wait(timeout=10)
 
 
+@pytest.fixture
 def refused_url() -> str:
-    """A 127.0.0.1 address where nothing listens."""
+    """A 127.0.0.1 address where nothing listens (a fixture: conftests import it)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
     return f"http://127.0.0.1:{port}"
+
+
+def serve_printing_port(app: Any, port: int = 0) -> None:
+    """Serves the ASGI `app` on 127.0.0.1:`port` (0: a free one) until terminated,
+    printing the port first, as `printed_port_server` reads it."""
+    import uvicorn
+
+    # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on sockets that say they are
+    # TCP; without it Nagle's algorithm and delayed ACKs add ~40 ms to small replies.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    print(sock.getsockname()[1], flush=True)
+    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    uvicorn.Server(config).run(sockets=[sock])

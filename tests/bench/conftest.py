@@ -5,15 +5,14 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests import printed_port
-from tests.printed_port import printed_port_server
+from tests.printed_port import printed_port_server, refused_url  # noqa: F401
 
 
 class ScriptedServer:
     """Handle on the scripted server subprocess: set its script, read its counters."""
 
-    def __init__(self, port: int) -> None:
-        self.base_url = f"http://127.0.0.1:{port}"
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
 
     def script(self, **settings: object) -> None:
         httpx.post(f"{self.base_url}/script", json=settings, timeout=5).raise_for_status()
@@ -25,10 +24,4 @@ class ScriptedServer:
 @pytest.fixture(scope="session")
 def scripted_server() -> Iterator[ScriptedServer]:
     with printed_port_server("tests.bench.scripted_server", "/v1/models") as base_url:
-        yield ScriptedServer(int(base_url.rsplit(":", 1)[1]))
-
-
-@pytest.fixture
-def refused_url() -> str:
-    """A 127.0.0.1 address where nothing listens."""
-    return printed_port.refused_url()
+        yield ScriptedServer(base_url)

@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import sys
 from dataclasses import asdict, dataclass
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from tests.printed_port import serve_printing_port
 
 MODEL = "scripted-model"
 
@@ -202,14 +202,7 @@ def main() -> None:
     parser.add_argument("--script", type=json.loads, default={}, help="a Script as JSON")
     args = parser.parse_args()
     state["script"] = Script(**args.script)
-    # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on sockets that say they are
-    # TCP; without it Nagle's algorithm and delayed ACKs add ~40 ms to small replies.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", args.port))
-    print(sock.getsockname()[1], flush=True)
-    config = uvicorn.Config(app, log_level="warning", access_log=False)
-    uvicorn.Server(config).run(sockets=[sock])
+    serve_printing_port(app, args.port)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,11 @@ import pytest
 from pdserve.cli import build_parser
 from pdserve.cluster import ray_watch
 from pdserve.cluster.deployment import Deployment, ServeError
-from pdserve.cluster.launcher import Launcher
 from pdserve.cluster.placement import PlannedInstance, pool_capacity
 from pdserve.cluster.pools import START_WORKERS, Pools
 from pdserve.cluster.supervisor import Supervisor
 from pdserve.instance.spec import InstanceSpec
+from tests.cluster.processless import ProcesslessLauncher
 
 
 def spec(instance_id: str) -> InstanceSpec:
@@ -25,7 +25,7 @@ def spec(instance_id: str) -> InstanceSpec:
                         gateway_address="tcp://g:1")  # fmt: skip
 
 
-class SlowLauncher(Launcher):
+class SlowLauncher(ProcesslessLauncher):
     """Each start takes a while (a process spawned); records how many ran at once."""
 
     can_start = True
@@ -37,13 +37,6 @@ class SlowLauncher(Launcher):
         self.threads: set[str] = set()
         self.running = self.most_running = 0
         self._lock = threading.Lock()
-
-    def launch(self, specs, on_ready) -> None: ...
-
-    def watch(self, on_exit) -> None: ...
-
-    def shutdown(self) -> None:
-        self.stopping.set()
 
     def start_instance(self, spec, on_ready) -> bool:
         with self._lock:

@@ -11,26 +11,19 @@ import threading
 import msgspec
 import pytest
 
-from pdserve.cluster.launcher import Launcher
 from pdserve.cluster.supervisor import MAX_DELAY_S, STABLE_S, Supervisor
 from pdserve.gateway.global_scheduler import GlobalScheduler
 from pdserve.instance.spec import InstanceSpec
+from tests.cluster.processless import ProcesslessLauncher
 from tests.gateway.instances import instance_info
 
 
-class RecordingLauncher(Launcher):
+class RecordingLauncher(ProcesslessLauncher):
     def __init__(self) -> None:
         super().__init__()
         self.restarted: list[InstanceSpec] = []
         self.killed: list[str] = []
         self.done = threading.Event()
-
-    def launch(self, specs, on_ready) -> None: ...
-
-    def watch(self, on_exit) -> None: ...
-
-    def shutdown(self) -> None:
-        self.stopping.set()
 
     def start_instance(self, spec, on_ready) -> bool:
         self.restarted.append(spec)

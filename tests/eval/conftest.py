@@ -7,16 +7,15 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests import printed_port
 from tests.no_torch import _no_torch, pytest_make_collect_report  # noqa: F401
-from tests.printed_port import printed_port_server
+from tests.printed_port import printed_port_server, refused_url  # noqa: F401
 
 
 class TableServer:
     """Handle on the table server subprocess: one fake OpenAI server per table name."""
 
-    def __init__(self, port: int) -> None:
-        self.root = f"http://127.0.0.1:{port}"
+    def __init__(self, root: str) -> None:
+        self.root = root
 
     def serve(self, name: str, replies: dict[str, str], default: str = "", **more) -> str:
         """Set table `name`; returns its OpenAI base URL."""
@@ -31,10 +30,4 @@ class TableServer:
 @pytest.fixture(scope="session")
 def table_server() -> Iterator[TableServer]:
     with printed_port_server("tests.eval.table_server", "/tables/none/requests") as base_url:
-        yield TableServer(int(base_url.rsplit(":", 1)[1]))
-
-
-@pytest.fixture
-def refused_url() -> str:
-    """A 127.0.0.1 address where nothing listens."""
-    return printed_port.refused_url()
+        yield TableServer(base_url)

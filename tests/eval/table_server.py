@@ -10,12 +10,12 @@ a prompt (and `/v1/chat/completions` the last message's content) from the table.
 
 from __future__ import annotations
 
-import socket
 import sys
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+
+from tests.printed_port import serve_printing_port
 
 app = FastAPI()
 tables: dict[str, dict] = {}
@@ -76,12 +76,7 @@ async def chat_completions(name: str, request: Request) -> JSONResponse:
 
 
 def main() -> None:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    print(sock.getsockname()[1], flush=True)
-    config = uvicorn.Config(app, log_level="warning", access_log=False)
-    uvicorn.Server(config).run(sockets=[sock])
+    serve_printing_port(app)
 
 
 if __name__ == "__main__":
