@@ -1,4 +1,5 @@
-"""lm-evaluation-harness against one prefill and one decode instance, as users run it:
+"""lm-evaluation-harness against one prefill and one decode instance and against one
+colocated instance, as users run it:
 `local-completions` (token-id prompts, `echo` + `logprobs` + `max_tokens: 1` for
 loglikelihood, greedy generation) and `local-chat-completions` (generation) on the small
 tasks of `lm_eval_tasks/`, scored as lm-eval's own `hf` backend scores the same float32
@@ -29,10 +30,11 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]  # the tasks' data_files are relative to it
 MC, GEN = "pdserve_mc", "pdserve_gen"
-ARGS = (
-    *LOCAL, "--num-prefill", "1", "--num-decode", "1", "--dtype", "float32",
-    "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
-)  # fmt: skip
+COMMON = (*LOCAL, "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "1024")
+LAYOUTS = {
+    "1P+1D": (*COMMON, "--num-prefill", "1", "--num-decode", "1"),
+    "colocated": (*COMMON, "--mode", "colocated", "--num-colocated", "1"),
+}
 RUN_TIMEOUT_S = 300
 FILES = ("spec.json", "out.json")  # what a child reads, what it writes
 # Loglikelihoods of one choice, pdserve's against torch's: other kernels, the same fp32 model.
@@ -118,9 +120,9 @@ def reference(hf) -> list[Evaluation]:
     return hf.evaluations()
 
 
-@pytest.fixture(scope="module")
-def server(hf) -> Iterator[ServeProcess]:  # after `hf`, so the two start together
-    with served(*ARGS, clean=True) as process:
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def server(request, hf) -> Iterator[ServeProcess]:  # after `hf`, so the two start together
+    with served(*LAYOUTS[request.param], clean=True) as process:
         yield process
 
 
