@@ -15,10 +15,10 @@ from pdserve.kernels.cpu_ops import (
     CpuKernels,
     _cache_fields,
     _check,
-    _check_heads,
     _dtype,
     _index,
 )
+from pdserve.kernels.shapes import check_heads
 
 Tensor = torch.Tensor
 # torch splits a row this long across threads, which changes its sum's order.
@@ -51,7 +51,7 @@ class CpuLayerOps:
                 f"qkv must be [num_tokens, {(num_heads + 2 * cache[1]) * d}] with contiguous "
                 f"columns, got {tuple(qkv.shape)}"
             )
-        _check_heads(num_heads, cache[1])
+        check_heads(num_heads, cache[1])
         for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
             if t.shape != (num_tokens,) or t.stride(0) != 1:
                 raise ValueError(f"{name} must be [{num_tokens}] and contiguous")

@@ -27,6 +27,7 @@ import torch
 
 from pdserve.kernels import dispatch, reference
 from pdserve.kernels.cpu_build import BuildError, BuiltLibrary, ensure_built
+from pdserve.kernels.shapes import check_heads, check_kv_layout
 
 Tensor = torch.Tensor
 
@@ -258,14 +259,8 @@ def _window(sliding_window: int | None) -> int:
 
 def _cache_fields(kv_cache: Tensor, head_dim: int) -> tuple[int, ...]:
     """(num_blocks, kv_heads, block_size, then the C fields: pointer, dtype, 4 strides)."""
+    check_kv_layout(kv_cache, None, head_dim)
     shape = kv_cache.shape
-    if len(shape) != 5 or shape[1] != 2:
-        raise ValueError(
-            "kv_cache must be [num_blocks, 2, num_kv_heads, block_size, head_dim], "
-            f"got shape {tuple(shape)}"
-        )
-    if shape[4] != head_dim:
-        raise ValueError(f"kv_cache head_dim {shape[4]} != input head_dim {head_dim}")
     c = kv_cache.stride()
     if c[4] != 1 and head_dim > 1:
         raise ValueError("kv_cache must be contiguous along head_dim (the KV layout contract)")
@@ -302,7 +297,7 @@ def _attention_fields(
     kernels/cpu/attention.h, up to the scale), after checking the inputs."""
     num_heads, d = query.shape[1], query.shape[2]
     cache = _cache_fields(kv_cache, d)
-    _check_heads(num_heads, cache[1])
+    check_heads(num_heads, cache[1])
     tables = _table_fields(num_seqs, block_tables, context_lens)
     q, o = query.stride(), out.stride()
     return (
@@ -321,11 +316,6 @@ def _query_shape(query: Tensor, out: Tensor) -> tuple[int, int, int]:
     if out.shape != shape:
         raise ValueError(f"out {tuple(out.shape)} must match query {tuple(shape)}")
     return shape
-
-
-def _check_heads(num_heads: int, num_kv_heads: int) -> None:
-    if num_kv_heads < 1 or num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
 
 
 def _check(rc: int, call: ctypes.Array) -> None:

@@ -185,4 +185,42 @@ ALWAYS_INLINE void attend_range(const attention_args *A, int64_t s, int h, int64
     }
 }
 
+/* Query row (token, head) loaded scaled into qf (zero-padded to dp) with a fresh running
+ * state: no score yet. */
+ALWAYS_INLINE void begin_row(const attention_args *A, int64_t token, int head, float *qf,
+                             float *acc, float *m, float *l) {
+    load_row(A->q, A->q_dt, token * A->q_ss + head * A->q_sh, A->q_sd, A->head_dim, A->dp,
+             A->qmul, qf);
+    memset(acc, 0, sizeof(float) * A->dp);
+    *m = -INFINITY;
+    *l = 0.0f;
+}
+
+/* Output row (token, head): the accumulator over the softmax sum (zeros where no key
+ * was seen). */
+ALWAYS_INLINE void end_row(const attention_args *A, int64_t token, int head, const float *acc,
+                           float l) {
+    store_row(A->out, A->o_dt, token * A->o_ss + head * A->o_sh, A->o_sd, A->head_dim, acc,
+              l > 0.0f ? 1.0f / l : 0.0f);
+}
+
+/* The (cache dtype, head_dim) specialisations each kernel compiles its loop for: head_dim
+ * 64 and 128 as constants, any other at run time (0). SPECIALISE(MAKE, p) expands
+ * MAKE(p_<dtype>_<dim>, DT, D) for each; SPECIALISATIONS(p) is their table, indexed
+ * [dtype][specialisation_of(head_dim)]. Small functions keep the build short. */
+#define SPECIALISE(MAKE, p)                                                                    \
+    MAKE(p##_f32_d64, DT_F32, 64) MAKE(p##_f32_d128, DT_F32, 128) MAKE(p##_f32_any, DT_F32, 0) \
+    MAKE(p##_bf16_d64, DT_BF16, 64) MAKE(p##_bf16_d128, DT_BF16, 128)                          \
+    MAKE(p##_bf16_any, DT_BF16, 0) MAKE(p##_f16_d64, DT_F16, 64)                               \
+    MAKE(p##_f16_d128, DT_F16, 128) MAKE(p##_f16_any, DT_F16, 0)
+#define SPECIALISATIONS(p)                                                                     \
+    {                                                                                          \
+        {p##_f32_d64, p##_f32_d128, p##_f32_any}, {p##_bf16_d64, p##_bf16_d128, p##_bf16_any}, \
+            {p##_f16_d64, p##_f16_d128, p##_f16_any},                                          \
+    }
+
+static inline int specialisation_of(int head_dim) {
+    return head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2;
+}
+
 #endif

@@ -1,5 +1,6 @@
 /* The paged-attention calls' arguments, shared by the decode and the prefill kernel:
- * the struct kernels/cpu_ops.py packs, and the typed view the attention loops read.
+ * the struct kernels/cpu_ops.py packs, the typed view the attention loops read, and the
+ * job that hands a call's work items to its threads.
  */
 #ifndef PDSERVE_CPU_ATTENTION_H
 #define PDSERVE_CPU_ATTENTION_H
@@ -54,6 +55,34 @@ static inline attention_args attention_args_of(const pd_attention_call *c, int d
         .block_size = (int)c->block_size, .head_dim = (int)c->head_dim,
         .group = (int)(c->num_heads / c->num_kv_heads), .dp = dp, .window = c->window,
         .qmul = (float)c->scale * LOG2_E};
+}
+
+/* A call as its threads see it: items handed out from one queue, each run by `run` with
+ * the thread's own zeroed scratch of `scratch_floats` floats. */
+typedef struct attention_job {
+    const attention_args *A;
+    const void *items; /* the kernel's list of items, where it has one */
+    void (*run)(const struct attention_job *J, int64_t item, float *scratch);
+    work_queue queue;
+    size_t scratch_floats;
+    int failed; /* a thread had no memory for its scratch */
+} attention_job;
+
+static inline void attention_worker(void *job) {
+    attention_job *J = job;
+    float *scratch = calloc(J->scratch_floats, sizeof(float));
+    if (!scratch) {
+        __atomic_store_n(&J->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    for (int64_t i; (i = take_item(&J->queue)) < J->queue.end;) J->run(J, i, scratch);
+    free(scratch);
+}
+
+/* Every item of the job on `threads` threads: PD_OK, or PD_NO_MEMORY. */
+static inline int run_attention_job(attention_job *J, int threads) {
+    run_workers(attention_worker, J, threads);
+    return J->failed ? PD_NO_MEMORY : PD_OK;
 }
 
 #endif

@@ -360,6 +360,33 @@ ALWAYS_INLINE void prefetch_rows(const char *base, int rows, int64_t row_bytes, 
             __builtin_prefetch(base + t * row_bytes + off, 0, PREFETCH_LOCALITY);
 }
 
+/* The paged KV cache a kernel writes this step's keys and values into: one layer's
+ * [num_blocks, 2, num_kv_heads, block_size, head_dim] through its strides (in elements),
+ * and each token's slot, block * block_size + offset (negative: padding, not written). */
+typedef struct {
+    void *base;
+    int dt;
+    int64_t sb, skv, sh, st;
+    int block_size;
+    const void *slots;
+    int slot_ix;
+    int64_t slot_stride;
+} kv_slots;
+
+static inline int64_t kv_slot(const kv_slots *C, int64_t token) {
+    return load_index(C->slots, C->slot_ix, token * C->slot_stride);
+}
+
+/* A slot whose block lies past the cache's last one. */
+static inline int kv_slot_outside(const kv_slots *C, int64_t slot, int64_t num_blocks) {
+    return slot >= 0 && slot / C->block_size >= num_blocks;
+}
+
+/* Element offset of kv head h's key row at `slot`; its value row lies C->skv further. */
+static inline int64_t kv_key_row(const kv_slots *C, int64_t slot, int h) {
+    return (slot / C->block_size) * C->sb + (slot % C->block_size) * C->st + h * C->sh;
+}
+
 /* Work items handed out in order from a shared counter: dynamic scheduling without
  * the OpenMP loop machinery, and no OpenMP call at all on one thread, since a step
  * makes ~90 kernel calls and the small ones must cost microseconds. */

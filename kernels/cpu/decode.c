@@ -19,78 +19,35 @@
 
 #define MIN_TOKENS_PER_THREAD 2048 /* token x kv-head pairs below which one thread runs */
 
-/* One function per (cache dtype, head_dim) specialisation: small functions keep the
- * compiler's work (and the build) short. */
 #define ATTEND_VARIANT(name, DT, D)                                                            \
     static __attribute__((noinline)) void name(const attention_args *A, int64_t s, int h,         \
                                                int64_t a, int64_t b, const float *qf,          \
                                                float *m, float *l, float *acc, float *sc) {    \
         attend_range(A, s, h, a, b, qf, m, l, acc, sc, DT, D);                                 \
     }
-ATTEND_VARIANT(attend_bf16_d64, DT_BF16, 64)
-ATTEND_VARIANT(attend_bf16_d128, DT_BF16, 128)
-ATTEND_VARIANT(attend_bf16_any, DT_BF16, 0)
-ATTEND_VARIANT(attend_f32_d64, DT_F32, 64)
-ATTEND_VARIANT(attend_f32_d128, DT_F32, 128)
-ATTEND_VARIANT(attend_f32_any, DT_F32, 0)
-ATTEND_VARIANT(attend_f16_d64, DT_F16, 64)
-ATTEND_VARIANT(attend_f16_d128, DT_F16, 128)
-ATTEND_VARIANT(attend_f16_any, DT_F16, 0)
+SPECIALISE(ATTEND_VARIANT, attend)
 
 typedef void (*attend_fn)(const attention_args *, int64_t, int, int64_t, int64_t, const float *,
                           float *, float *, float *, float *);
 
 static attend_fn attend_variant(int dt, int head_dim) {
-    static const attend_fn table[3][3] = {
-        {attend_f32_d64, attend_f32_d128, attend_f32_any},
-        {attend_bf16_d64, attend_bf16_d128, attend_bf16_any},
-        {attend_f16_d64, attend_f16_d128, attend_f16_any},
-    };
-    return table[dt][head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2];
+    static const attend_fn table[3][3] = SPECIALISATIONS(attend);
+    return table[dt][specialisation_of(head_dim)];
 }
 
-/* One item: every head of kv head h of sequence s over its visible context, into `out`. */
-static void decode_item(const attention_args *A, int64_t s, int h, float *scratch) {
-    const int dp = A->dp, d = A->head_dim, group = A->group;
+/* Item `it`: every head of one kv head of one sequence over its visible context. */
+static void decode_item(const attention_job *J, int64_t it, float *scratch) {
+    const attention_args *A = J->A;
+    const int64_t s = it / A->num_kv_heads;
+    const int h = (int)(it % A->num_kv_heads), dp = A->dp, group = A->group;
     float *qf = scratch, *acc = qf + group * dp, *m = acc + group * dp, *l = m + group;
     float *sc = l + group;
     int64_t len = load_index(A->lens, A->l_ix, s * A->l_s);
     int64_t a = A->window > 0 && len > A->window ? len - A->window : 0;
-    for (int i = 0; i < group; i++) {
-        int head = h * group + i;
-        load_row(A->q, A->q_dt, s * A->q_ss + head * A->q_sh, A->q_sd, d, dp, A->qmul,
-                 qf + i * dp);
-        memset(acc + i * dp, 0, sizeof(float) * dp);
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
-    }
+    for (int i = 0; i < group; i++)
+        begin_row(A, s, h * group + i, qf + i * dp, acc + i * dp, m + i, l + i);
     if (a < len) attend_variant(A->c_dt, A->head_dim)(A, s, h, a, len, qf, m, l, acc, sc);
-    for (int i = 0; i < group; i++) {
-        int head = h * group + i;
-        store_row(A->out, A->o_dt, s * A->o_ss + head * A->o_sh, A->o_sd, d, acc + i * dp,
-                  l[i] > 0.0f ? 1.0f / l[i] : 0.0f);
-    }
-}
-
-typedef struct {
-    const attention_args *A;
-    work_queue items;
-    size_t scratch_floats;
-    int failed;
-} decode_job;
-
-static void decode_worker(void *job) {
-    decode_job *J = job;
-    const attention_args *A = J->A;
-    const int kvh = A->num_kv_heads;
-    float *scratch = malloc(sizeof(float) * J->scratch_floats);
-    if (!scratch) {
-        __atomic_store_n(&J->failed, 1, __ATOMIC_RELAXED);
-        return;
-    }
-    for (int64_t it; (it = take_item(&J->items)) < J->items.end;)
-        decode_item(A, it / kvh, (int)(it % kvh), scratch);
-    free(scratch);
+    for (int i = 0; i < group; i++) end_row(A, s, h * group + i, acc + i * dp, l[i]);
 }
 
 int64_t pd_decode_call_size(void) { return sizeof(pd_attention_call); }
@@ -114,8 +71,8 @@ int pd_decode_attention(pd_attention_call *c) {
     const int64_t items = num_seqs * A.num_kv_heads;
     int threads = threads_for((int)c->num_threads, tokens * A.num_kv_heads, MIN_TOKENS_PER_THREAD);
     if (threads > items) threads = (int)items;
-    decode_job job = {.A = &A, .items = {0, items},
-                      .scratch_floats = (size_t)A.group * (2 * A.dp + 2) + MAX_CHUNK * SCORE_TILE};
-    run_workers(decode_worker, &job, threads);
-    return job.failed ? PD_NO_MEMORY : PD_OK;
+    const size_t scratch = (size_t)A.group * (2 * A.dp + 2) + MAX_CHUNK * SCORE_TILE;
+    attention_job job = {.A = &A, .run = decode_item, .queue = {0, items},
+                         .scratch_floats = scratch};
+    return run_attention_job(&job, threads);
 }

@@ -35,7 +35,6 @@
 #define UNIT_N 12                /* weight rows per work unit: C divides it for every R */
 #define MAX_R 4
 #define MAX_C 12
-#define BLOCK_BYTES (96 << 10)   /* weight bytes per L2-resident block */
 #define X_BLOCK_BYTES (192 << 10) /* packed x bytes per block of rows */
 #define MIN_MACS_PER_THREAD (1 << 18)
 
@@ -48,7 +47,6 @@ typedef struct {
     int bias_dt; /* -1: none */
     float *y;
     int64_t y_rs;
-    int64_t m, n;
     int k;
 } linear_args;
 
@@ -120,47 +118,8 @@ ALWAYS_INLINE void rows_times_block(const linear_args *A, int64_t m0, int64_t n0
     for (; n < n1; n++) tile(A, xp, w + n * A->w_rs * ws, n, y + n, R, 1, WDT);
 }
 
-/* Rows [m0, m1) against weight units [u0, u1). */
-ALWAYS_INLINE void run_units_of(const linear_args *A, int64_t m0, int64_t m1, int64_t u0,
-                                int64_t u1, const int WDT) {
-    int64_t block = BLOCK_BYTES / ((int64_t)UNIT_N * A->k * (int64_t)dtype_size(WDT));
-    if (block < 1) block = 1;
-    for (int64_t b0 = u0; b0 < u1; b0 += block) {
-        int64_t n0 = b0 * UNIT_N, n1 = (b0 + block < u1 ? b0 + block : u1) * UNIT_N;
-        if (n1 > A->n) n1 = A->n;
-        int64_t m = m0;
-        for (; m + 4 <= m1; m += 4) rows_times_block(A, m, n0, n1, 4, WDT);
-        switch (m1 - m) {
-        case 3: rows_times_block(A, m, n0, n1, 3, WDT); break;
-        case 2: rows_times_block(A, m, n0, n1, 2, WDT); break;
-        case 1: rows_times_block(A, m, n0, n1, 1, WDT); break;
-        default: break;
-        }
-    }
-}
-
-static __attribute__((noinline)) void run_units_bf16(const linear_args *A, int64_t m0, int64_t m1,
-                                                     int64_t u0, int64_t u1) {
-    run_units_of(A, m0, m1, u0, u1, DT_BF16);
-}
-
-static __attribute__((noinline)) void run_units_f32(const linear_args *A, int64_t m0, int64_t m1,
-                                                    int64_t u0, int64_t u1) {
-    run_units_of(A, m0, m1, u0, u1, DT_F32);
-}
-
-/* Every row against weight units [u0, u1), a block of rows at a time. */
-static void run_units(const linear_args *A, int64_t u0, int64_t u1) {
-    int64_t rows = X_BLOCK_BYTES / ((int64_t)A->k * 4) & ~(int64_t)3;
-    if (rows < 4) rows = 4;
-    for (int64_t m0 = 0; m0 < A->m; m0 += rows) {
-        int64_t m1 = m0 + rows < A->m ? m0 + rows : A->m;
-        if (A->w_dt == DT_BF16)
-            run_units_bf16(A, m0, m1, u0, u1);
-        else
-            run_units_f32(A, m0, m1, u0, u1);
-    }
-}
+LINEAR_ROWS_FN(rows_bf16, linear_args, rows_times_block, DT_BF16)
+LINEAR_ROWS_FN(rows_f32, linear_args, rows_times_block, DT_F32)
 
 /* x rows into the packed layout. bf16 W: per 16-chunk [x0 x2 .. x14 | x1 x3 .. x15],
  * so each half meets its widened weights; f32 W: as is. The tail stays as is. */
@@ -197,12 +156,29 @@ void *linear_scratch(size_t bytes) {
     return scratch_buffer;
 }
 
-void linear_split(linear_units_fn run, const void *args, int64_t units, int64_t macs,
-                  int num_threads) {
+/* Rows [m0, m1) against weight units [u0, u1): blocks of weight rows. */
+static void run_blocks(const linear_plan *P, int64_t m0, int64_t m1, int64_t u0, int64_t u1) {
+    for (int64_t b0 = u0; b0 < u1; b0 += P->w_units) {
+        const int64_t b1 = b0 + P->w_units < u1 ? b0 + P->w_units : u1;
+        const int64_t n0 = b0 * P->unit_n, n1 = b1 * P->unit_n < P->n ? b1 * P->unit_n : P->n;
+        int64_t m = m0;
+        for (; m + 4 <= m1; m += 4) P->rows(P->args, m, n0, n1, 4);
+        if (m < m1) P->rows(P->args, m, n0, n1, (int)(m1 - m));
+    }
+}
+
+/* Every row against weight units [u0, u1), a block of rows at a time. */
+static void run_units(const linear_plan *P, int64_t u0, int64_t u1) {
+    for (int64_t m0 = 0; m0 < P->m; m0 += P->x_rows)
+        run_blocks(P, m0, m0 + P->x_rows < P->m ? m0 + P->x_rows : P->m, u0, u1);
+}
+
+void linear_run(const linear_plan *P, int64_t macs, int num_threads) {
+    const int64_t units = (P->n + P->unit_n - 1) / P->unit_n;
     int threads = threads_for(num_threads, macs, MIN_MACS_PER_THREAD);
     if (threads > units) threads = (int)units;
     if (threads == 1) {
-        run(args, 0, units);
+        run_units(P, 0, units);
         return;
     }
 #pragma omp parallel num_threads(threads)
@@ -212,11 +188,9 @@ void linear_split(linear_units_fn run, const void *args, int64_t units, int64_t 
 #else
         const int t = 0, T = 1;
 #endif
-        run(args, units * t / T, units * (t + 1) / T);
+        run_units(P, units * t / T, units * (t + 1) / T);
     }
 }
-
-static void run_any_units(const void *A, int64_t u0, int64_t u1) { run_units(A, u0, u1); }
 
 static int linear(const float *x, int64_t x_rs, const void *w, int w_dt, int64_t w_rs,
                   const void *bias, int bias_dt, float *y, int64_t y_rs, int64_t m, int64_t n,
@@ -226,8 +200,11 @@ static int linear(const float *x, int64_t x_rs, const void *w, int w_dt, int64_t
     if (!xp) return PD_NO_MEMORY;
     pack_x(x, x_rs, m, (int)k, w_dt, xp);
     linear_args A = {.xp = xp, .w = w, .w_dt = w_dt, .w_rs = w_rs, .bias = bias, .bias_dt = bias_dt,
-                     .y = y, .y_rs = y_rs, .m = m, .n = n, .k = (int)k};
-    linear_split(run_any_units, &A, (n + UNIT_N - 1) / UNIT_N, m * n * k, num_threads);
+                     .y = y, .y_rs = y_rs, .k = (int)k};
+    linear_plan P = {.rows = w_dt == DT_BF16 ? rows_bf16 : rows_f32, .args = &A, .m = m, .n = n,
+                     .unit_n = UNIT_N, .x_rows = linear_block_rows(X_BLOCK_BYTES, k * 4),
+                     .w_units = linear_block_units(UNIT_N * k * (int64_t)dtype_size(w_dt))};
+    linear_run(&P, m * n * k, num_threads);
     return PD_OK;
 }
 

@@ -1,6 +1,7 @@
-/* The linear layer's entry points shared by its two arithmetic paths: float32 FMAs on
- * every CPU (linear.c) and bf16 dot products where the CPU has AVX512-BF16
- * (linear_bf16.c). */
+/* What the linear layer's arithmetic paths share: float32 FMAs on every CPU (linear.c),
+ * bf16 dot products where the CPU has AVX512-BF16 (linear_bf16.c) and int8 weights
+ * (linear_int8.c) each bring their micro-kernels; the blocking and threading around them
+ * are one (linear_run). */
 #ifndef PDSERVE_CPU_LINEAR_H
 #define PDSERVE_CPU_LINEAR_H
 
@@ -18,11 +19,56 @@ __attribute__((visibility("hidden"))) int linear_bf16_dot(
  * and no page faults per call): each path packs x into it, one call at a time. */
 __attribute__((visibility("hidden"))) void *linear_scratch(size_t bytes);
 
-/* Runs `run(args, u0, u1)` over weight units [0, units), split into contiguous runs
- * among at most `num_threads` threads (fewer when `macs` is too little work for them). */
-typedef void (*linear_units_fn)(const void *args, int64_t u0, int64_t u1);
-__attribute__((visibility("hidden"))) void linear_split(linear_units_fn run, const void *args,
-                                                         int64_t units, int64_t macs,
-                                                         int num_threads);
+/* R rows of x (1 to 4) from row m against weight rows [n0, n1): a path's micro-kernels. */
+typedef void (*linear_rows_fn)(const void *args, int64_t m, int64_t n0, int64_t n1, int R);
+
+/* One call of a path as the shared blocking and threading see it (linear.c's header). */
+typedef struct {
+    linear_rows_fn rows;
+    const void *args; /* what `rows` reads */
+    int64_t m, n;     /* rows of x, rows of W */
+    int64_t unit_n;   /* weight rows per work unit */
+    int64_t x_rows;   /* x rows per block (a multiple of 4): linear_block_rows */
+    int64_t w_units;  /* weight units per block: linear_block_units */
+} linear_plan;
+
+/* Rows of x per block: as many rows of `row_bytes` (packed) as fit `budget` bytes, in
+ * whole groups of 4, at least one group. */
+static inline int64_t linear_block_rows(int64_t budget, int64_t row_bytes) {
+    int64_t rows = budget / row_bytes & ~(int64_t)3;
+    return rows < 4 ? 4 : rows;
+}
+
+/* Weight bytes per L2-resident block, every path. */
+#define LINEAR_W_BLOCK_BYTES (96 << 10)
+
+/* Weight units per block: as many units of `unit_bytes` as fit LINEAR_W_BLOCK_BYTES, at
+ * least one. */
+static inline int64_t linear_block_units(int64_t unit_bytes) {
+    int64_t units = LINEAR_W_BLOCK_BYTES / unit_bytes;
+    return units < 1 ? 1 : units;
+}
+
+/* Every row of x against every weight row: the weight units split into contiguous runs
+ * among at most `num_threads` threads (fewer when `macs` is too little work for them);
+ * within a run, blocks of x rows, and in each a block of weight rows reused by every 4
+ * rows of it. */
+__attribute__((visibility("hidden"))) void linear_run(const linear_plan *P, int64_t macs,
+                                                       int num_threads);
+
+/* Defines `name`, a linear_rows_fn over `args_t` calling the always-inline
+ * `block(A, m, n0, n1, R, ...)` with R a constant in each case: one specialisation of the
+ * micro-kernels per row count. */
+#define LINEAR_ROWS_FN(name, args_t, block, ...)                                                \
+    static __attribute__((noinline)) void name(const void *args, int64_t m, int64_t n0,         \
+                                               int64_t n1, int R) {                             \
+        const args_t *A = args;                                                                 \
+        switch (R) {                                                                            \
+        case 4: block(A, m, n0, n1, 4, ##__VA_ARGS__); break;                                   \
+        case 3: block(A, m, n0, n1, 3, ##__VA_ARGS__); break;                                   \
+        case 2: block(A, m, n0, n1, 2, ##__VA_ARGS__); break;                                   \
+        default: block(A, m, n0, n1, 1, ##__VA_ARGS__); break;                                  \
+        }                                                                                       \
+    }
 
 #endif

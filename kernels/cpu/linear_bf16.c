@@ -25,7 +25,6 @@
 
 #define UNIT_N 24 /* weight rows per work unit: C divides it for every R */
 #define MAX_R 4
-#define BLOCK_BYTES (96 << 10)
 #define X_BLOCK_BYTES (96 << 10) /* packed (bf16) x bytes per block of rows */
 
 typedef struct {
@@ -36,7 +35,6 @@ typedef struct {
     int bias_dt; /* -1: none */
     float *y;
     int64_t y_rs;
-    int64_t m, n;
     int k, kp;
 } dot_args;
 
@@ -120,33 +118,7 @@ ALWAYS_INLINE void dot_rows_times_block(const dot_args *A, int64_t m0, int64_t n
     for (; n < n1; n++) dot_tile(A, xp, A->w + n * A->w_rs, n, y + n, R, 1);
 }
 
-static __attribute__((noinline)) void dot_rows_r(const dot_args *A, int64_t m, int64_t n0,
-                                                 int64_t n1, int R) {
-    switch (R) {
-    case 4: dot_rows_times_block(A, m, n0, n1, 4); break;
-    case 3: dot_rows_times_block(A, m, n0, n1, 3); break;
-    case 2: dot_rows_times_block(A, m, n0, n1, 2); break;
-    default: dot_rows_times_block(A, m, n0, n1, 1); break;
-    }
-}
-
-/* Every row against weight units [u0, u1): blocks of x rows, blocks of weight rows. */
-static void dot_run_units(const dot_args *A, int64_t u0, int64_t u1) {
-    int64_t rows = X_BLOCK_BYTES / ((int64_t)A->kp * 2) & ~(int64_t)3;
-    if (rows < 4) rows = 4;
-    int64_t block = BLOCK_BYTES / ((int64_t)UNIT_N * A->k * 2);
-    if (block < 1) block = 1;
-    for (int64_t m0 = 0; m0 < A->m; m0 += rows) {
-        int64_t m1 = m0 + rows < A->m ? m0 + rows : A->m;
-        for (int64_t b0 = u0; b0 < u1; b0 += block) {
-            int64_t n0 = b0 * UNIT_N, n1 = (b0 + block < u1 ? b0 + block : u1) * UNIT_N;
-            if (n1 > A->n) n1 = A->n;
-            int64_t m = m0;
-            for (; m + 4 <= m1; m += 4) dot_rows_r(A, m, n0, n1, 4);
-            if (m < m1) dot_rows_r(A, m, n0, n1, (int)(m1 - m));
-        }
-    }
-}
+LINEAR_ROWS_FN(dot_rows, dot_args, dot_rows_times_block)
 
 /* x rows rounded to bf16 (to nearest even), each row zero-padded to kp elements. */
 static void pack_x_bf16(const float *x, int64_t x_rs, int64_t m, int k, int kp, uint16_t *dst) {
@@ -164,8 +136,6 @@ static void pack_x_bf16(const float *x, int64_t x_rs, int64_t m, int k, int kp, 
     }
 }
 
-static void dot_any_units(const void *A, int64_t u0, int64_t u1) { dot_run_units(A, u0, u1); }
-
 int linear_bf16_dot_available(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") != 0;
@@ -180,8 +150,11 @@ int linear_bf16_dot(const float *x, int64_t x_rs, const uint16_t *w, int64_t w_r
     if (!xp) return PD_NO_MEMORY;
     pack_x_bf16(x, x_rs, m, (int)k, kp, xp);
     dot_args A = {.xp = xp, .w = w, .w_rs = w_rs, .bias = bias, .bias_dt = bias_dt,
-                  .y = y, .y_rs = y_rs, .m = m, .n = n, .k = (int)k, .kp = kp};
-    linear_split(dot_any_units, &A, (n + UNIT_N - 1) / UNIT_N, m * n * k, num_threads);
+                  .y = y, .y_rs = y_rs, .k = (int)k, .kp = kp};
+    linear_plan P = {.rows = dot_rows, .args = &A, .m = m, .n = n, .unit_n = UNIT_N,
+                     .x_rows = linear_block_rows(X_BLOCK_BYTES, kp * 2),
+                     .w_units = linear_block_units(UNIT_N * k * 2)};
+    linear_run(&P, m * n * k, num_threads);
     return PD_OK;
 }
 

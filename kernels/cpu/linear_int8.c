@@ -63,7 +63,6 @@ ALWAYS_INLINE float vec_sum(vec v) { return v; }
 
 #define MAX_R 4
 #define MAX_ACC (4 * COLS(4)) /* R * C is the same for every R */
-#define BLOCK_BYTES (96 << 10)
 #define X_BLOCK_BYTES (192 << 10)
 
 typedef struct {
@@ -75,7 +74,6 @@ typedef struct {
     int bias_dt; /* -1: none */
     float *y;
     int64_t y_rs;
-    int64_t m, n;
     int k, kp;
 } int8_args;
 
@@ -133,34 +131,7 @@ ALWAYS_INLINE void rows_times_block(const int8_args *A, int64_t m0, int64_t n0, 
     for (; n < n1; n++) tile(A, xp, A->w + n * A->w_rs, n, y + n, R, 1);
 }
 
-static __attribute__((noinline)) void rows_r(const int8_args *A, int64_t m, int64_t n0, int64_t n1,
-                                             int R) {
-    switch (R) {
-    case 4: rows_times_block(A, m, n0, n1, 4); break;
-    case 3: rows_times_block(A, m, n0, n1, 3); break;
-    case 2: rows_times_block(A, m, n0, n1, 2); break;
-    default: rows_times_block(A, m, n0, n1, 1); break;
-    }
-}
-
-/* Every row against weight units [u0, u1): blocks of x rows, blocks of weight rows. */
-static void run_units(const void *args, int64_t u0, int64_t u1) {
-    const int8_args *A = args;
-    int64_t rows = X_BLOCK_BYTES / ((int64_t)A->kp * 4) & ~(int64_t)3;
-    if (rows < 4) rows = 4;
-    int64_t block = BLOCK_BYTES / ((int64_t)UNIT_N * A->k);
-    if (block < 1) block = 1;
-    for (int64_t m0 = 0; m0 < A->m; m0 += rows) {
-        int64_t m1 = m0 + rows < A->m ? m0 + rows : A->m;
-        for (int64_t b0 = u0; b0 < u1; b0 += block) {
-            int64_t n0 = b0 * UNIT_N, n1 = (b0 + block < u1 ? b0 + block : u1) * UNIT_N;
-            if (n1 > A->n) n1 = A->n;
-            int64_t m = m0;
-            for (; m + 4 <= m1; m += 4) rows_r(A, m, n0, n1, 4);
-            if (m < m1) rows_r(A, m, n0, n1, (int)(m1 - m));
-        }
-    }
-}
+LINEAR_ROWS_FN(rows_r, int8_args, rows_times_block)
 
 /* x rows copied to rows of kp floats, the padding zero. */
 static void pack_x(const float *x, int64_t x_rs, int64_t m, int k, int kp, float *dst) {
@@ -187,7 +158,10 @@ int pd_linear_int8(pd_linear_int8_call *c) {
     pack_x(PTR(c->x), c->x_rs, m, (int)k, kp, xp);
     int8_args A = {.xp = xp, .w = PTR(c->w), .w_rs = c->w_rs, .scales = PTR(c->scales),
                    .bias = PTR(c->bias), .bias_dt = (int)c->bias_dt, .y = PTR(c->y),
-                   .y_rs = c->y_rs, .m = m, .n = n, .k = (int)k, .kp = kp};
-    linear_split(run_units, &A, (n + UNIT_N - 1) / UNIT_N, m * n * k, (int)c->num_threads);
+                   .y_rs = c->y_rs, .k = (int)k, .kp = kp};
+    linear_plan P = {.rows = rows_r, .args = &A, .m = m, .n = n, .unit_n = UNIT_N,
+                     .x_rows = linear_block_rows(X_BLOCK_BYTES, kp * 4),
+                     .w_units = linear_block_units(UNIT_N * k)};
+    linear_run(&P, m * n * k, (int)c->num_threads);
     return PD_OK;
 }

@@ -77,15 +77,10 @@ ALWAYS_INLINE void attend_causal(const attention_args *A, const prefill_item *it
 
 ALWAYS_INLINE void prefill_item_run(const attention_args *A, const prefill_item *it,
                                     const tile_scratch *w, const int dt, const int D) {
-    const int g = A->group, dp = D ? D : A->dp, d = A->head_dim, rows = it->tokens * g;
-    for (int r = 0; r < rows; r++) {
-        int head = it->kv_head * g + r % g;
-        load_row(A->q, A->q_dt, (it->q_row0 + r / g) * A->q_ss + head * A->q_sh, A->q_sd, d, dp,
-                 A->qmul, w->qf + (int64_t)r * dp);
-        memset(w->acc + (int64_t)r * dp, 0, sizeof(float) * dp);
-        w->m[r] = -INFINITY;
-        w->l[r] = 0.0f;
-    }
+    const int g = A->group, dp = D ? D : A->dp, rows = it->tokens * g;
+    for (int r = 0; r < rows; r++)
+        begin_row(A, it->q_row0 + r / g, it->kv_head * g + r % g, w->qf + (int64_t)r * dp,
+                  w->acc + (int64_t)r * dp, w->m + r, w->l + r);
     if (A->window > 0) {
         for (int t = 0; t < it->tokens; t++) {
             int64_t p = it->pos0 + t, a = p + 1 > A->window ? p + 1 - A->window : 0;
@@ -95,65 +90,34 @@ ALWAYS_INLINE void prefill_item_run(const attention_args *A, const prefill_item 
     } else {
         attend_causal(A, it, w, dt, D);
     }
-    for (int r = 0; r < rows; r++) {
-        int head = it->kv_head * g + r % g;
-        store_row(A->out, A->o_dt, (it->q_row0 + r / g) * A->o_ss + head * A->o_sh, A->o_sd, d,
-                  w->acc + (int64_t)r * dp, w->l[r] > 0.0f ? 1.0f / w->l[r] : 0.0f);
-    }
+    for (int r = 0; r < rows; r++)
+        end_row(A, it->q_row0 + r / g, it->kv_head * g + r % g, w->acc + (int64_t)r * dp, w->l[r]);
 }
 
-/* One function per (cache dtype, head_dim) specialisation, as in decode.c. */
 #define PREFILL_VARIANT(name, DT, D)                                                          \
     static __attribute__((noinline)) void name(const attention_args *A, const prefill_item *it, \
                                                const tile_scratch *w) {                        \
         prefill_item_run(A, it, w, DT, D);                                                     \
     }
-PREFILL_VARIANT(prefill_bf16_d64, DT_BF16, 64)
-PREFILL_VARIANT(prefill_bf16_d128, DT_BF16, 128)
-PREFILL_VARIANT(prefill_bf16_any, DT_BF16, 0)
-PREFILL_VARIANT(prefill_f32_d64, DT_F32, 64)
-PREFILL_VARIANT(prefill_f32_d128, DT_F32, 128)
-PREFILL_VARIANT(prefill_f32_any, DT_F32, 0)
-PREFILL_VARIANT(prefill_f16_d64, DT_F16, 64)
-PREFILL_VARIANT(prefill_f16_d128, DT_F16, 128)
-PREFILL_VARIANT(prefill_f16_any, DT_F16, 0)
+SPECIALISE(PREFILL_VARIANT, prefill)
 
 typedef void (*prefill_fn)(const attention_args *, const prefill_item *, const tile_scratch *);
 
 static prefill_fn prefill_variant(int dt, int head_dim) {
-    static const prefill_fn table[3][3] = {
-        {prefill_f32_d64, prefill_f32_d128, prefill_f32_any},
-        {prefill_bf16_d64, prefill_bf16_d128, prefill_bf16_any},
-        {prefill_f16_d64, prefill_f16_d128, prefill_f16_any},
-    };
-    return table[dt][head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2];
+    static const prefill_fn table[3][3] = SPECIALISATIONS(prefill);
+    return table[dt][specialisation_of(head_dim)];
 }
 
-typedef struct {
-    const attention_args *A;
-    const prefill_item *items;
-    work_queue queue;
-    size_t scratch_floats;
-    int failed;
-} prefill_job;
-
-static void prefill_worker(void *job) {
-    prefill_job *J = job;
+/* Item i of the job's list, in the thread's scratch. */
+static void prefill_run(const attention_job *J, int64_t i, float *scratch) {
     const attention_args *A = J->A;
     const size_t rows = (size_t)A->rows_pad, dp = (size_t)A->dp;
-    float *buf = calloc(J->scratch_floats, sizeof(float));
-    if (!buf) {
-        __atomic_store_n(&J->failed, 1, __ATOMIC_RELAXED);
-        return;
-    }
-    tile_scratch w = {.qf = buf};
+    tile_scratch w = {.qf = scratch};
     w.acc = w.qf + rows * dp;
     w.m = w.acc + rows * dp;
     w.l = w.m + rows;
     w.sc = w.l + rows;
-    const prefill_fn run = prefill_variant(A->c_dt, A->head_dim);
-    for (int64_t i; (i = take_item(&J->queue)) < J->queue.end;) run(A, &J->items[i], &w);
-    free(buf);
+    prefill_variant(A->c_dt, A->head_dim)(A, (const prefill_item *)J->items + i, &w);
 }
 
 static int64_t item_cost(const prefill_item *it) {
@@ -243,9 +207,9 @@ int pd_prefill_attention(pd_prefill_call *call) {
     int threads = threads_for((int)c->num_threads, work * (int)c->num_heads, 1 << 16);
     if (threads > num_items) threads = (int)num_items;
     const size_t rows = (size_t)A.rows_pad;
-    prefill_job job = {.A = &A, .items = items, .queue = {0, num_items},
-                       .scratch_floats = rows * A.dp * 2 + 2 * rows + MAX_CHUNK * SCORE_TILE};
-    run_workers(prefill_worker, &job, threads);
+    attention_job job = {.A = &A, .items = items, .run = prefill_run, .queue = {0, num_items},
+                         .scratch_floats = rows * A.dp * 2 + 2 * rows + MAX_CHUNK * SCORE_TILE};
+    rc = run_attention_job(&job, threads);
     free(items);
-    return job.failed ? PD_NO_MEMORY : PD_OK;
+    return rc;
 }

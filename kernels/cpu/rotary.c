@@ -33,12 +33,8 @@ typedef struct {
     void *q_out;
     int q_dt;
     int64_t q_st, q_sh, q_sd;
-    void *cache;
-    int cache_dt;
-    int64_t c_sb, c_skv, c_sh, c_st;
-    const void *slots;
-    int slot_ix;
-    int num_heads, num_kv_heads, head_dim, block_size;
+    kv_slots cache;
+    int num_heads, num_kv_heads, head_dim;
 } rotary_args;
 
 /* n elements of base (dtype dt, contiguous from element off) into dst as float32. */
@@ -101,17 +97,18 @@ static void rotate_token(const rotary_args *A, int64_t t) {
             for (int i = 0; i < d; i++) store_scalar(A->q_out, A->q_dt, base + i * A->q_sd, y[i]);
         }
     }
-    int64_t slot = load_index(A->slots, A->slot_ix, t);
+    const kv_slots *C = &A->cache;
+    int64_t slot = kv_slot(C, t);
     if (slot < 0) return;
-    int64_t cell = (slot / A->block_size) * A->c_sb + (slot % A->block_size) * A->c_st;
     const int64_t k_col = (int64_t)A->num_heads * d, v_col = k_col + (int64_t)A->num_kv_heads * d;
     for (int h = 0; h < A->num_kv_heads; h++) {
+        const int64_t key_row = kv_key_row(C, slot, h);
         load_floats(A->qkv, A->qkv_dt, row + k_col + (int64_t)h * d, d, x);
         rotate(x, cs, cs + half, half, y);
         round_as(A->qkv_dt, d, y);
-        store_floats(A->cache, A->cache_dt, cell + h * A->c_sh, d, y);
+        store_floats(C->base, C->dt, key_row, d, y);
         load_floats(A->qkv, A->qkv_dt, row + v_col + (int64_t)h * d, d, x);
-        store_floats(A->cache, A->cache_dt, cell + A->c_skv + h * A->c_sh, d, x);
+        store_floats(C->base, C->dt, key_row + C->skv, d, x);
     }
 }
 
@@ -119,8 +116,8 @@ static int rotary_write(const rotary_args *A, int64_t num_tokens, int64_t num_bl
                         int64_t max_position, int num_threads, int64_t *bad) {
     if (A->head_dim > MAX_HEAD_DIM || A->head_dim % 2) return fail_at(bad, 0, PD_BAD_HEAD_DIM);
     for (int64_t t = 0; t < num_tokens; t++) {
-        int64_t slot = load_index(A->slots, A->slot_ix, t);
-        if (slot >= 0 && slot / A->block_size >= num_blocks) return fail_at(bad, t, PD_BAD_SLOT);
+        if (kv_slot_outside(&A->cache, kv_slot(&A->cache, t), num_blocks))
+            return fail_at(bad, t, PD_BAD_SLOT);
         int64_t pos = load_index(A->positions, A->pos_ix, t);
         if (pos < 0 || pos >= max_position) return fail_at(bad, t, PD_BAD_POSITION);
     }
@@ -150,12 +147,13 @@ typedef struct {
 int64_t pd_rotary_call_size(void) { return sizeof(pd_rotary_call); }
 
 int pd_rotary_write_kv_cache(pd_rotary_call *c) {
+    /* The slots come contiguous (kernels/cpu_layer_ops.py checks). */
     rotary_args A = {PTR(c->qkv), (int)c->qkv_dt, c->qkv_rs, PTR(c->positions), (int)c->pos_ix,
                      PTR(c->cos_sin), (int)c->cs_dt, c->cs_rs, PTR(c->q_out), (int)c->q_dt,
-                     c->q_st, c->q_sh, c->q_sd, PTR(c->cache), (int)c->cache_dt, c->c_sb,
-                     c->c_skv, c->c_sh, c->c_st, PTR(c->slots), (int)c->slot_ix,
-                     (int)c->num_heads, (int)c->num_kv_heads, (int)c->head_dim,
-                     (int)c->block_size};
+                     c->q_st, c->q_sh, c->q_sd,
+                     {PTR(c->cache), (int)c->cache_dt, c->c_sb, c->c_skv, c->c_sh, c->c_st,
+                      (int)c->block_size, PTR(c->slots), (int)c->slot_ix, 1},
+                     (int)c->num_heads, (int)c->num_kv_heads, (int)c->head_dim};
     return rotary_write(&A, c->num_tokens, c->num_blocks, c->max_position, (int)c->num_threads,
                         &c->bad);
 }
