@@ -35,7 +35,7 @@ class ChoiceFormat(Protocol):
     chunk_object: str  # each chunk's `object`
 
     def opening(self, choice: Choice) -> dict[str, Any] | None:
-        """The choice's entry in a chunk sent before any token, where the API has one."""
+        """The choice's entry in a chunk sent with the first token, where the API has one."""
         ...
 
     def final(self, choice: Choice) -> dict[str, Any]:
@@ -149,14 +149,28 @@ async def _chunks(
             return {}
         return {"usage": run.usage() if continuous else None}
 
+    def openings() -> list[bytes]:
+        usage = usage_field()
+        if counts := usage.get("usage"):  # as before any token, as vLLM counts its role chunk
+            prompt_tokens = counts["prompt_tokens"]
+            usage["usage"] = {**counts, "completion_tokens": 0, "total_tokens": prompt_tokens}
+        entries = [form.opening(choice) for choice in run.choices]
+        return [sse({**header, "choices": [e], **usage}) for e in entries if e is not None]
+
     try:
-        for choice in run.choices:
-            opening = form.opening(choice)
-            if opening is not None:
-                yield sse({**header, "choices": [opening], **usage_field()})
+        # The openings come with the first token, as vLLM sends them: a client that times
+        # its first chunk (`vllm bench serve`) then measures the prefill, not the gateway.
+        opened = False
         async for update in run.updates():
+            if not opened:
+                opened = True
+                for chunk in openings():
+                    yield chunk
             if update.text or update.finish_reason or update.logprobs:
                 yield sse({**header, "choices": [form.chunk(update)], **usage_field()})
+        if not opened:
+            for chunk in openings():
+                yield chunk
         if include_usage:
             yield sse({**header, "choices": [], "usage": run.usage()})
     except Exception as exc:  # the stream is under way: report it in the stream, never raise
