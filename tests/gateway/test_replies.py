@@ -61,3 +61,24 @@ async def _collect() -> None:
 
 def test_the_role_comes_with_the_first_token() -> None:
     asyncio.run(_collect())
+
+
+class FailingRun(Run):
+    async def updates(self) -> AsyncIterator[Any]:
+        raise RuntimeError("instance failed before the first token")
+        yield  # an async generator
+
+
+async def _collect_failure() -> list[bytes]:
+    gateway = SimpleNamespace(stream_error=lambda exc: {"error": {"message": str(exc)}})
+    chunks = _chunks(FailingRun(), {"id": "chatcmpl-2"}, Form(), (True, True), gateway)  # type: ignore[arg-type]
+    return [chunk async for chunk in chunks]
+
+
+def test_a_failure_before_the_first_token_is_the_error_alone() -> None:
+    """No role for a reply that never had a token (vLLM sends none either)."""
+    chunks = asyncio.run(_collect_failure())
+    assert len(chunks) == 2 and chunks[1] == b"data: [DONE]\n\n", chunks
+    assert json.loads(chunks[0].decode().removeprefix("data: ")) == {
+        "error": {"message": "instance failed before the first token"}
+    }
