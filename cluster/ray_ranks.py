@@ -6,8 +6,9 @@ land on different nodes), one bundle per rank asking for the rank's share of the
 instance's CPUs (fractional where ranks share cores), one whole GPU when the instance
 uses GPUs (the rank's `cuda:0`: `engine/devices.py`), and the pool's custom resources.
 The instance's actor (the group's driver: step loop and scheduler) sits in bundle 0 of
-stage 0 asking for nothing, so rank 0 and the rendezvous it binds are on the driver's
-node. Rank r runs in bundle r % tp of stage r // tp's group.
+stage 0 asking for nothing, so rank 0 is on the driver's node, which serves the
+group's rendezvous store (`engine/pipeline.py:Rendezvous`). Rank r runs in bundle
+r % tp of stage r // tp's group.
 
 Channel: each rank actor connects a ZMQ DEALER to a ROUTER the driver binds on its
 node's address, and the same small encoded plans and results as the pipes cross it,
@@ -160,7 +161,7 @@ class RayRanks:
     """Starts each rank as a `TensorParallelRank` actor in its bundle."""
 
     def __init__(self, host: str, instance_id: str, stages: int = 1) -> None:
-        self.host = host  # this node's address: the ROUTER and the rendezvous bind it
+        self.host = host  # this node's address: the ROUTER and the rendezvous store bind it
         self.instance_id = instance_id
         self.stages = stages
 

@@ -130,24 +130,34 @@ class PipelineStage:
         return int(buffer.item())
 
 
+class Rendezvous:
+    """The group's torch.distributed store, served by the driver on a port the system
+    picks as it binds: a port found free and bound later by rank 0 could be taken in
+    between (seen: EADDRINUSE under a busy test run)."""
+
+    def __init__(self, host: str, timeout_s: float) -> None:
+        self._store = dist.TCPStore(
+            host, 0, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        self.address = f"{host}:{self._store.port}"
+
+
 def join_group(
     config: EngineConfig, rank: int, master: str, timeout_s: float
 ) -> tuple[EngineConfig, TensorParallel, PipelineStage | None]:
-    """Joins the group's process group as `rank` (rendezvous at `master`, host:port);
-    returns the rank's config, its TP place (with its stage's sub-group) and, with PP,
-    its stage. The rank's device is already in its config (the rank launcher's)."""
+    """Joins the group's process group as `rank` (the driver's `Rendezvous` at
+    `master`, host:port); returns the rank's config, its TP place (with its stage's
+    sub-group) and, with PP, its stage. The rank's device is already in its config (the
+    rank launcher's)."""
     from pdserve.engine.checkpoint import load_model_config
     from pdserve.engine.embedded import embedded_model_path
 
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     backend = "gloo" if config.device == "cpu" else "nccl"
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{master}",
-        rank=rank,
-        world_size=tp * pp,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    host, port = master.rsplit(":", 1)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=tp * pp, timeout=timeout)
     if pp == 1:
         return config, TensorParallel(rank, tp), None
     # Every rank creates every stage's sub-group, in the same order (torch requires it).

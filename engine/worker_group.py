@@ -44,7 +44,6 @@ from pdserve.engine.ranks import (
     RankJob,
     RankLauncher,
     WorkerGroupFailed,
-    free_port,
 )
 from pdserve.engine.step_plan import StepPlan, StepResult, WorkerInfo
 
@@ -75,6 +74,7 @@ class WorkerGroupExecutor:
         # Called once, from the watcher thread, when a rank dies between steps.
         self.on_failure = on_failure
         self._group: RankGroup | None = None
+        self._rendezvous: Any = None  # the group's store (`pipeline.Rendezvous`), while it lives
         self._lock = threading.Lock()  # one step at a time on the channels
         self._closing = threading.Event()
         self._death_named = threading.Event()  # the watcher saw a rank die
@@ -88,8 +88,10 @@ class WorkerGroupExecutor:
 
     def load(self) -> WorkerInfo:
         self._check_split()
-        host = self.launcher.master_host()
-        master = f"{host}:{free_port(host)}"
+        from pdserve.engine.pipeline import Rendezvous
+
+        self._rendezvous = Rendezvous(self.launcher.master_host(), GROUP_TIMEOUT_S)
+        master = self._rendezvous.address
         devices = self.launcher.devices(self.size, self.config.device)
         jobs = [
             RankJob(self._rank_config(device), rank, self.size, master, self.connector)
