@@ -1,6 +1,7 @@
 """cluster: bringing it up. Ray lives here only.
 
-- `pdserve serve`: `serve.py`, `serve_cli.py` (its flags; `help_format.py`: defaults in
+- `pdserve serve`: `serve.py`, `serve_cli.py` (its flags; `ops_flags.py`: the tracing
+  and debugging ones and their checks; `help_format.py`: defaults in
   `--help` as vLLM shows them), `exposure.py` (beyond loopback only with tenant and
   admin keys, or `--allow-unauthenticated`), `deployment.py` (`Deployment`: what the
   flags bring up, the engine and KV transfer configs built from them by attribute),

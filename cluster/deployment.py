@@ -12,6 +12,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from pdserve.cluster.ops_flags import check_tracing_flags
 from pdserve.cluster.placement import (
     PlacementError,
     PlannedInstance,
@@ -349,6 +350,10 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.ttft_slo_ms is not None and not 0 < args.ttft_slo_ms < float("inf"):
         raise ServeError("--ttft-slo-ms must be a positive number of milliseconds")
     parse_size(args.kv_cache_memory)
+    try:
+        check_tracing_flags(args)
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ServeError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
     source = args.generation_config

@@ -30,6 +30,7 @@ from pdserve.cluster.deployment import Deployment, ServeError
 from pdserve.cluster.http_server import uvicorn_config
 from pdserve.cluster.launcher import Launcher, LaunchError
 from pdserve.cluster.local_launcher import LocalLauncher
+from pdserve.cluster.ops_flags import detail_modules
 from pdserve.cluster.placement import load_waves
 from pdserve.cluster.pools import Pools
 from pdserve.cluster.supervisor import Supervisor
@@ -246,6 +247,8 @@ def gateway_config(deployment: Deployment, model_path: str, zmq_host: str) -> Ga
         deployment_secret=deployment_secret(),
         request_timeout_s=args.request_timeout,
         ttft_slo_ms=args.ttft_slo_ms,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        collect_detailed_traces=detail_modules(args),
         zmq_host=zmq_host,
     )
 

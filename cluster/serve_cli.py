@@ -8,6 +8,7 @@ import sys
 from pdserve.cluster.deployment import LAUNCHERS, MODES
 from pdserve.cluster.exposure import ExposureError, check_exposure
 from pdserve.cluster.help_format import DefaultsHelpFormatter
+from pdserve.cluster.ops_flags import add_debug_flags, add_observability_flags
 from pdserve.cluster.placement import DEVICES
 from pdserve.gateway.routing import DEFAULT_POLICY, POLICIES
 from pdserve.gateway.structured import StructuredOutputsConfig, check_structured_outputs_config
@@ -41,7 +42,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     _add_http_flags(parser.add_argument_group("HTTP"))
     _add_topology_flags(parser.add_argument_group("topology"))
     _add_scheduler_flags(parser.add_argument_group("global scheduler"))
-    _add_debug_flags(parser.add_argument_group("debugging"))
+    add_observability_flags(parser.add_argument_group("observability"))
+    add_debug_flags(parser.add_argument_group("debugging"))
     parser.set_defaults(handler=_run)
     return parser
 
@@ -374,18 +376,6 @@ def _add_scheduler_flags(scheduling: argparse._ArgumentGroup) -> None:
         help="times a request whose instance died is sent again (before its first token "
         "from the start; mid-stream migrated with the tokens already streamed as output), "
         "then it ends with an error",
-    )
-
-
-def _add_debug_flags(debug: argparse._ArgumentGroup) -> None:
-    debug.add_argument(
-        "--log-level", default="warning", choices=("debug", "info", "warning", "error")
-    )
-    debug.add_argument(
-        "--enable-test-hooks",
-        action="store_true",
-        help="tests only: the /debug/* routes, the instances' leak task and the "
-        "PDSERVE_TEST_KV_DELAY_S pull delay (all absent without it)",
     )
 
 

@@ -30,6 +30,32 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top_logprobs: list[float] = []
 
 
+class KVPullTimes(msgspec.Struct, array_like=True):
+    """A decode instance's pull of one request's KV as its ranks timed it (wall clock,
+    `time.time()` seconds, over every rank: the first receive posted, the last byte in)."""
+
+    started: float
+    ended: float
+    num_bytes: int
+    transport: str  # the transport that moved it: ucx, ucx-listener, zmq
+    num_blocks: int = 0  # blocks pulled (the driver's count: local prefix hits not pulled)
+
+
+class InstanceTimings(msgspec.Struct, array_like=True):
+    """When one request's phases happened on one instance, on that instance's wall clock
+    (`time.time()` seconds; the gateway reconciles clocks: `gateway/clock_sync.py`). Sent
+    once, with the request's last delta from the instance (a prefill instance's: its
+    first token); None where a phase never happened there."""
+
+    queued: float  # entered the waiting queue (a handoff: arrived)
+    first_scheduled: float | None = None  # first given a chunk, or its remote blocks
+    kv_ready: float | None = None  # decode side: its pulled KV usable
+    first_token: float | None = None  # first token sampled here
+    last_token: float | None = None  # latest token sampled here
+    kv_pull: KVPullTimes | None = None
+    num_preemptions: int = 0
+
+
 class RequestDelta(msgspec.Struct):
     """New tokens of one request from one step; `finish_reason` set on its last delta."""
 
@@ -52,6 +78,9 @@ class RequestDelta(msgspec.Struct):
     # may be the cause (a strike against it); STEP_BYSTANDER: another request on
     # probation here was (no strike).
     step_failed: str = ""
+    # On the request's last delta from this instance (a prefill instance's: the first
+    # token): when its phases happened here, for the gateway's timeline and traces.
+    timings: InstanceTimings | None = None
 
     @property
     def finished(self) -> bool:
@@ -207,6 +236,9 @@ class InstanceOutput(msgspec.Struct):
     # Why the instance cannot serve though its loop turns (its circuit breaker tripped:
     # `instance/breaker.py`); the gateway then fences it like a stalled one.
     unhealthy: str = ""
+    # The instance's wall clock as the output was made: the gateway's receipt bounds the
+    # instance's clock offset from above (`gateway/clock_sync.py`).
+    sent_at: float = 0.0
 
 
 class InstanceInfo(msgspec.Struct, frozen=True):

@@ -19,7 +19,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pdserve.common.messages import TokenLogprobs
+from pdserve.common.messages import InstanceTimings, KVPullTimes, TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
 
 
@@ -92,6 +92,8 @@ class Request:
     first_scheduled_time: float | None = None  # first given a chunk (or its remote blocks)
     first_token_time: float | None = None  # first token sampled here
     last_token_time: float | None = None  # latest token sampled here
+    kv_ready_time: float | None = None  # decode side: its pulled KV usable here
+    kv_pull: KVPullTimes | None = None  # decode side: the pull as the ranks timed it
     # Decode side: its prompt was computed on a prefill instance (a handoff).
     prefilled_elsewhere: bool = False
     # The driver's copy of prompt tokens 1..n-1's logprobs as the ranks compute them
@@ -144,6 +146,26 @@ class Request:
         if handed_off or self.last_token_time is None:
             return PhaseTimes(queue=queue, prefill=prefill)
         return PhaseTimes(queue, prefill, self.last_token_time - self.first_token_time)
+
+    def timings(self) -> InstanceTimings | None:
+        """Its phases here on this process's wall clock (the scheduler stamps them on the
+        monotonic clock, which other processes cannot compare); None if never queued."""
+        if self.queued_time is None:
+            return None
+        offset = time.time() - time.monotonic()
+
+        def wall(stamp: float | None) -> float | None:
+            return None if stamp is None else stamp + offset
+
+        return InstanceTimings(
+            queued=self.queued_time + offset,
+            first_scheduled=wall(self.first_scheduled_time),
+            kv_ready=wall(self.kv_ready_time),
+            first_token=wall(self.first_token_time),
+            last_token=wall(self.last_token_time),
+            kv_pull=self.kv_pull,
+            num_preemptions=self.num_preemptions,
+        )
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)

@@ -6,6 +6,7 @@
   instance's stats; `pending.py`: handoffs on their way, voided by an abort;
 - `kv_scheduler.py` (`DecodeKVScheduler`): its half of the KV connector;
 - `kv_puller.py` (`DecodeKVPuller`): the side of each rank's transfer I/O thread that
-  pulls (handshakes, receives straight into the KV blocks, heartbeats, deadlines), with
+  pulls (handshakes, receives straight into the KV blocks, heartbeats, deadlines; each
+  pull timed for the request's timeline), with
   its state in `pull_state.py`.
 """

@@ -16,10 +16,11 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from typing import Protocol
 
 import zmq
 
+from pdserve.common.messages import KVPullTimes
 from pdserve.decode.pull_state import PrefillRank, PullRequest, PullSlice
 from pdserve.kvtransfer.control import ControlClient
 from pdserve.kvtransfer.layout import (
@@ -47,7 +48,15 @@ from pdserve.kvtransfer.rank_io import RankIO
 
 logger = logging.getLogger(__name__)
 
-Report = Callable[[str, str, str], None]  # (kind, request_id, reason)
+
+class Report(Protocol):
+    """The worker's record of a request's outcome, with its pull's timing once done."""
+
+    def __call__(
+        self, kind: str, request_id: str, reason: str = "", pull: KVPullTimes | None = None
+    ) -> None: ...
+
+
 _TAG_BITS = 20  # message index bits inside a tag; the rest is the transfer id
 _TRANSFER_ID_BITS = 64 - _TAG_BITS
 
@@ -185,6 +194,7 @@ class DecodeKVPuller:
         part.state = "receiving"
         if request.started is None:
             request.started = time.perf_counter()
+            request.started_wall = time.time()
             self._stats.in_flight += 1
         try:
             for index, run in enumerate(part.runs):
@@ -314,11 +324,15 @@ class DecodeKVPuller:
             for part in request.slices:
                 done = Done(request.request_id, part.transfer_id, part.head_start, part.head_end)
                 self._sources[part.address].client.send(done)
-            self._stats.bytes_total += sum(op.nbytes for p in request.slices for op in p.ops)
+            moved = sum(op.nbytes for p in request.slices for op in p.ops)
+            self._stats.bytes_total += moved
             self._stats.transfers_total += 1
             if request.started is not None:
                 self._stats.observe_seconds(time.perf_counter() - request.started)
-            self._report("finished_recving", request.request_id, "")
+            ended = time.time()
+            started = ended if request.started_wall is None else request.started_wall
+            pull = KVPullTimes(started, ended, moved, self._transport.name)
+            self._report("finished_recving", request.request_id, "", pull)
             return
         reason = "aborted" if request.aborted else (request.failure or "")
         for address in request.addresses:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.common.messages import KVPullTimes
 from pdserve.kvtransfer.config import FAILURE_POLICIES
 from pdserve.kvtransfer.layout import blocks_for, check_compatible, check_tp_split
 from pdserve.kvtransfer.messages import (
@@ -40,6 +41,7 @@ class DecodeUpdate:
     ready: list[str] = field(default_factory=list)  # finish_remote_kvs(id, success=True)
     failed: list[RemoteKVFailure] = field(default_factory=list)  # success=False + policy
     aborted: list[str] = field(default_factory=list)  # no transfer touches them: free
+    pulls: dict[str, KVPullTimes] = field(default_factory=dict)  # of the ready ones
 
 
 class DecodeKVScheduler:
@@ -115,6 +117,8 @@ class DecodeKVScheduler:
         for rid in report.finished_recving:
             if self._handoffs.pop(rid, None) is not None:
                 update.ready.append(rid)
+                if rid in report.pulls:
+                    update.pulls[rid] = report.pulls[rid]
         for rid, reason in report.failed.items():
             if self._handoffs.pop(rid, None) is not None:
                 update.failed.append(RemoteKVFailure(rid, reason, self.failure_policy))

@@ -39,7 +39,8 @@ class PullRequest:
     addresses: list[str]  # the prefill ranks this rank talks to about it
     slices: list[PullSlice] = field(default_factory=list)
     deadline: float | None = None  # set when the pull starts
-    started: float | None = None
+    started: float | None = None  # perf_counter, for the transfer-time histogram
+    started_wall: float | None = None  # time.time(), for the request's timeline
     aborted: bool = False
     failure: str | None = None
     finalized: bool = False

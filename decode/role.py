@@ -26,6 +26,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
+import msgspec
+
 from pdserve.common.messages import (
     AbortTask,
     GenerateTask,
@@ -227,8 +229,13 @@ class DecodeRole:
         update: DecodeUpdate = self.kv.update(update_report)
         scheduler = self.engine.scheduler
         for request_id in update.ready:
+            blocks = self._pulling.pop(request_id, 0)
+            request = scheduler.get_request(request_id)
+            pull = update.pulls.get(request_id)
+            if request is not None and pull is not None:
+                request.kv_pull = msgspec.structs.replace(pull, num_blocks=blocks)
             scheduler.finish_remote_kvs(request_id, success=True)
-            self._blocks_pulled += self._pulling.pop(request_id, 0)
+            self._blocks_pulled += blocks
             self.pull_outcomes.pulled()
             self.link.mark_news()
         for failure in update.failed:

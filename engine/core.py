@@ -34,6 +34,8 @@ from pdserve.scheduler.step_scheduler import Scheduler
 if TYPE_CHECKING:
     from pdserve.engine.ranks import RankLauncher
 
+_HANDED_OFF = RequestStatus.HANDED_OFF
+
 
 @dataclass
 class EngineStats:
@@ -319,6 +321,8 @@ class EngineCore:
             stop_reason=request.stop_reason if status.finished else None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            # Once, as the request leaves this instance (finished, or handed off).
+            timings=request.timings() if status.finished or status is _HANDED_OFF else None,
         )
 
     def _count(self, output: SchedulerOutput) -> None:

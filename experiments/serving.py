@@ -212,16 +212,20 @@ class BackgroundStream:
     """A streaming completion (`body`) read on a thread: its text chunks and any error
     event, for tests that break the server while it streams."""
 
-    def __init__(self, server: ServeProcess, body: dict) -> None:
+    def __init__(self, server: ServeProcess, body: dict, headers: dict | None = None) -> None:
+        """`headers`: sent besides the tenant's key (e.g. a `traceparent`)."""
         self.chunks: list[str] = []
         self.errors: list[str] = []
         self.done = False
-        self._thread = threading.Thread(target=self._read, args=(server, body), daemon=True)
+        headers = {**server.headers, **(headers or {})}
+        self._thread = threading.Thread(
+            target=self._read, args=(server, body, headers), daemon=True
+        )
         self._thread.start()
 
-    def _read(self, server: ServeProcess, body: dict) -> None:
+    def _read(self, server: ServeProcess, body: dict, headers: dict) -> None:
         with (
-            httpx.Client(base_url=server.base_url, headers=server.headers, timeout=120) as client,
+            httpx.Client(base_url=server.base_url, headers=headers, timeout=120) as client,
             client.stream("POST", "/v1/completions", json=body) as response,
         ):
             for line in response.iter_lines():

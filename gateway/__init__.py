@@ -26,7 +26,13 @@
   and the global scheduler it drives (`global_scheduler.py`, `routing.py`: admission,
   routing policies, failover); a failed step's requests moved on
   (`step_failures.py`); instances' books asked for (`inspections.py`).
+- Each request's timeline: `timeline.py` (a choice's journey as recorded, cut into
+  phases on the gateway's clock), `clock_sync.py` (each instance's clock offset,
+  bounded by messages), `timelines.py` (the live records, the latest runs kept, the
+  phase histogram), `tracing.py` (each run as an OpenTelemetry trace over OTLP; the
+  SDK loads only with `--otlp-traces-endpoint`), `trace_config.py` (what tracing
+  accepts).
 - Operators: `/admin/*` (`admin.py`: drain an instance, scale a pool, through the
-  cluster's `PoolControl`), `/debug/*` (`debug.py`, mounted only with
+  cluster's `PoolControl`; a request's timeline), `/debug/*` (`debug.py`, mounted only with
   `--enable-test-hooks`).
 """

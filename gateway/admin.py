@@ -1,4 +1,5 @@
-"""Operator routes behind the admin key: drain an instance, scale a pool.
+"""Operator routes behind the admin key: drain an instance, scale a pool, read a request's
+timeline.
 
 - `POST /admin/instances/{id}/drain`: routing sends it nothing new, it is never
   restarted, the requests it has finish, then it is stopped and leaves `/health`.
@@ -7,7 +8,10 @@
   once loaded, or the newest drain as above. A size over the pool's `--max-pool-size`
   is a 400.
 
-Neither drops nor fails a request. Starting and stopping processes is the cluster's
+- `GET /admin/requests/{id}/timeline`: a recent request's phases on the gateway's clock
+  (`gateway/timelines.py`), by its response id or a choice's; 404 once it aged out.
+
+Neither drain nor scale drops or fails a request. Starting and stopping processes is the cluster's
 (`Gateway.pools`, a `PoolControl` that `pdserve serve` sets); without one these routes
 answer 501. The gateway only stops routing to a draining instance and waits for it to
 empty.
@@ -115,6 +119,15 @@ def admin_router(gateway: Gateway) -> APIRouter:
             drain(instance_id)
         body = {"role": role, "size": size, "starting": started, "draining": drained}
         return gateway.json(body, status=202)
+
+    @router.get("/requests/{request_id}/timeline")
+    async def request_timeline(request_id: str) -> Response:
+        run = gateway.dispatcher.timelines.get(request_id)
+        if run is None:
+            raise APIError(
+                404, f"no recent request {request_id} (only the latest are kept)", "id", "not_found"
+            )
+        return gateway.json(msgspec.to_builtins(run))
 
     return router
 

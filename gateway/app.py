@@ -122,6 +122,7 @@ def _add_routes(
 
 def _endpoint(handler: Handler, gateway: Gateway) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
+        request.state.received_at = time.time()  # where a generation's timeline starts
         return await handler(request, gateway)
 
     return endpoint

@@ -10,7 +10,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from pdserve.common.messages import FailStepsTask
+from pdserve.common.messages import FailStepsTask, LeakBlocksTask
 from pdserve.gateway.errors import APIError
 from pdserve.gateway.gateway import Gateway
 from pdserve.gateway.routing import make_policy
@@ -50,7 +50,9 @@ def debug_router(gateway: Gateway) -> APIRouter:
     async def leak(instance_id: str, blocks: int = 1) -> Response:
         """Holds blocks on an instance for a request nobody knows, so tests can prove the
         invariant check catches a leak."""
-        if not 1 <= blocks <= 1024 or not gateway.dispatcher.leak_blocks(instance_id, blocks):
+        if not 1 <= blocks <= 1024 or not gateway.dispatcher.send_test_task(
+            instance_id, LeakBlocksTask(blocks)
+        ):
             raise APIError(400, f"cannot leak {blocks} blocks on {instance_id!r}")
         return gateway.json({"leaked": blocks, "instance": instance_id})
 
@@ -64,7 +66,7 @@ def debug_router(gateway: Gateway) -> APIRouter:
         except msgspec.DecodeError as exc:
             raise APIError(400, f"the body: {exc}", "every_step") from None
         rule = FailStepsTask(task.every_step, task.prompt_prefix)
-        if not gateway.dispatcher.fail_steps(instance_id, rule):
+        if not gateway.dispatcher.send_test_task(instance_id, rule):
             raise APIError(404, f"no instance {instance_id!r}", code="not_found")
         return gateway.json({"instance": instance_id, **msgspec.to_builtins(rule)})
 

@@ -58,6 +58,7 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.request_stream import RequestStream, StreamEvent
 from pdserve.gateway.routing import RouteRequest
 from pdserve.gateway.step_failures import next_move
+from pdserve.gateway.timelines import Move, Timelines
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +73,12 @@ class Dispatcher:
         metrics: GatewayMetrics,
         host: str = "127.0.0.1",
         secret: bytes | None = None,
+        timelines: Timelines | None = None,
     ) -> None:
-        """`host`: where the output PULL binds and what instances are told to connect
-        to; `secret`: the deployment's (default: from the environment)."""
+        """`host`: where the output PULL binds; `secret`: the deployment's (default: from
+        the environment); `timelines`: where requests' journeys are recorded."""
         self.scheduler = scheduler
+        self.timelines = timelines or Timelines()
         self._sealer = Sealer(secret, name="gateway")
         self.metrics = metrics
         self.context = zmq.asyncio.Context()
@@ -127,7 +130,8 @@ class Dispatcher:
         instance_id = info.address.instance_id
         restarted = instance_id in self.scheduler.views
         if restarted:
-            self._disconnect(instance_id)  # the old process's sockets went with it
+            self._disconnect(instance_id)  # the old process's sockets and clock went with it
+            self.timelines.forget_instance(instance_id)
         self.scheduler.add_instance(info, time.monotonic())
         self._connect(info)
         if restarted:
@@ -219,7 +223,8 @@ class Dispatcher:
         for (instance_id, prefill_id), ids in per_instance.items():
             self._send(instance_id, AbortTask(ids, handoffs_from=prefill_id))
 
-    def _dispatch(self, task: GenerateTask, route: Route) -> None:
+    def _dispatch(self, task: GenerateTask, route: Route, move: Move | None = None) -> None:
+        self.timelines.dispatched(task.request_id, route, move)
         if route.prefill is not None:
             task = msgspec.structs.replace(task, decode_target=route.decode.info.address)
         elif task.decode_target is not None:
@@ -265,7 +270,8 @@ class Dispatcher:
         (self.metrics.migrated if output else self.metrics.retried).inc()
         what = f"migrating after {len(output)} tokens" if output else "retrying"
         logger.info("%s %s on %s", what, request_id, route.first.instance_id)
-        self._dispatch(msgspec.structs.replace(task, output_token_ids=output), route)
+        move = ("migration" if output else "retry", why, len(output))
+        self._dispatch(msgspec.structs.replace(task, output_token_ids=output), route, move)
 
     def _fail(self, request_id: str, message: str) -> None:
         self.scheduler.finish(request_id)
@@ -292,11 +298,8 @@ class Dispatcher:
         live = [v.instance_id for v in self.scheduler.views.values() if v.alive]
         return await self._inspections.ask(live, self._send, timeout_s)
 
-    def leak_blocks(self, instance_id: str, num_blocks: int) -> bool:
-        return self._send(instance_id, LeakBlocksTask(num_blocks))
-
-    def fail_steps(self, instance_id: str, task: FailStepsTask) -> bool:
-        return self._send(instance_id, task)
+    def send_test_task(self, instance_id: str, task: LeakBlocksTask | FailStepsTask) -> bool:
+        return self._send(instance_id, task)  # False: no such instance
 
     # ---- receiving --------------------------------------------------------------------
 
@@ -324,8 +327,9 @@ class Dispatcher:
         ):
             return
         self.metrics.record_output(output)
+        wall = self.timelines.observe_output(instance_id, output.sent_at)
         for delta in output.deltas:
-            self._on_delta(instance_id, delta, arrival)
+            self._on_delta(instance_id, delta, arrival, wall)
         if output.unhealthy:
             self.fence(instance_id, f"it reports itself unhealthy: {output.unhealthy}")
             return
@@ -336,7 +340,7 @@ class Dispatcher:
             if not self.scheduler.apply_snapshot(instance_id, output.block_snapshot):
                 self._request_snapshot(instance_id)
 
-    def _on_delta(self, instance_id: str, delta: RequestDelta, arrival: float) -> None:
+    def _on_delta(self, instance_id: str, delta: RequestDelta, arrival: float, wall: float) -> None:
         request_id = delta.request_id
         stream = self.streams.get(request_id)
         assignment = self.scheduler.assignments.get(request_id)
@@ -347,6 +351,7 @@ class Dispatcher:
         if delta.step_failed:
             self._step_failed(instance_id, delta)
             return
+        self.timelines.delta(request_id, instance_id, wall, delta.timings)
         if delta.new_token_ids:
             self.scheduler.mark_started(request_id)
         if instance_id == assignment.route.decode.instance_id:

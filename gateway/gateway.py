@@ -39,6 +39,7 @@ from pdserve.gateway.tenants import (
     TenantsError,
     tenant_cache_salt,
 )
+from pdserve.gateway.timelines import Timelines, TraceHeaders
 from pdserve.gateway.tool_parsers import PARSERS, ToolParser
 from pdserve.text.tokenizer import Tokenizer
 
@@ -85,6 +86,10 @@ class GatewayConfig:
     request_timeout_s: float = 0.0  # a request's deadline from arrival to its end (0: none)
     # The time-to-first-token objective, exported for alert rules (None: none set).
     ttft_slo_ms: float | None = None
+    # Where each request's trace goes (OTLP; None: no traces) and which detail it gets
+    # (vLLM's --collect-detailed-traces modules; docs/operations.md).
+    otlp_traces_endpoint: str | None = None
+    collect_detailed_traces: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -125,7 +130,17 @@ class Gateway:
         for tenant in self.keys.tenants or (ANONYMOUS,):
             self.metrics.tenants.add(tenant.name)
         self.scheduler = GlobalScheduler(config.scheduler)
-        self.dispatcher = Dispatcher(self.scheduler, self.metrics, config.zmq_host)
+        observe = self.metrics.request_phase.labels  # the phase histogram, by phase
+        timelines = Timelines(self.model_name, lambda phase, s: observe(phase).observe(s))
+        if config.otlp_traces_endpoint is not None:  # the SDK loads only when asked for
+            from pdserve.gateway.tracing import TraceExporter
+
+            timelines.exporter = TraceExporter.to_endpoint(
+                config.otlp_traces_endpoint, config.collect_detailed_traces
+            )
+        self.dispatcher = Dispatcher(
+            self.scheduler, self.metrics, config.zmq_host, timelines=timelines
+        )
         if config.ttft_slo_ms is not None:
             self.metrics.deployment.set_ttft_slo(config.ttft_slo_ms / 1000.0)
         self.metrics.deployment.watch_pools(self.pool_counts)
@@ -149,6 +164,7 @@ class Gateway:
 
     async def close(self) -> None:
         await self.dispatcher.close()
+        self.dispatcher.timelines.close()  # exports the spans still queued
         self.offload.close()
 
     def register(self, info: InstanceInfo) -> None:
@@ -255,8 +271,11 @@ class Gateway:
         params: SamplingParams,
         tenant: Tenant = ANONYMOUS,
         cache_salt: str | None = None,
+        received: float | None = None,
+        trace: TraceHeaders = TraceHeaders(),
     ) -> GenerationRun:
-        """Admits the run against the tenant's limits (429) and the cluster's (503)."""
+        """Admits the run against the tenant's limits (429) and the cluster's (503);
+        `received`, `trace`: where its timeline starts and the client's trace context."""
         reserved = sum(len(p.token_ids) for p in prompts)
         reserved += len(prompts) * params.n * (params.max_tokens or 0)
         try:
@@ -282,6 +301,8 @@ class Gateway:
             cache_salt=salt,
             on_end=on_end,
             timeout_s=self.config.request_timeout_s,
+            received=received,
+            trace=trace,
         )
         try:
             run.start()

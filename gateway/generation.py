@@ -24,6 +24,7 @@ from pdserve.gateway.dispatcher import Dispatcher
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.prompts import Prompt
 from pdserve.gateway.request_stream import StreamEvent
+from pdserve.gateway.timelines import RunFacts, TraceHeaders
 from pdserve.text.choice import ChoiceText, choice_seeds
 from pdserve.text.tokenizer import Tokenizer
 
@@ -75,11 +76,14 @@ class GenerationRun:
         cache_salt: str = "",
         on_end: Callable[[dict[str, int]], None] | None = None,
         timeout_s: float = 0.0,
+        received: float | None = None,
+        trace: TraceHeaders = TraceHeaders(),
     ) -> None:
         """`on_end`: called once with the usage when the last choice ends or the run is
         aborted (the tenant's seat and unused tokens go back). `timeout_s`: the server-side
         deadline from arrival to the last token (0: none); past it every choice is aborted
-        on its instances and the run fails."""
+        on its instances and the run fails. `received`: when the HTTP request came in (wall
+        clock; default: now), where its timeline starts; `trace`: the client's context."""
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -89,11 +93,15 @@ class GenerationRun:
         self.cache_salt = cache_salt
         self.timeout_s = timeout_s
         self.arrival = time.perf_counter()
+        self.received = time.time() if received is None else received
+        self.trace = trace
+        self.timelines = dispatcher.timelines
         self.choices: list[Choice] = []
         self._by_request: dict[str, Choice] = {}
         self._events: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self._unfinished = 0
         self._on_end = on_end
+        self._ended = False
 
     # ---- submitting -------------------------------------------------------------------
 
@@ -131,6 +139,7 @@ class GenerationRun:
         self.choices.append(choice)
         self._by_request[request_id] = choice
         self._unfinished += 1
+        self.timelines.open(request_id, self.received, len(prompt.token_ids))
         self.dispatcher.submit(task, self._events.put_nowait)
 
     def abort(self) -> None:
@@ -148,9 +157,27 @@ class GenerationRun:
         self._end()
 
     def _end(self) -> None:
-        on_end, self._on_end = self._on_end, None
-        if on_end is not None:
-            on_end(self.usage())
+        if self._ended:
+            return
+        self._ended = True
+        if self._on_end is not None:
+            self._on_end(self.usage())
+        self.timelines.finish_run(self._facts())
+
+    def _facts(self) -> RunFacts:
+        p = self.params
+        wanted = {
+            "gen_ai.request.max_tokens": p.max_tokens,
+            "gen_ai.request.temperature": p.temperature,
+            "gen_ai.request.top_p": p.top_p,
+            "gen_ai.request.choice.count": p.n,
+        }
+        params = {k: v for k, v in wanted.items() if v is not None}
+        usage = self.usage()
+        params["gen_ai.usage.input_tokens"] = usage["prompt_tokens"]
+        params["gen_ai.usage.output_tokens"] = usage["completion_tokens"]
+        ids = [c.request_id for c in self.choices]
+        return RunFacts(self.request_id, ids, params, self.trace)
 
     @property
     def finished(self) -> bool:
@@ -202,6 +229,9 @@ class GenerationRun:
         if absorbed.end_request:
             self.dispatcher.abort([choice.request_id])
         if absorbed.finish_reason is not None:
+            self.timelines.choice_ended(
+                choice.request_id, absorbed.finish_reason, len(choice.token_ids)
+            )
             self._unfinished -= 1
             self._observe_end(choice, event, absorbed.finish_reason)
             if not self._unfinished:

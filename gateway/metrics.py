@@ -27,6 +27,7 @@ from prometheus_client import (
 from pdserve.common.messages import InstanceOutput, InstanceStats
 from pdserve.gateway.deployment_metrics import DeploymentSeries
 from pdserve.gateway.health import recompute_ratio
+from pdserve.gateway.timeline import PHASES
 
 PREFIX = "pdserve:"
 LABELS = ("role", "instance")
@@ -276,6 +277,15 @@ class GatewayMetrics:
             "re-admitted once their weights loaded",
             registry=self.registry,
         )
+        self.request_phase = Histogram(
+            PREFIX + "request_phase_seconds",
+            "Each request's phases as its timeline has them (docs/operations.md)",
+            ("phase",),
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        for phase in PHASES:  # every phase shows from the start, at zero
+            self.request_phase.labels(phase)
         self.fenced = Counter(
             PREFIX + "num_instances_fenced",
             "Instances silent past --instance-timeout or stalled past "

@@ -24,6 +24,7 @@ from pdserve.gateway.prompts import Prompt, check_vocabulary
 from pdserve.gateway.sampling import build_sampling_params
 from pdserve.gateway.schemas import SamplingFields
 from pdserve.gateway.streaming import SSE_DONE, AbortingStreamingResponse, sse
+from pdserve.gateway.timelines import TraceHeaders
 
 # `pdserve serve --enable-log-requests` sets it to INFO; nothing else logs a prompt.
 request_log = logging.getLogger("pdserve.gateway.requests")
@@ -131,7 +132,13 @@ def start_generation(
     )
     if gateway.config.enable_log_requests:
         request_log.info("%s: params=%r", request_id, params)
-    return gateway.start_run(request_id, prompts, params, tenant, body.cache_salt)
+    trace = TraceHeaders(
+        request.headers.get("traceparent", ""), request.headers.get("tracestate", "")
+    )
+    received = getattr(request.state, "received_at", None)
+    return gateway.start_run(
+        request_id, prompts, params, tenant, body.cache_salt, received=received, trace=trace
+    )
 
 
 async def _chunks(

@@ -167,6 +167,7 @@ class InstanceIO:
             epoch=self.epoch,
             loop_turns=self.loop_turns,
             unhealthy=self.unhealthy,
+            sent_at=time.time(),
         )
 
     def _receive_tasks(self) -> None:

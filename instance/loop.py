@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import msgspec
 
@@ -188,6 +189,7 @@ class StepLoop:
             metrics=metrics,
             inspection=self._pending_inspection,
             block_snapshot=self._pending_snapshot,
+            sent_at=time.time(),
         )
         self._pending_inspection = self._pending_snapshot = None
         self.io.send_output(output)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pdserve.common.messages import KVPullTimes
 from pdserve.common.sampling_params import SamplingParams
 
 # Bytes of one element per dtype name (the name is torch's without the "torch." prefix).
@@ -232,6 +233,8 @@ class TransferReport(msgspec.Struct):
     aborted: list[str] = msgspec.field(default_factory=list)  # either side: abort done
     # D, informational: cancelled transfers whose blocks wait for the cancel to land.
     quarantined: list[str] = msgspec.field(default_factory=list)
+    # D: how each finished pull went on this rank (timing, bytes, transport).
+    pulls: dict[str, KVPullTimes] = msgspec.field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -3,6 +3,7 @@ request is reported once every rank is done with it."""
 
 from __future__ import annotations
 
+from pdserve.common.messages import KVPullTimes
 from pdserve.kvtransfer.messages import TransferReport
 
 
@@ -17,6 +18,7 @@ class ReportAggregator:
         self.world_size = world_size
         self._outcomes: dict[str, dict[int, tuple[str, str]]] = {}
         self._quarantined: dict[int, list[str]] = {}
+        self._pulls: dict[str, list[KVPullTimes]] = {}
 
     def add(self, rank: int, report: TransferReport) -> None:
         for kind in ("finished_sending", "expired", "finished_recving", "aborted"):
@@ -25,6 +27,8 @@ class ReportAggregator:
         for rid, reason in report.failed.items():
             self._outcomes.setdefault(rid, {})[rank] = ("failed", reason)
         self._quarantined[rank] = list(report.quarantined)
+        for rid, pull in report.pulls.items():
+            self._pulls.setdefault(rid, []).append(pull)
 
     def pop(self) -> TransferReport:
         merged = TransferReport()
@@ -32,6 +36,7 @@ class ReportAggregator:
             if len(by_rank) < self.world_size:
                 continue
             del self._outcomes[rid]
+            pulls = self._pulls.pop(rid, [])
             kinds = {kind for kind, _ in by_rank.values()}
             sending = bool(kinds & {"expired", "finished_sending"})
             order = self._P_ORDER if sending else self._D_ORDER
@@ -40,5 +45,18 @@ class ReportAggregator:
                 merged.failed[rid] = next(r for k, r in by_rank.values() if k == "failed")
             else:
                 getattr(merged, kind).append(rid)
+            if kind == "finished_recving" and len(pulls) == self.world_size:
+                merged.pulls[rid] = merge_pulls(pulls)
         merged.quarantined = sorted({rid for ids in self._quarantined.values() for rid in ids})
         return merged
+
+
+def merge_pulls(pulls: list[KVPullTimes]) -> KVPullTimes:
+    """One request's pull over every rank: from the first rank's start to the last
+    rank's end, every rank's bytes."""
+    return KVPullTimes(
+        started=min(p.started for p in pulls),
+        ended=max(p.ended for p in pulls),
+        num_bytes=sum(p.num_bytes for p in pulls),
+        transport=pulls[0].transport,
+    )

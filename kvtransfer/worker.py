@@ -25,6 +25,7 @@ from typing import Any
 
 import zmq
 
+from pdserve.common.messages import KVPullTimes
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.control import ControlServer
 from pdserve.kvtransfer.device_order import DeviceOrder, Marker
@@ -180,12 +181,16 @@ class KVTransferWorker:
 
     # ---- the I/O thread -------------------------------------------------------------
 
-    def _record(self, kind: str, request_id: str, reason: str = "") -> None:
+    def _record(
+        self, kind: str, request_id: str, reason: str = "", pull: KVPullTimes | None = None
+    ) -> None:
         with self._lock:
             if kind == "failed":
                 self._report.failed[request_id] = reason
             else:
                 getattr(self._report, kind).append(request_id)
+            if pull is not None:
+                self._report.pulls[request_id] = pull
             self._has_report.set()
 
     def _run(self) -> None:

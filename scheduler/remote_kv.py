@@ -65,6 +65,7 @@ def finish_remote_kvs(
         scheduler.block_manager.free(request_id)
         return True
     if success:
+        request.kv_ready_time = scheduler.clock()
         request.num_computed_tokens = remote.num_remote_tokens
         scheduler.block_manager.cache_full_blocks(request, remote.num_remote_tokens)
     else:
