@@ -53,7 +53,8 @@ class InstanceTimings(msgspec.Struct, array_like=True):
     first_token: float | None = None  # first token sampled here
     last_token: float | None = None  # latest token sampled here
     kv_pull: KVPullTimes | None = None
-    num_preemptions: int = 0
+    # Each preemption: lost its blocks → scheduled again (its decode splits there).
+    preemptions: list[tuple[float, float]] = []
 
 
 class RequestDelta(msgspec.Struct):

@@ -94,6 +94,9 @@ class Request:
     last_token_time: float | None = None  # latest token sampled here
     kv_ready_time: float | None = None  # decode side: its pulled KV usable here
     kv_pull: KVPullTimes | None = None  # decode side: the pull as the ranks timed it
+    # Each preemption here: when it lost its blocks, and when it was scheduled again.
+    preempted_times: list[float] = field(default_factory=list)
+    resumed_times: list[float] = field(default_factory=list)
     # Decode side: its prompt was computed on a prefill instance (a handoff).
     prefilled_elsewhere: bool = False
     # The driver's copy of prompt tokens 1..n-1's logprobs as the ranks compute them
@@ -164,7 +167,10 @@ class Request:
             first_token=wall(self.first_token_time),
             last_token=wall(self.last_token_time),
             kv_pull=self.kv_pull,
-            num_preemptions=self.num_preemptions,
+            preemptions=[
+                (p + offset, r + offset)
+                for p, r in zip(self.preempted_times, self.resumed_times, strict=False)
+            ],
         )
 
     def token_at(self, index: int) -> int:

@@ -12,7 +12,8 @@ phases, each timed where its work ran:
 - `handoff` (prefill → decode): the prefill instance's first token → the pulled KV
   usable on the decode instance; its children the wait for a decode seat (arrived →
   blocks allocated) and the KV transfer as the decode ranks timed it;
-- `decode` (the decode or colocated instance): KV usable (or first token) → last token;
+- `decode` (the decode or colocated instance): KV usable (or first token) → last token,
+  in stretches split by `preempted` (its blocks lost → scheduled again);
 - `migration` / `retry` (gateway): the last word of a lost attempt (or its dispatch,
   when none came) → the next attempt queued on its instance;
 - `detokenize` (gateway): the last delta received → its text out.
@@ -35,7 +36,7 @@ Attributes = dict[str, str | int | float]
 # Every phase name a timeline may hold (children included), for /metrics' labels.
 PHASES = (
     "admission", "queue", "prefill", "handoff", "kv_seat_wait", "kv_transfer", "decode",
-    "migration", "retry", "detokenize",
+    "preempted", "migration", "retry", "detokenize",
 )  # fmt: skip
 
 
@@ -153,7 +154,7 @@ class PhaseBuilder:
         if d is None or d.kv_ready is None or d.last_token is None:
             return self._seen(second, "decode", since=p.first_token)
         self._handoff(second, p.first_token, d)
-        return self._add("decode", d.kv_ready, d.last_token, second)
+        return self._decode(second, d, d.kv_ready, d.last_token)
 
     def _alone(self, stint: Stint) -> float | None:
         """An instance that computes prompt and output: colocated, or a migration's."""
@@ -161,7 +162,18 @@ class PhaseBuilder:
         if t is None or t.first_token is None or t.last_token is None:
             return self._seen(stint, "decode")
         self._queue_and_prefill(stint, t)
-        return self._add("decode", t.first_token, t.last_token, stint)
+        return self._decode(stint, t, t.first_token, t.last_token)
+
+    def _decode(self, stint: Stint, t: InstanceTimings, start: float, end: float) -> float:
+        """Decode stretches, split where it was preempted (`preempted`: blocks lost →
+        scheduled again; the recompute is the next stretch's)."""
+        for lost, resumed in t.preemptions:
+            if start <= lost <= end:
+                self._add("decode", start, lost, stint)
+                self._add("preempted", lost, min(resumed, end), stint)
+                start = min(resumed, end)
+        self._add("decode", start, end, stint)
+        return end
 
     def _queue_and_prefill(self, stint: Stint, t: InstanceTimings) -> None:
         if t.first_scheduled is None or t.first_token is None:
@@ -245,6 +257,7 @@ class PhaseBuilder:
             kv_ready=at(t.kv_ready),
             first_token=at(t.first_token),
             last_token=at(t.last_token),
+            preemptions=[(lost + shift, resumed + shift) for lost, resumed in t.preemptions],
         )
 
     def _add(
@@ -261,8 +274,6 @@ class PhaseBuilder:
         attrs = dict(attributes or {})
         if stint is not None:
             attrs["pdserve.instance.role"] = stint.role
-            if stint.timings is not None and stint.timings.num_preemptions:
-                attrs["pdserve.preemptions"] = stint.timings.num_preemptions
         instance = stint.instance_id if stint is not None else ""
         self.phases.append(Phase(name, start, end, instance, attrs, children or []))
         return end

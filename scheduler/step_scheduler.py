@@ -206,6 +206,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.preempted_times.append(self.clock())
         self.waiting.appendleft(request)
         output.preempted_ids.append(request.request_id)
         self.num_preemptions_total += 1
@@ -260,6 +261,8 @@ class Scheduler:
     def _mark_scheduled(self, request: Request) -> None:
         if request.first_scheduled_time is None:  # a preempted one keeps its first
             request.first_scheduled_time = self.clock()
+        elif len(request.resumed_times) < len(request.preempted_times):
+            request.resumed_times.append(self.clock())
 
     def _num_seats_taken(self) -> int:
         return len(self.running) + len(self.waiting_for_remote)

@@ -29,6 +29,12 @@ ARGS = (
     "--kv-cache-memory", "32MiB", "--max-model-len", "1024", "--collect-detailed-traces", "all",
 )  # fmt: skip
 PROMPT = "Once upon a time, in a land far away, there lived a dragon who"
+# Distinct from their first token: no decode instance finds any of their blocks cached.
+PROMPTS = [
+    "The capital of France is a city that many people visit every year because",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) +",
+    "Water boils at one hundred degrees Celsius at sea level, but on a high mountain",
+]
 TILE_TOLERANCE = 0.05
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
@@ -73,9 +79,9 @@ def assert_tiles(choice: dict) -> None:
 
 def test_disaggregated_phases_tile_the_request_and_the_handoff_counts_its_bytes(server) -> None:
     client = server.openai()
-    for _ in range(3):
+    for prompt in PROMPTS:
         before = decode_bytes(server)
-        result = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+        result = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
         moved = decode_bytes(server) - before
         run = timeline(server, result.id)
         (choice,) = run["choices"]

@@ -220,3 +220,29 @@ def test_without_detail_the_handoff_has_no_children_and_model_is_refused(clock) 
     assert "handoff" in names and not names & {"kv_seat_wait", "kv_transfer"}
     with pytest.raises(ValueError, match="model"):
         check_detail_modules(("model",))
+
+
+def test_a_preemption_splits_decode_into_stretches(clock) -> None:
+    timelines = Timelines("m")
+    timelines.clocks.observe_output("c", sent_at=T0, received=T0 + 0.0001)
+    timelines.open("cmpl-3-0", T0, num_prompt_tokens=12)
+    clock.t = T0 + 0.001
+    timelines.dispatched("cmpl-3-0", route(None, "c", "colocated"))
+    timings = InstanceTimings(
+        queued=T0 + 0.002,
+        first_scheduled=T0 + 0.003,
+        first_token=T0 + 0.040,
+        last_token=T0 + 0.300,
+        preemptions=[(T0 + 0.100, T0 + 0.150)],
+    )
+    timelines.delta("cmpl-3-0", "c", T0 + 0.301, timings)
+    clock.t = T0 + 0.302
+    timelines.choice_ended("cmpl-3-0", "length", 20)
+    run = timelines.finish_run(RunFacts("cmpl-3", ["cmpl-3-0"], {}))
+    assert run is not None
+    phases = run.choices[0].phases[3:6]
+    assert [p.name for p in phases] == ["decode", "preempted", "decode"]
+    bounds = [(p.start - T0, p.end - T0) for p in phases]
+    expected = [(0.04, 0.1), (0.1, 0.15), (0.15, 0.3)]
+    for found, wanted in zip(bounds, expected, strict=True):
+        assert found == pytest.approx(wanted, abs=1e-3)
