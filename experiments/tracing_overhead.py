@@ -3,7 +3,7 @@ decode, embedded model, local launcher) without and with `--otlp-traces-endpoint
 OTLP/HTTP receiver in this process), and of a baseline checkout (`--baseline`, served
 from its tree through PYTHONPATH), interleaved in one run (base, off, on, base, ...).
 
-    PYTHONPATH=. python experiments/tracing_overhead.py --rounds 2 --baseline /path/to/main
+    PYTHONPATH=. python -m experiments.tracing_overhead --rounds 2 --baseline /path/to/main
 """
 
 from __future__ import annotations
