@@ -244,6 +244,7 @@ class GenerationRun:
     def _fail(self, choice: Choice, message: str, rejected: bool) -> NoReturn:
         """Ends the choice in an error, and the whole run with it."""
         choice.finish_reason, choice.error = "error", message
+        self.timelines.choice_ended(choice.request_id, "error", len(choice.token_ids))
         self.abort()  # the other choices go too
         raise GenerationFailed(message, rejected)
 

@@ -246,3 +246,37 @@ def test_a_preemption_splits_decode_into_stretches(clock) -> None:
     expected = [(0.04, 0.1), (0.1, 0.15), (0.15, 0.3)]
     for found, wanted in zip(bounds, expected, strict=True):
         assert found == pytest.approx(wanted, abs=1e-3)
+
+
+def test_traces_go_over_otlp_grpc_by_default(clock, monkeypatch) -> None:
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    received: list[str] = []
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 (the generated service's name)
+            for resource in request.resource_spans:
+                for scope in resource.scope_spans:
+                    received.extend(span.name for span in scope.spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
+        monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
+        exporter = TraceExporter.to_endpoint(f"http://127.0.0.1:{port}", ("worker",))
+        timelines = book_with_clocks()
+        timelines.exporter = exporter
+        run_disaggregated(timelines, clock)
+        timelines.finish_run(RunFacts("cmpl-1", ["cmpl-1-0"], {}))
+        monkeypatch.undo()  # gRPC's deadlines need the real clock
+        timelines.close()  # exports what is queued
+    finally:
+        server.stop(None)
+    assert "text_completion m" in received and "kv_transfer" in received
