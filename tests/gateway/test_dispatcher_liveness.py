@@ -43,7 +43,6 @@ from pdserve.gateway.request_stream import StreamEvent
 from pdserve.text.tokenizer import Tokenizer
 
 TIMEOUT_S = 0.3  # the dispatcher checks every 0.5 s: death is noticed within ~1 s
-TASKS_IN = Sealer(TASKS, "test", responder=True)  # this process's secret: the dispatcher's
 
 
 class ScriptedInstance:
@@ -70,7 +69,9 @@ class ScriptedInstance:
             max_num_seqs=8,
         )
         self.epoch = 0
+        # Its ends of the channels, under this process's secret (the dispatcher's too).
         self.seal = Sealer(OUTPUTS, instance_id)
+        self.opener = Sealer(TASKS, instance_id, responder=True)
         self._decoder = msgspec.msgpack.Decoder(Task)
 
     def say(self, *deltas: RequestDelta, running: int = 0) -> None:
@@ -84,7 +85,7 @@ class ScriptedInstance:
         deadline = asyncio.get_running_loop().time() + timeout_s
         while asyncio.get_running_loop().time() < deadline:
             if self.tasks.poll(0):
-                task = self._decoder.decode(TASKS_IN.open(self.tasks.recv()).payload)
+                task = self._decoder.decode(self.opener.open(self.tasks.recv()).payload)
                 if isinstance(task, kind):
                     return task
             else:
