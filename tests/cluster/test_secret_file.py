@@ -39,6 +39,7 @@ def test_an_actor_reads_the_secret_from_its_file_and_ray_never_shows_it(
         assert ray.get(reader.read.remote(), timeout=120) == (path, os.environ[SECRET_ENV].encode())
         listed = ray_list("actors", ray_cluster)
         assert any(a.get("name") == "secret-reader" for a in listed)
+        assert path in repr(listed)  # the runtime_env is shown: the path, never more
         assert os.environ[SECRET_ENV] not in repr(listed)
     finally:
         ray.kill(reader)
