@@ -136,10 +136,12 @@ class Sealer:
         """The sender and payload of a frame that passes every check; None otherwise
         (counted, and logged now and then). `sender`: the name the frame must carry."""
         if len(frame) > self.channel.max_frame_bytes + MAX_HEADER_BYTES:
-            return self._drop(frame_drops.OVERSIZED, origin)
+            self._drop(frame_drops.OVERSIZED, origin)
+            return None
         header = _parse(frame)
         if header is None:
-            return self._drop(frame_drops.MALFORMED, origin)
+            self._drop(frame_drops.MALFORMED, origin)
+            return None
         payload = frame[header.size :]
         name = self.open_parts(frame[: header.size], payload, origin=origin, sender=sender)
         return None if name is None else Opened(name, payload)
@@ -154,18 +156,23 @@ class Sealer:
         """The sender's name when the header frame `head` seals `parts`; None otherwise."""
         size = sum(memoryview(p).nbytes for p in parts)
         if len(head) > MAX_HEADER_BYTES or size > self.channel.max_frame_bytes:
-            return self._drop(frame_drops.OVERSIZED, origin)
+            self._drop(frame_drops.OVERSIZED, origin)
+            return None
         header = _parse(head)
         if header is None or header.size != len(head) or header.direction != self._accepts:
             # A frame going the other way is malformed here, and never hashed.
-            return self._drop(frame_drops.MALFORMED, origin)
+            self._drop(frame_drops.MALFORMED, origin)
+            return None
         if sender is not None and header.sender != sender.encode():
-            return self._drop(frame_drops.IDENTITY, origin)
+            self._drop(frame_drops.IDENTITY, origin)
+            return None
         expected = self._tag(header.direction, header.sender, header.order, parts)
         if not hmac.compare_digest(expected, header.tag):
-            return self._drop(frame_drops.BAD_MAC, origin)
+            self._drop(frame_drops.BAD_MAC, origin)
+            return None
         if not self._admit(header.sender, header.order):
-            return self._drop(frame_drops.REPLAY, origin)
+            self._drop(frame_drops.REPLAY, origin)
+            return None
         return header.sender.decode(errors="replace")
 
     def refuse(self, reason: str, origin: str) -> None:
@@ -217,7 +224,6 @@ class Sealer:
                 self.refused,
                 hint,
             )
-        return None
 
 
 class _Header(NamedTuple):
