@@ -11,7 +11,8 @@
 - the launchers (`launcher.py`): the Ray launcher (`ray_launcher.py`, `ray_actors.py`:
   actors `PrefillInstance`, `DecodeInstance`, `ColocatedInstance` with the pools'
   custom resources; a tensor-parallel instance's ranks as `TensorParallelRank` actors
-  in its placement groups, `ray_ranks.py`) and the Ray-free local launcher
+  in its placement groups, `ray_ranks.py`; the secret handed to actors as a file on
+  their node, `secret_file.py`) and the Ray-free local launcher
   (`local_launcher.py`: processes titled `pdserve::DecodeInstance decode-0`);
 - `supervisor.py`: restarts an instance whose process exited and kills a fenced one;
   `ray_watch.py`: the Ray launcher's actors after the launch (the death watch over

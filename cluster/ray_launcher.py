@@ -2,7 +2,8 @@
 with `--ray-address`), each asking for its share of the CPUs (and of a GPU: Ray then
 sets the actor's CUDA_VISIBLE_DEVICES) and the custom resources of its pool
 (`--prefill-resources` ...), which pin pools to nodes. The deployment secret reaches
-every actor through its environment (`runtime_env`), never its arguments.
+every actor as a private file on its node (`cluster/secret_file.py`): its `runtime_env`,
+which Ray's state API shows, names only the file.
 
 Readiness: every actor's `load()` is awaited, with progress while weights load. Health:
 each actor's long-running `run()` call finishes only if the step loop ends or the actor
@@ -31,8 +32,8 @@ from pdserve.cluster.ray_actors import ACTOR_CLASSES, InstanceHandle
 from pdserve.cluster.ray_cluster import join, one_line, ray_module
 from pdserve.cluster.ray_ranks import driver_options, reserve_rank_groups
 from pdserve.cluster.ray_watch import ActorWatch
+from pdserve.cluster.secret_file import secret_runtime_env
 from pdserve.common.messages import InstanceInfo
-from pdserve.common.wire_auth import SECRET_ENV, ensure_secret
 from pdserve.instance.spec import InstanceSpec
 
 
@@ -71,9 +72,8 @@ class RayLauncher(Launcher):
         ray = self._ray()
         self.connect()
         loads = {}
-        # The secret rides in the actors' environment: it never shows in `ps` or in an
-        # actor's arguments.
-        runtime_env = {"env_vars": {SECRET_ENV: ensure_secret()}}
+        # The secret's file, never the secret: `ray list actors --detail` shows this.
+        runtime_env = secret_runtime_env()
         for spec in specs:
             try:
                 actor = self.create_actor(spec, runtime_env)
@@ -101,7 +101,7 @@ class RayLauncher(Launcher):
     def create_actor(self, spec: InstanceSpec, runtime_env: dict | None = None) -> InstanceHandle:
         """The instance's actor, named after it (ValueError: the name is taken)."""
         if runtime_env is None:
-            runtime_env = {"env_vars": {SECRET_ENV: ensure_secret()}}
+            runtime_env = secret_runtime_env()
         actor_class = self._ray().remote(ACTOR_CLASSES[spec.role])
         return actor_class.options(
             name=spec.instance_id,

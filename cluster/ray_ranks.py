@@ -7,13 +7,18 @@ instance's CPUs (fractional where ranks share cores), one whole GPU when the ins
 uses GPUs (the rank's `cuda:0`: `engine/devices.py`), and the pool's custom resources.
 The instance's actor (the group's driver: step loop and scheduler) sits in bundle 0 of
 stage 0 asking for nothing, so rank 0 is on the driver's node, which serves the
-group's rendezvous store (`engine/pipeline.py:Rendezvous`). Rank r runs in bundle
+group's rendezvous store (`engine/rendezvous.py:Rendezvous`). Rank r runs in bundle
 r % tp of stage r // tp's group.
 
-Channel: each rank actor connects a ZMQ DEALER to a ROUTER the driver binds on its
-node's address, and the same small encoded plans and results as the pipes cross it,
-every frame sealed with the deployment secret (`common/wire_auth.py`); no tensor is
-pickled and Ray carries no per-step call. Death: each rank's long-running `serve()`
+Channel: each rank actor connects a ZMQ DEALER to a ROUTER the driver binds (on
+loopback when the group is one stage, whose ranks share the driver's node; else on the
+node's address), and the same small encoded plans and results as the pipes cross it,
+every frame sealed on the `ranks` channel under the rank's name (`common/frame_seal.py`):
+the driver opens a rank's frame only under its routing identity and drops (and counts)
+whatever fails or has the wrong shape, so no stranger's frame ends the group or pairs a
+step with stale replies. A rank's DEALER hears only its driver, so a frame that fails
+there means another secret: the rank ends, naming it. No tensor is pickled and Ray
+carries no per-step call. Death: each rank's long-running `serve()`
 call completes only when its rank loop ends or its actor dies (ray.kill, its process
 killed, its node lost: RayActorError, ActorUnavailableError first for a lost node), so
 a thread waiting on those calls ends the group at once. Rank actors are owned by the
@@ -34,13 +39,17 @@ import zmq
 from pdserve.cluster.addresses import LOOPBACK, node_host
 from pdserve.cluster.launcher import LaunchError
 from pdserve.cluster.ray_cluster import one_line, ray_module
-from pdserve.common.wire_auth import MAX_FRAME_BYTES, SECRET_ENV, Sealer, ensure_secret
+from pdserve.cluster.secret_file import secret_runtime_env
+from pdserve.common import frame_drops
+from pdserve.common.frame_seal import RANKS, Sealer
+from pdserve.common.wire_auth import SECRET_ENV
 from pdserve.engine.devices import own_gpu_devices
 from pdserve.engine.ranks import RankGroup, RankJob, WorkerGroupFailed
 
 logger = logging.getLogger(__name__)
 
 POLL_MS = 50  # how often a waiting driver looks at the death flag between frames
+DRIVER = "driver"  # the name the driver seals under (a rank's is its number)
 PID_TIMEOUT_S = 30.0
 
 
@@ -138,19 +147,23 @@ class SealedChannel:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, str(rank).encode())
-        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, RANKS.max_message_bytes)
         self.socket.setsockopt(zmq.LINGER, 1000)
         self.socket.connect(driver)
-        self.sealer = Sealer(name=f"rank {rank}")
+        self.sealer = Sealer(RANKS, str(rank), name=f"rank {rank}")
 
     def send_bytes(self, data: bytes) -> None:
         self.socket.send(self.sealer.seal(data), copy=False)
 
     def recv_bytes(self) -> bytes:
-        while True:
-            payload = self.sealer.open(self.socket.recv(), "the group's driver")
-            if payload is not None:  # a forged frame is dropped (and logged)
-                return payload
+        opened = self.sealer.open(self.socket.recv(), "the group's driver", sender=DRIVER)
+        if opened is None:
+            # Only the driver reaches this DEALER: its frame failing means another secret.
+            raise RuntimeError(
+                f"frames from the worker group's driver fail the deployment secret check "
+                f"(is {SECRET_ENV} the same on every node?)"
+            )
+        return opened.payload
 
     def close(self) -> None:
         self.socket.close()
@@ -161,12 +174,17 @@ class RayRanks:
     """Starts each rank as a `TensorParallelRank` actor in its bundle."""
 
     def __init__(self, host: str, instance_id: str, stages: int = 1) -> None:
-        self.host = host  # this node's address: the ROUTER and the rendezvous store bind it
+        self.host = host  # this node's address: the group's when its stages may spread
         self.instance_id = instance_id
         self.stages = stages
 
+    def group_host(self) -> str:
+        """The interface the group's sockets bind: loopback for one stage (its STRICT_PACK
+        placement group holds the driver too), else the node's address."""
+        return LOOPBACK if self.stages == 1 else self.host
+
     def master_host(self) -> str:
-        return self.host
+        return self.group_host()
 
     def devices(self, size: int, device: str) -> list[str]:
         return own_gpu_devices(device, size)  # Ray shows each rank actor its one GPU
@@ -178,7 +196,7 @@ class RayRanks:
 
         groups = [get_placement_group(group_name(self.instance_id, s)) for s in range(self.stages)]
         per_stage = len(jobs) // self.stages
-        group = RayRankGroup(self.host)
+        group = RayRankGroup(self.group_host())
         rank_class = ray.remote(TensorParallelRank)
         for job in jobs:
             placement = groups[job.rank // per_stage]
@@ -187,8 +205,8 @@ class RayRanks:
                 **rank_options(placement.bundle_specs[index]),
                 max_restarts=0,
                 max_concurrency=2,  # serve() holds one thread; pid() takes the other
-                # The secret rides in the environment, never in the actor's arguments.
-                runtime_env={"env_vars": {SECRET_ENV: ensure_secret()}},
+                # The secret's file, never the secret: Ray's state API shows this.
+                runtime_env=secret_runtime_env(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement, placement_group_bundle_index=index
                 ),
@@ -205,11 +223,11 @@ class RayRankGroup:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone rank raises
-        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, RANKS.max_message_bytes)
         self.socket.setsockopt(zmq.LINGER, 0)
         port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self.sealer = Sealer(name="worker group driver")
+        self.sealer = Sealer(RANKS, DRIVER, responder=True, name="worker group driver")
         self.actors: list = []
         self.serving: dict = {}  # each rank's serve() call → its rank
         self.dead: tuple[int, str] | None = None
@@ -217,7 +235,6 @@ class RayRankGroup:
         self._closed = False
         self._lock = threading.Lock()  # the socket: the step thread and shutdown
         self._pids: list[int | None] = []
-        self._heard: set[int] = set()  # ranks whose frames passed the secret check
 
     def add(self, actor, serving) -> None:
         self.serving[serving] = len(self.actors)
@@ -268,28 +285,23 @@ class RayRankGroup:
             with self._lock:
                 if self.socket.poll(POLL_MS):
                     while self.socket.poll(0):
-                        replies.extend(self._open(*self.socket.recv_multipart()))
+                        replies.extend(self.open(self.socket.recv_multipart()))
             if replies:
                 return replies
 
-    def _open(self, identity: bytes, frame: bytes) -> list[tuple[int, bytes]]:
-        """A rank's frame, checked. Until a rank has been heard from, a refused frame in
-        its name ends the group (a rank with another secret would hang the load);
-        after, it is dropped and logged like any forged frame."""
+    def open(self, message: list[bytes]) -> list[tuple[int, bytes]]:
+        """A rank's reply, checked: sealed under the rank its routing identity names, and
+        in shape. Anything else is dropped and counted; the group goes on."""
+        if len(message) != 2:
+            self.sealer.refuse(frame_drops.MALFORMED, "the ranks' socket")
+            return []
+        identity, frame = message
         name = identity.decode(errors="replace")
-        payload = self.sealer.open(frame, f"rank {name!r}")
-        if not name.isdigit():
+        if not name.isdigit() or int(name) >= len(self.actors):
+            self.sealer.refuse(frame_drops.IDENTITY, f"a peer named {name!r}")
             return []
-        rank = int(name)
-        if payload is None:
-            if rank not in self._heard:
-                raise WorkerGroupFailed(
-                    f"rank {rank}'s frames fail the deployment secret check (is "
-                    f"{SECRET_ENV} the same on every node?)"
-                )
-            return []
-        self._heard.add(rank)
-        return [(rank, payload)]
+        opened = self.sealer.open(frame, f"rank {name}", sender=name)
+        return [] if opened is None else [(int(name), opened.payload)]
 
     def _raise_if_dead(self) -> None:
         if self.dead is not None:

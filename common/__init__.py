@@ -5,8 +5,10 @@
   (`structured_output.py`: JSON schema, regex, choice, grammar);
 - `messages.py`: the wire messages between gateway and instances, and
   `block_events.py`: the block events among them;
-- `wire_auth.py`: the deployment secret and the MAC every frame between processes
-  carries;
+- `wire_auth.py`: the deployment secret and the keys derived from it (frames, cache
+  salts, a worker group's rendezvous); `frame_seal.py`: the seal every frame between
+  processes carries (sender, channel, direction, sequence; size checked before
+  hashing); `frame_drops.py`: what each channel dropped, and why;
 - `model_split.py`: how a model splits across tensor- and pipeline-parallel ranks
   (`check_tp_size`, `check_pp_size`, `stage_layers`);
 - `json_file.py`: a JSON file read with one-line errors (checkpoints, tokenizers).

@@ -196,6 +196,15 @@ class InstanceStats(msgspec.Struct):
     kv_pull_last_failure: str = ""
 
 
+class DroppedFrames(msgspec.Struct, frozen=True):
+    """Frames one channel of the instance's process dropped for one reason
+    (`common/frame_drops.py`), since the previous report."""
+
+    channel: str
+    reason: str
+    count: int
+
+
 class MetricsDelta(msgspec.Struct):
     """Counter increments and histogram observations since the previous output."""
 
@@ -204,6 +213,7 @@ class MetricsDelta(msgspec.Struct):
     # KV bytes each rank of the instance moved since the previous output, by rank index
     # (`kv_transfer_bytes_total` is their sum).
     rank_kv_bytes: dict[int, float] = {}
+    dropped_frames: list[DroppedFrames] = []
 
 
 class InstanceInspection(msgspec.Struct):

@@ -1,43 +1,37 @@
-"""Who may talk to a deployment's sockets: one shared secret, an HMAC on every frame.
+"""The deployment secret: where it comes from, and the keys derived from it.
 
 Once instances sit on several nodes their ZMQ sockets face a network, so every frame
-between the gateway and the instances (tasks, handoffs, outputs, heartbeats, block
-events) and on the KV control plane carries `HMAC-SHA256(secret, payload)` in front
-of the payload. A receiver checks the tag *before* it decodes anything and drops a
-frame without a valid one, with a log line naming the refusal, so a process without
-the secret can neither submit tasks, forge tokens, pull KV nor touch leases.
+between processes is sealed (`frame_seal.py`) under a key derived from one
+per-deployment secret, and so is every tenant's cache salt, under another: one key
+never serves two purposes (`derive_key`, HKDF-SHA256 as RFC 5869 has it), so a frame
+tag never reveals a salt's key nor the other way round.
 
 The secret comes from the environment (`PDSERVE_DEPLOYMENT_SECRET`, or a file named by
 `PDSERVE_DEPLOYMENT_SECRET_FILE` that only its owner may read), never a command line,
 which `ps` shows to every local user. `pdserve serve` makes one when none is given and
-hands it to its instances through their environment. A process that opens sockets with
+hands it to its instances: the local launcher's children inherit the environment, Ray
+actors read a 0600 file on their node named by `PDSERVE_DEPLOYMENT_SECRET_FILE` (a
+path, which Ray's state API may show; never the secret). A process that opens sockets with
 no secret at all makes one for itself and puts it in its own environment, so the
 children it starts (and peers in the same process) agree with it.
 
 What this does not give: confidentiality (frames travel in clear; run across a trusted
-network or a VPN) or protection against replaying a captured frame.
+network or a VPN).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 import os
 import secrets
 import stat
-import time
 
 SECRET_ENV = "PDSERVE_DEPLOYMENT_SECRET"
 SECRET_FILE_ENV = "PDSERVE_DEPLOYMENT_SECRET_FILE"
-TAG_BYTES = 32  # sha256
-# The largest frame a receiving ZMQ socket takes (zmq.MAXMSGSIZE: a peer that sends a
-# larger one is disconnected before it is buffered). Tasks and handoffs carry at most a
-# prompt of max_model_len tokens and a body-limited constraint, far below this.
-MAX_FRAME_BYTES = 64 << 20
-_REFUSAL_LOG_INTERVAL_S = 5.0  # a flood of forged frames logs a line every few seconds
-
-logger = logging.getLogger(__name__)
+FRAME_KEY = "pdserve frame key v1"  # what each derived key is for (HKDF's `info`)
+SALT_KEY = "pdserve cache salt key v1"
+RENDEZVOUS_KEY = "pdserve rendezvous key v1"
 
 
 class SecretError(RuntimeError):
@@ -82,58 +76,24 @@ def ensure_secret() -> str:
     return value
 
 
-class Sealer:
-    """Puts an HMAC tag in front of outgoing frames and checks it on incoming ones."""
+def derive_key(secret: bytes, purpose: str) -> bytes:
+    """A 32-byte key for one purpose: HKDF-SHA256 (extract, then one block of expand)."""
+    prk = hmac.new(b"pdserve deployment", secret, hashlib.sha256).digest()
+    return hmac.new(prk, purpose.encode() + b"\x01", hashlib.sha256).digest()
 
-    def __init__(self, secret: bytes | None = None, name: str = "") -> None:
-        self._secret = deployment_secret() if secret is None else secret
-        if not self._secret:
-            raise SecretError("the deployment secret is empty")
-        self.name = name  # who refuses, in log lines
-        self.refused = 0  # frames dropped for a missing or bad tag
-        self._last_log = 0.0
 
-    def _tag(self, parts: tuple[bytes | memoryview, ...]) -> bytes:
-        mac = hmac.new(self._secret, digestmod=hashlib.sha256)
-        for part in parts:
-            # Each part's length goes in first: ("ab", "c") and ("a", "bc") differ.
-            mac.update(memoryview(part).nbytes.to_bytes(8, "little"))
-            mac.update(part)
-        return mac.digest()
+def frame_key(secret: bytes) -> bytes:
+    """The key every frame's seal is computed under."""
+    return derive_key(secret, FRAME_KEY)
 
-    def seal(self, payload: bytes) -> bytes:
-        """The frame to send: tag + payload."""
-        return self._tag((payload,)) + payload
 
-    def open(self, frame: bytes, origin: str = "a peer") -> bytes | None:
-        """The payload of a frame with a valid tag; None (and a log line) otherwise."""
-        if len(frame) >= TAG_BYTES:
-            payload = frame[TAG_BYTES:]
-            if hmac.compare_digest(frame[:TAG_BYTES], self._tag((payload,))):
-                return payload
-        self.refuse(origin)
-        return None
+def salt_key(secret: bytes) -> bytes:
+    """The key every tenant's cache salt is computed under (`gateway/tenants.py`)."""
+    return derive_key(secret, SALT_KEY)
 
-    def tag_parts(self, *parts: bytes | memoryview) -> bytes:
-        """A tag over several frames (sent as a frame of its own, in front of them)."""
-        return self._tag(parts)
 
-    def check_parts(self, tag: bytes, *parts: bytes | memoryview, origin: str = "a peer") -> bool:
-        if len(tag) == TAG_BYTES and hmac.compare_digest(tag, self._tag(parts)):
-            return True
-        self.refuse(origin)
-        return False
-
-    def refuse(self, origin: str) -> None:
-        self.refused += 1
-        now = time.monotonic()
-        if now - self._last_log >= _REFUSAL_LOG_INTERVAL_S or self.refused == 1:
-            self._last_log = now
-            logger.warning(
-                "%s: refused a message from %s without a valid deployment MAC "
-                "(%d refused so far; is %s the same on every node?)",
-                self.name or "pdserve",
-                origin,
-                self.refused,
-                SECRET_ENV,
-            )
+def rendezvous_prefix(secret: bytes, address: str) -> str:
+    """The prefix of every key of the worker group whose store is at `address`: only a
+    holder of the secret can name one (`engine/rendezvous.py`)."""
+    key = derive_key(secret, RENDEZVOUS_KEY)
+    return hmac.new(key, address.encode(), hashlib.sha256).hexdigest() + "/"

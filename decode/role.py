@@ -39,7 +39,7 @@ from pdserve.common.messages import (
 )
 from pdserve.common.request import RequestStatus
 from pdserve.decode.kv_scheduler import DecodeKVScheduler, DecodeUpdate
-from pdserve.decode.pending import VoidedHandoffs
+from pdserve.decode.pending import SourceEpochs, VoidedHandoffs
 from pdserve.decode.pull_outcomes import PullOutcomes
 from pdserve.engine.core import EngineCore
 from pdserve.kvtransfer.link import KVLink
@@ -79,6 +79,7 @@ class DecodeRole:
         self.kv = DecodeKVScheduler(link.layout, link.tp_size, link.config.failure_policy)
         self.held_pulls = held_pulls
         self.voided = VoidedHandoffs()
+        self.source_epochs = SourceEpochs()
         self._pulling: dict[str, int] = {}  # request id → blocks its pull moves
         self._blocks_pulled = 0  # since the last output
         self._recomputed = 0
@@ -113,6 +114,8 @@ class DecodeRole:
 
     def take_handoff(self, handoff: KVHandoff) -> RequestDelta | None:
         request_id = handoff.request_id
+        if not self.source_epochs.admit(handoff.source.instance_id, handoff.source.epoch):
+            return None  # from a prefill instance retired since: the gateway moved it on
         if self.voided.consume(request_id, handoff.source.instance_id):
             return None  # aborted before it arrived; P heard of the abort as well
         if self.id_in_use(request_id):

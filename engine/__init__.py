@@ -7,7 +7,8 @@ The torch-free driver, `core.py` (`EngineCore`: the step scheduler driving an ex
 
 Behind the seam, one rank (`worker.py`: model, KV cache, runner, sampler, CUDA graphs;
 `device_runner.py`: a step on a CUDA device, graph replay or eager) or a tensor- and
-pipeline-parallel group of them (`worker_group.py`, `parallel.py`, `pipeline.py`). How
+pipeline-parallel group of them (`worker_group.py`, `parallel.py`, `pipeline.py`;
+`rendezvous.py`: the group's store on its interface, keys behind the secret). How
 ranks start and what carries their messages: `ranks.py`'s `RankLauncher` (child
 processes with a pipe each by default); which GPU each rank uses: `devices.py`.
 

@@ -19,6 +19,7 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,16 @@ class GrammarError(ValueError):
 
 
 class GrammarBook:
-    def __init__(self, tokenizer_folder: str, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        tokenizer_folder: str,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        compile_timeout_s: float = 30.0,
+    ) -> None:
+        """`compile_timeout_s`: the longest a step waits for a grammar it needs (the
+        driver's `grammar_compile_timeout_s`; a rank's copy can lag the driver's)."""
+        self.compile_timeout_s = compile_timeout_s
         self.tokenizer_folder = tokenizer_folder
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
@@ -69,7 +79,15 @@ class GrammarBook:
         tokens it already has (sampled elsewhere, or before a preemption)."""
         import xgrammar as xgr
 
-        compiled = self.prepare(spec).result()  # the driver admitted it: compiled already
+        # The driver admitted it, so it compiled there; this rank's copy may still be
+        # compiling (or stuck): the step waits a bounded time, then fails as any step.
+        try:
+            compiled = self.prepare(spec).result(timeout=self.compile_timeout_s)
+        except FuturesTimeout:
+            raise GrammarError(
+                f"request {request_id}: its {spec.kind} grammar did not compile on this rank "
+                f"within {self.compile_timeout_s:g} s"
+            ) from None
         matcher = xgr.GrammarMatcher(compiled)
         for token in output_token_ids:
             if not matcher.accept_token(token):

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from pdserve.common.model_split import stage_layers
 from pdserve.engine.parallel import CollectiveClock, TensorParallel
+from pdserve.engine.rendezvous import bind_collectives, join_store
 
 if TYPE_CHECKING:  # annotations only: the model (models/llama.py) imports this module,
     # and the GPU check runs the model with torch alone (no msgspec there)
@@ -130,33 +131,21 @@ class PipelineStage:
         return int(buffer.item())
 
 
-class Rendezvous:
-    """The group's torch.distributed store, served by the driver on a port the system
-    picks as it binds: a port found free and bound later by rank 0 could be taken in
-    between (seen: EADDRINUSE under a busy test run)."""
-
-    def __init__(self, host: str, timeout_s: float) -> None:
-        self._store = dist.TCPStore(
-            host, 0, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-        )
-        self.address = f"{host}:{self._store.port}"
-
-
 def join_group(
     config: EngineConfig, rank: int, master: str, timeout_s: float
 ) -> tuple[EngineConfig, TensorParallel, PipelineStage | None]:
-    """Joins the group's process group as `rank` (the driver's `Rendezvous` at
-    `master`, host:port); returns the rank's config, its TP place (with its stage's
-    sub-group) and, with PP, its stage. The rank's device is already in its config (the
-    rank launcher's)."""
+    """Joins the group's process group as `rank` (the driver's `rendezvous.Rendezvous`
+    at `master`, host:port, its collectives bound to the same interface); returns the
+    rank's config, its TP place (with its stage's sub-group) and, with PP, its stage.
+    The rank's device is already in its config (the rank launcher's)."""
     from pdserve.engine.checkpoint import load_model_config
     from pdserve.engine.embedded import embedded_model_path
 
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     backend = "gloo" if config.device == "cpu" else "nccl"
-    host, port = master.rsplit(":", 1)
+    bind_collectives(master.rsplit(":", 1)[0])
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    store = join_store(master, timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=tp * pp, timeout=timeout)
     if pp == 1:
         return config, TensorParallel(rank, tp), None

@@ -144,7 +144,10 @@ class ModelWorker:
             mc.eos_token_ids
         )
         self.grammars = GrammarBook(
-            config.tokenizer or self.model_path, mc.vocab_size, sorted(self.eos_token_ids)
+            config.tokenizer or self.model_path,
+            mc.vocab_size,
+            sorted(self.eos_token_ids),
+            compile_timeout_s=config.grammar_compile_timeout_s,
         )
         geometry = KVGeometry(
             num_layers=shape.num_layers,

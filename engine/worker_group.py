@@ -74,7 +74,7 @@ class WorkerGroupExecutor:
         # Called once, from the watcher thread, when a rank dies between steps.
         self.on_failure = on_failure
         self._group: RankGroup | None = None
-        self._rendezvous: Any = None  # the group's store (`pipeline.Rendezvous`), while it lives
+        self._rendezvous: Any = None  # the group's store (`rendezvous.Rendezvous`), while it lives
         self._lock = threading.Lock()  # one step at a time on the channels
         self._closing = threading.Event()
         self._death_named = threading.Event()  # the watcher saw a rank die
@@ -88,7 +88,7 @@ class WorkerGroupExecutor:
 
     def load(self) -> WorkerInfo:
         self._check_split()
-        from pdserve.engine.pipeline import Rendezvous
+        from pdserve.engine.rendezvous import Rendezvous
 
         self._rendezvous = Rendezvous(self.launcher.master_host(), GROUP_TIMEOUT_S)
         master = self._rendezvous.address

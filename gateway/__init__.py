@@ -16,13 +16,15 @@
   `structured_outputs`, `guided_*`, checked with `jsonschema`), tool calls
   (`tools.py`: forced calls as JSON schemas; `tool_parsers.py`: `hermes`,
   `llama3_json`), SSE and JSON replies (`replies.py`), tokenize/detokenize
-  (`tokenization.py`), `/metrics` (`metrics.py`; `deployment_metrics.py`: the
+  (`tokenization.py`), `/metrics` (`metrics.py`; `frame_drop_metrics.py`: frames dropped by channel
+  and reason; `deployment_metrics.py`: the
   TTFT SLO, seats and pool sizes the alert rules compare against), `/health`
   (`health.py`: each instance, and what degrades the service while it serves).
 - One request on the cluster: `generation.py` (`GenerationRun`: its choices submitted,
   their tokens detokenized and stop strings matched on the event loop), readiness and
   the runs' admission (`gateway.py`: `Gateway`).
-- The dispatcher between HTTP runs and instances (`dispatcher.py`, `request_stream.py`)
+- The dispatcher between HTTP runs and instances (`dispatcher.py`, `request_stream.py`;
+  `instance_frames.py`: its sealed frames, checked before they are decoded)
   and the global scheduler it drives (`global_scheduler.py`, `routing.py`: admission,
   routing policies, failover); a failed step's requests moved on
   (`step_failures.py`); instances' books asked for (`inspections.py`).

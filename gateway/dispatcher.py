@@ -16,8 +16,8 @@ tripped), is fenced: its epoch retired (whatever it sends later is dropped) and
 `on_fenced` tells the cluster to kill it and start a replacement. A request whose step
 failed on an instance moves on as `gateway/step_failures.py` says.
 
-Every frame is sealed with the deployment's MAC (`pdserve.common.wire_auth`); an
-output or event batch without a valid one is dropped before it is decoded.
+Every frame is sealed; what fails is dropped and counted before it is decoded, large
+frames checked off the loop (`gateway/instance_frames.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pdserve.common.block_events import BlockEventBatch
+from pdserve.common.frame_seal import EVENTS, OUTPUTS
 from pdserve.common.messages import (
     AbortTask,
     FailStepsTask,
@@ -44,9 +44,7 @@ from pdserve.common.messages import (
     RequestDelta,
     SnapshotTask,
     Task,
-    decoded,
 )
-from pdserve.common.wire_auth import MAX_FRAME_BYTES, Sealer
 from pdserve.gateway.global_scheduler import (
     AdmissionRejected,
     GlobalScheduler,
@@ -54,6 +52,7 @@ from pdserve.gateway.global_scheduler import (
     handoffs_from,
 )
 from pdserve.gateway.inspections import Inspections
+from pdserve.gateway.instance_frames import InstanceFrames
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.request_stream import RequestStream, StreamEvent
 from pdserve.gateway.routing import RouteRequest
@@ -79,25 +78,22 @@ class Dispatcher:
         the environment); `timelines`: where requests' journeys are recorded."""
         self.scheduler = scheduler
         self.timelines = timelines or Timelines()
-        self._sealer = Sealer(secret, name="gateway")
+        self._frames = InstanceFrames(secret, metrics.dropped_frames.own)
         self.metrics = metrics
         self.context = zmq.asyncio.Context()
         self._output_socket = self.context.socket(zmq.PULL)
-        self._output_socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._output_socket.setsockopt(zmq.MAXMSGSIZE, OUTPUTS.max_message_bytes)
         port = self._output_socket.bind_to_random_port(f"tcp://{host}")
         self.output_address = f"tcp://{host}:{port}"
         self._event_socket = self.context.socket(zmq.SUB)
         self._event_socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self._event_socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._event_socket.setsockopt(zmq.MAXMSGSIZE, EVENTS.max_message_bytes)
         self._push_context = zmq.Context()  # plain sockets: sends never wait
         self._task_sockets: dict[str, zmq.Socket] = {}
         self.streams: dict[str, RequestStream] = {}
         self._tasks: dict[str, GenerateTask] = {}
         self._inspections = Inspections()
         self._snapshot_requested: set[str] = set()
-        self._encoder = msgspec.msgpack.Encoder()
-        self._output_decoder = msgspec.msgpack.Decoder(InstanceOutput)
-        self._batch_decoder = msgspec.msgpack.Decoder(BlockEventBatch)
         self._background: list[asyncio.Task] = []
         self.on_instance_lost: Callable[[str, str], None] | None = None
         # The cluster's: kills a fenced instance and starts its replacement.
@@ -285,7 +281,7 @@ class Dispatcher:
         if sock is None:
             return False
         try:
-            sock.send(self._sealer.seal(self._encoder.encode(task)), zmq.NOBLOCK)
+            sock.send(self._frames.seal_task(task), zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("instance %s is not reading its tasks; one dropped", instance_id)
             return False
@@ -305,11 +301,7 @@ class Dispatcher:
 
     async def _receive_outputs(self) -> None:
         while True:
-            frame = await self._output_socket.recv()
-            payload = self._sealer.open(frame, "the output socket")
-            if payload is None:
-                continue
-            output = decoded(self._output_decoder, payload, "instance output")
+            output = await self._frames.open_output(await self._output_socket.recv())
             if output is None:
                 continue
             try:
@@ -363,15 +355,11 @@ class Dispatcher:
 
     async def _receive_events(self) -> None:
         while True:
-            frames = await self._event_socket.recv_multipart()
-            if len(frames) != 3:
+            opened = await self._frames.open_events(await self._event_socket.recv_multipart())
+            if opened is None:
                 continue
-            topic, tag, payload = frames
-            instance_id = topic.decode(errors="replace")
-            if not self._sealer.check_parts(tag, topic, payload, origin=f"events of {instance_id}"):
-                continue
-            batch = decoded(self._batch_decoder, payload, "block-event batch")
-            if batch is not None and not self.scheduler.apply_block_events(instance_id, batch):
+            instance_id, batch = opened
+            if not self.scheduler.apply_block_events(instance_id, batch):
                 self._request_snapshot(instance_id)
 
     def _request_snapshot(self, instance_id: str) -> None:

@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from pdserve.common.messages import InstanceInfo
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.common.wire_auth import salt_key
 from pdserve.gateway.deployment_metrics import PoolCount
 from pdserve.gateway.dispatcher import Dispatcher
 from pdserve.gateway.errors import APIError, error_body
@@ -114,7 +115,9 @@ class Gateway:
         except TenantsError as exc:
             raise ValueError(str(exc)) from None
         self.limiter = RateLimiter(clock)
-        self._secret = config.deployment_secret or secrets.token_bytes(32)
+        # Cache salts take a key of their own, derived from the secret (never the
+        # frames' key).
+        self._salt_key = salt_key(config.deployment_secret or secrets.token_bytes(32))
         self.tokenizer = Tokenizer.from_folder(config.tokenizer_path or config.model_path)
         if config.chat_template is not None:
             self.tokenizer.chat_templates = {"default": config.chat_template}
@@ -290,7 +293,7 @@ class Gateway:
             self.limiter.release(ticket, usage["total_tokens"])
             self.metrics.tenants.used(tenant.name, usage)
 
-        salt = tenant_cache_salt(self._secret, tenant.name, cache_salt)
+        salt = tenant_cache_salt(self._salt_key, tenant.name, cache_salt)
         run = GenerationRun(
             request_id=request_id,
             prompts=prompts,

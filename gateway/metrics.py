@@ -26,6 +26,7 @@ from prometheus_client import (
 
 from pdserve.common.messages import InstanceOutput, InstanceStats
 from pdserve.gateway.deployment_metrics import DeploymentSeries
+from pdserve.gateway.frame_drop_metrics import DroppedFrameSeries
 from pdserve.gateway.health import recompute_ratio
 from pdserve.gateway.timeline import PHASES
 
@@ -248,6 +249,7 @@ class GatewayMetrics:
         self.vllm = VLLMSeries(self.registry, model_name)
         self.tenants = TenantSeries(self.registry)
         self.deployment = DeploymentSeries(self.registry)  # what alert rules compare against
+        self.dropped_frames = DroppedFrameSeries(self.registry)
         self.rejected = Counter(
             PREFIX + "num_requests_rejected",
             "Requests refused by admission control (503)",
@@ -338,6 +340,7 @@ class GatewayMetrics:
                 self.vllm.observe(name, role, instance, values)
         for rank, moved in output.metrics.rank_kv_bytes.items():
             self.rank_kv_bytes.labels(role, instance, str(rank)).inc(moved)
+        self.dropped_frames.add(output.metrics.dropped_frames)
 
     def record_stats(self, role: str, instance: str, stats: InstanceStats) -> None:
         for name, read in _STAT_GAUGES.items():

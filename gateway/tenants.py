@@ -158,10 +158,11 @@ class KeyBook:
         return self._admin is not None and hmac.compare_digest(_digest(key), self._admin)
 
 
-def tenant_cache_salt(secret: bytes, tenant: str, cache_salt: str | None) -> str:
-    """The salt of every block hash of a request: HMAC(deployment secret, tenant, the
+def tenant_cache_salt(key: bytes, tenant: str, cache_salt: str | None) -> str:
+    """The salt of every block hash of a request: HMAC(the deployment's salt key
+    (`common/wire_auth.py:salt_key`), tenant, the
     request's own `cache_salt`). Two tenants never share a block, a `cache_salt` only
     narrows sharing within its tenant, and without the secret nobody can forge another
     tenant's salt. The JSON pair keeps ("ab", "c") and ("a", "bc") apart."""
     message = msgspec.json.encode([tenant, cache_salt or ""])
-    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()

@@ -7,9 +7,12 @@ Sockets (ZMQ; every one is used by this thread only):
   [instance id, msgpack BlockEventBatch];
 - an inproc PAIR fed by the step loop with encoded outputs and event batches.
 
-Every frame on a TCP socket is sealed with the deployment's MAC
-(`pdserve.common.wire_auth`): tasks without a valid one are dropped before they are
-decoded, and outputs, events and handoffs to peers leave sealed.
+Every frame on a TCP socket is sealed (`pdserve.common.frame_seal`): a task that fails
+its seal (or does not decode) is dropped and counted before it is decoded, and outputs,
+events and handoffs to peers leave sealed under the instance's id. What the process
+dropped rides to the gateway with the next heartbeat (`MetricsDelta.dropped_frames`).
+A peer's PUSH (handoffs to a decode instance) is closed once it has been idle for
+`PEER_IDLE_S`, so restarted peers on new ports leave no sockets behind.
 
 Running them on a thread of their own means a long model step never delays a task, an
 abort or a heartbeat: the gateway hears from the instance every `heartbeat_interval_s`
@@ -28,8 +31,17 @@ from typing import Any
 import msgspec
 import zmq
 
-from pdserve.common.messages import InstanceAddress, InstanceOutput, InstanceStats, Task
-from pdserve.common.wire_auth import MAX_FRAME_BYTES, Sealer
+from pdserve.common import frame_drops
+from pdserve.common.frame_drops import DROPS
+from pdserve.common.frame_seal import EVENTS, OUTPUTS, TASKS, Sealer
+from pdserve.common.messages import (
+    DroppedFrames,
+    InstanceAddress,
+    InstanceOutput,
+    InstanceStats,
+    MetricsDelta,
+    Task,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +50,7 @@ _KIND_EVENTS = b"events"
 _KIND_PEER = b"peer"
 _OUTPUT_HWM = 100_000  # messages queued for a gateway that is slow or gone
 _CLOSE_LINGER_MS = 500
+PEER_IDLE_S = 60.0  # a peer's PUSH unused this long is closed (its peer may be gone)
 _instance_numbers = count()
 
 
@@ -56,10 +69,13 @@ class InstanceIO:
         `pdserve.common.messages.Task`, e.g. the decode kind's handoffs); `secret`:
         the deployment's (default: from the environment)."""
         self.heartbeat_interval_s = heartbeat_interval_s
-        self._sealer = Sealer(secret, name=instance_id)
+        self._task_opener = Sealer(TASKS, instance_id, responder=True, secret=secret)
+        self._task_sealer = Sealer(TASKS, instance_id, secret=secret)  # handoffs to peers
+        self._output_sealer = Sealer(OUTPUTS, instance_id, secret=secret)
+        self._event_sealer = Sealer(EVENTS, instance_id, secret=secret)
         self.context = zmq.Context()
         self._task_socket = self.context.socket(zmq.PULL)
-        self._task_socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._task_socket.setsockopt(zmq.MAXMSGSIZE, TASKS.max_message_bytes)
         task_port = self._task_socket.bind_to_random_port(f"tcp://{host}")
         self._event_socket = self.context.socket(zmq.PUB)
         event_port = self._event_socket.bind_to_random_port(f"tcp://{host}")
@@ -86,7 +102,9 @@ class InstanceIO:
         self.loop_turns = 0
         self.unhealthy = ""  # why the instance cannot serve (its breaker tripped)
         self._peer_sockets: dict[bytes, zmq.Socket] = {}  # the I/O thread's, by task address
+        self._peer_used: dict[bytes, float] = {}  # when each was last sent on
         self._last_sent = 0.0
+        self._last_drop_report = 0.0
         self._thread = threading.Thread(target=self._run, name=f"io-{instance_id}", daemon=True)
 
     # ---- the step loop's side ---------------------------------------------------------
@@ -157,18 +175,35 @@ class InstanceIO:
             if self._stopping.is_set():
                 self._forward_outbox()
                 return
-            if time.monotonic() - self._last_sent >= self.heartbeat_interval_s:
+            now = time.monotonic()
+            if now - self._last_sent >= self.heartbeat_interval_s or self._drops_due(now):
                 self._send(self._encoder.encode(self._heartbeat()))
+                self._close_idle_peers(now)
+
+    def _drops_due(self, now: float) -> bool:
+        """Dropped frames are reported within a heartbeat interval, busy or not."""
+        if now - self._last_drop_report < self.heartbeat_interval_s or not DROPS.has_new():
+            return False
+        self._last_drop_report = now
+        return True
 
     def _heartbeat(self) -> InstanceOutput:
+        drops = [DroppedFrames(c, r, n) for (c, r), n in DROPS.take_new().items()]
         return InstanceOutput(
             instance=self.address,
             stats=self.latest_stats,
+            metrics=MetricsDelta(dropped_frames=drops) if drops else None,
             epoch=self.epoch,
             loop_turns=self.loop_turns,
             unhealthy=self.unhealthy,
             sent_at=time.time(),
         )
+
+    def _close_idle_peers(self, now: float) -> None:
+        for address, used in list(self._peer_used.items()):
+            if now - used >= PEER_IDLE_S:
+                self._peer_sockets.pop(address).close(linger=_CLOSE_LINGER_MS)
+                del self._peer_used[address]
 
     def _receive_tasks(self) -> None:
         while True:
@@ -176,12 +211,13 @@ class InstanceIO:
                 frame = self._task_socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            payload = self._sealer.open(frame, "a task socket peer")
-            if payload is None:
-                continue  # not from the deployment: never decoded
+            opened = self._task_opener.open(frame, "a task socket peer")
+            if opened is None:
+                continue  # not from the deployment, or a replay: never decoded
             try:
-                self._tasks.append(self._decoder.decode(payload))
+                self._tasks.append(self._decoder.decode(opened.payload))
             except msgspec.DecodeError as exc:
+                self._task_opener.refuse(frame_drops.UNDECODABLE, opened.sender)
                 logger.warning("%s: dropping a malformed task: %s", self.address.instance_id, exc)
         self._task_ready.set()
 
@@ -196,8 +232,8 @@ class InstanceIO:
             elif kind == _KIND_PEER:
                 self._send_to_peer(frames[0], frames[1])
             else:
-                tag = self._sealer.tag_parts(self._topic, frames[0])
-                self._event_socket.send_multipart([self._topic, tag, frames[0]])
+                head = self._event_sealer.seal_parts(self._topic, frames[0])
+                self._event_socket.send_multipart([self._topic, head, frames[0]])
 
     def _send_to_peer(self, task_address: bytes, payload: bytes) -> None:
         sock = self._peer_sockets.get(task_address)
@@ -205,8 +241,9 @@ class InstanceIO:
             sock = self._peer_sockets[task_address] = self.context.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, _OUTPUT_HWM)
             sock.connect(task_address.decode())
+        self._peer_used[task_address] = time.monotonic()
         try:
-            sock.send(self._sealer.seal(payload), zmq.NOBLOCK)
+            sock.send(self._task_sealer.seal(payload), zmq.NOBLOCK)
         except zmq.Again:
             logger.warning(
                 "%s: peer %s is not reading; task dropped",
@@ -216,7 +253,7 @@ class InstanceIO:
 
     def _send(self, payload: bytes) -> None:
         try:
-            self._output_socket.send(self._sealer.seal(payload), zmq.NOBLOCK)
+            self._output_socket.send(self._output_sealer.seal(payload), zmq.NOBLOCK)
         except zmq.Again:
             logger.warning(
                 "%s: the gateway is not reading; output dropped", self.address.instance_id

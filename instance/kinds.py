@@ -90,7 +90,12 @@ def kv_link(loop: StepLoop) -> KVLink:
 def _prefill(loop: StepLoop) -> Role:
     engine = loop.require_engine()
     return PrefillRole(
-        loop.spec.instance_id, engine, kv_link(loop), loop.send_to_instance, loop.flush
+        loop.spec.instance_id,
+        engine,
+        kv_link(loop),
+        loop.send_to_instance,
+        loop.flush,
+        epoch=loop.spec.epoch,
     )
 
 

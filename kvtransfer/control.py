@@ -2,10 +2,11 @@
 
 The prefill side binds a ROUTER and only ever answers the decode side's DEALER, so a
 prefill instance needs no address of its decode peers. Messages are single frames of
-msgpack (messages.py) sealed with the deployment's MAC (`pdserve.common.wire_auth`):
-a frame without a valid one is dropped before it is decoded, so a process without the
-secret can neither pull KV nor renew or abort a lease. A malformed frame is logged and
-dropped, never fatal.
+msgpack (messages.py) sealed on the `kv_control` channel (`pdserve.common.frame_seal`):
+a frame that fails its seal is dropped and counted before it is decoded, so a process
+without the secret can neither pull KV nor renew or abort a lease; the server opens a
+client's frames only under the client's routing identity, so a captured pull replays
+under no other connection. A malformed message is counted and dropped, never fatal.
 """
 
 from __future__ import annotations
@@ -16,19 +17,23 @@ import uuid
 import msgspec
 import zmq
 
-from pdserve.common.wire_auth import MAX_FRAME_BYTES, Sealer
+from pdserve.common import frame_drops
+from pdserve.common.frame_seal import KV_CONTROL, Sealer
 from pdserve.kvtransfer.messages import ControlMessage, decode_control, encode_control
 
 logger = logging.getLogger(__name__)
 
 
-def _decode(sealer: Sealer, frame: bytes, origin: str) -> ControlMessage | None:
-    payload = sealer.open(frame, origin)
-    if payload is None:
+def _decode(
+    sealer: Sealer, frame: bytes, origin: str, sender: str | None = None
+) -> ControlMessage | None:
+    opened = sealer.open(frame, origin, sender=sender)
+    if opened is None:
         return None
     try:
-        return decode_control(payload)
+        return decode_control(opened.payload)
     except msgspec.DecodeError as exc:
+        sealer.refuse(frame_drops.UNDECODABLE, origin)
         logger.warning("dropping a malformed control message from %s: %s", origin, exc)
         return None
 
@@ -39,10 +44,10 @@ class ControlServer:
     def __init__(
         self, context: zmq.Context, host: str, port: int = 0, sealer: Sealer | None = None
     ):
-        self._sealer = sealer or Sealer(name=f"KV control {host}")
+        self._sealer = sealer or Sealer(KV_CONTROL, f"kv-server {host}", responder=True)
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, KV_CONTROL.max_message_bytes)
         try:
             if port:
                 self.socket.bind(f"tcp://{host}:{port}")
@@ -65,8 +70,10 @@ class ControlServer:
         while self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames = self.socket.recv_multipart(zmq.NOBLOCK)
             if len(frames) != 2:
+                self._sealer.refuse(frame_drops.MALFORMED, "a KV peer")
                 continue
-            message = _decode(self._sealer, frames[1], f"KV peer {frames[0]!r}")
+            identity = frames[0].decode(errors="replace")
+            message = _decode(self._sealer, frames[1], f"KV peer {identity!r}", identity)
             if message is not None:
                 messages.append((frames[0], message))
         return messages
@@ -79,13 +86,15 @@ class ControlClient:
     """DEALER socket to one prefill rank's ControlServer."""
 
     def __init__(self, context: zmq.Context, address: str, name: str, sealer: Sealer | None = None):
-        self._sealer = sealer or Sealer(name=f"KV control {name}")
+        # A fresh identity per connection: a restarted peer never sees stale state. The
+        # frames are sealed under it: the server opens them only from this connection.
+        identity = f"{name}/{uuid.uuid4().hex[:12]}"
+        self._sealer = sealer or Sealer(KV_CONTROL, identity)
         self.address = address
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        # A fresh identity per connection: a restarted peer never sees stale state.
-        self.socket.setsockopt(zmq.IDENTITY, f"{name}/{uuid.uuid4().hex[:12]}".encode())
+        self.socket.setsockopt(zmq.MAXMSGSIZE, KV_CONTROL.max_message_bytes)
+        self.socket.setsockopt(zmq.IDENTITY, identity.encode())
         self.socket.connect(address)
 
     def send(self, message: ControlMessage) -> bool:

@@ -69,6 +69,9 @@ class KVSource(msgspec.Struct, frozen=True):
     rank_addresses: list[str]
     block_ids: list[int]  # the same ids on every rank, covering the prompt
     layout: KVLayout
+    # The prefill instance's epoch when it handed off (`InstanceSpec.epoch`): a decode
+    # instance that heard from a later epoch of it drops the handoff.
+    epoch: int = 0
 
     @property
     def tp_size(self) -> int:

@@ -5,9 +5,10 @@ as chunks of [tag + offset, payload] frames, sent without copying (a send is don
 once ZMQ has let go of every chunk), and each chunk lands in place as it arrives, so
 a large message streams instead of being buffered whole. Receives are posted before
 the pull request goes out, so a chunk without a posted receive belongs to a
-cancelled transfer and is dropped. Each chunk carries the deployment's MAC over its
-header and bytes (`pdserve.common.wire_auth`), checked before a byte lands: a
-process without the secret cannot write into KV memory.
+cancelled transfer and is dropped. Each chunk carries a seal of the `kv_data` channel
+over its header and bytes (`pdserve.common.frame_seal`), checked before a byte lands
+(a replayed chunk is dropped too): a process without the secret cannot write into KV
+memory.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from typing import Any, cast
 import numpy as np
 import zmq
 
-from pdserve.common.wire_auth import Sealer
+from pdserve.common import frame_drops
+from pdserve.common.frame_seal import Channel, Sealer
 from pdserve.kvtransfer.transport import TransferOp, Transport
 
 _CHUNK = 4 << 20
 _HEADER = struct.Struct("<QQ")  # tag, byte offset
+KV_DATA = Channel("kv_data", _CHUNK + _HEADER.size)
 
 
 class _SendOp(TransferOp):
@@ -59,7 +62,8 @@ class ZmqTransport(Transport):
 
     def __init__(self, context: zmq.Context, host: str, sealer: Sealer | None = None):
         self._context = context
-        self._sealer = sealer or Sealer(name=f"KV data {host}")
+        self._sealer = sealer or Sealer(KV_DATA, f"kv-data {host}")
+        self._opener = Sealer(KV_DATA, f"kv-data {host}", responder=True)
         self._inbox = context.socket(zmq.PULL)
         self._inbox.setsockopt(zmq.LINGER, 0)
         self._inbox.setsockopt(zmq.MAXMSGSIZE, 2 * _CHUNK)  # no frame is larger than a chunk
@@ -97,7 +101,7 @@ class ZmqTransport(Transport):
             chunk = view[offset : offset + _CHUNK]
             header = _HEADER.pack(tag, offset)
             data = chunk.data
-            frames: list[bytes | memoryview] = [self._sealer.tag_parts(header, data), header, data]
+            frames: list[bytes | memoryview] = [self._sealer.seal_parts(header, data), header, data]
             tracker = socket.send_multipart(frames, copy=False, track=True)
             trackers.append(cast(zmq.MessageTracker, tracker))  # track=True: always one
         return _SendOp(view.nbytes, trackers, view)
@@ -123,11 +127,14 @@ class ZmqTransport(Transport):
         while self._inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames = self._inbox.recv_multipart(zmq.NOBLOCK, copy=False)
             if len(frames) != 3 or len(frames[1].bytes) != _HEADER.size:
-                self._sealer.refuse("the KV data socket (malformed)")
+                self._opener.refuse(frame_drops.MALFORMED, "the KV data socket")
                 continue
-            mac, header, payload = frames
-            if not self._sealer.check_parts(
-                mac.bytes, header.bytes, payload.buffer, origin="the KV data socket"
+            head, header, payload = frames
+            if (
+                self._opener.open_parts(
+                    head.bytes, header.bytes, payload.buffer, origin="the KV data socket"
+                )
+                is None
             ):
                 continue
             tag, offset = _HEADER.unpack(header.bytes)

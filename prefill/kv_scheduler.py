@@ -38,13 +38,16 @@ class PrefillUpdate:
 
 
 class PrefillKVScheduler:
-    def __init__(self, instance_id: str, layout: KVLayout, rank_addresses: list[str]):
+    def __init__(
+        self, instance_id: str, layout: KVLayout, rank_addresses: list[str], epoch: int = 0
+    ):
         self._pending = KVConnectorMetadata()  # for the ranks, until the next step
         tp_size = len(rank_addresses) // layout.pipeline_parallel_size
         check_tp_split(layout, tp_size, f"instance {instance_id}")
         self.instance_id = instance_id
         self.layout = layout
         self.rank_addresses = list(rank_addresses)
+        self.epoch = epoch  # the instance's, in every handoff's source
         self._held: set[str] = set()
         self.lease_expiries = 0
 
@@ -89,7 +92,9 @@ class PrefillKVScheduler:
             sampling_params=msgspec.structs.replace(request.sampling_params, seed=request.seed),
             eos_token_ids=sorted(request.eos_token_ids),
             cache_salt=request.cache_salt,
-            source=KVSource(self.instance_id, self.rank_addresses, prompt_blocks, self.layout),
+            source=KVSource(
+                self.instance_id, self.rank_addresses, prompt_blocks, self.layout, self.epoch
+            ),
         )
 
     def abort(self, request_id: str) -> None:

@@ -59,13 +59,15 @@ class PrefillRole:
         link: KVLink,
         send_to_instance: SendToInstance,
         flush: Callable[[list[RequestDelta]], None],
+        epoch: int = 0,
     ) -> None:
         """`send_to_instance`: a message to another instance's task socket (the handoff);
-        `flush(deltas)`: an output to the gateway now (first tokens before handoffs)."""
+        `flush(deltas)`: an output to the gateway now (first tokens before handoffs);
+        `epoch`: this instance's, carried by every handoff."""
         self.instance_id = instance_id
         self.engine = engine
         self.link = link
-        self.kv = PrefillKVScheduler(instance_id, link.layout, link.rank_addresses)
+        self.kv = PrefillKVScheduler(instance_id, link.layout, link.rank_addresses, epoch)
         self._send_to_instance = send_to_instance
         self._flush = flush
         # Requests still to hand off once their first token is out, and to whom.

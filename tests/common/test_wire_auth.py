@@ -1,8 +1,7 @@
-"""The deployment secret and the MAC every frame carries (common/wire_auth.py)."""
+"""The deployment secret and the keys derived from it (common/wire_auth.py)."""
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -11,34 +10,22 @@ import pytest
 from pdserve.common.wire_auth import (
     SECRET_ENV,
     SECRET_FILE_ENV,
-    TAG_BYTES,
-    Sealer,
     SecretError,
     deployment_secret,
     ensure_secret,
+    frame_key,
+    rendezvous_prefix,
+    salt_key,
 )
 
 
-def test_a_sealed_frame_opens_and_any_change_is_refused(caplog) -> None:
-    sealer = Sealer(b"s3cret", name="i-0")
-    frame = sealer.seal(b"payload")
-    assert len(frame) == TAG_BYTES + len(b"payload")
-    assert sealer.open(frame) == b"payload"
-    flipped = frame[:-1] + bytes([frame[-1] ^ 1])
-    with caplog.at_level(logging.WARNING):
-        assert sealer.open(flipped, "tcp://10.0.0.9") is None
-        assert sealer.open(b"payload") is None  # no MAC at all
-        assert Sealer(b"other").open(frame) is None  # another deployment's
-    assert sealer.refused == 2
-    assert "i-0: refused a message from tcp://10.0.0.9" in caplog.text
-
-
-def test_multipart_tags_bind_each_part_and_its_length() -> None:
-    sealer = Sealer(b"k")
-    tag = sealer.tag_parts(b"topic", b"body")
-    assert sealer.check_parts(tag, b"topic", b"body")
-    assert not sealer.check_parts(tag, b"topi", b"cbody")  # same bytes, other split
-    assert not sealer.check_parts(tag[:-1], b"topic", b"body")
+def test_each_purpose_gets_a_key_of_its_own() -> None:
+    """Frames, cache salts and rendezvous keys never share a key, nor use the secret."""
+    keys = {frame_key(b"s"), salt_key(b"s"), b"s"}
+    assert len(keys) == 3 and all(len(k) == 32 for k in keys - {b"s"})
+    assert frame_key(b"s") == frame_key(b"s") != frame_key(b"t")
+    assert rendezvous_prefix(b"s", "10.0.0.1:5") != rendezvous_prefix(b"s", "10.0.0.1:6")
+    assert rendezvous_prefix(b"s", "h:1") != rendezvous_prefix(b"t", "h:1")
 
 
 def test_the_secret_comes_from_the_environment_or_a_private_file(

@@ -1,8 +1,10 @@
-"""The decode role's book of handoffs voided before they arrived."""
+"""The decode role's books of late handoffs: voided before they arrived, or from a
+retired epoch of their prefill instance."""
 
 from __future__ import annotations
 
-from pdserve.decode.pending import VoidedHandoffs
+from pdserve.common.frame_drops import DROPS, STALE_EPOCH
+from pdserve.decode.pending import SourceEpochs, VoidedHandoffs
 
 
 def test_a_voided_handoff_is_dropped_once_and_only_from_its_prefill_instance() -> None:
@@ -22,3 +24,15 @@ def test_voided_entries_age_out_and_stay_bounded() -> None:
         voided.add(name, "p", now=21.0)
     assert len(voided) == 3 and not voided.consume("a", "p", now=21.0)  # the oldest went
     assert not voided.consume("d", "p", now=40.0)  # expired
+
+
+def test_a_handoff_from_a_retired_epoch_is_dropped_and_counted() -> None:
+    epochs = SourceEpochs(limit=2)
+    before = DROPS.totals().get(("tasks", STALE_EPOCH), 0)
+    assert epochs.admit("prefill-0", 0)
+    assert epochs.admit("prefill-0", 1)  # its replacement
+    assert not epochs.admit("prefill-0", 0)  # the fenced one, still talking
+    assert epochs.admit("prefill-0", 1) and epochs.admit("prefill-1", 0)
+    assert DROPS.totals()[("tasks", STALE_EPOCH)] == before + 1
+    epochs.admit("prefill-2", 0)  # bounded: the longest silent source is forgotten
+    assert epochs.admit("prefill-0", 0)

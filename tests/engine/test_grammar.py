@@ -4,6 +4,7 @@ compiles, the rank's grammar book (masks, replay, cache, errors) and the offline
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import Future
 
 import jsonschema
@@ -83,6 +84,19 @@ def test_an_aborted_request_leaves_the_gate() -> None:
     gate = GrammarGate(lambda spec: Future(), timeout_s=5.0)
     gate.admit(_request("a", CHOICE), lambda: pytest.fail("must not enter"))
     assert gate.abort("a") and not gate.abort("a") and gate.poll() == []
+
+
+def test_a_rank_waits_a_bounded_time_for_a_grammar_it_needs(monkeypatch) -> None:
+    """A rank's copy of a grammar that never compiles fails the step at the deadline
+    instead of holding the rank (and its group) forever."""
+    stuck = GrammarBook(str(embedded_model_path()), 49152, [0], compile_timeout_s=0.2)
+    monkeypatch.setattr(stuck, "prepare", lambda spec: Future())
+    started = time.monotonic()
+    with pytest.raises(GrammarError, match="did not compile on this rank within 0.2 s"):
+        stuck.start("r", CHOICE, [])
+    assert time.monotonic() - started < 5
+    assert "r" not in stuck.matchers
+    stuck.shutdown()
 
 
 @pytest.fixture(scope="module")

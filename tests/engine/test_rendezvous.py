@@ -1,18 +1,63 @@
-"""A worker group's rendezvous store holds its port from the moment the driver makes it:
-no window in which another socket can take the port before rank 0 binds it."""
+"""A worker group's rendezvous (engine/rendezvous.py): the store holds its port from the
+moment the driver makes it, listens on the group's interface only, and keeps every key
+the group uses behind a prefix only holders of the deployment secret can name."""
 
 from __future__ import annotations
 
+import os
 import socket
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
-from pdserve.engine.pipeline import Rendezvous
+from pdserve.engine.rendezvous import Rendezvous, bind_collectives, interface_of, join_store
 
 
-def test_the_rendezvous_holds_its_port_from_the_start() -> None:
+def outside_address() -> str | None:
+    """An address of this machine that is not loopback (None when it has none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # no packet leaves: only a route is picked
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+def test_the_rendezvous_holds_its_port_from_the_start_on_its_interface_only() -> None:
     rendezvous = Rendezvous("127.0.0.1", timeout_s=5.0)
     host, port = rendezvous.address.rsplit(":", 1)
     assert host == "127.0.0.1" and int(port) > 0
     with socket.socket() as other, pytest.raises(OSError):
         other.bind(("127.0.0.1", int(port)))
+    outside = outside_address()
+    if outside is not None:  # the same port on the node's address: nobody listens
+        with socket.socket() as stranger, pytest.raises(ConnectionRefusedError):
+            stranger.settimeout(2)
+            stranger.connect((outside, int(port)))
+
+
+def test_a_peer_without_the_secret_names_no_key_of_the_group() -> None:
+    rendezvous = Rendezvous("127.0.0.1", timeout_s=5.0)
+    rank = join_store(rendezvous.address, timeout_s=5.0)
+    rank.set("gloo/rank0", b"10.0.0.1:4242")
+    host, port = rendezvous.address.rsplit(":", 1)
+    stranger = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+    assert not stranger.check(["gloo/rank0"])  # the key a peer without the prefix would ask
+    stranger.set("gloo/rank0", b"the stranger's address")  # planted beside, never read
+    assert rank.get("gloo/rank0") == b"10.0.0.1:4242"
+    other = join_store(rendezvous.address, timeout_s=5.0)  # another rank: same prefix
+    assert other.get("gloo/rank0") == b"10.0.0.1:4242"
+
+
+def test_collectives_bind_the_interface_of_the_groups_address(monkeypatch) -> None:
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the operator's choice stays
+    loopback = interface_of("127.0.0.1")
+    assert bind_collectives("127.0.0.1") == loopback
+
+    assert os.environ["GLOO_SOCKET_IFNAME"] == loopback
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
+    with pytest.raises(OSError, match="no network interface holds"):
+        interface_of("192.0.2.77")

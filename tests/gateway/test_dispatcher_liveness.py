@@ -16,6 +16,7 @@ import msgspec
 import pytest
 import zmq
 
+from pdserve.common.frame_seal import OUTPUTS, TASKS, Sealer
 from pdserve.common.messages import (
     AbortTask,
     GenerateTask,
@@ -28,7 +29,6 @@ from pdserve.common.messages import (
     Task,
 )
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.common.wire_auth import Sealer
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.gateway.dispatcher import Dispatcher
 from pdserve.gateway.generation import GenerationFailed, GenerationRun
@@ -43,7 +43,6 @@ from pdserve.gateway.request_stream import StreamEvent
 from pdserve.text.tokenizer import Tokenizer
 
 TIMEOUT_S = 0.3  # the dispatcher checks every 0.5 s: death is noticed within ~1 s
-SEAL = Sealer(name="test")  # this process's secret, which the dispatcher uses too
 
 
 class ScriptedInstance:
@@ -70,20 +69,23 @@ class ScriptedInstance:
             max_num_seqs=8,
         )
         self.epoch = 0
+        # Its ends of the channels, under this process's secret (the dispatcher's too).
+        self.seal = Sealer(OUTPUTS, instance_id)
+        self.opener = Sealer(TASKS, instance_id, responder=True)
         self._decoder = msgspec.msgpack.Decoder(Task)
 
     def say(self, *deltas: RequestDelta, running: int = 0) -> None:
         output = InstanceOutput(
             self.address, list(deltas), epoch=self.epoch, stats=InstanceStats(num_running=running)
         )
-        self.outputs.send(SEAL.seal(msgspec.msgpack.encode(output)))
+        self.outputs.send(self.seal.seal(msgspec.msgpack.encode(output)))
 
     async def next_task(self, kind: type, timeout_s: float = 5.0):
         """The next task of `kind` (others are skipped); heartbeats meanwhile."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while asyncio.get_running_loop().time() < deadline:
             if self.tasks.poll(0):
-                task = self._decoder.decode(SEAL.open(self.tasks.recv()))
+                task = self._decoder.decode(self.opener.open(self.tasks.recv()).payload)
                 if isinstance(task, kind):
                     return task
             else:

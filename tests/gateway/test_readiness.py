@@ -16,8 +16,8 @@ import pytest
 import zmq
 from starlette.testclient import TestClient
 
+from pdserve.common.frame_seal import OUTPUTS, Sealer
 from pdserve.common.messages import InstanceAddress, InstanceInfo, InstanceOutput, InstanceStats
-from pdserve.common.wire_auth import Sealer
 from pdserve.engine.embedded import embedded_model_path
 from pdserve.gateway.app import create_app
 from pdserve.gateway.gateway import Gateway, GatewayConfig
@@ -112,7 +112,7 @@ def test_a_decode_instance_that_keeps_recomputing_serves_but_says_so() -> None:
     context = zmq.Context()
     outputs = context.socket(zmq.PUSH)
     outputs.connect(gateway.output_address)
-    seal = Sealer(name="test")  # this process's secret, which the gateway's too
+    seal = Sealer(OUTPUTS, "decode-0")  # this process's secret, which the gateway's too
 
     def say(recent: int, recomputed: int, failure: str) -> None:
         stats = InstanceStats(

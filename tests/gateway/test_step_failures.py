@@ -22,7 +22,7 @@ from pdserve.gateway.request_stream import StreamEvent
 from pdserve.gateway.routing import RouteRequest
 from pdserve.gateway.step_failures import next_move
 from tests.gateway.instances import instance_info
-from tests.gateway.test_dispatcher_liveness import SEAL, ScriptedInstance, run, task, until
+from tests.gateway.test_dispatcher_liveness import ScriptedInstance, run, task, until
 
 
 def failed(request_id: str, kind: str = STEP_SUSPECT) -> RequestDelta:
@@ -113,7 +113,7 @@ async def unhealthy_fenced(dispatcher: Dispatcher, context: zmq.Context) -> None
         await c0.next_task(GenerateTask)
         dispatcher.register(c1.info)
         output = InstanceOutput(c0.address, epoch=0, unhealthy="its last 3 steps failed")
-        c0.outputs.send(SEAL.seal(msgspec.msgpack.encode(output)))
+        c0.outputs.send(c0.seal.seal(msgspec.msgpack.encode(output)))
         await until(lambda: fenced == ["c0"], 5, "c0 to be fenced", keep_alive=[c1])
         assert not dispatcher.scheduler.views["c0"].alive
         moved = await c1.next_task(GenerateTask)

@@ -10,6 +10,7 @@ import logging
 
 import pytest
 
+from pdserve.common.wire_auth import salt_key
 from pdserve.gateway.tenants import TenantEntry, tenant_cache_salt
 from tests.gateway.tenant_fakes import ADMIN, completion, key, keys_file, tenant_gateway
 
@@ -146,8 +147,8 @@ def test_the_cache_salt_is_bound_to_the_tenant() -> None:
     alice, alice_again, bob, alice_salted, bob_salted = run(salts(deployment_secret=secret))
     assert alice == alice_again  # one tenant, any of its keys: its own cache is shared
     assert len({alice, bob, alice_salted, bob_salted}) == 4  # a salt narrows, never widens
-    assert alice == tenant_cache_salt(secret, "alice", None) and "alice" not in alice
-    assert bob_salted == tenant_cache_salt(secret, "bob", "mine") != "mine"
+    assert alice == tenant_cache_salt(salt_key(secret), "alice", None) and "alice" not in alice
+    assert bob_salted == tenant_cache_salt(salt_key(secret), "bob", "mine") != "mine"
     assert run(salts(deployment_secret=secret))[0] == alice  # the same secret, the same salt
     assert run(salts())[0] != alice  # without one, a random secret per gateway
 

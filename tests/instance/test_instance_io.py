@@ -11,6 +11,8 @@ import msgspec
 import pytest
 import zmq
 
+from pdserve.common import frame_seal
+from pdserve.common.frame_seal import Channel, Sealer
 from pdserve.common.messages import (
     AbortTask,
     GenerateTask,
@@ -20,12 +22,15 @@ from pdserve.common.messages import (
     Task,
 )
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.common.wire_auth import Sealer
 from pdserve.instance.io import InstanceIO
 
 ENCODER = msgspec.msgpack.Encoder()
 OUTPUTS = msgspec.msgpack.Decoder(InstanceOutput)
-SEAL = Sealer(name="test")  # the secret of this process, which the instance uses too
+# The gateway's ends and a peer's, under this process's secret (the instance's too).
+SEAL = Sealer(frame_seal.TASKS, "gateway")
+OUTPUT_OPEN = Sealer(frame_seal.OUTPUTS, "gateway", responder=True)
+EVENT_OPEN = Sealer(frame_seal.EVENTS, "gateway", responder=True)
+PEER_OPEN = Sealer(frame_seal.TASKS, "peer", responder=True)
 
 
 class Ping(msgspec.Struct, tag="ping"):
@@ -55,7 +60,7 @@ def io(gateway) -> Iterator[InstanceIO]:
 
 def receive(pull: zmq.Socket, timeout_s: float = 5.0) -> InstanceOutput:
     assert pull.poll(int(timeout_s * 1000)), "nothing arrived"
-    return OUTPUTS.decode(SEAL.open(pull.recv()))
+    return OUTPUTS.decode(OUTPUT_OPEN.open(pull.recv()).payload)
 
 
 def take(io: InstanceIO, count: int, timeout_s: float = 5.0) -> list:
@@ -107,9 +112,11 @@ def test_block_events_carry_the_instance_as_topic_and_peers_get_tasks(io) -> Non
     assert sub.poll(5000)
     topic, tag, payload = sub.recv_multipart()
     assert (topic, payload) == (b"i-0", b"batch-bytes")
-    assert SEAL.check_parts(tag, topic, payload)
+    assert EVENT_OPEN.open_parts(tag, topic, payload, sender="i-0") == "i-0"
     assert peer.poll(5000)
-    assert msgspec.msgpack.decode(SEAL.open(peer.recv()), type=Task) == AbortTask(["x"])
+    assert msgspec.msgpack.decode(PEER_OPEN.open(peer.recv()).payload, type=Task) == AbortTask(
+        ["x"]
+    )
     sub.close(linger=0)
     peer.close(linger=0)
 
@@ -127,8 +134,9 @@ def test_close_frees_the_ports(gateway) -> None:
 
 
 def test_an_oversized_frame_is_never_buffered(gateway, monkeypatch) -> None:
-    """ZMQ drops a peer whose frame passes the limit before the frame is kept."""
-    monkeypatch.setattr("pdserve.instance.io.MAX_FRAME_BYTES", 1024)
+    """A frame over the channel's limit is dropped before it is hashed (ZMQ drops a
+    peer far over it before the frame is kept)."""
+    monkeypatch.setattr("pdserve.instance.io.TASKS", Channel("tasks", 1024))
     instance = InstanceIO("i-2", "colocated", gateway[1], heartbeat_interval_s=0.2)
     instance.start()
     context = zmq.Context.instance()
@@ -142,4 +150,30 @@ def test_an_oversized_frame_is_never_buffered(gateway, monkeypatch) -> None:
     finally:
         big.close(linger=0)
         small.close(linger=0)
+        instance.close()
+
+
+def test_a_peers_socket_is_closed_once_idle(gateway, monkeypatch) -> None:
+    """One PUSH per decode address: a peer that left (restarts bring new ports) leaves
+    none behind; a peer sent to again gets a fresh one."""
+    monkeypatch.setattr("pdserve.instance.io.PEER_IDLE_S", 0.3)
+    instance = InstanceIO("i-3", "prefill", gateway[1], heartbeat_interval_s=0.1)
+    instance.start()
+    peer = zmq.Context.instance().socket(zmq.PULL)
+    address = f"tcp://127.0.0.1:{peer.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        instance.send_to_peer(address, ENCODER.encode(AbortTask(["a"])))
+        assert peer.poll(5000) and PEER_OPEN.open(peer.recv()) is not None
+        deadline = time.monotonic() + 5
+        while instance._peer_sockets and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert instance._peer_sockets == {}
+        instance.send_to_peer(address, ENCODER.encode(AbortTask(["b"])))
+        assert peer.poll(5000)
+        opened = PEER_OPEN.open(peer.recv())
+        assert opened is not None and msgspec.msgpack.decode(
+            opened.payload, type=Task
+        ) == AbortTask(["b"])
+    finally:
+        peer.close(linger=0)
         instance.close()

@@ -13,6 +13,7 @@ import msgspec
 import pytest
 import zmq
 
+from pdserve.common.frame_seal import OUTPUTS, TASKS, Sealer
 from pdserve.common.messages import (
     AbortTask,
     GenerateTask,
@@ -23,7 +24,6 @@ from pdserve.common.messages import (
     RequestDelta,
 )
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.common.wire_auth import Sealer
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.step_plan import KVGeometry, SampledToken, StepPlan, StepResult, WorkerInfo
 from pdserve.instance.loop import StepLoop
@@ -34,6 +34,10 @@ from pdserve.kvtransfer.connector import RankReport
 VOCAB = 1000
 ENCODER = msgspec.msgpack.Encoder()
 PLANS = msgspec.msgpack.Decoder(StepPlan)
+# The gateway's ends and a decode peer's, under this process's secret (the instances').
+TASK_SEAL = Sealer(TASKS, "gateway")
+OUTPUT_OPEN = Sealer(OUTPUTS, "gateway", responder=True)
+PEER_OPEN = Sealer(TASKS, "peer", responder=True)
 
 
 class FakeExecutor:
@@ -117,7 +121,7 @@ class Harness:
         self.loop_turns = 0
 
     def send(self, task: Any) -> None:
-        self.tasks.send(Sealer().seal(ENCODER.encode(task)))
+        self.tasks.send(TASK_SEAL.seal(ENCODER.encode(task)))
 
     def turn(self, count: int = 1) -> None:
         for _ in range(count):
@@ -127,7 +131,7 @@ class Harness:
     def collect(self) -> None:
         decoder = msgspec.msgpack.Decoder(InstanceOutput)
         while self.outputs.poll(50):
-            output = decoder.decode(Sealer().open(self.outputs.recv()))
+            output = decoder.decode(OUTPUT_OPEN.open(self.outputs.recv()).payload)
             self.epoch, self.loop_turns = output.epoch, output.loop_turns
             self.unhealthy = output.unhealthy
             self.deltas.extend(output.deltas)
@@ -239,7 +243,9 @@ def test_a_prefill_role_announces_the_hold_before_the_handoff_leaves() -> None:
         harness.send(generate("p", prompt, max_tokens=8, target=harness.peer_address))
         harness.until(lambda: harness.peer.poll(0), "handoff")
         arrived = time.monotonic()
-        handoff = msgspec.msgpack.decode(Sealer().open(harness.peer.recv()), type=KVHandoff)
+        handoff = msgspec.msgpack.decode(
+            PEER_OPEN.open(harness.peer.recv()).payload, type=KVHandoff
+        )
         assert handoff.first_token_id == 29 and handoff.sampling_params.seed == 1
         assert harness.tokens("p") == [29]  # the first token went to the gateway too
         holds = [

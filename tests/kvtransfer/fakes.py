@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from pdserve.common.wire_auth import Sealer
+from pdserve.common.frame_seal import KV_CONTROL, Sealer
 from pdserve.kvtransfer.messages import (
     ControlMessage,
     Hello,
@@ -73,7 +73,7 @@ class FakePrefill:
         self.address = f"tcp://127.0.0.1:{port}"
         self.hellos: list[Hello] = []
         self.received: list[ControlMessage] = []
-        self.sealer = Sealer(name="fake-p")  # the real peers' secret (this process's)
+        self.sealer = Sealer(KV_CONTROL, "fake-p", responder=True)  # this process's secret
 
     def serve(self, duration: float) -> None:
         end = time.monotonic() + duration
@@ -81,7 +81,7 @@ class FakePrefill:
             if not self.socket.poll(10):
                 continue
             identity, frame = self.socket.recv_multipart()
-            message = decode_control(self.sealer.open(frame))
+            message = decode_control(self.sealer.open(frame).payload)
             self.received.append(message)
             if isinstance(message, Hello):
                 self.hellos.append(message)
@@ -108,7 +108,7 @@ class FakeDecode:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.IDENTITY, b"fake-d")
         self.socket.connect(address)
-        self.sealer = Sealer(name="fake-d")
+        self.sealer = Sealer(KV_CONTROL, "fake-d")  # its routing identity
 
     def send(self, message: ControlMessage) -> None:
         self.socket.send(self.sealer.seal(encode_control(message)))
@@ -122,7 +122,7 @@ class FakeDecode:
     def receive(self, timeout: float) -> ControlMessage:
         if not self.socket.poll(int(timeout * 1000)):
             raise TimeoutError("no message from the prefill side")
-        return decode_control(self.sealer.open(self.socket.recv()))
+        return decode_control(self.sealer.open(self.socket.recv()).payload)
 
     def close(self) -> None:
         self.socket.close(linger=0)

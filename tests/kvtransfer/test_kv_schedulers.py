@@ -58,6 +58,13 @@ def test_hand_off_holds_the_prompt_blocks_and_builds_the_message():
         p.hand_off(_request("r2"), [1, 2], 5)
 
 
+def test_a_handoff_carries_its_prefill_instances_epoch():
+    p = PrefillKVScheduler("p0", LAYOUT, ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], epoch=3)
+    handoff = p.hand_off(_request(), [9, 3, 4], 55)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(handoff), type=KVHandoff).source.epoch == 3
+    assert _prefill().hand_off(_request(), [9, 3, 4], 55).source.epoch == 0
+
+
 def test_prefill_update_releases_each_request_once():
     p = _prefill()
     for rid in ("a", "b", "c"):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pdserve.common.wire_auth import Sealer
+from pdserve.common.frame_seal import KV_CONTROL, Sealer
 from pdserve.kvtransfer.messages import Heartbeat, HoldSpec, KVConnectorMetadata, Pull
 from tests.kvtransfer.fakes import FakeDecode, FakeUcx
 from tests.kvtransfer.test_worker import LAYOUT, _run, collect, make_worker  # noqa: F401
@@ -19,10 +19,10 @@ def test_a_stranger_cannot_handshake_pull_or_keep_a_lease(make_worker, caplog) -
     p, _ = make_worker("p", seed=1)
     p.apply(KVConnectorMetadata(holds=[HoldSpec("a", [0, 1])]))
     stranger = FakeDecode(LAYOUT, p.control_address, FakeUcx())
-    stranger.sealer = Sealer(b"not the deployment's secret")
+    stranger.sealer = Sealer(KV_CONTROL, "fake-d", secret=b"not the deployment's secret")
     held_at = time.monotonic()
     try:
-        with caplog.at_level(logging.WARNING, logger="pdserve.common.wire_auth"):
+        with caplog.at_level(logging.WARNING, logger="pdserve.common.frame_seal"):
             with pytest.raises(TimeoutError):
                 stranger.handshake(timeout=0.5)
             stranger.send(Pull("a", 1, 0, 2, [_run(0, 2, tag=100)]))
@@ -36,6 +36,6 @@ def test_a_stranger_cannot_handshake_pull_or_keep_a_lease(make_worker, caplog) -
         assert time.monotonic() - held_at < 3.0
         stats = p.stats()
         assert stats.bytes_total == 0 and stats.transfers_total == 0 and stats.in_flight == 0
-        assert "refused a message from KV peer" in caplog.text
+        assert "dropped a kv_control frame from KV peer" in caplog.text
     finally:
         stranger.close()

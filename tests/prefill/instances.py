@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from pdserve.common.frame_seal import OUTPUTS, TASKS, Sealer
 from pdserve.common.messages import (
     GenerateTask,
     InspectTask,
@@ -27,7 +28,6 @@ from pdserve.common.messages import (
     RequestDelta,
 )
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.common.wire_auth import Sealer
 from pdserve.engine.config import EngineConfig
 from pdserve.instance.loop import StepLoop
 from pdserve.instance.spec import InstanceSpec
@@ -36,7 +36,8 @@ from pdserve.kvtransfer.config import KVTransferConfig
 # 24 MiB hold 34 blocks of 16 fp32 tokens: max_model_len must fit in them (512 <= 544).
 ENGINE = {"dtype": "float32", "num_threads": 1, "kv_cache_memory": 24 << 20, "max_model_len": 512}
 ENCODER = msgspec.msgpack.Encoder()
-SEALER = Sealer(name="test gateway")  # the instances' secret: this process's
+SEALER = Sealer(TASKS, "gateway")  # the instances' secret: this process's
+OPENER = Sealer(OUTPUTS, "gateway", responder=True)
 
 
 @dataclass
@@ -72,7 +73,7 @@ class Gateway:
         while not self._stop.is_set():
             if not self._pull.poll(50):
                 continue
-            output = decoder.decode(SEALER.open(self._pull.recv()))
+            output = decoder.decode(OPENER.open(self._pull.recv()).payload)
             now = time.monotonic()
             instance = output.instance.instance_id
             with self._lock:

@@ -11,9 +11,9 @@ import msgspec
 import pytest
 import zmq
 
+from pdserve.common.frame_seal import TASKS, Sealer
 from pdserve.common.messages import AbortTask, GenerateTask, InstanceAddress
 from pdserve.common.sampling_params import SamplingParams
-from pdserve.common.wire_auth import Sealer
 from pdserve.instance.loop import StepLoop
 from pdserve.kvtransfer import KVHandoff
 from tests.prefill.instances import Gateway, Running, reference_tokens, spec, until
@@ -33,11 +33,12 @@ class SilentDecode:
         port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         self.address = InstanceAddress("silent-decode", "decode", f"tcp://127.0.0.1:{port}")
         self.decoder = msgspec.msgpack.Decoder(KVHandoff)
+        self.opener = Sealer(TASKS, "silent-decode", responder=True)
 
     def receive(self, timeout_s: float = 10.0) -> KVHandoff | None:
         if not self.socket.poll(int(timeout_s * 1000)):
             return None
-        return self.decoder.decode(Sealer().open(self.socket.recv()))
+        return self.decoder.decode(self.opener.open(self.socket.recv()).payload)
 
 
 @pytest.fixture(scope="module")

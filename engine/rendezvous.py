@@ -1,0 +1,86 @@
+"""A worker group's rendezvous: its store and collectives on its interface, keys behind the secret.
+
+The driver serves the group's torch.distributed store (`Rendezvous`) on a socket it
+binds itself on the group's interface (loopback when every rank shares its node) at a
+port the system picks, handed to the store as a listening descriptor, so the store
+never listens on another interface and no port is found free and bound later. The
+store has no authentication of its own, so every rank reads and writes it through a
+`PrefixStore` whose prefix is derived from the deployment secret and the store's
+address (`common/wire_auth.py:rendezvous_prefix`): a peer without the secret can name
+no key the group uses, so it can neither read gloo's or NCCL's addresses nor plant
+its own. Each rank points gloo (`GLOO_SOCKET_IFNAME`) and NCCL's sockets
+(`NCCL_SOCKET_IFNAME`) at the interface that holds the store's host before it joins,
+unless the operator named one. What stays unauthenticated (gloo's and NCCL's data
+connections, the store's port to anyone who reaches the interface) is in
+`docs/security.md`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import struct
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from pdserve.common.wire_auth import deployment_secret, ensure_secret, rendezvous_prefix
+
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+_BACKLOG = 128
+
+
+class Rendezvous:
+    """The group's store, served by the driver on `host` only."""
+
+    def __init__(self, host: str, timeout_s: float) -> None:
+        # The ranks derive the keys' prefix from the secret: one made here (when the
+        # environment has none) is inherited by the ranks started after this.
+        ensure_secret()
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind((host, 0))
+        listener.listen(_BACKLOG)
+        port = listener.getsockname()[1]
+        self._listener = listener  # open while the store serves on it
+        self._store = dist.TCPStore(
+            host,
+            port,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+        )
+        self.address = f"{host}:{port}"
+
+
+def join_store(master: str, timeout_s: float) -> dist.Store:
+    """A rank's view of the group's store at `master` (host:port): every key behind the
+    prefix only holders of the deployment secret can name."""
+    host, port = master.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(rendezvous_prefix(deployment_secret(), master), store)
+
+
+def bind_collectives(host: str) -> str:
+    """Points gloo and NCCL's sockets at the interface holding `host` (unless the
+    operator set them); returns the interface's name."""
+    name = interface_of(host)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+    return name
+
+
+def interface_of(host: str) -> str:
+    """The name of the network interface whose IPv4 address is `host`."""
+    address = socket.inet_aton(socket.gethostbyname(host))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
+            except OSError:  # no IPv4 address on it
+                continue
+            if answer[20:24] == address:
+                return name
+    raise OSError(f"no network interface holds {host}")
