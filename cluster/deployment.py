@@ -28,6 +28,7 @@ from pdserve.common.model_split import (
     check_pp_size,
     check_tp_size,
 )
+from pdserve.engine.checkpoint import CheckpointError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.embedded import MODEL_NAME
 from pdserve.engine.model_source import ModelNotFound
@@ -198,8 +199,9 @@ def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> d
     }
     if set(sizes.values()) == {1} and args.pipeline_parallel_size == 1:
         return sizes
-    from pdserve.engine.checkpoint import CheckpointError, load_model_config
+    from pdserve.engine.checkpoint import load_model_config
     from pdserve.engine.embedded import embedded_model_path
+    from pdserve.engine.gguf_prepare import check_tp_blocks
 
     try:
         mc = load_model_config(model_path or embedded_model_path())
@@ -221,6 +223,10 @@ def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> d
                 else f"--{role}-tensor-parallel-size"
             )
             raise ServeError(f"{flag}: {exc}") from None
+        try:  # a GGUF's row-parallel matrices split on whole blocks
+            check_tp_blocks(model_path or embedded_model_path(), size)
+        except CheckpointError as exc:
+            raise ServeError(str(exc)) from None
     return sizes
 
 
@@ -317,7 +323,7 @@ def local_model(args: argparse.Namespace) -> str | None:
         return None
     try:
         return str(resolve_model_source(args.model, args.revision, args.download_dir))
-    except ModelNotFound as exc:
+    except (ModelNotFound, CheckpointError) as exc:  # a GGUF file is checked here
         raise ServeError(f"--model {exc}") from None
 
 
