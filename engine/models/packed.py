@@ -36,12 +36,14 @@ class PackedMatrix(nn.Module):
         for i, (weight, qtype) in enumerate(merged):
             self.register_parameter(f"segment{i}", nn.Parameter(weight, requires_grad=False))
             self.qtypes.append(qtype)
+        # Looked up once: a decode step makes ~120 of these calls.
+        self._segments = [(getattr(self, f"segment{i}"), q) for i, q in enumerate(self.qtypes)]
 
     def segments(self) -> list[tuple[Tensor, int]]:
-        return [(getattr(self, f"segment{i}"), q) for i, q in enumerate(self.qtypes)]
+        return list(self._segments)
 
     def forward(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        parts = [linear(x, w) if q == PLAIN else linear_gguf(x, w, q) for w, q in self.segments()]
+        parts = [linear(x, w) if q == PLAIN else linear_gguf(x, w, q) for w, q in self._segments]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return y if bias is None else y + bias
 
@@ -55,7 +57,7 @@ def project(
     """x @ weight.T (+ bias): a matrix of GGUF blocks, an int8 one with its per-row scales
     or a float one."""
     if isinstance(weight, PackedMatrix):
-        return weight(x, bias)
+        return weight.forward(x, bias)  # no module hooks on this path: skip their cost
     return int8.project(x, weight, bias, scales)
 
 
