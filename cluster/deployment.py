@@ -31,6 +31,7 @@ from pdserve.common.model_split import (
 from pdserve.engine.checkpoint import CheckpointError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.embedded import MODEL_NAME
+from pdserve.engine.gguf_prepare import gguf_source
 from pdserve.engine.model_source import ModelNotFound
 from pdserve.engine.model_source import resolve_model as resolve_model_source
 from pdserve.gateway.global_scheduler import GlobalSchedulerConfig
@@ -107,6 +108,8 @@ class Deployment:
         ranks = {role: tp * args.pipeline_parallel_size for role, tp in tensor_parallel.items()}
         try:
             device = resolve_device(args.device, gpus)
+            if device == "cuda" and model_path is not None and gguf_source(model_path):
+                raise ServeError(f"{args.model}: GGUF weights are served on CPU, not on cuda")
             if device == "cuda":
                 instances = place_on_gpus(instances, gpus, args.gpu_memory_utilization, ranks)
         except PlacementError as exc:
@@ -322,9 +325,16 @@ def local_model(args: argparse.Namespace) -> str | None:
     if args.model is None:
         return None
     try:
-        return str(resolve_model_source(args.model, args.revision, args.download_dir))
-    except (ModelNotFound, CheckpointError) as exc:  # a GGUF file is checked here
+        folder = resolve_model_source(args.model, args.revision, args.download_dir)
+        source = gguf_source(folder)  # a GGUF file is checked here
+    except (ModelNotFound, CheckpointError) as exc:
         raise ServeError(f"--model {exc}") from None
+    if source is not None and args.quantization is not None:
+        raise ServeError(
+            f"--quantization {args.quantization} applies to 16/32-bit checkpoints; "
+            f"{args.model} is served in its own GGUF blocks"
+        )
+    return str(folder)
 
 
 def _real(path: str) -> str:

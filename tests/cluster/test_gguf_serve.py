@@ -42,3 +42,13 @@ def test_an_unserved_type_is_refused_before_anything_starts(tmp_path: Path) -> N
     message = str(refused.value)
     assert "tensor 'blk.0.attn_k.weight' is Q5_1, which pdserve does not serve" in message
     assert message.startswith("--model ") and "\n" not in message
+
+
+def test_quantization_and_cuda_are_refused_for_a_gguf_file(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", GGMLQuantizationType.Q8_0)
+    with pytest.raises(ServeError, match="--quantization int8 applies to 16/32-bit checkpoints"):
+        plan_of(str(path), "--quantization", "int8")
+    with pytest.raises(ServeError, match="GGUF weights are served on CPU, not on cuda"):
+        Deployment.from_args(
+            build_parser().parse_args(["serve", str(path)]), cores=[0, 1], gpus=["0"]
+        )
