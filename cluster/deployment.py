@@ -29,8 +29,10 @@ from pdserve.common.model_split import (
     check_pp_size,
     check_tp_size,
 )
+from pdserve.engine.checkpoint import CheckpointError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.embedded import MODEL_NAME
+from pdserve.engine.gguf_prepare import gguf_source
 from pdserve.engine.model_source import ModelNotFound
 from pdserve.engine.model_source import resolve_model as resolve_model_source
 from pdserve.gateway.global_scheduler import GlobalSchedulerConfig
@@ -107,6 +109,8 @@ class Deployment:
         ranks = {role: tp * args.pipeline_parallel_size for role, tp in tensor_parallel.items()}
         try:
             device = resolve_device(args.device, gpus)
+            if device == "cuda" and model_path is not None and gguf_source(model_path):
+                raise ServeError(f"{args.model}: GGUF weights are served on CPU, not on cuda")
             if device == "cuda":
                 instances = place_on_gpus(instances, gpus, args.gpu_memory_utilization, ranks)
         except PlacementError as exc:
@@ -199,8 +203,9 @@ def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> d
     }
     if set(sizes.values()) == {1} and args.pipeline_parallel_size == 1:
         return sizes
-    from pdserve.engine.checkpoint import CheckpointError, load_model_config
+    from pdserve.engine.checkpoint import load_model_config
     from pdserve.engine.embedded import embedded_model_path
+    from pdserve.engine.gguf_prepare import check_tp_blocks
 
     try:
         mc = load_model_config(model_path or embedded_model_path())
@@ -222,6 +227,10 @@ def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> d
                 else f"--{role}-tensor-parallel-size"
             )
             raise ServeError(f"{flag}: {exc}") from None
+        try:  # a GGUF's row-parallel matrices split on whole blocks
+            check_tp_blocks(model_path or embedded_model_path(), size)
+        except CheckpointError as exc:
+            raise ServeError(str(exc)) from None
     return sizes
 
 
@@ -317,9 +326,16 @@ def local_model(args: argparse.Namespace) -> str | None:
     if args.model is None:
         return None
     try:
-        return str(resolve_model_source(args.model, args.revision, args.download_dir))
-    except ModelNotFound as exc:
+        folder = resolve_model_source(args.model, args.revision, args.download_dir)
+        source = gguf_source(folder)  # a GGUF file is checked here
+    except (ModelNotFound, CheckpointError) as exc:
         raise ServeError(f"--model {exc}") from None
+    if source is not None and args.quantization is not None:
+        raise ServeError(
+            f"--quantization {args.quantization} applies to 16/32-bit checkpoints; "
+            f"{args.model} is served in its own GGUF blocks"
+        )
+    return str(folder)
 
 
 def _real(path: str) -> str:

@@ -17,10 +17,14 @@ Also here: the model definitions (`models/`), checkpoints and loading (`checkpoi
 refused by name), weight-only int8 applied at load (`models/int8.py`: `--quantization
 int8`, each decoder layer's matrices int8 with per-row scales, quantized as their
 tensors are read), the embedded model (`embedded.py`), where a
-model's files are (`model_source.py`: a folder, or a Hugging Face id from the hub
-cache); structured output (`grammar_gate.py` on the driver: a request waits out of the
-scheduler while its grammar compiles; `grammar.py` on the rank: xgrammar compiles off
-the loop into a bounded cache, one matcher per request, the token mask before
-sampling; `json_grammar.py`: a JSON schema as EBNF with every number bounded); and the
+model's files are (`model_source.py`: a folder, a GGUF file, or a Hugging Face id from
+the hub cache); GGUF files served in their own blocks (`gguf_file.py`: the file's
+table and plain reads; `gguf_prepare.py`: the folder of config, tokenizer and template
+written from its metadata; `gguf_loader.py` and `models/packed.py`: each decoder
+layer's matrices packed with their scales); structured output (`grammar_gate.py` on
+the driver: a request waits out of the scheduler while its grammar compiles;
+`grammar.py` on the rank: xgrammar compiles off the loop into a bounded cache, one
+matcher per request, the token mask before sampling; `json_grammar.py`: a JSON schema
+as EBNF with every number bounded); and the
 offline `LLM` (`llm.py`).
 """

@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,11 +101,14 @@ def is_prepared(folder: Path) -> bool:
     return isinstance(marker, dict) and marker.get("version") == CONVERSION_VERSION
 
 
-def convert_gguf_to_folder(source: Path, target: Path) -> None:
-    """Write the checkpoint folder next to `target` under a temporary name, then swap it in."""
+def convert_gguf_to_folder(
+    source: Path, target: Path, write: Callable[[Path, Path], None] | None = None
+) -> None:
+    """Write the checkpoint folder next to `target` under a temporary name, then swap it in;
+    `write(source, folder)` fills it (default `write_checkpoint`)."""
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        write_checkpoint(source, staging)
+        (write or write_checkpoint)(source, staging)
         # mkdtemp makes a private folder; the cache is meant to be readable like any model.
         for path in staging.iterdir():
             path.chmod(0o644)
@@ -126,9 +130,16 @@ def write_checkpoint(source: Path, folder: Path) -> None:
     metadata = GGUFMetadata(reader, source)
     tensors = dense_tensors(reader, metadata)
     tied = "lm_head.weight" not in tensors
-    config = hf_config(metadata, tied)
     save_tensors(tensors, folder / "model.safetensors")
     del tensors
+    write_model_files(metadata, tied, folder)
+    marker = {"version": CONVERSION_VERSION, "source": source.name, "size": source.stat().st_size}
+    write_json(folder / MARKER_FILE, marker)
+
+
+def write_model_files(metadata: GGUFMetadata, tied: bool, folder: Path) -> None:
+    """config.json, the tokenizer files and generation_config.json from a GGUF's metadata."""
+    config = hf_config(metadata, tied)
     tokens = metadata.get("tokenizer.ggml.tokens")
     token_types = metadata.get("tokenizer.ggml.token_type")
     merges = metadata.get("tokenizer.ggml.merges")
@@ -136,8 +147,6 @@ def write_checkpoint(source: Path, folder: Path) -> None:
     write_json(folder / "config.json", config)
     write_json(folder / "tokenizer_config.json", tokenizer_config(metadata, tokens, token_types))
     write_json(folder / "generation_config.json", generation_config(config))
-    marker = {"version": CONVERSION_VERSION, "source": source.name, "size": source.stat().st_size}
-    write_json(folder / MARKER_FILE, marker)
 
 
 class GGUFMetadata:
@@ -329,7 +338,7 @@ def tokenizer_config(meta: GGUFMetadata, tokens: list[str], token_types: list[in
         "unk_token": token_at("unknown_token_id"),
         "pad_token": token_at("padding_token_id"),
         "added_tokens_decoder": special,
-        "chat_template": meta.get("tokenizer.chat_template"),
+        "chat_template": meta.get("tokenizer.chat_template", None),
         "model_max_length": meta.architecture_key("context_length"),
         "clean_up_tokenization_spaces": False,
     }

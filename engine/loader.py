@@ -8,6 +8,8 @@ import torch
 
 from pdserve.engine.checkpoint import ModelConfig
 from pdserve.engine.checkpoint_weights import check_weights, iter_weights
+from pdserve.engine.gguf_file import GGUFError
+from pdserve.engine.gguf_prepare import gguf_source
 from pdserve.engine.models import model_class
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.precision import compute_dtype, store_matrices_narrow
@@ -27,16 +29,20 @@ def load_model(
     """With `tp`, the rank's slice of the model, read as slices from the files; with
     `stage`, only the tensors of the stage's layers (and ends) are read; with
     `quantization="int8"`, the decoder layers' matrices held as int8 with per-row scales,
-    quantized as their tensors are read (`engine/models/int8.py`)."""
-    cls = model_class(config.architecture)
+    quantized as their tensors are read (`engine/models/int8.py`). A folder prepared for a
+    GGUF file (`engine/gguf_prepare.py`) reads that file's blocks (`engine/gguf_loader.py`)."""
+    source = gguf_source(folder)
+    if source is not None:
+        if quantization is not None:
+            raise GGUFError(
+                f"{source}: --quantization {quantization} applies to 16/32-bit checkpoints; "
+                "a GGUF file is served in its own blocks"
+            )
+        from pdserve.engine.gguf_loader import load_gguf_model
+
+        return load_gguf_model(source, config, dtype, device, tp, stage)
+    model = build_model(config, dtype, device, tp, stage)
     compute = compute_dtype(dtype, device)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(compute)  # parameters are created directly in the compute dtype
-    try:
-        with torch.device(device):  # ...and on the serving device: no host copy of the model
-            model = cls(config, tp, stage)
-    finally:
-        torch.set_default_dtype(previous)
     # Shapes and presence are checked from the file headers before any tensor is read.
     check_weights(folder, model.expected_weights())
     read_shard = model.quantize_int8().read_shard if quantization == "int8" else model.shard_of
@@ -44,3 +50,22 @@ def load_model(
     if compute != dtype:
         store_matrices_narrow(model, dtype)
     return model.eval()
+
+
+def build_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    tp: TensorParallel | None = None,
+    stage: PipelineStage | None = None,
+) -> LlamaForCausalLM:
+    """The model's modules with their parameters allocated, not filled."""
+    cls = model_class(config.architecture)
+    previous = torch.get_default_dtype()
+    # Parameters are created directly in the compute dtype...
+    torch.set_default_dtype(compute_dtype(dtype, device))
+    try:
+        with torch.device(device):  # ...and on the serving device: no host copy of the model
+            return cls(config, tp, stage)
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,7 +1,8 @@
-"""Where a model's files are: a checkpoint folder, or a Hugging Face id resolved through
-`huggingface_hub` (its cache, `HF_HOME`/`HF_HUB_CACHE`, `HF_HUB_OFFLINE`, a revision,
-a download folder), as `vllm serve MODEL` does. Resolved once by the driver (`pdserve
-serve`, the offline `LLM`), so instances and the gateway get a local folder.
+"""Where a model's files are: a checkpoint folder, a GGUF file (`engine/gguf_prepare.py`),
+or a Hugging Face id resolved through `huggingface_hub` (its cache,
+`HF_HOME`/`HF_HUB_CACHE`, `HF_HUB_OFFLINE`, a revision, a download folder), as `vllm
+serve MODEL` does. Resolved once by the driver (`pdserve serve`, the offline `LLM`), so
+instances and the gateway get a local folder.
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ class ModelNotFound(ValueError):
 
 
 def resolve_model(name: str, revision: str | None = None, download_dir: str | None = None) -> Path:
-    """The local folder holding `name`'s checkpoint."""
+    """The local folder holding `name`'s checkpoint; for a GGUF file, the folder prepared
+    from its metadata (`engine/gguf_prepare.py`: its weights stay in the file)."""
+    if name.lower().endswith(".gguf") and Path(name).expanduser().is_file():
+        if revision is not None:
+            raise ModelNotFound(f"--revision {revision} applies to a Hugging Face id, not {name}")
+        from pdserve.engine.gguf_prepare import prepare_gguf
+
+        return prepare_gguf(Path(name))
     folder = Path(name).expanduser()
     if folder.is_dir():
         if revision is not None:

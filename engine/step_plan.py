@@ -53,6 +53,8 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     # (the peak, KV cache included): what a tensor-parallel split saves per rank.
     weight_bytes: int = 0
     load_peak_memory_bytes: int = 0
+    # How the matrices are held when not in the serving dtype, e.g. "GGUF Q4_1".
+    weight_format: str = ""
 
 
 class NewRequest(msgspec.Struct, array_like=True):

@@ -33,6 +33,7 @@ from pdserve.engine.executor import RankConnector
 from pdserve.engine.grammar import GrammarBook
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
 from pdserve.engine.loader import load_model
+from pdserve.engine.models.packed import weight_format
 from pdserve.engine.parallel import TensorParallel, check_tp_size
 from pdserve.engine.pipeline import PipelineStage, run_stage
 from pdserve.engine.runner import ModelRunner, StepBatch
@@ -175,6 +176,7 @@ class ModelWorker:
             connector_addresses=addresses,
             weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
             load_peak_memory_bytes=max(0, _peak_resident_bytes() - rss_before),
+            weight_format=weight_format(self.model),
         )
 
     def _generation_defaults(self, checkpoint: dict[str, int | float]) -> dict[str, int | float]:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.models import int8, llama
+from pdserve.engine.models import int8, llama, packed
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.worker import ModelWorker
 from pdserve.kernels import attention
@@ -40,6 +40,7 @@ Clock = dict[str, float]
 MODEL_OPS = [
     (int8, "linear", "linear (C)"),  # every decoder-layer projection goes through int8.project
     (int8, "linear_int8", "linear int8 (C)"),
+    (packed, "linear_gguf", "linear GGUF blocks (C)"),  # a GGUF file's packed matrices
     (llama, "rms_norm", "rms_norm (+residual)"),
     (llama, "rotary_embedding", "rotary"),
     (llama, "rotary_write_kv_cache", "rotary + KV write"),
@@ -134,7 +135,9 @@ def breakdown(clock: Clock) -> list[tuple[str, float]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="checkpoint folder (default: embedded)")
+    parser.add_argument(
+        "--model", default=None, help="checkpoint folder or GGUF file (default: embedded)"
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", default=None, help="int8: the layers' matrices in int8")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])

@@ -121,7 +121,7 @@ class StepLoop:
             dtype=engine.info.kv.dtype,
             device=self.engine_config.device,
             weight_bytes=engine.info.weight_bytes,
-            quantization=self.engine_config.quantization or "",
+            quantization=self.engine_config.quantization or engine.info.weight_format,
             epoch=self.io.epoch,
         )
 

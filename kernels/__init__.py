@@ -14,7 +14,10 @@
   torch's order so float32 values stay the reference's; the linear layer at every row
   count (`cpu/linear.c`, `cpu/linear_bf16.c`), and its weight-only int8 form
   (`cpu/linear_int8.c`, bound in `cpu_int8.py`: int8 rows widened in registers, one
-  scale per output row). `cpu_kernels_status()` says which implementation is active.
+  scale per output row), and the GGUF block formats Q8_0, Q4_0 and Q4_1 kept packed
+  with their scales (`cpu/linear_gguf.c`, bound in `cpu_gguf.py`; `gguf_blocks.py`
+  their sizes, dequantization and reference). `cpu_kernels_status()` says which
+  implementation is active.
 - Plain-torch references of the same signatures (`reference.py`), and the dispatch
   between them (`dispatch.py`, `ops.py`, `attention.py`).
 """
@@ -34,7 +37,7 @@ from pdserve.kernels.dispatch import (
     load_triton_kernels,
     triton_unavailable_reason,
 )
-from pdserve.kernels.ops import linear, linear_int8, rms_norm, rotary_embedding
+from pdserve.kernels.ops import linear, linear_gguf, linear_int8, rms_norm, rotary_embedding
 
 apply_isa()  # before torch's first vectorised op, which reads the capability once
 
@@ -44,6 +47,7 @@ __all__ = [
     "cpu_kernels_status",
     "decode_attention",
     "linear",
+    "linear_gguf",
     "linear_int8",
     "load_triton_kernels",
     "paged_attention",

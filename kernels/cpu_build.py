@@ -37,6 +37,7 @@ SOURCES = (
     "norm.c",
     "linear_bf16.c",
     "linear_int8.c",
+    "linear_gguf.c",
 )
 # Tried in order: the first that compiles wins. -march=native auto-vectorises for
 # this CPU (AVX2/FMA/F16C where present); a compiler that refuses it still builds.

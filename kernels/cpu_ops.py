@@ -345,6 +345,9 @@ def register(kernels: CpuKernels) -> None:
     from pdserve.kernels.cpu_int8 import CpuInt8Linear
 
     dispatch.register_cpu("linear_int8", CpuInt8Linear(kernels).linear_int8)
+    from pdserve.kernels.cpu_gguf import CpuGgufLinear
+
+    dispatch.register_cpu("linear_gguf", CpuGgufLinear(kernels).linear_gguf)
 
 
 def main(argv: list[str] | None = None) -> int:

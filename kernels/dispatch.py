@@ -23,7 +23,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from pdserve.kernels import reference
+from pdserve.kernels import gguf_blocks, reference
 
 _REFERENCE: dict[str, Callable[..., Any]] = {
     "write_kv_cache": reference.write_kv_cache_ref,
@@ -34,6 +34,7 @@ _REFERENCE: dict[str, Callable[..., Any]] = {
     "rotary_write_kv_cache": reference.rotary_write_kv_cache_ref,
     "linear": reference.linear_ref,
     "linear_int8": reference.linear_int8_ref,
+    "linear_gguf": gguf_blocks.linear_gguf_ref,
 }
 _TRITON: dict[str, Callable[..., Any]] = {}
 _load_attempted = False

@@ -3,7 +3,7 @@ attention."""
 
 from __future__ import annotations
 
-from pdserve.kernels import dispatch, reference
+from pdserve.kernels import dispatch, gguf_blocks, reference
 
 rms_norm = dispatch.dispatched(reference.rms_norm_ref)
 # Picked by the query's device, the first float tensor of the call.
@@ -13,3 +13,5 @@ rotary_embedding = dispatch.dispatched(reference.rotary_embedding_ref, like=1)
 linear = dispatch.dispatched(reference.linear_ref)
 # Weight-only int8: an int8 weight with one float32 scale per output row.
 linear_int8 = dispatch.dispatched(reference.linear_int8_ref)
+# GGUF blocks (Q8_0, Q4_0, Q4_1) kept packed with their scales (kernels/gguf_blocks.py).
+linear_gguf = dispatch.dispatched(gguf_blocks.linear_gguf_ref)

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.models.int8 import Int8Linears, project
+from pdserve.engine.models.int8 import Int8Linears
+from pdserve.engine.models.packed import project
 from pdserve.engine.models.rope import cos_sin_cache
 from pdserve.engine.parallel import TensorParallel
 from pdserve.engine.pipeline import PipelineStage
@@ -202,8 +203,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def hidden_dtype(self) -> torch.dtype:
-        """The compute dtype: what flows between layers and stages (the embedding table
-        may be stored narrower, precision.py); every stage holds at least one layer."""
+        """The compute dtype, between layers and stages (the table may be narrower)."""
         return cast(DecoderLayer, self.layers[0]).input_norm.weight.dtype
 
     @property

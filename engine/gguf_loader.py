@@ -1,0 +1,140 @@
+"""Builds a model from a GGUF file, its decoder-layer matrices kept in the file's blocks.
+
+Each decoder layer's matrices (QKV, output, gate/up, down) become `PackedMatrix`es of the
+file's blocks with their scales (`engine/models/packed.py`), read with plain reads of exactly
+this rank's rows or block-aligned columns (`engine/gguf_file.py`); no float copy of such a
+matrix exists at any point. The embedding and an untied LM head are dequantized, a few
+rows at a time, straight into the serving dtype's table: the logits and every token's
+first hidden state come from them. Norms are read as they are.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from pdserve.engine.checkpoint import ModelConfig
+from pdserve.engine.gguf_file import GGUFError, GGUFFile, GGUFTensor
+from pdserve.engine.loader import build_model
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.packed import PLAIN, PackedMatrix
+from pdserve.engine.models.precision import compute_dtype, store_matrices_narrow
+from pdserve.engine.parallel import TensorParallel
+from pdserve.engine.pipeline import PipelineStage
+from pdserve.kernels.gguf_blocks import dequantize_rows
+
+Tensor = torch.Tensor
+# Each fused matrix of a decoder layer: (submodule, parameter prefix) → the tensors it
+# holds, in row order (names after "model.layers.N.").
+MATRICES = {
+    ("attn", "qkv"): (
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+    ),
+    ("attn", "o"): ("self_attn.o_proj.weight",),
+    ("mlp", "gate_up"): ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    ("mlp", "down"): ("mlp.down_proj.weight",),
+}
+MATRIX_KEYS = frozenset(key for keys in MATRICES.values() for key in keys)
+ROWS_PER_READ = 256  # rows of a table dequantized at a time: well under a MiB a temporary
+
+
+def load_gguf_model(
+    source: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    tp: TensorParallel | None = None,
+    stage: PipelineStage | None = None,
+) -> LlamaForCausalLM:
+    """The model (this rank's slice, this stage's layers) over the GGUF at `source`."""
+    if torch.device(device).type != "cpu":
+        raise GGUFError(f"{source}: GGUF weights are served on CPU (their C kernels), not {device}")
+    file = GGUFFile(source)
+    file.check_types()
+    model = build_model(config, dtype, device, tp, stage)
+    for name, shape in model.expected_weights():
+        found = file.tensor(name).shape
+        if found != tuple(shape):
+            raise GGUFError(
+                f"{source}: tensor {name!r} has shape {list(found)}, expected {list(shape)}"
+            )
+    compute = compute_dtype(dtype, device)
+    _narrow_tables(model, dtype)
+    GGUFWeights(file, model, compute).load()
+    if compute != dtype:
+        store_matrices_narrow(model, dtype)
+    return model.eval()
+
+
+def _narrow_tables(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+    """The embedding and head tables made in the stored dtype before they are filled, so
+    no compute-dtype copy of them exists beside the stored one."""
+    for name in ("embed", "lm_head"):
+        table = getattr(model, name)
+        if table is None or table.dtype == dtype:
+            continue
+        shape = table.shape
+        del table
+        setattr(model, name, None)  # freed before its replacement is allocated
+        # zeros: a last tensor-parallel rank's padding rows stay zero
+        setattr(model, name, nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False))
+
+
+class GGUFWeights:
+    """Reads one GGUF file into a model: packed matrices, then every other tensor."""
+
+    def __init__(self, file: GGUFFile, model: LlamaForCausalLM, compute: torch.dtype):
+        self.file = file
+        self.model = model
+        self.compute = compute
+
+    def load(self) -> None:
+        model = self.model
+        for index, layer in zip(
+            range(model.stage.layer_start, model.stage.layer_end), model.layers, strict=True
+        ):
+            for (module_name, prefix), keys in MATRICES.items():
+                module = getattr(layer, module_name)
+                segments = [self.read_matrix(f"model.layers.{index}.{key}") for key in keys]
+                delattr(module, f"{prefix}_weight")  # the float parameter, never filled
+                setattr(module, f"{prefix}_weight", PackedMatrix(segments))
+        for name, _ in model.expected_weights():
+            if name.split(".", 3)[-1] not in MATRIX_KEYS:
+                self.copy_rows(name)
+
+    def read_matrix(self, name: str) -> tuple[Tensor, int]:
+        """This rank's part of a matrix: its rows, or its columns for a row-parallel one."""
+        t = self.file.tensor(name)
+        shard = self.model.shard_of(name)
+        if shard is None:
+            array = self.file.read_rows(name)
+        elif shard[0] == 0:
+            array = self.file.read_rows(name, shard[1], shard[2])
+        else:
+            array = self.file.read_columns(name, shard[1], shard[2])
+        weight = as_tensor(t, array)
+        return (weight, t.qtype) if t.packed else (weight.to(self.compute), PLAIN)
+
+    def copy_rows(self, name: str) -> None:
+        """A table or vector into its parameter, dequantized a few rows at a time."""
+        t = self.file.tensor(name)
+        param, offset = self.model.target_of(name)
+        shard = self.model.shard_of(name)
+        start, stop = (shard[1], shard[2]) if shard is not None else (0, t.shape[0])
+        for first in range(start, stop, ROWS_PER_READ):
+            last = min(first + ROWS_PER_READ, stop)
+            rows = as_tensor(t, self.file.read_rows(name, first, last))
+            values = dequantize_rows(rows, t.qtype) if t.packed else rows
+            at = offset + first - start
+            param.data[at : at + last - first].copy_(values)
+
+
+def as_tensor(t: GGUFTensor, array: np.ndarray) -> Tensor:
+    """The torch view of bytes read from the file (BF16 comes as 16-bit words)."""
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if t.type_name == "BF16" else tensor

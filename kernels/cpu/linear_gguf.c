@@ -1,0 +1,220 @@
+/* GGUF block-quantized linear layer: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), for W kept
+ * in the GGUF file's own blocks (ggml's Q8_0, Q4_0 and Q4_1) and float32 x and y.
+ *
+ * A weight row is K / 32 blocks of 32 weights, each block its scale beside its values:
+ *   Q8_0: f16 d, 32 int8 q             w = d * q          (34 bytes)
+ *   Q4_0: f16 d, 16 bytes of nibbles   w = d * (q - 8)    (18 bytes)
+ *   Q4_1: f16 d, f16 m, 16 bytes       w = d * q + m      (20 bytes)
+ * with weight j < 16 in the low nibble of byte j and weight 16 + j in its high nibble.
+ * The blocks stay packed in memory (at decode sizes the layer is bound by streaming
+ * them) and a block becomes 32 float32 weights in registers, rounded exactly as ggml
+ * (and `kernels.gguf_blocks.dequantize_rows`) dequantize them: a multiply, then for Q4_1
+ * an add, never fused.
+ *
+ * Invariance and arithmetic: as linear.c's float32 path, to the bit. y[m, n] is one
+ * 8-lane accumulator over K (lane j sums k = j mod 8 in increasing order, one FMA per 8
+ * weights) and one horizontal sum, whatever M, the tile, the threads or the blocking;
+ * so a packed matrix gives exactly the numbers of its dequantized float32 copy. The
+ * AVX-512 build decodes a block 16 weights at a time (512-bit widening and scaling, the
+ * same roundings per weight), the AVX2 build 8 at a time; both accumulate in 8 lanes,
+ * so the two kinds of machine agree here.
+ *
+ * - Micro-kernel: R rows of x by C weight rows; each decoded block (4 vectors) serves the
+ *   R rows. AVX-512 (32 registers): R x C in {1x12, 2x8, 3x6, 4x4}; AVX2 (16 registers):
+ *   {1x8, 2x4, 3x3, 4x2}.
+ * - Blocking and threads: linear_run (linear.c), over 24-row weight units.
+ */
+#include "linear.h"
+
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8 };
+
+#define QK 32    /* weights per block */
+#define UNIT_N 24 /* weight rows per work unit: every C divides it */
+#define MAX_R 4
+#define MAX_C 12
+#define X_BLOCK_BYTES (192 << 10)
+#if defined(__AVX512F__)
+#define COLS(R) ((R) == 1 ? 12 : (R) == 2 ? 8 : (R) == 3 ? 6 : 4)
+#else
+#define COLS(R) ((R) == 1 ? 8 : (R) == 2 ? 4 : (R) == 3 ? 3 : 2)
+#endif
+
+typedef struct {
+    const float *x;
+    int64_t x_rs;
+    const uint8_t *w;
+    int64_t w_rs; /* bytes per weight row */
+    const void *bias;
+    int bias_dt; /* -1: none */
+    float *y;
+    int64_t y_rs;
+    int k;
+} gguf_args;
+
+ALWAYS_INLINE int block_bytes(const int T) {
+    return T == GGML_Q8_0 ? 34 : T == GGML_Q4_1 ? 20 : 18;
+}
+
+ALWAYS_INLINE float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return f16_to_float(h);
+}
+
+#if defined(__AVX512F__)
+ALWAYS_INLINE void split16(__m512 v, v8f *lo, v8f *hi) {
+    *lo = (v8f)_mm512_castps512_ps256(v);
+    *hi = (v8f)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+/* The block's 32 weights as 4 vectors of 8, in order. */
+ALWAYS_INLINE void decode_block(const uint8_t *b, v8f *w, const int T) {
+    const __m512 d = _mm512_set1_ps(half_at(b));
+    __m512 v0, v1;
+    if (T == GGML_Q8_0) {
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2));
+        const __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 18));
+        v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
+        v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
+    } else {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(b + (T == GGML_Q4_1 ? 4 : 2)));
+        const __m128i nib = _mm_set1_epi8(0x0f);
+        __m512i i0 = _mm512_cvtepu8_epi32(_mm_and_si128(raw, nib));
+        __m512i i1 = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), nib));
+        if (T == GGML_Q4_0) {
+            i0 = _mm512_sub_epi32(i0, _mm512_set1_epi32(8));
+            i1 = _mm512_sub_epi32(i1, _mm512_set1_epi32(8));
+        }
+        v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(i0), d);
+        v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(i1), d);
+        if (T == GGML_Q4_1) {
+            const __m512 m = _mm512_set1_ps(half_at(b + 2));
+            v0 = _mm512_add_ps(v0, m);
+            v1 = _mm512_add_ps(v1, m);
+        }
+    }
+    split16(v0, &w[0], &w[1]);
+    split16(v1, &w[2], &w[3]);
+}
+#elif defined(__AVX2__)
+ALWAYS_INLINE void decode_block(const uint8_t *b, v8f *w, const int T) {
+    const __m256 d = _mm256_set1_ps(half_at(b));
+    __m256i i[4];
+    if (T == GGML_Q8_0) {
+        for (int j = 0; j < 4; j++)
+            i[j] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j)));
+    } else {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(b + (T == GGML_Q4_1 ? 4 : 2)));
+        const __m128i nib = _mm_set1_epi8(0x0f);
+        const __m128i lo = _mm_and_si128(raw, nib);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nib);
+        i[0] = _mm256_cvtepu8_epi32(lo);
+        i[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+        i[2] = _mm256_cvtepu8_epi32(hi);
+        i[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+    }
+    const __m256 m = T == GGML_Q4_1 ? _mm256_set1_ps(half_at(b + 2)) : _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        if (T == GGML_Q4_0) i[j] = _mm256_sub_epi32(i[j], _mm256_set1_epi32(8));
+        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(i[j]), d);
+        if (T == GGML_Q4_1) v = _mm256_add_ps(v, m);
+        w[j] = (v8f)v;
+    }
+}
+#else /* any other CPU: the same roundings, one weight at a time */
+ALWAYS_INLINE void decode_block(const uint8_t *b, v8f *w, const int T) {
+    const float d = half_at(b), m = T == GGML_Q4_1 ? half_at(b + 2) : 0.0f;
+    const uint8_t *q = b + (T == GGML_Q4_1 ? 4 : 2);
+    for (int j = 0; j < QK; j++) {
+        float v;
+        if (T == GGML_Q8_0) v = (float)(int8_t)q[j] * d;
+        else {
+            const int nibble = j < 16 ? q[j] & 15 : q[j - 16] >> 4;
+            v = T == GGML_Q4_0 ? (float)(nibble - 8) * d : (float)nibble * d + m;
+        }
+        w[j / 8][j % 8] = v;
+    }
+}
+#endif
+
+/* R rows of x times C weight rows from w: y[r][c] for the tile. */
+ALWAYS_INLINE void tile(const gguf_args *A, const float *x, const uint8_t *w, int64_t n, float *y,
+                        const int R, const int C, const int T) {
+    const int blocks = A->k / QK, BB = block_bytes(T);
+    const int64_t rs = A->w_rs, xs = A->x_rs;
+    v8f acc[MAX_R][MAX_C];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 12
+        for (int c = 0; c < C; c++) acc[r][c] = v8_splat(0.0f);
+    for (int kb = 0; kb < blocks; kb++) {
+        const int k = kb * QK;
+#pragma GCC unroll 12
+        for (int c = 0; c < C; c++) {
+            const uint8_t *block = w + c * rs + (int64_t)kb * BB;
+            /* The next tile's rows, about a 64-byte line at a time (as linear.c). */
+            if (!(kb & 1)) __builtin_prefetch(block + C * rs, 0, 0);
+            v8f wv[4];
+            decode_block(block, wv, T);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const float *xr = x + r * xs + k;
+                /* lane j: k = j, j + 8, ...: linear.c's order for float32 weights */
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) acc[r][c] = v8_fma(v8_load(xr + 8 * j), wv[j], acc[r][c]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 12
+        for (int c = 0; c < C; c++) {
+            float s = v8_hsum(acc[r][c]);
+            if (A->bias_dt >= 0) s += load_scalar(A->bias, A->bias_dt, n + c);
+            y[r * A->y_rs + c] = s;
+        }
+}
+
+/* Rows m0..m0+R of x against weight rows [n0, n1), in tiles of C. */
+ALWAYS_INLINE void rows_times_block(const gguf_args *A, int64_t m0, int64_t n0, int64_t n1,
+                                    const int R, const int T) {
+    const int C = COLS(R);
+    const float *x = A->x + m0 * A->x_rs;
+    float *y = A->y + m0 * A->y_rs;
+    int64_t n = n0;
+    for (; n + C <= n1; n += C) tile(A, x, A->w + n * A->w_rs, n, y + n, R, C, T);
+    for (; n < n1; n++) tile(A, x, A->w + n * A->w_rs, n, y + n, R, 1, T);
+}
+
+LINEAR_ROWS_FN(rows_q8_0, gguf_args, rows_times_block, GGML_Q8_0)
+LINEAR_ROWS_FN(rows_q4_0, gguf_args, rows_times_block, GGML_Q4_0)
+LINEAR_ROWS_FN(rows_q4_1, gguf_args, rows_times_block, GGML_Q4_1)
+
+/* The call's arguments as one struct of 8-byte fields (kernels/cpu_gguf.py packs it). */
+typedef struct {
+    int64_t x, x_rs, w, w_rs, type, bias, bias_dt, y, y_rs;
+    int64_t m, n, k, num_threads, bad;
+} pd_linear_gguf_call;
+
+int64_t pd_linear_gguf_call_size(void) { return sizeof(pd_linear_gguf_call); }
+
+/* PD_UNSUPPORTED for a block type not listed above or a K that is not whole blocks. */
+int pd_linear_gguf(pd_linear_gguf_call *c) {
+    const int64_t m = c->m, n = c->n, k = c->k;
+    linear_rows_fn rows = c->type == GGML_Q8_0   ? rows_q8_0
+                          : c->type == GGML_Q4_0 ? rows_q4_0
+                          : c->type == GGML_Q4_1 ? rows_q4_1
+                                                 : NULL;
+    if (!rows || k % QK || k <= 0) return PD_UNSUPPORTED;
+    if (c->w_rs < k / QK * (c->type == GGML_Q8_0 ? 34 : c->type == GGML_Q4_1 ? 20 : 18))
+        return PD_UNSUPPORTED;
+    if (m == 0 || n == 0) return PD_OK;
+    gguf_args A = {.x = PTR(c->x), .x_rs = c->x_rs, .w = PTR(c->w), .w_rs = c->w_rs,
+                   .bias = PTR(c->bias), .bias_dt = (int)c->bias_dt, .y = PTR(c->y),
+                   .y_rs = c->y_rs, .k = (int)k};
+    linear_plan P = {.rows = rows, .args = &A, .m = m, .n = n, .unit_n = UNIT_N,
+                     .x_rows = linear_block_rows(X_BLOCK_BYTES, k * 4),
+                     .w_units = linear_block_units(UNIT_N * c->w_rs)};
+    linear_run(&P, m * n * k, (int)c->num_threads);
+    return PD_OK;
+}

@@ -1,0 +1,186 @@
+"""The GGUF block linear layer in C (Q8_0, Q4_0, Q4_1 kept packed) against its plain-torch
+reference and, bit for bit, against the float32 C linear layer over the same weights
+dequantized, on this CPU's build and on the AVX2 build (`PDSERVE_CPU_ISA=avx2`, in a child
+process); each row's output independent of the other rows of the call; the torch
+dequantization against the `gguf` package's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.engine import gguf_file
+from pdserve.kernels import dispatch, gguf_blocks
+from pdserve.kernels.cpu_gguf import CpuGgufLinear
+from pdserve.kernels.gguf_blocks import PACKED_TYPES, dequantize_rows, linear_gguf_ref
+
+TYPES = sorted(PACKED_TYPES)  # ggml numbers: Q4_0, Q4_1, Q8_0
+# (rows, weight rows, k, bias, threads): every micro-kernel shape and its remainders,
+# partial units and tiles, SmolLM2's widths, and a block of x rows past the first.
+GRID = [
+    (1, 24, 32, False, 1),
+    (1, 25, 64, True, 2),
+    (1, 960, 576, False, 2),  # SmolLM2's fused QKV at decode
+    (2, 13, 96, True, 1),
+    (3, 37, 160, False, 2),
+    (4, 100, 576, True, 2),
+    (5, 11, 64, False, 1),
+    (7, 37, 1536, False, 2),  # SmolLM2's down projection width
+    (13, 1, 64, True, 1),
+    (97, 61, 224, False, 2),
+    (300, 70, 576, False, 2),
+]
+
+
+def packed_weight(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
+    """Random blocks with finite float16 scales (and Q4_1 minimums)."""
+    gen = torch.Generator().manual_seed(seed)
+    size = PACKED_TYPES[qtype][1]
+    blocks = torch.randint(0, 256, (n, k // 32, size), generator=gen, dtype=torch.uint8)
+    scales = (torch.randn(n, k // 32, 1, generator=gen) * 0.02).half().view(torch.uint8)
+    blocks[..., 0:2] = scales
+    if qtype == 3:
+        blocks[..., 2:4] = (
+            (torch.randn(n, k // 32, 1, generator=gen) * 0.1).half().view(torch.uint8)
+        )
+    return blocks.reshape(n, -1)
+
+
+def case_tensors(qtype: int, m: int, n: int, k: int, bias: bool):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    return x, packed_weight(qtype, n, k, m + n + k + qtype), b
+
+
+@pytest.fixture(scope="module")
+def op(kernels) -> CpuGgufLinear:
+    return CpuGgufLinear(kernels)
+
+
+def test_dequantization_is_the_gguf_packages():
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    for qtype in TYPES:
+        w = packed_weight(qtype, 5, 96, qtype)
+        ours = dequantize_rows(w, qtype)
+        theirs = dequantize(w.numpy(), GGMLQuantizationType(qtype))
+        assert np.array_equal(ours.numpy(), theirs), gguf_blocks.type_name(qtype)
+
+
+def test_the_engine_and_the_kernels_name_the_same_block_types():
+    assert gguf_file.PACKED_TYPES == PACKED_TYPES and gguf_file.BLOCK == gguf_blocks.BLOCK
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=gguf_blocks.type_name)
+@pytest.mark.parametrize("case", GRID, ids=lambda c: f"m{c[0]}n{c[1]}k{c[2]}-b{c[3]}-t{c[4]}")
+def test_packed_linear_is_the_float32_linear_of_its_dequantized_weights(
+    kernels, op, threads, qtype, case
+):
+    m, n, k, bias, num_threads = case
+    threads(num_threads)
+    x, w, b = case_tensors(qtype, m, n, k, bias)
+    y = op.linear_gguf(x, w, qtype, b)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    # Bit for bit the float32 path's arithmetic: a GGUF model's numbers are its float copy's.
+    assert torch.equal(y, kernels.linear(x, dequantize_rows(w, qtype), b))
+    torch.testing.assert_close(y, linear_gguf_ref(x, w, qtype, b), atol=1e-4 * k**0.5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=gguf_blocks.type_name)
+def test_a_row_does_not_depend_on_the_other_rows(op, threads, qtype):
+    x, w, b = case_tensors(qtype, 300, 130, 576, True)
+    threads(2)
+    whole = op.linear_gguf(x, w, qtype, b)
+    for rows in (1, 2, 3, 5, 64, 65, 300):
+        for num_threads in (1, 2):
+            threads(num_threads)
+            assert torch.equal(op.linear_gguf(x[-rows:], w, qtype, b), whole[-rows:])
+
+
+def test_strided_rows_leading_dims_and_other_dtypes(op):
+    w = packed_weight(3, 30, 64, 1)
+    wide = torch.randn(6, 200)
+    x = wide[:, 8:72]  # rows 200 apart: read in place
+    assert torch.equal(op.linear_gguf(x, w, 3), op.linear_gguf(x.contiguous(), w, 3))
+    assert op.linear_gguf(torch.randn(2, 3, 64), w, 3).shape == (2, 3, 30)
+    xb = x.to(torch.bfloat16)  # not float32: the reference computes it
+    assert torch.equal(op.linear_gguf(xb, w, 3), linear_gguf_ref(xb, w, 3))
+    assert op.linear_gguf(torch.empty(0, 64), w, 3).shape == (0, 30)
+
+
+def test_bad_arguments_get_one_line_errors(op):
+    w = packed_weight(8, 8, 64, 2)
+    x = torch.randn(2, 64)
+    cases = [
+        ((torch.randn(2, 32), w, 8), "x has 32 features, the Q8_0 weight rows hold 68 bytes"),
+        ((x, w.float(), 8), "weight must be a 2-D uint8 matrix"),
+        ((x, w, 12), "ggml type 12 is not a packed type"),
+        ((x, w, 8, torch.ones(7)), r"bias must be \[8\]"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message) as raised:
+            op.linear_gguf(*args)
+        assert "\n" not in str(raised.value)
+
+
+def test_dispatch_sends_cpu_packed_linear_to_the_c_kernel(kernels):
+    x = torch.randn(2, 64)
+    before = dispatch._cpu_enabled
+    dispatch.set_cpu_kernels_enabled(True)
+    try:
+        chosen = dispatch.lookup("linear_gguf", x)
+        assert isinstance(getattr(chosen, "__self__", None), CpuGgufLinear)
+        dispatch.set_cpu_kernels_enabled(False)
+        assert dispatch.lookup("linear_gguf", x) is linear_gguf_ref
+    finally:
+        dispatch.set_cpu_kernels_enabled(before)
+
+
+def _cpu_has_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read().split()
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+@pytest.mark.skipif(not _cpu_has_avx2(), reason="the CPU has no AVX2")
+def test_the_avx2_build_is_the_float32_linear_of_the_dequantized_weights():
+    """PDSERVE_CPU_ISA=avx2 (a child process: the build is per process) decodes 8 weights
+    at a time; the same grid, bit for bit the float32 path, rows independent as well."""
+    code = (
+        "import json, torch\n"
+        "from pdserve.kernels import cpu_ops\n"
+        "from pdserve.kernels.cpu_gguf import CpuGgufLinear\n"
+        "from pdserve.kernels.gguf_blocks import dequantize_rows\n"
+        "from tests.kernels.test_cpu_linear_gguf import GRID, TYPES, case_tensors\n"
+        "k = cpu_ops.load(); op = CpuGgufLinear(k)\n"
+        "equal = []\n"
+        "for q in TYPES:\n"
+        "    for m, n, kk, b, t in GRID:\n"
+        "        torch.set_num_threads(t)\n"
+        "        x, w, bias = case_tensors(q, m, n, kk, b)\n"
+        "        y = op.linear_gguf(x, w, q, bias)\n"
+        "        equal.append(torch.equal(y, k.linear(x, dequantize_rows(w, q), bias)))\n"
+        "x, w, bias = case_tensors(3, 300, 130, 576, False)\n"
+        "alone = torch.equal(op.linear_gguf(x[-3:], w, 3), op.linear_gguf(x, w, 3)[-3:])\n"
+        "print(json.dumps({'info': k.build_info, 'equal': equal, 'alone': alone}))\n"
+    )
+    env = {**os.environ, "PDSERVE_CPU_ISA": "avx2"}
+    child = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    assert result["info"].startswith("AVX2+FMA")
+    assert result["alone"] and all(result["equal"]), result["equal"]
