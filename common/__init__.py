@@ -8,6 +8,7 @@
 - `wire_auth.py`: the deployment secret and the MAC every frame between processes
   carries;
 - `model_split.py`: how a model splits across tensor- and pipeline-parallel ranks
-  (`check_tp_size`, `check_pp_size`, `stage_layers`);
+  (`check_tp_size`, `check_pp_size`, `stage_layers`), and int8 weights' scale groups
+  across them (`check_int8_groups`);
 - `json_file.py`: a JSON file read with one-line errors (checkpoints, tokenizers).
 """

@@ -26,7 +26,7 @@ def load_model(
 ) -> LlamaForCausalLM:
     """With `tp`, the rank's slice of the model, read as slices from the files; with
     `stage`, only the tensors of the stage's layers (and ends) are read; with
-    `quantization="int8"`, the decoder layers' matrices held as int8 with per-row scales,
+    `quantization="int8"`, the decoder layers' matrices held as int8 with per-group scales,
     quantized as their tensors are read (`engine/models/int8.py`)."""
     cls = model_class(config.architecture)
     compute = compute_dtype(dtype, device)
@@ -39,8 +39,9 @@ def load_model(
         torch.set_default_dtype(previous)
     # Shapes and presence are checked from the file headers before any tensor is read.
     check_weights(folder, model.expected_weights())
-    read_shard = model.quantize_int8().read_shard if quantization == "int8" else model.shard_of
-    model.load_weights(iter_weights(folder, read_shard, model.holds))
+    if quantization == "int8":
+        model.quantize_int8()
+    model.load_weights(iter_weights(folder, model.shard_of, model.holds))
     if compute != dtype:
         store_matrices_narrow(model, dtype)
     return model.eval()

@@ -13,8 +13,8 @@
   per layer (`cpu/rotary.c`); RMSNorm with its residual add (`cpu/norm.c`), summing in
   torch's order so float32 values stay the reference's; the linear layer at every row
   count (`cpu/linear.c`, `cpu/linear_bf16.c`), and its weight-only int8 form
-  (`cpu/linear_int8.c`, bound in `cpu_int8.py`: int8 rows widened in registers, one
-  scale per output row). `cpu_kernels_status()` says which implementation is active.
+  (`cpu/linear_int8.c`, bound in `cpu_int8.py`: int8 rows widened in registers, times
+  one scale per group of inputs). `cpu_kernels_status()` says which implementation is active.
 - Plain-torch references of the same signatures (`reference.py`), and the dispatch
   between them (`dispatch.py`, `ops.py`, `attention.py`).
 """
