@@ -43,7 +43,7 @@ def check_tp_size(
 
 
 # `--quantization int8`: inputs per scale of a weight row (engine/models/int8.py).
-INT8_GROUP_SIZE = 32
+INT8_GROUP_SIZE = 16
 
 
 def check_int8_groups(

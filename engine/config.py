@@ -33,7 +33,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # where the CPU has bf16 dot products (`dtype_name`).
     dtype: str = "auto"
     # None: weights in `dtype`; "int8": the decoder layers' matrices as int8 with one scale
-    # per group of 32 inputs, quantized at load (engine/models/int8.py; CPU only).
+    # per group of 16 inputs, quantized at load (engine/models/int8.py; CPU only).
     quantization: str | None = None
     block_size: int = 16
     max_num_seqs: int = 256

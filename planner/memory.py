@@ -1,8 +1,8 @@
 """GPU memory arithmetic: weights, KV cache, overheads, and the tensor parallelism needed.
 
 - Weights: quantizable linear layers at the weight dtype's size (BF16/FP16 2 B, FP8 1 B,
-  INT8 1 B plus one FP32 scale per 32 inputs as `--quantization int8` stores them,
-  0.125 B per weight; INT4 0.5 B plus group metadata: one FP16 scale and one FP16 zero
+  INT8 1 B plus one FP32 scale per 16 inputs as `--quantization int8` stores them,
+  0.25 B per weight; INT4 0.5 B plus group metadata: one FP16 scale and one FP16 zero
   point per 128 weights, 0.03125 B per weight); embeddings, output head and norms stay
   16-bit. INT8's scale groups also bound the TP sizes: a rank's slice of a row-parallel
   matrix holds whole groups (serve's rule, `common.model_split.check_int8_groups`).

@@ -71,9 +71,7 @@ def op(kernels) -> CpuInt8Linear:
     return CpuInt8Linear(kernels)
 
 
-@pytest.mark.parametrize(
-    "case", GRID, ids=lambda c: f"m{c[0]}n{c[1]}k{c[2]}g{c[3]}-{c[4]}-t{c[5]}"
-)
+@pytest.mark.parametrize("case", GRID, ids=lambda c: f"m{c[0]}n{c[1]}k{c[2]}g{c[3]}-{c[4]}-t{c[5]}")
 def test_int8_linear_matches_exact_product_and_reference(op, threads, case):
     m, n, k, group, bias_dtype, num_threads = case
     threads(num_threads)
