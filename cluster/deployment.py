@@ -24,8 +24,10 @@ from pdserve.cluster.placement import (
     resolve_device,
 )
 from pdserve.common.model_split import (
+    Int8GroupError,
     PipelineParallelError,
     TensorParallelError,
+    check_int8_groups,
     check_pp_size,
     check_tp_size,
 )
@@ -193,8 +195,8 @@ def api_keys_of(
 
 def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> dict[str, int]:
     """Ranks per stage by role, checked against the model's heads (one rule:
-    `common.model_split.check_tp_size`), and the pipeline size against its layers
-    (`check_pp_size`)."""
+    `common.model_split.check_tp_size`; with int8 weights, `check_int8_groups` too), and
+    the pipeline size against its layers (`check_pp_size`)."""
     default = args.tensor_parallel_size
     sizes = {
         "prefill": args.prefill_tensor_parallel_size or default,
@@ -220,7 +222,12 @@ def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> d
             check_tp_size(
                 size, mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size
             )
-        except TensorParallelError as exc:
+            if args.quantization == "int8":  # each rank's slice holds whole scale groups
+                check_int8_groups(
+                    size, mc.hidden_size, mc.num_attention_heads * mc.head_dim,
+                    mc.intermediate_size,
+                )  # fmt: skip
+        except (TensorParallelError, Int8GroupError) as exc:
             flag = (
                 "--tensor-parallel-size"
                 if role == "colocated"

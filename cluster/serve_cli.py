@@ -156,7 +156,7 @@ def _add_precision_flags(model: argparse._ArgumentGroup) -> None:
         default=None,
         metavar="METHOD",
         help="quantize the weights at load: int8 (the decoder layers' matrices as int8 with "
-        "per-row scales, CPU; docs/quantization.md) (default: none)",
+        "one scale per 16 inputs, CPU; docs/quantization.md) (default: none)",
     )
 
 

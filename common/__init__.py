@@ -10,6 +10,7 @@
   processes carries (sender, channel, direction, sequence; size checked before
   hashing); `frame_drops.py`: what each channel dropped, and why;
 - `model_split.py`: how a model splits across tensor- and pipeline-parallel ranks
-  (`check_tp_size`, `check_pp_size`, `stage_layers`);
+  (`check_tp_size`, `check_pp_size`, `stage_layers`), and int8 weights' scale groups
+  across them (`check_int8_groups`);
 - `json_file.py`: a JSON file read with one-line errors (checkpoints, tokenizers).
 """

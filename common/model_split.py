@@ -13,6 +13,10 @@ class PipelineParallelError(ValueError):
     """A PP size the model's layers cannot be split by."""
 
 
+class Int8GroupError(ValueError):
+    """int8 scale groups that a weight row (or a rank's slice of one) cannot hold whole."""
+
+
 def check_tp_size(
     tp_size: int,
     num_heads: int | None,
@@ -36,6 +40,35 @@ def check_tp_size(
             f"tensor parallel size {tp_size} does not divide the MLP's intermediate size "
             f"{intermediate_size}"
         )
+
+
+# `--quantization int8`: inputs per scale of a weight row (engine/models/int8.py).
+INT8_GROUP_SIZE = 16
+
+
+def check_int8_groups(
+    tp_size: int,
+    hidden_size: int,
+    attention_width: int,
+    intermediate_size: int,
+    group_size: int = INT8_GROUP_SIZE,
+) -> None:
+    """Every int8 matrix's rows split into whole scale groups on every rank: the input
+    widths of QKV and gate/up (hidden), and each rank's slice of the row-parallel ones'
+    (attention output: heads x head_dim; down: the MLP width), so no group spans two
+    ranks."""
+    widths = (
+        ("hidden size", hidden_size, hidden_size),
+        ("attention output's input width", attention_width, attention_width // tp_size),
+        ("MLP's intermediate size", intermediate_size, intermediate_size // tp_size),
+    )
+    for what, total, per_rank in widths:
+        if per_rank % group_size:
+            split = f" / tensor parallel size {tp_size} = {per_rank}" if tp_size > 1 else ""
+            raise Int8GroupError(
+                f"--quantization int8 keeps one scale per {group_size} inputs, which does not "
+                f"divide the model's {what} {total}{split}"
+            )
 
 
 def check_pp_size(pp_size: int, num_layers: int) -> None:

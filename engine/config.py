@@ -32,8 +32,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # auto: the checkpoint's dtype; on CPU float16 → bfloat16, and float32 → bfloat16
     # where the CPU has bf16 dot products (`dtype_name`).
     dtype: str = "auto"
-    # None: weights in `dtype`; "int8": the decoder layers' matrices as int8 with per-row
-    # scales, quantized at load (engine/models/int8.py; CPU only).
+    # None: weights in `dtype`; "int8": the decoder layers' matrices as int8 with one scale
+    # per group of 16 inputs, quantized at load (engine/models/int8.py; CPU only).
     quantization: str | None = None
     block_size: int = 16
     max_num_seqs: int = 256

@@ -28,7 +28,7 @@ def load_model(
 ) -> LlamaForCausalLM:
     """With `tp`, the rank's slice of the model, read as slices from the files; with
     `stage`, only the tensors of the stage's layers (and ends) are read; with
-    `quantization="int8"`, the decoder layers' matrices held as int8 with per-row scales,
+    `quantization="int8"`, the decoder layers' matrices held as int8 with per-group scales,
     quantized as their tensors are read (`engine/models/int8.py`). A folder prepared for a
     GGUF file (`engine/gguf_prepare.py`) reads that file's blocks (`engine/gguf_loader.py`)."""
     source = gguf_source(folder)
@@ -45,8 +45,9 @@ def load_model(
     compute = compute_dtype(dtype, device)
     # Shapes and presence are checked from the file headers before any tensor is read.
     check_weights(folder, model.expected_weights())
-    read_shard = model.quantize_int8().read_shard if quantization == "int8" else model.shard_of
-    model.load_weights(iter_weights(folder, read_shard, model.holds))
+    if quantization == "int8":
+        model.quantize_int8()
+    model.load_weights(iter_weights(folder, model.shard_of, model.holds))
     if compute != dtype:
         store_matrices_narrow(model, dtype)
     return model.eval()

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pdserve.common.model_split import check_pp_size
+from pdserve.common.model_split import check_int8_groups, check_pp_size
 from pdserve.common.request import Request
 from pdserve.common.structured_output import StructuredOutput
 from pdserve.engine import gpu_memory
@@ -109,6 +109,11 @@ class ModelWorker:
         check_tp_size(
             self.tp.size, mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size
         )
+        if config.quantization == "int8":
+            check_int8_groups(
+                self.tp.size, mc.hidden_size, mc.num_attention_heads * mc.head_dim,
+                mc.intermediate_size,
+            )  # fmt: skip
         self.stage = stage = self._stage or PipelineStage.of(mc.num_hidden_layers)
         check_pp_size(stage.size, mc.num_hidden_layers)
         generation_config = load_generation_config(self.model_path)

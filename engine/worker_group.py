@@ -32,7 +32,7 @@ from typing import Any
 
 import msgspec
 
-from pdserve.common.model_split import check_pp_size, check_tp_size
+from pdserve.common.model_split import check_int8_groups, check_pp_size, check_tp_size
 from pdserve.common.structured_output import StructuredOutput
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.devices import use_device
@@ -124,6 +124,11 @@ class WorkerGroupExecutor:
             mc.intermediate_size,
         )
         check_pp_size(self.config.pipeline_parallel_size, mc.num_hidden_layers)
+        if self.config.quantization == "int8":
+            check_int8_groups(
+                self.config.tensor_parallel_size, mc.hidden_size,
+                mc.num_attention_heads * mc.head_dim, mc.intermediate_size,
+            )  # fmt: skip
 
     @property
     def rank_pids(self) -> list[int | None]:

@@ -2,9 +2,10 @@
 like `pdserve.kernels.cpu_ops` (whose library it shares).
 
 Same signature and meaning as `reference.linear_int8_ref`: float32 x against an int8
-weight [N, K] with one float32 scale per output row. The weight is read as int8 and
-widened in registers, never copied; each row's output is independent of the other rows
-of the call, as in the float linear layer.
+weight [N, K] with float32 scales [N, K / G], one per group of G inputs of a row (G = K:
+one per row). The weight is read as int8 and widened in registers, never copied; each
+row's output is independent of the other rows of the call, as in the float linear
+layer.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from pdserve.kernels import reference
 from pdserve.kernels.cpu_ops import CpuKernels, _check, _dtype
+from pdserve.kernels.shapes import int8_group_size
 
 Tensor = torch.Tensor
 
@@ -37,11 +39,9 @@ class CpuInt8Linear:
         n, k = weight.shape
         if x.shape[-1] != k:
             raise ValueError(f"linear_int8: x has {x.shape[-1]} features, weight expects {k}")
-        if scales.dtype != torch.float32 or scales.shape != (n,) or not scales.is_contiguous():
-            raise ValueError(
-                f"linear_int8: scales must be float32 [{n}] and contiguous, got "
-                f"{scales.dtype} {tuple(scales.shape)}"
-            )
+        group = int8_group_size(weight, scales)
+        if not scales.is_contiguous():
+            raise ValueError("linear_int8: scales must be contiguous")
         if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
             raise ValueError(
                 f"linear_int8: bias must be [{n}] and contiguous, got {tuple(bias.shape)}"
@@ -55,7 +55,8 @@ class CpuInt8Linear:
         k_._pack_int8(
             call, 0,
             x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0), scales.data_ptr(),
-            0 if bias is None else bias.data_ptr(), -1 if bias is None else _dtype("bias", bias),
+            k // group, 0 if bias is None else bias.data_ptr(),
+            -1 if bias is None else _dtype("bias", bias),
             y.data_ptr(), n, rows, n, k, torch.get_num_threads(), -1,
         )  # fmt: skip
         _check(k_._int8(call), call)

@@ -43,6 +43,7 @@ _ERRORS = {
     -7: "positions[{i}] is outside the cos/sin cache",
     -8: "head_dim must be even and at most 1024 for the rotary kernel",
     -9: "this build of the CPU kernels (or this CPU) has no bf16 dot-product linear layer",
+    -10: "linear_int8: the scale groups do not split the weight rows into whole vectors",
 }
 
 # Each entry point takes one struct of 8-byte fields (int64, one double for the scale)
@@ -59,9 +60,9 @@ _CALLS = {
     # x, its row stride, weight, its dtype, its row stride, bias, bias dtype, y, its row
     # stride, then m, n, k, bf16 dot products (0/1), threads.
     "linear": ("pd_linear", struct.Struct("<15q")),
-    # x, its row stride, int8 weight, its row stride, scales, bias, bias dtype, y, its row
-    # stride, then m, n, k, threads (kernels/cpu/linear_int8.c).
-    "linear_int8": ("pd_linear_int8", struct.Struct("<14q")),
+    # x, its row stride, int8 weight, its row stride, scales, scales per row, bias, bias
+    # dtype, y, its row stride, then m, n, k, threads (kernels/cpu/linear_int8.c).
+    "linear_int8": ("pd_linear_int8", struct.Struct("<15q")),
     # qkv, positions, cos/sin (and its rows), q_out, cache, slots (pointer, dtype code,
     # strides each), then shapes, threads.
     "rotary": ("pd_rotary_write_kv_cache", struct.Struct("<30q")),

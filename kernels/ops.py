@@ -11,7 +11,7 @@ rotary_embedding = dispatch.dispatched(reference.rotary_embedding_ref, like=1)
 # `weight` may be stored in bfloat16 while x is float32 (a bf16 model on CPU), which the
 # CPU C kernel reads as is.
 linear = dispatch.dispatched(reference.linear_ref)
-# Weight-only int8: an int8 weight with one float32 scale per output row.
+# Weight-only int8: an int8 weight with one float32 scale per group of inputs of a row.
 linear_int8 = dispatch.dispatched(reference.linear_int8_ref)
 # GGUF blocks (Q8_0, Q4_0, Q4_1) kept packed with their scales (kernels/gguf_blocks.py).
 linear_gguf = dispatch.dispatched(gguf_blocks.linear_gguf_ref)

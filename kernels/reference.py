@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.kernels.shapes import int8_group_size
+
 Tensor = torch.Tensor
 
 
@@ -205,8 +207,12 @@ def linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 def linear_int8_ref(
     x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None = None
 ) -> Tensor:
-    """(x @ weight.T) * scales + bias in x's dtype, for an int8 weight quantized per
-    output row (row n of the original matrix ~ weight[n] * scales[n]): the weight-only
-    int8 linear layer. The scale multiplies each output's sum, as the C kernel does."""
-    y = torch.nn.functional.linear(x, weight.to(x.dtype)) * scales.to(x.dtype)
+    """x @ W.T + bias in x's dtype for an int8 weight quantized in groups of G inputs,
+    W[n, k] = weight[n, k] * scales[n, k // G] with scales float32 [N, K / G] (G = K: one
+    scale per output row): the weight-only int8 linear layer. W is dequantized in float32,
+    the weights the C kernel multiplies by."""
+    group = int8_group_size(weight, scales)
+    n, k = weight.shape
+    w = (weight.float().view(n, k // group, group) * scales[:, :, None]).view(n, k)
+    y = torch.nn.functional.linear(x, w.to(x.dtype))
     return y if bias is None else y + bias.to(x.dtype)

@@ -1,6 +1,8 @@
-"""Argument checks that every implementation of the paged-attention ops makes alike, with
-the same messages: the C kernels' bindings (`cpu_ops`, `cpu_layer_ops`) and the Triton
-launches (`triton_common`). Torch only, so the CPU path never imports triton."""
+"""Argument checks that every implementation of an op makes alike, with the same
+messages: the paged-attention ops of the C kernels' bindings (`cpu_ops`, `cpu_layer_ops`)
+and the Triton launches (`triton_common`), and the int8 linear layer's scale groups (its
+C binding `cpu_int8` and its reference). Torch only, so the CPU path never imports
+triton."""
 
 from __future__ import annotations
 
@@ -25,3 +27,26 @@ def check_heads(num_heads: int, num_kv_heads: int) -> int:
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     return num_heads // num_kv_heads
+
+
+# A row of several int8 scale groups: each group is whole vectors of 16 floats (AVX-512's
+# width; AVX2's 8 divides it), so a vector of widened weights has one scale.
+INT8_GROUP_MULTIPLE = 16
+
+
+def int8_group_size(weight: torch.Tensor, scales: torch.Tensor) -> int:
+    """Inputs per scale of an int8 weight [N, K] with float32 scales [N, K / G]: G."""
+    n, k = weight.shape
+    groups = scales.shape[-1] if scales.dim() == 2 else 0
+    if scales.dtype != torch.float32 or scales.shape[0] != n or groups < 1 or k % groups:
+        raise ValueError(
+            f"linear_int8: scales must be float32 [{n}, K / G] for a group size G dividing "
+            f"K = {k}, got {scales.dtype} {tuple(scales.shape)}"
+        )
+    group = k // groups
+    if groups > 1 and group % INT8_GROUP_MULTIPLE:
+        raise ValueError(
+            f"linear_int8: a group of {group} inputs is not a multiple of "
+            f"{INT8_GROUP_MULTIPLE} (nor the whole row of {k})"
+        )
+    return group

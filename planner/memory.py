@@ -1,8 +1,11 @@
 """GPU memory arithmetic: weights, KV cache, overheads, and the tensor parallelism needed.
 
-- Weights: quantizable linear layers at the weight dtype's size (BF16/FP16 2 B, FP8 and
-  INT8 1 B, INT4 0.5 B plus group metadata: one FP16 scale and one FP16 zero point per
-  128 weights, 0.03125 B per weight); embeddings, output head and norms stay 16-bit.
+- Weights: quantizable linear layers at the weight dtype's size (BF16/FP16 2 B, FP8 1 B,
+  INT8 1 B plus one FP32 scale per 16 inputs as `--quantization int8` stores them,
+  0.25 B per weight; INT4 0.5 B plus group metadata: one FP16 scale and one FP16 zero
+  point per 128 weights, 0.03125 B per weight); embeddings, output head and norms stay
+  16-bit. INT8's scale groups also bound the TP sizes: a rank's slice of a row-parallel
+  matrix holds whole groups (serve's rule, `common.model_split.check_int8_groups`).
 - KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x KV dtype size.
 - Overheads are ranges, not points: the CUDA context, allocator slack and NCCL
   buffers; the activations of the largest batch (hidden states and MLP intermediates of
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.common.model_split import INT8_GROUP_SIZE, Int8GroupError, check_int8_groups
 from pdserve.planner.model_config import ModelShape
 
 GIB = 1024**3
@@ -33,6 +37,7 @@ DTYPE_BYTES = {
 }
 INT4_GROUP_SIZE = 128
 INT4_METADATA_BYTES_PER_GROUP = 4.0  # FP16 scale + FP16 zero point
+INT8_METADATA_BYTES_PER_GROUP = 4.0  # one FP32 scale (engine/models/int8.py)
 KV_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half", "fp8", "int8")
 
 RUNTIME_GIB = (0.5, 1.0)  # CUDA context, allocator slack
@@ -52,6 +57,8 @@ def bytes_per_weight(dtype: str) -> float:
     size = dtype_bytes(dtype)
     if dtype == "int4":
         size += INT4_METADATA_BYTES_PER_GROUP / INT4_GROUP_SIZE
+    if dtype == "int8":
+        size += INT8_METADATA_BYTES_PER_GROUP / INT8_GROUP_SIZE
     return size
 
 
@@ -88,17 +95,30 @@ def kv_heads_per_gpu(shape: ModelShape, tp: int) -> int:
     raise ValueError(f"TP {tp} does not divide the {shape.num_kv_heads} KV heads")
 
 
-def valid_tp_sizes(shape: ModelShape) -> list[int]:
+def valid_tp_sizes(shape: ModelShape, dtype: str | None = None) -> list[int]:
     """The TP sizes `pdserve serve` can run for this shape: a size that divides the KV
     heads, the attention heads and the MLP width (the same rule as serve's; the planner
-    may not import the engine, so it is repeated here and tested against it)."""
+    may not import the engine, so it is repeated here and tested against it); with int8
+    weights, also one whose rank slices hold whole scale groups."""
     return [
         tp
         for tp in TP_CANDIDATES
         if shape.num_attention_heads % tp == 0
         and shape.num_kv_heads % tp == 0
         and shape.intermediate_size % tp == 0
+        and (dtype != "int8" or _int8_groups_fit(shape, tp))
     ]
+
+
+def _int8_groups_fit(shape: ModelShape, tp: int) -> bool:
+    try:
+        check_int8_groups(
+            tp, shape.hidden_size, shape.num_attention_heads * shape.head_dim,
+            shape.intermediate_size,
+        )  # fmt: skip
+    except Int8GroupError:
+        return False
+    return True
 
 
 def activation_bytes(
@@ -177,7 +197,7 @@ def plan_memory(shape: ModelShape, inputs: MemoryInputs) -> dict:
     dtype = resolve_dtype(inputs.dtype, shape)
     kv_dtype = resolve_kv_dtype(inputs.kv_cache_dtype, dtype)
     params = shape.parameter_count()
-    per_tp = [memory_at_tp(shape, inputs, tp) for tp in valid_tp_sizes(shape)]
+    per_tp = [memory_at_tp(shape, inputs, tp) for tp in valid_tp_sizes(shape, dtype)]
     one_sequence = next((m["tp"] for m in per_tp if m["fits_one_sequence"]), None)
     full = next((m["tp"] for m in per_tp if m["fits_max_num_seqs"]), None)
     return {

@@ -69,7 +69,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.layer_index = layer_index
-        self.qkv_scales = self.o_scales = None  # per-row scales of int8 weights (int8.py)
+        self.qkv_scales = self.o_scales = None  # per-group scales of int8 weights (int8.py)
 
     def forward(
         self,
@@ -127,7 +127,7 @@ class MLP(nn.Module):
                 torch.empty(2 * self.intermediate), requires_grad=False
             )
             self.down_bias = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
-        self.gate_up_scales = self.down_scales = None  # per-row scales of int8 weights
+        self.gate_up_scales = self.down_scales = None  # per-group scales of int8 weights
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = project(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_scales)
@@ -196,9 +196,9 @@ class LlamaForCausalLM(nn.Module):
         self.int8: Int8Linears | None = None  # set by `quantize_int8`
 
     def quantize_int8(self) -> Int8Linears:
-        """Every decoder layer's matrices become int8 with per-row scales, before the
+        """Every decoder layer's matrices become int8 with per-group scales, before the
         checkpoint is read (`engine/models/int8.py`)."""
-        self.int8 = Int8Linears(self.layers, self.shard_of, self.tp.enabled)
+        self.int8 = Int8Linears(self.layers)
         return self.int8
 
     @property
@@ -358,7 +358,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy Hugging Face tensors into the fused parameters, checking every shape."""
-        expected = {name: self._read_shape(name, shape) for name, shape in self.expected_weights()}
+        expected = {name: self._local_shape(name, shape) for name, shape in self.expected_weights()}
         seen: set[str] = set()
         for name, tensor in weights:
             if name not in expected:
@@ -373,7 +373,7 @@ class LlamaForCausalLM(nn.Module):
                 )
             param, offset = self.target_of(name)
             if self.int8 is not None and self.int8.holds(param):
-                self.int8.store(name, tensor, param, offset)
+                self.int8.store(tensor, param, offset)
             else:
                 param.data[offset : offset + tensor.shape[0]].copy_(tensor)
             seen.add(name)
@@ -381,12 +381,6 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise WeightError(f"checkpoint lacks tensor {missing[0]!r}{more}")
-
-    def _read_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape of what loading reads: this rank's part, or all of an int8
-        row-parallel matrix (its scales need whole rows)."""
-        whole = self.int8 is not None and self.int8.reads_whole(name)
-        return shape if whole else self._local_shape(name, shape)
 
     def _local_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         shard = self.shard_of(name)

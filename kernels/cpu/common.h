@@ -45,6 +45,7 @@ enum {
     PD_BAD_POSITION = -7,    /* rotary: a position outside the cos/sin table */
     PD_BAD_HEAD_DIM = -8,    /* rotary: an odd head_dim, or one past its buffers */
     PD_UNSUPPORTED = -9,     /* a path this build or CPU does not have */
+    PD_BAD_INT8_GROUPS = -10, /* int8 linear: groups that do not split K in whole vectors */
 };
 
 typedef float v8f __attribute__((vector_size(32)));

@@ -1,11 +1,17 @@
-/* Weight-only int8 linear layer: y[M, N] = (x[M, K] @ Q[N, K]^T) * scale[N] (+ bias), for
- * int8 weights Q quantized per output row (W[n] ~ Q[n] * scale[n]) and float32 x and y.
+/* Weight-only int8 linear layer: y[M, N] = x[M, K] @ (Q[N, K] * S)^T (+ bias), for int8
+ * weights Q quantized in groups of G inputs along K, one float32 scale per group
+ * (W[n, k] ~ Q[n, k] * S[n, k / G], S of [N, K / G]), and float32 x and y. G = K is one
+ * scale per output row.
  *
  * The weights stay int8 in memory (a quarter of float32's bytes, half of bf16's: at
  * decode sizes the layer is bound by streaming them) and widen to float32 in registers,
  * sixteen (AVX-512) or eight (AVX2) at a time: a sign extension and a conversion, both
- * exact. Products accumulate in float32 with FMAs; each output's sum is multiplied by
- * its row's scale once, then the bias is added.
+ * exact. Each widened vector is multiplied by its group's scale (G is a multiple of the
+ * vector width when a row has several groups, so a vector lies in one group): the
+ * product is float32's rounding of Q * S, the very weight the plain-torch reference
+ * dequantizes, and one multiply per weight vector serves all R rows of x, where a
+ * per-group partial sum would cost an extra accumulator and FMA per (row, column).
+ * Products accumulate in float32 with FMAs, then the bias is added.
  *
  * Invariance, as in linear.c: y[m, n] is one accumulator vector over K (lane j sums a
  * fixed subset of k in increasing order; the last partial vector reads x zero-padded and
@@ -30,6 +36,7 @@ ALWAYS_INLINE vec vec_x(const float *p) { return _mm512_load_ps(p); }
 ALWAYS_INLINE vec vec_w(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+ALWAYS_INLINE vec vec_scale(vec w, const float *s) { return _mm512_mul_ps(w, _mm512_set1_ps(*s)); }
 ALWAYS_INLINE vec vec_fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 ALWAYS_INLINE float vec_sum(vec v) { return _mm512_reduce_add_ps(v); }
 #define COLS(R) ((R) == 1 ? 24 : (R) == 2 ? 12 : (R) == 3 ? 8 : 6)
@@ -42,6 +49,7 @@ ALWAYS_INLINE vec vec_x(const float *p) { return _mm256_load_ps(p); }
 ALWAYS_INLINE vec vec_w(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
+ALWAYS_INLINE vec vec_scale(vec w, const float *s) { return _mm256_mul_ps(w, _mm256_set1_ps(*s)); }
 ALWAYS_INLINE vec vec_fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 ALWAYS_INLINE float vec_sum(vec v) { /* halves of 4, 2, 1 lanes */
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -56,6 +64,7 @@ typedef float vec;
 ALWAYS_INLINE vec vec_zero(void) { return 0.0f; }
 ALWAYS_INLINE vec vec_x(const float *p) { return *p; }
 ALWAYS_INLINE vec vec_w(const int8_t *p) { return (float)*p; }
+ALWAYS_INLINE vec vec_scale(vec w, const float *s) { return w * *s; }
 ALWAYS_INLINE vec vec_fma(vec a, vec b, vec c) { return fmaf(a, b, c); }
 ALWAYS_INLINE float vec_sum(vec v) { return v; }
 #define COLS(R) ((R) == 1 ? 12 : (R) == 2 ? 6 : (R) == 3 ? 4 : 3)
@@ -69,42 +78,48 @@ typedef struct {
     const float *xp; /* packed x: rows of kp floats (K rounded up to LANES), zero-padded */
     const int8_t *w;
     int64_t w_rs;
-    const float *scales;
+    const float *scales; /* [N, groups], rows contiguous */
+    int64_t groups;      /* scales per weight row */
     const void *bias;
     int bias_dt; /* -1: none */
     float *y;
     int64_t y_rs;
-    int k, kp;
+    int k, kp, group; /* group: inputs per scale (K / groups) */
 } int8_args;
 
 /* R rows of packed x times C weight rows from w: y[r][c] for the tile. */
 ALWAYS_INLINE void tile(const int8_args *A, const float *xp, const int8_t *w, int64_t n, float *y,
                         const int R, const int C) {
-    const int K = A->k, KV = K & ~(LANES - 1), KP = A->kp;
-    const int64_t rs = A->w_rs;
+    const int K = A->k, KV = K & ~(LANES - 1), KP = A->kp, G = A->group;
+    const int64_t rs = A->w_rs, gs = A->groups;
+    const float *s = A->scales + n * gs; /* row n's scales; row n + c's at + c * gs */
     vec acc[MAX_ACC];
 #pragma GCC unroll 24
     for (int i = 0; i < R * C; i++) acc[i] = vec_zero();
-    for (int k = 0; k < KV; k += LANES) {
-        vec xv[MAX_R];
+    /* Group by group (G >= K: one group, cut at KV); a group's vectors share its scale. */
+    for (int g0 = 0, g = 0; g0 < KV; g0 += G, g++) {
+        const int g1 = g0 + G < KV ? g0 + G : KV;
+        for (int k = g0; k < g1; k += LANES) {
+            vec xv[MAX_R];
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) xv[r] = vec_x(xp + r * KP + k);
+            for (int r = 0; r < R; r++) xv[r] = vec_x(xp + r * KP + k);
 #pragma GCC unroll 24
-        for (int c = 0; c < C; c++) {
-            const int8_t *row = w + c * rs + k;
-            /* The next tile's rows, a 64-byte line at a time (as linear.c). */
-            if (!(k & 63)) __builtin_prefetch(row + C * rs, 0, 0);
-            const vec wv = vec_w(row);
+            for (int c = 0; c < C; c++) {
+                const int8_t *row = w + c * rs + k;
+                /* The next tile's rows, a 64-byte line at a time (as linear.c). */
+                if (!(k & 63)) __builtin_prefetch(row + C * rs, 0, 0);
+                const vec wv = vec_scale(vec_w(row), s + c * gs + g);
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) acc[r * C + c] = vec_fma(xv[r], wv, acc[r * C + c]);
+                for (int r = 0; r < R; r++) acc[r * C + c] = vec_fma(xv[r], wv, acc[r * C + c]);
+            }
         }
     }
-    if (KV < K) { /* the last partial vector: weights past K read as zero */
+    if (KV < K) { /* the last partial vector (only in a one-group row): weights past K zero */
 #pragma GCC unroll 24
         for (int c = 0; c < C; c++) {
             int8_t tail[16] = {0};
             memcpy(tail, w + c * rs + KV, (size_t)(K - KV));
-            const vec wv = vec_w(tail);
+            const vec wv = vec_scale(vec_w(tail), s + c * gs + KV / G);
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++)
                 acc[r * C + c] = vec_fma(vec_x(xp + r * KP + KV), wv, acc[r * C + c]);
@@ -114,9 +129,9 @@ ALWAYS_INLINE void tile(const int8_args *A, const float *xp, const int8_t *w, in
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 24
         for (int c = 0; c < C; c++) {
-            float s = vec_sum(acc[r * C + c]) * A->scales[n + c];
-            if (A->bias_dt >= 0) s += load_scalar(A->bias, A->bias_dt, n + c);
-            y[r * A->y_rs + c] = s;
+            float v = vec_sum(acc[r * C + c]);
+            if (A->bias_dt >= 0) v += load_scalar(A->bias, A->bias_dt, n + c);
+            y[r * A->y_rs + c] = v;
         }
 }
 
@@ -143,22 +158,25 @@ static void pack_x(const float *x, int64_t x_rs, int64_t m, int k, int kp, float
 
 /* The call's arguments as one struct of 8-byte fields (kernels/cpu_ops.py packs it). */
 typedef struct {
-    int64_t x, x_rs, w, w_rs, scales, bias, bias_dt, y, y_rs;
+    int64_t x, x_rs, w, w_rs, scales, groups, bias, bias_dt, y, y_rs;
     int64_t m, n, k, num_threads, bad;
 } pd_linear_int8_call;
 
 int64_t pd_linear_int8_call_size(void) { return sizeof(pd_linear_int8_call); }
 
 int pd_linear_int8(pd_linear_int8_call *c) {
-    const int64_t m = c->m, n = c->n, k = c->k;
+    const int64_t m = c->m, n = c->n, k = c->k, groups = c->groups;
     if (m == 0 || n == 0) return PD_OK;
+    /* Checked in Python (kernels/cpu_int8.py); refused here too rather than read past S. */
+    if (groups < 1 || k % groups || (groups > 1 && (k / groups) % LANES)) return PD_BAD_INT8_GROUPS;
     const int kp = (int)((k + LANES - 1) & ~(int64_t)(LANES - 1));
     float *xp = linear_scratch((size_t)(m * kp) * sizeof(float));
     if (!xp) return PD_NO_MEMORY;
     pack_x(PTR(c->x), c->x_rs, m, (int)k, kp, xp);
     int8_args A = {.xp = xp, .w = PTR(c->w), .w_rs = c->w_rs, .scales = PTR(c->scales),
-                   .bias = PTR(c->bias), .bias_dt = (int)c->bias_dt, .y = PTR(c->y),
-                   .y_rs = c->y_rs, .k = (int)k, .kp = kp};
+                   .groups = groups, .bias = PTR(c->bias), .bias_dt = (int)c->bias_dt,
+                   .y = PTR(c->y), .y_rs = c->y_rs, .k = (int)k, .kp = kp,
+                   .group = (int)(k / groups)};
     linear_plan P = {.rows = rows_r, .args = &A, .m = m, .n = n, .unit_n = UNIT_N,
                      .x_rows = linear_block_rows(X_BLOCK_BYTES, kp * 4),
                      .w_units = linear_block_units(UNIT_N * k)};

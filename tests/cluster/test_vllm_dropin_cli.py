@@ -3,6 +3,7 @@ and defaults in --help. Parsing only; nothing starts."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -123,3 +124,23 @@ def test_tensor_parallel_sizes_are_checked_against_the_heads() -> None:
         ServeError, match=r"--pipeline-parallel-size: .* exceeds the model's \d+ layers"
     ):
         plan_of("-pp", "1000")
+
+
+def test_int8_tensor_parallel_sizes_keep_whole_scale_groups(tmp_path: Path) -> None:
+    """Two heads of 40 split 2 ways, but a rank's 40 columns of the attention output
+    would cut an int8 group of 16."""
+    config = {
+        "architectures": ["LlamaForCausalLM"], "torch_dtype": "float32", "vocab_size": 101,
+        "hidden_size": 96, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 40,
+        "max_position_embeddings": 64,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert plan_of(str(tmp_path), "-tp", "2").tensor_parallel["colocated"] == 2
+    with pytest.raises(ServeError) as refused:
+        plan_of(str(tmp_path), "-tp", "2", "--quantization", "int8")
+    assert str(refused.value).endswith(
+        "tensor-parallel-size: --quantization int8 keeps one scale per 16 inputs, which does "
+        "not divide the model's attention output's input width 80 / tensor parallel size "
+        "2 = 40"
+    )

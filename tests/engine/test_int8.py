@@ -1,7 +1,8 @@
-"""`quantization="int8"`: the decoder layers' matrices held as int8 with per-row scales
-(never a float copy), the tensor-parallel slice rule on int8 rows and their scales, the
-embedded model's greedy output against float32's, and a broken quantization (scales off
-by a factor) caught by the quality check's verdict."""
+"""`quantization="int8"`: the decoder layers' matrices held as int8 with one scale per
+group of 16 inputs (never a float copy), the tensor-parallel slice rule on int8 rows,
+columns and their scale groups, a shape the groups do not split refused, the embedded
+model's greedy output against float32's, and a broken quantization (scales off by a
+factor) caught by the quality check's verdict."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.checkpoint import load_model_config
 from pdserve.engine.loader import load_model
-from pdserve.engine.models.int8 import SCALES_SUFFIX, quantize_rows
+from pdserve.engine.models.int8 import GROUP_SIZE, SCALES_SUFFIX, quantize_groups
 from pdserve.engine.parallel import TensorParallel
 from pdserve.engine.synthetic_model import SyntheticLlamaConfig, random_llama, save_checkpoint
 from pdserve.eval.client import Reply
@@ -50,14 +51,18 @@ def int8_llm():
     return _llm("int8")
 
 
-def test_quantize_rows_rounds_each_row_to_its_scale() -> None:
+def test_quantize_groups_rounds_each_group_to_its_scale() -> None:
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(7, 33, generator=gen) * torch.arange(1, 8).float()[:, None]
-    w[3] = 0.0
-    q, scales = quantize_rows(w)
-    assert q.dtype == torch.int8 and scales.dtype == torch.float32 and scales.shape == (7,)
-    assert int(q.abs().max()) == 127 and scales[3] == 1.0 and not q[3].any()
-    assert ((q.float() * scales[:, None] - w).abs() <= scales[:, None] / 2 + 1e-7).all()
+    w = torch.randn(7, 96, generator=gen) * torch.arange(1, 97).float()  # groups differ
+    w[3, 32:64] = 0.0
+    q, scales = quantize_groups(w, 32)
+    assert q.dtype == torch.int8 and scales.dtype == torch.float32 and scales.shape == (7, 3)
+    assert (q.view(7, 3, 32).abs().amax(dim=2) == 127).sum() == 20  # all but the zero group
+    assert scales[3, 1] == 1.0 and not q[3, 32:64].any()
+    per_input = scales.repeat_interleave(32, dim=1)
+    assert ((q.float() * per_input - w).abs() <= per_input / 2 + 1e-6).all()
+    with pytest.raises(ValueError, match="rows of 33 inputs do not split into groups of 32"):
+        quantize_groups(torch.ones(2, 33), 32)
 
 
 def test_the_decoder_matrices_are_int8_and_the_ends_keep_the_dtype(float32_llm, int8_llm):
@@ -71,12 +76,18 @@ def test_the_decoder_matrices_are_int8_and_the_ends_keep_the_dtype(float32_llm, 
                 getattr(module, prefix + "_scales"),
             )
             assert weight.dtype == torch.int8 and scales.dtype == torch.float32
-            assert scales.shape == (weight.shape[0],)
+            assert scales.shape == (weight.shape[0], weight.shape[1] // GROUP_SIZE)
     assert model.embed.dtype == torch.float32  # tied LM head: kept in the serving dtype
-    floats = [p for n, p in model.named_parameters() if p.is_floating_point() and p.dim() == 2]
+    floats = [
+        p
+        for n, p in model.named_parameters()
+        if p.is_floating_point() and p.dim() == 2 and not n.endswith(SCALES_SUFFIX)
+    ]
     assert [p is model.embed for p in floats] == [True]  # no float copy of a matrix kept
     int8_bytes, f32_bytes = int8_llm.engine.info.weight_bytes, float32_llm.engine.info.weight_bytes
-    assert int8_bytes < 0.45 * f32_bytes, (int8_bytes, f32_bytes)
+    # 1.25 bytes per layer weight (int8 and a float32 scale per 16) against 4, and the
+    # float32 embedding: 0.457 of float32's bytes.
+    assert int8_bytes < 0.47 * f32_bytes, (int8_bytes, f32_bytes)
 
 
 def test_greedy_tokens_equal_float32s_but_at_near_ties(float32_llm, int8_llm):
@@ -104,25 +115,28 @@ def test_an_unknown_quantization_is_one_line_naming_the_choices():
     assert str(refused.value) == "quantization must be one of int8; got 'int4'"
 
 
-def _tiny_checkpoint(folder) -> str:
-    """A random Llama whose 6 heads, 3 KV heads and 96 MLP rows split 3 ways."""
+def _tiny_checkpoint(folder, hidden: int = 96) -> str:
+    """A random Llama whose 6 heads, 3 KV heads and 192 MLP rows split 3 ways; at TP=3 a
+    rank's slice of a row-parallel matrix is whole groups of 16 (attention output 2,
+    down 4)."""
     cfg = SyntheticLlamaConfig(
-        vocab_size=101, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=3, head_dim=8, max_position_embeddings=64,
+        vocab_size=101, hidden_size=hidden, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=3, head_dim=16, max_position_embeddings=64,
     )  # fmt: skip
     model = random_llama(cfg, torch.float32, "cpu", std=0.3)
     config = {
         "architectures": ["LlamaForCausalLM"], "torch_dtype": "float32", "vocab_size": 101,
-        "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2,
-        "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8,
+        "hidden_size": hidden, "intermediate_size": 192, "num_hidden_layers": 2,
+        "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 16,
         "max_position_embeddings": 64, "tie_word_embeddings": False,
     }  # fmt: skip
     return save_checkpoint(model, folder, config)
 
 
 def test_tp3_ranks_hold_the_whole_models_int8_rows_columns_and_scales(tmp_path):
-    """Column-parallel (QKV, gate/up): a rank's output rows and their scales.
-    Row-parallel (output, down): a rank's input columns, and every scale."""
+    """Column-parallel (QKV, gate/up): a rank's output rows and their scale rows.
+    Row-parallel (output, down): a rank's input columns and their groups' scales, read
+    from the rank's slice alone."""
     folder = _tiny_checkpoint(tmp_path / "tiny")
     mc = load_model_config(folder)
     whole = load_model(folder, mc, torch.float32, quantization="int8")
@@ -131,26 +145,26 @@ def test_tp3_ranks_hold_the_whole_models_int8_rows_columns_and_scales(tmp_path):
         for r in range(3)
     ]
     w0 = whole.layers[0]
-    q, kv, inter = 16, 8, 32  # each rank's query rows, KV rows, MLP rows
+    q, kv, inter = 32, 16, 64  # each rank's query rows, KV rows, MLP rows
     for r, rank in enumerate(ranks):
         layer = rank.layers[0]
         qkv_rows = torch.cat([
             torch.arange(r * q, (r + 1) * q),
-            48 + torch.arange(r * kv, (r + 1) * kv),
-            72 + torch.arange(r * kv, (r + 1) * kv),
+            96 + torch.arange(r * kv, (r + 1) * kv),
+            144 + torch.arange(r * kv, (r + 1) * kv),
         ])  # fmt: skip
         assert torch.equal(layer.attn.qkv_weight, w0.attn.qkv_weight[qkv_rows])
         assert torch.equal(layer.attn.qkv_scales, w0.attn.qkv_scales[qkv_rows])
         gate_up_rows = torch.cat([torch.arange(r * inter, (r + 1) * inter),
-                                  96 + torch.arange(r * inter, (r + 1) * inter)])  # fmt: skip
+                                  192 + torch.arange(r * inter, (r + 1) * inter)])  # fmt: skip
         assert torch.equal(layer.mlp.gate_up_weight, w0.mlp.gate_up_weight[gate_up_rows])
         assert torch.equal(layer.mlp.gate_up_scales, w0.mlp.gate_up_scales[gate_up_rows])
         assert torch.equal(layer.attn.o_weight, w0.attn.o_weight[:, r * q : (r + 1) * q])
-        assert torch.equal(layer.attn.o_scales, w0.attn.o_scales)
+        assert torch.equal(layer.attn.o_scales, w0.attn.o_scales[:, 2 * r : 2 * r + 2])
         assert torch.equal(
             layer.mlp.down_weight, w0.mlp.down_weight[:, r * inter : (r + 1) * inter]
         )
-        assert torch.equal(layer.mlp.down_scales, w0.mlp.down_scales)
+        assert torch.equal(layer.mlp.down_scales, w0.mlp.down_scales[:, 4 * r : 4 * r + 4])
 
 
 def test_bfloat16_with_int8_keeps_int8_and_float32_scales(tmp_path):
@@ -164,8 +178,16 @@ def test_bfloat16_with_int8_keeps_int8_and_float32_scales(tmp_path):
     assert layer.mlp.down_weight.dtype == torch.int8
     assert layer.mlp.down_scales.dtype == torch.float32
     assert model.lm_head.dtype == torch.bfloat16
-    q, scales = quantize_rows(full.layers[1].mlp.down_weight)
+    q, scales = quantize_groups(full.layers[1].mlp.down_weight)
     assert torch.equal(layer.mlp.down_weight, q) and torch.equal(layer.mlp.down_scales, scales)
+
+
+def test_a_hidden_size_the_groups_do_not_split_is_refused_before_reading(tmp_path):
+    folder = _tiny_checkpoint(tmp_path / "tiny", hidden=40)
+    with pytest.raises(ValueError) as refused:
+        load_model(folder, load_model_config(folder), torch.float32, quantization="int8")
+    assert str(refused.value).startswith("int8: rows of 40 inputs do not split into groups")
+    assert "\n" not in str(refused.value)
 
 
 def _replies(llm, items) -> list[Reply]:

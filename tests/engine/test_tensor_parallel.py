@@ -106,8 +106,8 @@ def test_tp3_on_the_embedded_model_and_tp2_refused() -> None:
 
 
 def test_tp3_int8_computes_what_tp1_int8_does_on_the_embedded_model() -> None:
-    """Ranks hold their int8 rows (QKV, gate/up) or columns (output, down, with every
-    scale): the split model's tokens and log-probabilities are the whole one's."""
+    """Ranks hold their int8 rows (QKV, gate/up) or columns (output, down, with their
+    groups' scales): the split model's tokens and log-probabilities are the whole one's."""
     prompts = ["The capital of France is", "def fibonacci(n):"]
     whole = _run(_llm(None, 1, quantization="int8"), prompts)
     split_llm = _llm(None, 3, quantization="int8")

@@ -21,6 +21,7 @@ from pdserve.planner.memory import (
     MemoryInputs,
     kv_bytes_per_token,
     plan_memory,
+    valid_tp_sizes,
     weight_bytes,
 )
 from pdserve.planner.model_config import ModelShape, checkpoint_parameter_count, load_config
@@ -123,6 +124,29 @@ def test_weight_bytes_by_dtype() -> None:
     # INT4: 0.5 B per weight plus a 4-byte scale/zero pair per group of 128.
     assert weight_bytes(shape, "int4") == 6_979_321_856 * (0.5 + 4 / 128) + 1_050_939_392 * 2
     assert weight_bytes(shape, "int4") == 5_809_643_520
+    # INT8 as `--quantization int8` stores it: 1 B per weight plus a float32 scale per 16.
+    assert weight_bytes(shape, "int8") == 6_979_321_856 * (1 + 4 / 16) + 1_050_939_392 * 2
+    assert weight_bytes(shape, "int8") == 10_826_031_104
+
+
+def test_int8_weights_offer_only_the_tp_sizes_whose_slices_hold_whole_groups() -> None:
+    """An MLP of 14368 = 898 x 16 rows: at TP 4 a rank's 3592 columns of the down
+    projection would cut a group of 16, so int8 stops at TP 2 where bfloat16 goes to 8."""
+    from pdserve.common.model_split import Int8GroupError, check_int8_groups
+
+    shape = ModelShape.from_config({**LLAMA3_8B, "intermediate_size": 14368})
+    assert valid_tp_sizes(shape, "bfloat16") == [1, 2, 4, 8]
+    assert valid_tp_sizes(shape, "int8") == [1, 2]
+    plan = plan_memory(shape, MemoryInputs(dtype="int8"))
+    assert [m["tp"] for m in plan["per_tp"]] == [1, 2]
+    for tp in (1, 2, 4, 8):
+        width = shape.num_attention_heads * shape.head_dim
+        try:
+            check_int8_groups(tp, shape.hidden_size, width, shape.intermediate_size)
+        except Int8GroupError:
+            assert tp not in valid_tp_sizes(shape, "int8")
+        else:
+            assert tp in valid_tp_sizes(shape, "int8")
 
 
 def test_memory_plan_finds_the_tensor_parallelism_needed() -> None:
