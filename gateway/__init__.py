@@ -26,7 +26,8 @@
   and the global scheduler it drives (`global_scheduler.py`, `routing.py`: admission,
   routing policies, failover); a failed step's requests moved on
   (`step_failures.py`); instances' books asked for (`inspections.py`).
-- Operators: `/admin/*` (`admin.py`: drain an instance, scale a pool, through the
-  cluster's `PoolControl`), `/debug/*` (`debug.py`, mounted only with
+- Operators: `/admin/*` (`admin.py`: drain an instance, scale a pool, switch an
+  instance's role, through the cluster's `PoolControl`; `role_switch.py`: one switch
+  carried out; `role_metrics.py`: its series), `/debug/*` (`debug.py`, mounted only with
   `--enable-test-hooks`).
 """

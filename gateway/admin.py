@@ -1,4 +1,4 @@
-"""Operator routes behind the admin key: drain an instance, scale a pool.
+"""Operator routes behind the admin key: drain an instance, scale a pool, switch roles.
 
 - `POST /admin/instances/{id}/drain`: routing sends it nothing new, it is never
   restarted, the requests it has finish, then it is stopped and leaves `/health`.
@@ -6,8 +6,14 @@
   more instances start (a few at a time, on the cluster's threads) and join their pool
   once loaded, or the newest drain as above. A size over the pool's `--max-pool-size`
   is a 400.
+- `POST /admin/instances/{id}/role` `{"role": "decode", "reason": "..."}`: answers 202
+  at once; the instance leaves its pool for the other without reloading its weights or
+  restarting its process (`gateway/role_switch.py`), under the same id, in the next
+  epoch. A 409 names why not: a configuration unlike the pool's, the pool at its
+  `--max-pool-size`, no decode or colocated instance left, another change of the
+  instance (switch or drain) under way, or the role it has.
 
-Neither drops nor fails a request. Starting and stopping processes is the cluster's
+None drops nor fails a request. Starting and stopping processes is the cluster's
 (`Gateway.pools`, a `PoolControl` that `pdserve serve` sets); without one these routes
 answer 501. The gateway only stops routing to a draining instance and waits for it to
 empty.
@@ -16,7 +22,8 @@ empty.
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
 import msgspec
 from fastapi import APIRouter, Request
@@ -24,9 +31,11 @@ from starlette.responses import Response
 
 from pdserve.gateway.errors import APIError
 from pdserve.gateway.gateway import Gateway
-from pdserve.gateway.routing import ROLES_THAT_DECODE
+from pdserve.gateway.role_switch import RoleSwitcher
+from pdserve.gateway.routing import ROLES_THAT_DECODE, InstanceView
 
 DRAIN_POLL_S = 0.2
+ROLES = ("prefill", "decode", "colocated")
 
 
 class PoolControl(Protocol):
@@ -53,14 +62,39 @@ class PoolControl(Protocol):
         """Stops its process (it leaves the gateway's books when its exit is seen)."""
         ...
 
+    def fit(self, instance_id: str, role: str) -> str | None:
+        """Why the instance cannot join `role`'s pool (None: it can)."""
+        ...
+
+    def claim(self, instance_id: str) -> bool:
+        """Starts a change of the instance (drain, switch): False while one runs."""
+        ...
+
+    def busy(self, instance_id: str) -> bool:
+        """Whether a change of the instance runs."""
+        ...
+
+    def release(self, instance_id: str) -> None:
+        """The change of the instance ended."""
+        ...
+
+    def move(self, instance_id: str, role: str) -> None:
+        """The instance belongs to `role`'s pool now (restarts start it there)."""
+        ...
+
 
 class ScaleBody(msgspec.Struct, forbid_unknown_fields=True):
     size: int
 
 
+class RoleBody(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    reason: str = "operator request"  # written to the gateway's log with the switch
+
+
 def admin_router(gateway: Gateway) -> APIRouter:
     router = APIRouter(prefix="/admin")
-    draining: set[asyncio.Task] = set()  # held so the loop does not drop them
+    changing: set[asyncio.Task] = set()  # drains and switches, held so the loop keeps them
 
     def pools() -> PoolControl:
         if gateway.pools is None:
@@ -69,22 +103,33 @@ def admin_router(gateway: Gateway) -> APIRouter:
             )
         return gateway.pools
 
+    def keep(coroutine: Coroutine[Any, Any, object]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        changing.add(task)
+        task.add_done_callback(changing.discard)
+
+    def refuse_busy(instance_ids: list[str]) -> None:
+        for instance_id in instance_ids:
+            if pools().busy(instance_id):
+                message = f"another change of {instance_id} is under way"
+                raise APIError(409, message, code="conflict")
+
     def drain(instance_id: str) -> None:
         control = pools()
+        control.claim(instance_id)  # for good: it stops
         view = gateway.scheduler.views.get(instance_id)
         control.retire(instance_id)
         if view is None or not view.alive:
             control.stop(instance_id)  # still loading, or dead: nothing to wait for
             return
         gateway.scheduler.drain(instance_id)
-        task = asyncio.get_running_loop().create_task(_stop_when_empty(gateway, instance_id))
-        draining.add(task)
-        task.add_done_callback(draining.discard)
+        keep(_stop_when_empty(gateway, instance_id))
 
     @router.post("/instances/{instance_id}/drain")
     async def drain_instance(instance_id: str) -> Response:
         if instance_id not in pools().members(_role_of(gateway, instance_id)):
             raise APIError(404, f"no instance {instance_id} to drain", code="not_found")
+        refuse_busy([instance_id])
         drain(instance_id)
         return gateway.json({"id": instance_id, "draining": True})
 
@@ -106,6 +151,7 @@ def admin_router(gateway: Gateway) -> APIRouter:
                 400, f"a {role} pool may hold at most {most} instances (--max-pool-size)", "size"
             )
         started, drained = [], members[size:][::-1]  # the newest go first
+        refuse_busy(drained)
         if size > len(members):
             try:
                 started = pools().start(role, size - len(members))
@@ -116,7 +162,49 @@ def admin_router(gateway: Gateway) -> APIRouter:
         body = {"role": role, "size": size, "starting": started, "draining": drained}
         return gateway.json(body, status=202)
 
+    @router.post("/instances/{instance_id}/role")
+    async def switch_role(instance_id: str, request: Request) -> Response:
+        try:
+            body = msgspec.json.decode(await request.body(), type=RoleBody)
+        except msgspec.DecodeError as exc:
+            raise APIError(400, f'the body must be {{"role": ROLE}}: {exc}', "role") from None
+        if body.role not in ROLES:
+            raise APIError(400, f"role must be one of {', '.join(ROLES)}", "role")
+        control = pools()
+        if instance_id not in control.members(_role_of(gateway, instance_id)):
+            raise APIError(404, f"no instance {instance_id} to switch", code="not_found")
+        refuse_busy([instance_id])
+        view = _serving_view(gateway, instance_id)
+        if view.role == body.role:
+            raise APIError(409, f"{instance_id} is {body.role} already", "role", "conflict")
+        why = _floor(gateway, instance_id, body.role) or control.fit(instance_id, body.role)
+        if why is not None:
+            raise APIError(409, why, "role", "conflict")
+        control.claim(instance_id)
+        old = view.role
+        keep(RoleSwitcher(gateway, control, view).run(body.role, body.reason))
+        body_out = {"id": instance_id, "from": old, "to": body.role, "switching": True}
+        return gateway.json(body_out, status=202)
+
     return router
+
+
+def _serving_view(gateway: Gateway, instance_id: str) -> InstanceView:
+    view = gateway.scheduler.views.get(instance_id)
+    if view is None or not view.alive or view.draining:
+        message = f"{instance_id} is not serving now (loading, restarting or draining)"
+        raise APIError(409, message, code="conflict")
+    return view
+
+
+def _floor(gateway: Gateway, instance_id: str, role: str) -> str | None:
+    """Why the switch would leave no instance that decodes (None: others do)."""
+    if role in ROLES_THAT_DECODE:
+        return None
+    others = [v for v in gateway.scheduler.live(ROLES_THAT_DECODE) if v.instance_id != instance_id]
+    if others:
+        return None
+    return f"{instance_id} is the last decode or colocated instance serving: it must stay one"
 
 
 def _role_of(gateway: Gateway, instance_id: str) -> str:

@@ -64,7 +64,7 @@ def debug_router(gateway: Gateway) -> APIRouter:
         except msgspec.DecodeError as exc:
             raise APIError(400, f"the body: {exc}", "every_step") from None
         rule = FailStepsTask(task.every_step, task.prompt_prefix)
-        if not gateway.dispatcher.fail_steps(instance_id, rule):
+        if not gateway.dispatcher.send_task(instance_id, rule):
             raise APIError(404, f"no instance {instance_id!r}", code="not_found")
         return gateway.json({"instance": instance_id, **msgspec.to_builtins(rule)})
 

@@ -43,6 +43,7 @@ from pdserve.common.messages import (
     LeakBlocksTask,
     RequestDelta,
     SnapshotTask,
+    SwitchRoleTask,
     Task,
     decoded,
 )
@@ -295,7 +296,8 @@ class Dispatcher:
     def leak_blocks(self, instance_id: str, num_blocks: int) -> bool:
         return self._send(instance_id, LeakBlocksTask(num_blocks))
 
-    def fail_steps(self, instance_id: str, task: FailStepsTask) -> bool:
+    def send_task(self, instance_id: str, task: FailStepsTask | SwitchRoleTask) -> bool:
+        """A test hook's task, or a role switch (whose last output `_on_output` takes)."""
         return self._send(instance_id, task)
 
     # ---- receiving --------------------------------------------------------------------
@@ -317,6 +319,8 @@ class Dispatcher:
     def _on_output(self, output: InstanceOutput, arrival: float) -> None:
         instance_id = output.instance.instance_id
         now = time.monotonic()
+        if output.switched and (old := self.scheduler.switch_role(output.switched, now)):
+            self.metrics.move_instance(old, output.instance.role, instance_id)  # a new pool
         # Not registered yet, or taken for dead, or from a retired epoch (a fenced
         # instance that resumed before it was killed): nothing of it counts.
         if not self.scheduler.observe(
