@@ -108,12 +108,6 @@ def admin_router(gateway: Gateway) -> APIRouter:
         changing.add(task)
         task.add_done_callback(changing.discard)
 
-    def refuse_busy(instance_ids: list[str]) -> None:
-        for instance_id in instance_ids:
-            if pools().busy(instance_id):
-                message = f"another change of {instance_id} is under way"
-                raise APIError(409, message, code="conflict")
-
     def drain(instance_id: str) -> None:
         control = pools()
         control.claim(instance_id)  # for good: it stops
@@ -129,7 +123,7 @@ def admin_router(gateway: Gateway) -> APIRouter:
     async def drain_instance(instance_id: str) -> Response:
         if instance_id not in pools().members(_role_of(gateway, instance_id)):
             raise APIError(404, f"no instance {instance_id} to drain", code="not_found")
-        refuse_busy([instance_id])
+        _refuse_busy(pools(), [instance_id])
         drain(instance_id)
         return gateway.json({"id": instance_id, "draining": True})
 
@@ -151,7 +145,7 @@ def admin_router(gateway: Gateway) -> APIRouter:
                 400, f"a {role} pool may hold at most {most} instances (--max-pool-size)", "size"
             )
         started, drained = [], members[size:][::-1]  # the newest go first
-        refuse_busy(drained)
+        _refuse_busy(pools(), drained)
         if size > len(members):
             try:
                 started = pools().start(role, size - len(members))
@@ -171,29 +165,39 @@ def admin_router(gateway: Gateway) -> APIRouter:
         if body.role not in ROLES:
             raise APIError(400, f"role must be one of {', '.join(ROLES)}", "role")
         control = pools()
-        if instance_id not in control.members(_role_of(gateway, instance_id)):
-            raise APIError(404, f"no instance {instance_id} to switch", code="not_found")
-        refuse_busy([instance_id])
-        view = _serving_view(gateway, instance_id)
-        if view.role == body.role:
-            raise APIError(409, f"{instance_id} is {body.role} already", "role", "conflict")
-        why = _floor(gateway, instance_id, body.role) or control.fit(instance_id, body.role)
-        if why is not None:
-            raise APIError(409, why, "role", "conflict")
+        view = _switchable(gateway, control, instance_id, body.role)
         control.claim(instance_id)
-        old = view.role
+        answer = {"id": instance_id, "from": view.role, "to": body.role, "switching": True}
         keep(RoleSwitcher(gateway, control, view).run(body.role, body.reason))
-        body_out = {"id": instance_id, "from": old, "to": body.role, "switching": True}
-        return gateway.json(body_out, status=202)
+        return gateway.json(answer, status=202)
 
     return router
 
 
-def _serving_view(gateway: Gateway, instance_id: str) -> InstanceView:
+def _refuse_busy(control: PoolControl, instance_ids: list[str]) -> None:
+    for instance_id in instance_ids:
+        if control.busy(instance_id):
+            message = f"another change of {instance_id} is under way"
+            raise APIError(409, message, code="conflict")
+
+
+def _switchable(
+    gateway: Gateway, control: PoolControl, instance_id: str, role: str
+) -> InstanceView:
+    """The instance's view if it may switch to `role` now; else the 404 or 409 saying
+    why not."""
+    if instance_id not in control.members(_role_of(gateway, instance_id)):
+        raise APIError(404, f"no instance {instance_id} to switch", code="not_found")
+    _refuse_busy(control, [instance_id])
     view = gateway.scheduler.views.get(instance_id)
     if view is None or not view.alive or view.draining:
         message = f"{instance_id} is not serving now (loading, restarting or draining)"
         raise APIError(409, message, code="conflict")
+    if view.role == role:
+        raise APIError(409, f"{instance_id} is {role} already", "role", "conflict")
+    why = _floor(gateway, instance_id, role) or control.fit(instance_id, role)
+    if why is not None:
+        raise APIError(409, why, "role", "conflict")
     return view
 
 

@@ -76,7 +76,8 @@ class RoleSwitcher:
         if not self._current():
             return "it died while its requests ended"
         epoch = self.view.epoch + 1
-        if not self.gateway.dispatcher.send_task(self.view.instance_id, SwitchRoleTask(role, epoch)):
+        task = SwitchRoleTask(role, epoch)
+        if not self.gateway.dispatcher.send_task(self.view.instance_id, task):
             self.view.draining = False  # it serves on in its old role
             return "its task socket took no more tasks"
         while self._current() and self.view.epoch != epoch:

@@ -4,8 +4,9 @@ Each kind builds its role object from the loaded loop. Beside the engine's KV ca
 every rank of an instance that moves KV (a prefill or decode one, or a colocated one
 whose spec has KV transfer) holds a transfer worker that serves pulls and pulls alike,
 so the instance can change role without a new worker (`instance/role_switch.py`);
-a colocated one without KV transfer holds nothing there. The roles live in their own rooms and know nothing of
-this one: they get the engine, their KV link and the loop's send functions.
+a colocated one without KV transfer holds nothing there. The roles live in their own
+rooms and know nothing of this one: they get the engine, their KV link and the loop's
+send functions.
 """
 
 from __future__ import annotations

@@ -65,13 +65,16 @@ def test_unlike_ray_resources_and_a_full_pool_are_named() -> None:
     pools = pools_of(spec("prefill-0"), spec("decode-0"), spec("decode-1"), launcher=launcher)
     assert "the prefill pool for {'prefill_slot': 1.0}" in (pools.fit("decode-1", "prefill") or "")
     pools = pools_of(spec("prefill-0"), spec("decode-0"), max_sizes={"decode": 1})
-    assert pools.fit("prefill-0", "decode") == "the decode pool may hold at most 1 (--max-pool-size)"
+    full = "the decode pool may hold at most 1 (--max-pool-size)"
+    assert pools.fit("prefill-0", "decode") == full
 
 
 def test_a_colocated_instance_without_kv_transfer_cannot_move_kv() -> None:
     pools = pools_of(spec("colocated-0"), spec("colocated-1"))
     assert "has no KV transfer" in (pools.fit("colocated-1", "decode") or "")
-    with_kv = msgspec.structs.replace(spec("colocated-2"), kv_transfer=KVTransferConfig())
+    with_kv = msgspec.structs.replace(
+        spec("colocated-2"), kv_transfer=KVTransferConfig(instance_id="colocated-2")
+    )
     assert pools_of(with_kv, spec("colocated-0")).fit("colocated-2", "decode") is None
 
 

@@ -125,7 +125,7 @@ def test_a_prefill_actor_switches_to_decode_and_back_in_place(pd_server, ray_clu
         asked = pd_server.post("/admin/instances/prefill-0/role", json={"role": role},
                                headers=admin)  # fmt: skip
         assert asked.status_code == 202, asked.text
-        wait_for(lambda: "prefill-0" in pool(pd_server, role), 60, f"prefill-0 as {role}")
+        wait_for(lambda r=role: "prefill-0" in pool(pd_server, r), 60, f"prefill-0 as {role}")
         assert complete(pd_server) == expected  # whole on decode instances, then split
         assert pd_server.instances()["prefill-0"]["pid"] == pid  # the same process
     alive = {a["name"]: a for a in ray_actors(ray_cluster) if a["state"] == "ALIVE"}

@@ -292,7 +292,7 @@ def test_a_prefill_instance_becomes_decode_once_its_handoffs_are_released() -> N
         assert harness.switched == [] and harness.epoch == 0  # its blocks are out on loan
         harness.executor.next_report = TransferReport(finished_sending=["p"])
         harness.until(lambda: harness.switched, "the switch")
-        (epoch, info), = harness.switched
+        ((epoch, info),) = harness.switched
         assert (epoch, info.epoch, info.address.role) == (1, 1, "decode")
         assert info.address.task_address == harness.loop.address.task_address  # same sockets
         assert harness.loop.link is link and harness.loop.spec.role == "decode"
