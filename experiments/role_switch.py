@@ -3,15 +3,17 @@
     python -m experiments.role_switch
 
 On one `pdserve serve` (local launcher, 1 prefill + 2 decode, test hooks on, pools of
-at most 2) a steady load of streaming completions (greedy streams and one seeded
-stream per round, `experiments/chaos_harness.py`) runs while one instance switches
-role through `POST /admin/instances/{id}/role`: decode-1 to prefill, prefill-0 to
-decode, then prefill-0 (a decode instance now) to colocated and back to decode. Each
-row counts what became of every request (completed, failed, lost, wrong against the
-fault-free text, KV blocks held once idle) and the seconds from the request to serving
-in the new role (`pdserve:role_switch_seconds`). Then decode-0 is killed and the
-seconds until its restart serves again are the restart's time on the same machine.
-`tests/cluster/test_role_switch.py` asserts on the same rows.
+at most 2, every KV pull delayed 1 s by `PDSERVE_TEST_KV_DELAY_S`) a steady load of
+streaming completions (greedy streams and one seeded stream per round,
+`experiments/chaos_harness.py`) runs while one instance switches role through
+`POST /admin/instances/{id}/role` (a decoding instance's streams migrate to the
+others; a prefill instance waits until its blocks are pulled): decode-1 to prefill,
+prefill-0 to decode, then prefill-0 (a decode instance now) to colocated and back to
+decode. Each row counts what became of every request (completed, failed, lost, wrong
+against the fault-free text, KV blocks held once idle) and the seconds from the
+request to serving in the new role (`pdserve:role_switch_seconds`). Then decode-0 is
+killed and the seconds until its restart serves again are the restart's time on the
+same machine. `tests/cluster/test_role_switch.py` asserts on the same rows.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ ARGS = (
     "--kv-cache-memory", "32MiB", "--max-model-len", "512", "--routing-policy", "round_robin",
     "--max-pool-size", "2", "--request-timeout", "180",
 )  # fmt: skip
+# Every pull waits this long: a prefill instance holds its handed-off blocks a while.
+ENV = {"PDSERVE_TEST_KV_DELAY_S": "1.0"}
 FLOOR = {"decode": 1}  # what every moment of the run has (the switch's floor keeps it)
 SWITCHES = [
     ("decode-1", "prefill"),
@@ -109,7 +113,7 @@ def restart_seconds(chaos: Chaos, instance_id: str) -> float:
 
 @contextmanager
 def switch_chaos(*extra: str) -> Iterator[Chaos]:
-    with served(*ARGS, *extra) as server:
+    with served(*ARGS, *extra, env=ENV) as server:
         yield Chaos(server, FLOOR)
 
 

@@ -35,7 +35,6 @@ import zmq.asyncio
 from pdserve.common.block_events import BlockEventBatch
 from pdserve.common.messages import (
     AbortTask,
-    FailStepsTask,
     GenerateTask,
     InstanceInfo,
     InstanceInspection,
@@ -43,7 +42,6 @@ from pdserve.common.messages import (
     LeakBlocksTask,
     RequestDelta,
     SnapshotTask,
-    SwitchRoleTask,
     Task,
     decoded,
 )
@@ -296,9 +294,13 @@ class Dispatcher:
     def leak_blocks(self, instance_id: str, num_blocks: int) -> bool:
         return self._send(instance_id, LeakBlocksTask(num_blocks))
 
-    def send_task(self, instance_id: str, task: FailStepsTask | SwitchRoleTask) -> bool:
-        """A test hook's task, or a role switch (whose last output `_on_output` takes)."""
+    def send_task(self, instance_id: str, task: Task) -> bool:
+        """A test hook's task, or a role switch's (its last output `_on_output` takes)."""
         return self._send(instance_id, task)
+
+    def migrate(self, request_id: str, why: str, avoid: frozenset[str]) -> None:
+        """Sends on a request its instance gives up alive (a role switch), as `_retry`."""
+        self._retry(request_id, why, avoid)
 
     # ---- receiving --------------------------------------------------------------------
 
@@ -321,8 +323,7 @@ class Dispatcher:
         now = time.monotonic()
         if output.switched and (old := self.scheduler.switch_role(output.switched, now)):
             self.metrics.move_instance(old, output.instance.role, instance_id)  # a new pool
-        # Not registered yet, or taken for dead, or from a retired epoch (a fenced
-        # instance that resumed before it was killed): nothing of it counts.
+        # Unregistered, dead, or of a retired epoch (a fenced one resumed): none of it counts.
         if not self.scheduler.observe(
             instance_id, output.stats, now, output.epoch, output.loop_turns
         ):

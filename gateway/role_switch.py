@@ -3,9 +3,10 @@
     routing stops  →  what the instance holds ends  →  SwitchRoleTask  →  the instance's
     output in the next epoch (`InstanceOutput.switched`)  →  it serves in the new pool
 
-Routing sends the instance nothing new (`InstanceView.draining`); once no request needs
-it (`in_flight` empty: a decode instance's requests finished, a prefill instance's
-reached their decode instance) the instance gets the task and waits itself for what
+Routing sends the instance nothing new (`InstanceView.draining`); a decode or colocated
+instance's requests migrate to the others with their output so far (`_migrate`);
+once no request needs it (`in_flight` empty: a prefill instance's requests reached
+their decode instance) the instance gets the task and waits itself for what
 it still holds (handed-off blocks pulled, released or out of lease;
 `instance/role_switch.py`). Its output in the next epoch moves it to the other pool
 (`Dispatcher._on_output` → `GlobalScheduler.switch_role`); nothing it sent in the old
@@ -20,8 +21,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from pdserve.common.messages import SwitchRoleTask
-from pdserve.gateway.routing import InstanceView
+from pdserve.common.messages import AbortTask, SwitchRoleTask
+from pdserve.gateway.global_scheduler import handoffs_from
+from pdserve.gateway.routing import ROLES_THAT_DECODE, InstanceView
 
 if TYPE_CHECKING:
     from pdserve.gateway.admin import PoolControl
@@ -71,6 +73,8 @@ class RoleSwitcher:
         if not self._current():
             return "it died before its switch began"
         self.gateway.scheduler.drain(self.view.instance_id)
+        if self.view.role in ROLES_THAT_DECODE:
+            self._migrate()
         while self._current() and self.view.in_flight:
             await asyncio.sleep(SWITCH_POLL_S)
         if not self._current():
@@ -83,6 +87,24 @@ class RoleSwitcher:
         while self._current() and self.view.epoch != epoch:
             await asyncio.sleep(SWITCH_POLL_S)
         return None if self._current() else "it died before it served in its new role"
+
+    def _migrate(self) -> None:
+        """The requests a decode or colocated instance runs go on elsewhere with their
+        output so far (the failover's migration: the same text, seeded or greedy), so the
+        switch waits for none of them to finish; one out of dispatches finishes here."""
+        scheduler, dispatcher = self.gateway.scheduler, self.gateway.dispatcher
+        me, most = self.view.instance_id, scheduler.config.max_attempts
+        for request_id in sorted(self.view.in_flight):
+            assignment = scheduler.assignments.get(request_id)
+            if assignment is None or assignment.route.decode is not self.view:
+                continue
+            if assignment.attempts >= most:
+                continue
+            route = assignment.route
+            for view in route.instances:  # a late handoff to this instance is void too
+                abort = AbortTask([request_id], handoffs_from(route, view))
+                dispatcher.send_task(view.instance_id, abort)
+            dispatcher.migrate(request_id, f"{me} switches role", frozenset({me}))
 
     def _current(self) -> bool:
         """Whether the instance still lives the life the switch began in (a death
