@@ -9,9 +9,10 @@
 - `POST /admin/instances/{id}/role` `{"role": "decode", "reason": "..."}`: answers 202
   at once; the instance leaves its pool for the other (a decoding one's streams
   migrate to the others) without reloading its weights or restarting its process
-  (`gateway/role_switch.py`), under the same id, in the next epoch. A 409 names why not: a configuration unlike the pool's, the pool at its
-  `--max-pool-size`, no decode or colocated instance left, another change of the
-  instance (switch or drain) under way, or the role it has.
+  (`gateway/role_switch.py`), under the same id, in the next epoch. A 409 names why
+  not: a configuration unlike the pool's, the pool at its `--max-pool-size`, no
+  decode or colocated instance left, another change of the instance (switch or
+  drain) under way, or the role it has.
 
 None drops nor fails a request. Starting and stopping processes is the cluster's
 (`Gateway.pools`, a `PoolControl` that `pdserve serve` sets); without one these routes
