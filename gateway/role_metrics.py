@@ -36,11 +36,14 @@ class RoleSeries:
 
     def show(self, instance_id: str, role: str) -> None:
         """The instance serves as `role` now: its series for any other role goes."""
-        for other in ROLES:
-            if other != role:
-                with contextlib.suppress(KeyError):
-                    self.role.remove(instance_id, other)
+        self.forget(instance_id)
         self.role.labels(instance_id, role).set(1)
+
+    def forget(self, instance_id: str) -> None:
+        """The instance was stopped for good (drained): it has no role any more."""
+        for role in ROLES:
+            with contextlib.suppress(KeyError):
+                self.role.remove(instance_id, role)
 
     def record_switch(self, old: str, new: str, seconds: float) -> None:
         self.switches.labels(old, new).inc()

@@ -49,3 +49,5 @@ def test_metrics_show_one_role_per_instance_and_count_switches() -> None:
     assert 'pdserve:instance_up{instance="decode-1",role="decode"}' not in text
     assert 'pdserve:role_switches_total{from="decode",to="prefill"} 1.0' in text
     assert "pdserve:role_switch_seconds_count 1.0" in text
+    metrics.roles.forget("decode-1")  # drained and stopped
+    assert "pdserve:instance_role{" not in metrics.render().decode()
