@@ -52,6 +52,10 @@ class Launcher(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
+    def resources_of(self, role: str) -> dict[str, float]:
+        """The custom resources each instance of the pool asks for (Ray's; none here)."""
+        return {}
+
     def start_instance(self, spec: InstanceSpec, on_ready: ReadyCallback) -> bool:
         """Starts one instance after the launch: one whose process exited, again
         (`cluster/supervisor.py`), or one more for its pool (`cluster/pools.py`).

@@ -12,6 +12,12 @@ until a node has room).
 and `START_WORKERS` threads hand them to the launcher a few at a time (a process
 spawned, an actor queued for creation), never on the gateway's event loop and never a
 thread per instance. A pool never grows past its `--max-pool-size`.
+
+A switch moves an instance between pools in place (`gateway/role_switch.py`): `fit`
+says whether its configuration suits the other pool (TP and PP sizes, model, dtype,
+quantization, device, block size, the pool's Ray resources, the pool's size cap);
+`claim` lets one change of an instance (a drain or a switch) run at a time; `move`
+makes the supervisor keep it, and restart it, in the new pool.
 """
 
 from __future__ import annotations
@@ -23,17 +29,36 @@ import msgspec
 
 from pdserve.cluster.launcher import Launcher, ReadyCallback
 from pdserve.cluster.supervisor import Supervisor
-from pdserve.instance.spec import InstanceSpec
+from pdserve.instance.spec import InstanceSpec, moves_kv
 
 logger = logging.getLogger(__name__)
 
 START_WORKERS = 2
+# What an instance must share with a pool's planned instances to join it.
+FITTING = (
+    "model",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "dtype",
+    "quantization",
+    "device",
+    "block_size",
+)
 
 
 def index_of(instance_id: str) -> int:
     """`decode-3` → 3 (ids are "<role>-<n>")."""
     suffix = instance_id.rsplit("-", 1)[-1]
     return int(suffix) if suffix.isdigit() else 0
+
+
+def _unlike(spec: InstanceSpec, template: InstanceSpec) -> tuple[str, object, object] | None:
+    """The first setting of `FITTING` the two engines differ in, with both values."""
+    for name in FITTING:
+        mine, theirs = getattr(spec.engine, name), getattr(template.engine, name)
+        if mine != theirs:
+            return name, mine, theirs
+    return None
 
 
 class Pools:
@@ -50,6 +75,7 @@ class Pools:
         self.on_ready = on_ready
         self.max_sizes = dict(max_sizes or {})
         self._starter = ThreadPoolExecutor(START_WORKERS, thread_name_prefix="pool-start")
+        self._changing: set[str] = set()  # instances a drain or a switch holds
         self._templates: dict[str, InstanceSpec] = {}
         self._next: dict[str, int] = {}
         for spec in sorted(supervisor.specs.values(), key=lambda s: index_of(s.instance_id)):
@@ -101,6 +127,45 @@ class Pools:
     def close(self) -> None:
         """Drops the instances not yet handed to the launcher (shutdown)."""
         self._starter.shutdown(wait=False, cancel_futures=True)
+
+    def fit(self, instance_id: str, role: str) -> str | None:
+        """Why the instance cannot join `role`'s pool (None: it can)."""
+        spec = self.supervisor.specs.get(instance_id)
+        if spec is None:
+            return f"{instance_id} belongs to no pool"
+        if role != "colocated" and not moves_kv(spec):
+            return f"{instance_id} has no KV transfer (--mode colocated): it cannot be {role}"
+        template = self._templates.get(role)  # none: the pool was never planned
+        if template is not None and (unlike := _unlike(spec, template)) is not None:
+            name, mine, theirs = unlike
+            return f"{instance_id}'s {name} is {mine}, the {role} pool's {theirs}"
+        mine_r, theirs_r = self.launcher.resources_of(spec.role), self.launcher.resources_of(role)
+        if mine_r != theirs_r:
+            return f"{instance_id} asks Ray for {mine_r}, the {role} pool for {theirs_r}"
+        limit = self.max_size(role)
+        if limit is not None and len(self.members(role)) >= limit:
+            return f"the {role} pool may hold at most {limit} (--max-pool-size)"
+        return None
+
+    def claim(self, instance_id: str) -> bool:
+        """One change of the instance at a time: False while another runs. The event
+        loop's thread only."""
+        if instance_id in self._changing:
+            return False
+        self._changing.add(instance_id)
+        return True
+
+    def busy(self, instance_id: str) -> bool:
+        return instance_id in self._changing
+
+    def release(self, instance_id: str) -> None:
+        self._changing.discard(instance_id)
+
+    def move(self, instance_id: str, role: str) -> None:
+        """The instance serves in `role`'s pool now; a restart starts it there."""
+        spec = self.supervisor.specs.get(instance_id)
+        if spec is not None:
+            self.supervisor.add(msgspec.structs.replace(spec, role=role))
 
     def retire(self, instance_id: str) -> None:
         self.supervisor.retire(instance_id)

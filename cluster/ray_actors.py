@@ -1,6 +1,9 @@
 """Instance kinds as Ray actors. The class names are what `ray list actors` and `ps`
 show (Ray titles an actor's process `ray::ColocatedInstance`); each actor is also
-named after its instance id.
+named after its instance id. An instance that moves KV may change role in place
+(`instance/role_switch.py`), so its class says no role: `Instance` (its current role
+is in `/health` and `/metrics`); only a colocated instance without KV transfer
+(`--mode colocated`) keeps its role for life and says so.
 
 The step loop is imported inside the actor, so the driver (the gateway process) never
 loads torch. Ray runs the methods on a small thread pool: `run()` holds one thread for
@@ -14,7 +17,7 @@ from typing import Any, Protocol
 import msgspec
 
 from pdserve.cluster.addresses import resolve_host
-from pdserve.instance.spec import InstanceSpec
+from pdserve.instance.spec import InstanceSpec, moves_kv
 
 
 class RemoteMethod(Protocol):
@@ -58,19 +61,14 @@ class _InstanceActor:
 
 
 class ColocatedInstance(_InstanceActor):
-    """Runs whole requests: prompt and every output token."""
+    """Runs whole requests, prompt and every output token, for life (`--mode colocated`)."""
 
 
-class PrefillInstance(_InstanceActor):
-    """Computes prompts, samples the first token, hands the KV to a decode instance."""
+class Instance(_InstanceActor):
+    """A prefill, decode or colocated instance, whichever it serves as now: one that
+    moves KV can switch roles without leaving its actor."""
 
 
-class DecodeInstance(_InstanceActor):
-    """Pulls handed-off KV and runs continuous batching to the end of each request."""
-
-
-ACTOR_CLASSES: dict[str, type[_InstanceActor]] = {
-    "colocated": ColocatedInstance,
-    "prefill": PrefillInstance,
-    "decode": DecodeInstance,
-}
+def actor_class(spec: InstanceSpec) -> type[_InstanceActor]:
+    """The class `ray list actors` shows: role-neutral where the role can change."""
+    return Instance if moves_kv(spec) else ColocatedInstance

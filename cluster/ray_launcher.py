@@ -28,7 +28,8 @@ from pdserve.cluster.launcher import (
     LoadProgress,
     ReadyCallback,
 )
-from pdserve.cluster.ray_actors import ACTOR_CLASSES, InstanceHandle
+from pdserve.cluster.ray_actors import InstanceHandle
+from pdserve.cluster.ray_actors import actor_class as actor_class_of
 from pdserve.cluster.ray_cluster import join, one_line, ray_module
 from pdserve.cluster.ray_ranks import driver_options, reserve_rank_groups
 from pdserve.cluster.ray_watch import ActorWatch
@@ -102,7 +103,7 @@ class RayLauncher(Launcher):
         """The instance's actor, named after it (ValueError: the name is taken)."""
         if runtime_env is None:
             runtime_env = secret_runtime_env()
-        actor_class = self._ray().remote(ACTOR_CLASSES[spec.role])
+        actor_class = self._ray().remote(actor_class_of(spec))
         return actor_class.options(
             name=spec.instance_id,
             runtime_env=runtime_env,
@@ -118,6 +119,9 @@ class RayLauncher(Launcher):
                 same = sorted(i for i in shares if i.rsplit("-", 1)[0] == spec.role)
                 if same:
                     shares[spec.instance_id] = shares[same[0]]
+
+    def resources_of(self, role: str) -> dict[str, float]:
+        return dict(self.resources.get(role, {}))
 
     def _placement(self, spec: InstanceSpec) -> dict:
         """The actor's resources. A tensor-parallel instance runs each rank as an actor

@@ -170,7 +170,24 @@ class FailStepsTask(msgspec.Struct, tag="fail_steps"):
     prompt_prefix: list[int] = []
 
 
-Task = GenerateTask | AbortTask | SnapshotTask | InspectTask | LeakBlocksTask | FailStepsTask
+class SwitchRoleTask(msgspec.Struct, tag="switch_role"):
+    """The instance takes `role` once the requests it holds are done (the gateway sends
+    it nothing new meanwhile), keeping its weights, KV cache and process; its next
+    output announces the switch (`InstanceOutput.switched`) in `epoch`."""
+
+    role: str
+    epoch: int
+
+
+Task = (
+    GenerateTask
+    | AbortTask
+    | SnapshotTask
+    | InspectTask
+    | LeakBlocksTask
+    | FailStepsTask
+    | SwitchRoleTask
+)
 
 
 class InstanceStats(msgspec.Struct):
@@ -250,6 +267,9 @@ class InstanceOutput(msgspec.Struct):
     # The instance's wall clock as the output was made: the gateway's receipt bounds the
     # instance's clock offset from above (`gateway/clock_sync.py`).
     sent_at: float = 0.0
+    # Set once, in the output that ends a role switch: the instance as it serves now
+    # (its new role, in `epoch`), for the gateway to move it to the other pool.
+    switched: InstanceInfo | None = None
 
 
 class InstanceInfo(msgspec.Struct, frozen=True):

@@ -34,7 +34,8 @@
   phase histogram), `tracing.py` (each run as an OpenTelemetry trace over OTLP; the
   SDK loads only with `--otlp-traces-endpoint`), `trace_config.py` (what tracing
   accepts).
-- Operators: `/admin/*` (`admin.py`: drain an instance, scale a pool, through the
-  cluster's `PoolControl`; a request's timeline), `/debug/*` (`debug.py`, mounted only with
+- Operators: `/admin/*` (`admin.py`: drain an instance, scale a pool, switch an
+  instance's role, through the cluster's `PoolControl`; a request's timeline;
+  `role_switch.py`: one switch carried out; `role_metrics.py`: its series), `/debug/*` (`debug.py`, mounted only with
   `--enable-test-hooks`).
 """

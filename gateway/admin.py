@@ -1,5 +1,5 @@
-"""Operator routes behind the admin key: drain an instance, scale a pool, read a request's
-timeline.
+"""Operator routes behind the admin key: drain an instance, scale a pool, switch roles,
+read a request's timeline.
 
 - `POST /admin/instances/{id}/drain`: routing sends it nothing new, it is never
   restarted, the requests it has finish, then it is stopped and leaves `/health`.
@@ -7,11 +7,18 @@ timeline.
   more instances start (a few at a time, on the cluster's threads) and join their pool
   once loaded, or the newest drain as above. A size over the pool's `--max-pool-size`
   is a 400.
+- `POST /admin/instances/{id}/role` `{"role": "decode", "reason": "..."}`: answers 202
+  at once; the instance leaves its pool for the other (a decoding one's streams
+  migrate to the others) without reloading its weights or restarting its process
+  (`gateway/role_switch.py`), under the same id, in the next epoch. A 409 names why
+  not: a configuration unlike the pool's, the pool at its `--max-pool-size`, no
+  decode or colocated instance left, another change of the instance (switch or
+  drain) under way, or the role it has.
 
 - `GET /admin/requests/{id}/timeline`: a recent request's phases on the gateway's clock
   (`gateway/timelines.py`), by its response id or a choice's; 404 once it aged out.
 
-Neither drain nor scale drops or fails a request. Starting and stopping processes is the cluster's
+None drops nor fails a request. Starting and stopping processes is the cluster's
 (`Gateway.pools`, a `PoolControl` that `pdserve serve` sets); without one these routes
 answer 501. The gateway only stops routing to a draining instance and waits for it to
 empty.
@@ -20,7 +27,8 @@ empty.
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
 import msgspec
 from fastapi import APIRouter, Request
@@ -28,9 +36,11 @@ from starlette.responses import Response
 
 from pdserve.gateway.errors import APIError
 from pdserve.gateway.gateway import Gateway
-from pdserve.gateway.routing import ROLES_THAT_DECODE
+from pdserve.gateway.role_switch import RoleSwitcher
+from pdserve.gateway.routing import ROLES_THAT_DECODE, InstanceView
 
 DRAIN_POLL_S = 0.2
+ROLES = ("prefill", "decode", "colocated")
 
 
 class PoolControl(Protocol):
@@ -57,14 +67,39 @@ class PoolControl(Protocol):
         """Stops its process (it leaves the gateway's books when its exit is seen)."""
         ...
 
+    def fit(self, instance_id: str, role: str) -> str | None:
+        """Why the instance cannot join `role`'s pool (None: it can)."""
+        ...
+
+    def claim(self, instance_id: str) -> bool:
+        """Starts a change of the instance (drain, switch): False while one runs."""
+        ...
+
+    def busy(self, instance_id: str) -> bool:
+        """Whether a change of the instance runs."""
+        ...
+
+    def release(self, instance_id: str) -> None:
+        """The change of the instance ended."""
+        ...
+
+    def move(self, instance_id: str, role: str) -> None:
+        """The instance belongs to `role`'s pool now (restarts start it there)."""
+        ...
+
 
 class ScaleBody(msgspec.Struct, forbid_unknown_fields=True):
     size: int
 
 
+class RoleBody(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    reason: str = "operator request"  # written to the gateway's log with the switch
+
+
 def admin_router(gateway: Gateway) -> APIRouter:
     router = APIRouter(prefix="/admin")
-    draining: set[asyncio.Task] = set()  # held so the loop does not drop them
+    changing: set[asyncio.Task] = set()  # drains and switches, held so the loop keeps them
 
     def pools() -> PoolControl:
         if gateway.pools is None:
@@ -73,22 +108,27 @@ def admin_router(gateway: Gateway) -> APIRouter:
             )
         return gateway.pools
 
+    def keep(coroutine: Coroutine[Any, Any, object]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        changing.add(task)
+        task.add_done_callback(changing.discard)
+
     def drain(instance_id: str) -> None:
         control = pools()
+        control.claim(instance_id)  # for good: it stops
         view = gateway.scheduler.views.get(instance_id)
         control.retire(instance_id)
         if view is None or not view.alive:
             control.stop(instance_id)  # still loading, or dead: nothing to wait for
             return
         gateway.scheduler.drain(instance_id)
-        task = asyncio.get_running_loop().create_task(_stop_when_empty(gateway, instance_id))
-        draining.add(task)
-        task.add_done_callback(draining.discard)
+        keep(_stop_when_empty(gateway, instance_id))
 
     @router.post("/instances/{instance_id}/drain")
     async def drain_instance(instance_id: str) -> Response:
         if instance_id not in pools().members(_role_of(gateway, instance_id)):
             raise APIError(404, f"no instance {instance_id} to drain", code="not_found")
+        _refuse_busy(pools(), [instance_id])
         drain(instance_id)
         return gateway.json({"id": instance_id, "draining": True})
 
@@ -110,6 +150,7 @@ def admin_router(gateway: Gateway) -> APIRouter:
                 400, f"a {role} pool may hold at most {most} instances (--max-pool-size)", "size"
             )
         started, drained = [], members[size:][::-1]  # the newest go first
+        _refuse_busy(pools(), drained)
         if size > len(members):
             try:
                 started = pools().start(role, size - len(members))
@@ -128,8 +169,59 @@ def admin_router(gateway: Gateway) -> APIRouter:
                 404, f"no recent request {request_id} (only the latest are kept)", "id", "not_found"
             )
         return gateway.json(msgspec.to_builtins(run))
+    @router.post("/instances/{instance_id}/role")
+    async def switch_role(instance_id: str, request: Request) -> Response:
+        try:
+            body = msgspec.json.decode(await request.body(), type=RoleBody)
+        except msgspec.DecodeError as exc:
+            raise APIError(400, f'the body must be {{"role": ROLE}}: {exc}', "role") from None
+        if body.role not in ROLES:
+            raise APIError(400, f"role must be one of {', '.join(ROLES)}", "role")
+        control = pools()
+        view = _switchable(gateway, control, instance_id, body.role)
+        control.claim(instance_id)
+        answer = {"id": instance_id, "from": view.role, "to": body.role, "switching": True}
+        keep(RoleSwitcher(gateway, control, view).run(body.role, body.reason))
+        return gateway.json(answer, status=202)
 
     return router
+
+
+def _refuse_busy(control: PoolControl, instance_ids: list[str]) -> None:
+    for instance_id in instance_ids:
+        if control.busy(instance_id):
+            message = f"another change of {instance_id} is under way"
+            raise APIError(409, message, code="conflict")
+
+
+def _switchable(
+    gateway: Gateway, control: PoolControl, instance_id: str, role: str
+) -> InstanceView:
+    """The instance's view if it may switch to `role` now; else the 404 or 409 saying
+    why not."""
+    if instance_id not in control.members(_role_of(gateway, instance_id)):
+        raise APIError(404, f"no instance {instance_id} to switch", code="not_found")
+    _refuse_busy(control, [instance_id])
+    view = gateway.scheduler.views.get(instance_id)
+    if view is None or not view.alive or view.draining:
+        message = f"{instance_id} is not serving now (loading, restarting or draining)"
+        raise APIError(409, message, code="conflict")
+    if view.role == role:
+        raise APIError(409, f"{instance_id} is {role} already", "role", "conflict")
+    why = _floor(gateway, instance_id, role) or control.fit(instance_id, role)
+    if why is not None:
+        raise APIError(409, why, "role", "conflict")
+    return view
+
+
+def _floor(gateway: Gateway, instance_id: str, role: str) -> str | None:
+    """Why the switch would leave no instance that decodes (None: others do)."""
+    if role in ROLES_THAT_DECODE:
+        return None
+    others = [v for v in gateway.scheduler.live(ROLES_THAT_DECODE) if v.instance_id != instance_id]
+    if others:
+        return None
+    return f"{instance_id} is the last decode or colocated instance serving: it must stay one"
 
 
 def _role_of(gateway: Gateway, instance_id: str) -> str:

@@ -50,7 +50,7 @@ def debug_router(gateway: Gateway) -> APIRouter:
     async def leak(instance_id: str, blocks: int = 1) -> Response:
         """Holds blocks on an instance for a request nobody knows, so tests can prove the
         invariant check catches a leak."""
-        if not 1 <= blocks <= 1024 or not gateway.dispatcher.send_test_task(
+        if not 1 <= blocks <= 1024 or not gateway.dispatcher.send_task(
             instance_id, LeakBlocksTask(blocks)
         ):
             raise APIError(400, f"cannot leak {blocks} blocks on {instance_id!r}")
@@ -66,7 +66,7 @@ def debug_router(gateway: Gateway) -> APIRouter:
         except msgspec.DecodeError as exc:
             raise APIError(400, f"the body: {exc}", "every_step") from None
         rule = FailStepsTask(task.every_step, task.prompt_prefix)
-        if not gateway.dispatcher.send_test_task(instance_id, rule):
+        if not gateway.dispatcher.send_task(instance_id, rule):
             raise APIError(404, f"no instance {instance_id!r}", code="not_found")
         return gateway.json({"instance": instance_id, **msgspec.to_builtins(rule)})
 

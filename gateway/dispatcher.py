@@ -35,7 +35,6 @@ import zmq.asyncio
 from pdserve.common.frame_seal import EVENTS, OUTPUTS
 from pdserve.common.messages import (
     AbortTask,
-    FailStepsTask,
     GenerateTask,
     InstanceInfo,
     InstanceInspection,
@@ -294,8 +293,14 @@ class Dispatcher:
         live = [v.instance_id for v in self.scheduler.views.values() if v.alive]
         return await self._inspections.ask(live, self._send, timeout_s)
 
-    def send_test_task(self, instance_id: str, task: LeakBlocksTask | FailStepsTask) -> bool:
-        return self._send(instance_id, task)  # False: no such instance
+    def send_task(self, instance_id: str, task: Task) -> bool:
+        """A test hook's task, or a role switch's (its last output `_on_output` takes);
+        False: no such instance."""
+        return self._send(instance_id, task)
+
+    def migrate(self, request_id: str, why: str, avoid: frozenset[str]) -> None:
+        """Sends on a request its instance gives up alive (a role switch), as `_retry`."""
+        self._retry(request_id, why, avoid)
 
     # ---- receiving --------------------------------------------------------------------
 
@@ -312,8 +317,9 @@ class Dispatcher:
     def _on_output(self, output: InstanceOutput, arrival: float) -> None:
         instance_id = output.instance.instance_id
         now = time.monotonic()
-        # Not registered yet, or taken for dead, or from a retired epoch (a fenced
-        # instance that resumed before it was killed): nothing of it counts.
+        if output.switched and (old := self.scheduler.switch_role(output.switched, now)):
+            self.metrics.move_instance(old, output.instance.role, instance_id)  # a new pool
+        # Unregistered, dead, or of a retired epoch (a fenced one resumed): none of it counts.
         if not self.scheduler.observe(
             instance_id, output.stats, now, output.epoch, output.loop_turns
         ):

@@ -156,6 +156,19 @@ class GlobalScheduler:
         view.draining = True
         return view
 
+    def switch_role(self, info: InstanceInfo, now: float) -> str | None:
+        """A live instance serves in another role from `info.epoch` on (the one after
+        its current epoch): it joins that pool, routable again, its prefix-cache mirror
+        kept. Returns its former role (None: unknown, dead, or not the next epoch)."""
+        view = self.views.get(info.address.instance_id)
+        if view is None or not view.alive or info.epoch != view.epoch + 1:
+            return None
+        old = view.role
+        view.info, view.epoch, view.draining = info, info.epoch, False
+        view.last_seen = view.turned_at = now
+        view.loop_turns = 0
+        return old
+
     def forget(self, instance_id: str) -> None:
         """A drained instance was stopped: it leaves the books (and /health)."""
         self.views.pop(instance_id, None)

@@ -29,6 +29,7 @@ from pdserve.gateway.deployment_metrics import DeploymentSeries
 from pdserve.gateway.frame_drop_metrics import DroppedFrameSeries
 from pdserve.gateway.health import recompute_ratio
 from pdserve.gateway.timeline import PHASES
+from pdserve.gateway.role_metrics import RoleSeries
 
 PREFIX = "pdserve:"
 LABELS = ("role", "instance")
@@ -250,6 +251,7 @@ class GatewayMetrics:
         self.tenants = TenantSeries(self.registry)
         self.deployment = DeploymentSeries(self.registry)  # what alert rules compare against
         self.dropped_frames = DroppedFrameSeries(self.registry)
+        self.roles = RoleSeries(self.registry)
         self.rejected = Counter(
             PREFIX + "num_requests_rejected",
             "Requests refused by admission control (503)",
@@ -309,6 +311,15 @@ class GatewayMetrics:
         self.fenced.labels(role, instance_id)
         self.vllm.add_instance(role, instance_id)
         self.gauges["instance_up"].labels(role, instance_id).set(1)
+        self.roles.show(instance_id, role)
+
+    def move_instance(self, old: str, new: str, instance_id: str) -> None:
+        """The instance switched role: its gauges move to the new role's label at once
+        (counters and histograms keep what they counted under the old one)."""
+        self.mark_down(old, instance_id)
+        with contextlib.suppress(KeyError):
+            self.gauges["instance_up"].remove(old, instance_id)
+        self.add_instance(new, instance_id)
 
     def mark_down(self, role: str, instance_id: str) -> None:
         """A dead instance's load gauges go at once (a stale `num_requests_running` would

@@ -6,6 +6,8 @@
   elsewhere one at a time;
 - `kinds.py`: the roles by name (a plain mapping), and `colocated.py`
   (`ColocatedRole`), the role that runs whole requests;
+- `role_switch.py`: a role switch in place, once the old role holds nothing (weights,
+  KV cache and process kept; the ranks' KV connectors serve and pull alike);
 - `io.py`: the I/O thread, owner of every ZMQ socket, which heartbeats while a step
   runs;
 - `spec.py` (`InstanceSpec`, carrying an `EngineConfig` and a `KVTransferConfig`) and

@@ -126,6 +126,13 @@ class InstanceIO:
         """Ends a `take_tasks` wait early (shutdown)."""
         self._task_ready.set()
 
+    def change_role(self, role: str, task_type: Any) -> None:
+        """The instance serves as `role` from now on: outputs and heartbeats say so, and
+        the task socket decodes that role's tasks (each a single assignment, which the
+        I/O thread sees whole)."""
+        self._decoder = msgspec.msgpack.Decoder(task_type)
+        self.address = InstanceAddress(self.address.instance_id, role, self.address.task_address)
+
     def send_output(self, output: InstanceOutput) -> None:
         if output.stats is not None:
             self.latest_stats = output.stats

@@ -1,9 +1,12 @@
 """The roles an instance can run, by name: a plain mapping, imported by the step loop.
 
-Each kind says what sits beside the engine's KV cache on every rank (a KV transfer
-worker for the prefill and decode roles, nothing for colocated) and builds its role
-object from the loaded loop. The roles live in their own rooms and know nothing of
-this one: they get the engine, their KV link and the loop's send functions.
+Each kind builds its role object from the loaded loop. Beside the engine's KV cache
+every rank of an instance that moves KV (a prefill or decode one, or a colocated one
+whose spec has KV transfer) holds a transfer worker that serves pulls and pulls alike,
+so the instance can change role without a new worker (`instance/role_switch.py`);
+a colocated one without KV transfer holds nothing there. The roles live in their own
+rooms and know nothing of this one: they get the engine, their KV link and the loop's
+send functions.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pdserve.decode.kv_puller import DecodeKVPuller
 from pdserve.decode.role import DecodeRole
 from pdserve.engine.executor import ConnectorFactory
 from pdserve.instance.colocated import ColocatedRole
-from pdserve.instance.spec import InstanceSpec
+from pdserve.instance.spec import InstanceSpec, moves_kv
 from pdserve.kvtransfer import KVTransferConfig, layout_of
 from pdserve.kvtransfer.connector import TransferConnectorFactory
 from pdserve.kvtransfer.link import KVLink
@@ -75,16 +78,20 @@ def kv_transfer_config(spec: InstanceSpec) -> KVTransferConfig:
 
 
 def kv_link(loop: StepLoop) -> KVLink:
-    engine = loop.require_engine()
-    return KVLink(
-        kv_transfer_config(loop.spec),
-        layout_of(
-            engine.info.kv,
-            len(engine.info.connector_addresses) // engine.info.kv.pipeline_parallel_size,
-        ),
-        list(engine.info.connector_addresses),
-        engine.exchange_kv,
-    )
+    """The instance's one link to its ranks' KV connectors: a role switch hands it to
+    the next role, so the ranks' counters (sums since they started) stay one baseline."""
+    if loop.link is None:
+        engine = loop.require_engine()
+        loop.link = KVLink(
+            kv_transfer_config(loop.spec),
+            layout_of(
+                engine.info.kv,
+                len(engine.info.connector_addresses) // engine.info.kv.pipeline_parallel_size,
+            ),
+            list(engine.info.connector_addresses),
+            engine.exchange_kv,
+        )
+    return loop.link
 
 
 def _prefill(loop: StepLoop) -> Role:
@@ -104,22 +111,23 @@ def _decode(loop: StepLoop) -> Role:
     return DecodeRole(loop.spec.instance_id, loop.require_engine(), kv_link(loop), delayed)
 
 
-def _serving_connector(spec: InstanceSpec) -> ConnectorFactory:
-    return TransferConnectorFactory(kv_transfer_config(spec), serve=PrefillKVServer)
-
-
-def _pulling_connector(spec: InstanceSpec) -> ConnectorFactory:
-    return TransferConnectorFactory(kv_transfer_config(spec), pull=DecodeKVPuller)
+def transfer_connector(spec: InstanceSpec) -> ConnectorFactory | None:
+    """Each rank's KV connector: both sides, whichever role the instance has now."""
+    if not moves_kv(spec):
+        return None
+    return TransferConnectorFactory(
+        kv_transfer_config(spec), serve=PrefillKVServer, pull=DecodeKVPuller
+    )
 
 
 ROLES: dict[str, RoleKind] = {
     "colocated": RoleKind(
         wire.Task,
-        lambda spec: None,
+        transfer_connector,
         lambda loop: ColocatedRole(loop.spec.instance_id, loop.require_engine()),
     ),
-    "prefill": RoleKind(wire.Task, _serving_connector, _prefill),
-    "decode": RoleKind(DecodeRole.task_type, _pulling_connector, _decode),
+    "prefill": RoleKind(wire.Task, transfer_connector, _prefill),
+    "decode": RoleKind(DecodeRole.task_type, transfer_connector, _decode),
 }
 
 

@@ -13,7 +13,9 @@ Each loop turn, top to bottom:
 4. one `role.step()` if `role.has_work()`;
 5. `role.after_step(deltas)` (e.g. a prefill role's handoffs);
 6. the scheduler's block events out on the PUB socket;
-7. one `InstanceOutput` (token deltas, stats, metric deltas) when there is news.
+7. a role switch the gateway asked for, once the old role holds nothing
+   (`instance/role_switch.py`);
+8. one `InstanceOutput` (token deltas, stats, metric deltas) when there is news.
 
 The role object is the only thing that differs between colocated, prefill and decode
 instances (instance/kinds.py). The I/O thread sends heartbeats while the loop idles.
@@ -30,6 +32,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -44,7 +47,9 @@ from pdserve.instance.io import InstanceIO
 from pdserve.instance.kinds import Role, role_kind
 from pdserve.instance.probation import Probation
 from pdserve.instance.reporting import CounterBaseline, inspect_scheduler, instance_stats
+from pdserve.instance.role_switch import RoleSwitch
 from pdserve.instance.spec import InstanceSpec
+from pdserve.kvtransfer.link import KVLink
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +86,15 @@ class StepLoop:
         self.probation = Probation()
         self.engine: EngineCore | None = None
         self.role: Role | None = None
+        self.link: KVLink | None = None  # built by the first role that moves KV
+        self.on_role: Callable[[str], None] | None = None  # told each new role (ps title)
         self._stopped = threading.Event()
         self._encoder = msgspec.msgpack.Encoder()
         self._counted = CounterBaseline()
         self._pending_inspection: wire.InstanceInspection | None = None
         self._pending_snapshot: BlockCacheSnapshot | None = None
+        self._switch = RoleSwitch(self)
+        self._switched: wire.InstanceInfo | None = None
 
     @property
     def address(self) -> wire.InstanceAddress:
@@ -160,7 +169,11 @@ class StepLoop:
             deltas.extend(self._step(role))
         deltas = role.after_step(deltas)
         self._publish_block_events()
-        if tasks or deltas or self._pending_inspection or self._pending_snapshot or role.has_news():
+        if self._switch.ready():
+            self.flush(deltas)  # the old role's last news, in the old epoch
+            self._switched, deltas, role = self._switch.apply(), [], self.require_role()
+        pending = self._pending_inspection or self._pending_snapshot or self._switched
+        if tasks or deltas or pending or role.has_news():
             self.flush(deltas)
         self.io.loop_turns += 1  # only this thread writes it
 
@@ -190,8 +203,9 @@ class StepLoop:
             inspection=self._pending_inspection,
             block_snapshot=self._pending_snapshot,
             sent_at=time.time(),
+            switched=self._switched,
         )
-        self._pending_inspection = self._pending_snapshot = None
+        self._pending_inspection = self._pending_snapshot = self._switched = None
         self.io.send_output(output)
 
     def require_engine(self) -> EngineCore:
@@ -229,6 +243,11 @@ class StepLoop:
         elif isinstance(task, wire.FailStepsTask):
             if self.hooks is not None:
                 self.hooks.fail_steps(task)
+        elif isinstance(task, wire.SwitchRoleTask):
+            try:
+                self._switch.request(task)
+            except ValueError as exc:  # the gateway checks first: this is a bug there
+                logger.error("%s: role switch refused: %s", self.spec.instance_id, exc)
         else:
             return role.on_task(task)
         return None

@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.instance.loop import StepLoop
 
         loop = StepLoop(spec)
+        loop.on_role = lambda role: set_title(role, spec.instance_id)
         info = loop.load()
     except Exception as exc:  # whatever stops the load becomes one line for the launcher
         print(f"{FAILED_PREFIX}{type(exc).__name__}: {' '.join(str(exc).split())}", flush=True)

@@ -35,3 +35,9 @@ class InstanceSpec(msgspec.Struct, kw_only=True):
     # The epoch its outputs start in: a restarted instance goes on from the one the
     # gateway retired with its predecessor, so nothing of the old life passes for new.
     epoch: int = 0
+
+
+def moves_kv(spec: InstanceSpec) -> bool:
+    """Whether the instance's ranks hold a KV transfer worker (what every role but
+    colocated needs, so only such an instance may switch to one)."""
+    return spec.role != "colocated" or spec.kv_transfer is not None

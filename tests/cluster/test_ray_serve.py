@@ -1,5 +1,7 @@
 """`pdserve serve --launcher ray` joining a Ray cluster that the test session owns: colocated
-instances, then one prefill and one decode instance (actors PrefillInstance, DecodeInstance)."""
+instances, then one prefill and one decode instance (role-neutral `Instance` actors, as
+their role can change), whose prefill instance switches to decode and back in place:
+the same actor, the same process."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from experiments.serving import MODEL, ServeProcess, served
+from experiments.serving import ADMIN_KEY, MODEL, ServeProcess, pool, served, wait_for
 from tests.cluster.conftest import RAY_ENV, ray_list
 
 pytestmark = pytest.mark.slow
@@ -86,7 +88,7 @@ def pd_server(ray_cluster: str) -> Iterator[ServeProcess]:
     with served(
         "--launcher", "ray", "--ray-address", ray_cluster, "--num-prefill", "1",
         "--num-decode", "1", "--dtype", "bfloat16", "--kv-cache-memory", "64MiB",
-        "--max-model-len", "1024",
+        "--max-model-len", "1024", "--max-pool-size", "2",
         "--threads-per-instance", "1", "--enable-test-hooks", env=RAY_ENV,
         exit_zero=True, stop_timeout_s=60,
     ) as process:  # fmt: skip
@@ -100,16 +102,43 @@ def test_prefill_and_decode_instances_are_ray_actors(pd_server, ray_cluster) -> 
     )  # fmt: skip
     assert result.usage.completion_tokens == 4
     alive = {a["name"]: a for a in ray_actors(ray_cluster) if a["state"] == "ALIVE"}
-    assert alive["prefill-0"]["class_name"] == "PrefillInstance"
-    assert alive["decode-0"]["class_name"] == "DecodeInstance"
+    assert alive["prefill-0"]["class_name"] == "Instance"
+    assert alive["decode-0"]["class_name"] == "Instance"
     found = pd_server.instances()
-    for name, kind in (("prefill-0", "PrefillInstance"), ("decode-0", "DecodeInstance")):
+    for name in ("prefill-0", "decode-0"):
         assert alive[name]["pid"] == found[name]["pid"]
         title = subprocess.run(
             ["ps", "-o", "args=", "-p", str(found[name]["pid"])], capture_output=True, text=True
         )
-        assert f"ray::{kind}" in title.stdout
+        assert "ray::Instance" in title.stdout
     metrics = pd_server.get("/metrics").text  # the tokens after the first came through a pull
     assert 'pdserve:kv_transfer_blocks_total{instance="decode-0",role="decode"} 1.0' in metrics
     assert 'pdserve:generation_tokens_total{instance="decode-0",role="decode"} 3.0' in metrics
     pd_server.assert_blocks_free_or_cached()
+
+
+def test_a_prefill_actor_switches_to_decode_and_back_in_place(pd_server, ray_cluster) -> None:
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    pid = pd_server.instances()["prefill-0"]["pid"]
+    expected = complete(pd_server)
+    for role in ("decode", "prefill"):
+        asked = pd_server.post("/admin/instances/prefill-0/role", json={"role": role},
+                               headers=admin)  # fmt: skip
+        assert asked.status_code == 202, asked.text
+        wait_for(lambda r=role: "prefill-0" in pool(pd_server, r), 60, f"prefill-0 as {role}")
+        assert complete(pd_server) == expected  # whole on decode instances, then split
+        assert pd_server.instances()["prefill-0"]["pid"] == pid  # the same process
+    alive = {a["name"]: a for a in ray_actors(ray_cluster) if a["state"] == "ALIVE"}
+    assert alive["prefill-0"]["pid"] == pid and alive["prefill-0"]["class_name"] == "Instance"
+    metrics = pd_server.get("/metrics").text
+    assert 'pdserve:role_switches_total{from="prefill",to="decode"} 1.0' in metrics
+    assert 'pdserve:instance_role{instance="prefill-0",role="prefill"} 1.0' in metrics
+    pd_server.assert_blocks_free_or_cached()
+
+
+def complete(server: ServeProcess) -> str:
+    result = server.openai().completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    return result.choices[0].text

@@ -22,6 +22,7 @@ from pdserve.common.messages import (
     InstanceOutput,
     LeakBlocksTask,
     RequestDelta,
+    SwitchRoleTask,
 )
 from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.config import EngineConfig
@@ -119,6 +120,8 @@ class Harness:
         self.epoch = 0  # of the latest output
         self.unhealthy = ""  # of the latest output
         self.loop_turns = 0
+        self.switched: list[tuple[int, Any]] = []  # (epoch, InstanceInfo) of each switch
+        self.roles: list[str] = []  # each output's role
 
     def send(self, task: Any) -> None:
         self.tasks.send(TASK_SEAL.seal(ENCODER.encode(task)))
@@ -134,6 +137,9 @@ class Harness:
             output = decoder.decode(OUTPUT_OPEN.open(self.outputs.recv()).payload)
             self.epoch, self.loop_turns = output.epoch, output.loop_turns
             self.unhealthy = output.unhealthy
+            self.roles.append(output.instance.role)
+            if output.switched is not None:
+                self.switched.append((output.epoch, output.switched))
             self.deltas.extend(output.deltas)
             for name, values in (output.metrics.histograms if output.metrics else {}).items():
                 self.histograms.setdefault(name, []).extend(values)
@@ -279,3 +285,45 @@ def test_the_leak_hook_acts_only_with_test_hooks(hooks: bool) -> None:
         assert (owners != {}) == hooks
     finally:
         harness.close()
+
+
+def test_a_prefill_instance_becomes_decode_once_its_handoffs_are_released() -> None:
+    harness = Harness("prefill")
+    try:
+        harness.send(generate("p", list(range(20, 29)), max_tokens=8, target=harness.peer_address))
+        harness.until(lambda: harness.peer.poll(0), "handoff")
+        link = harness.loop.link
+        harness.send(SwitchRoleTask("decode", epoch=1))
+        harness.turn(5)
+        assert harness.switched == [] and harness.epoch == 0  # its blocks are out on loan
+        harness.executor.next_report = TransferReport(finished_sending=["p"])
+        harness.until(lambda: harness.switched, "the switch")
+        ((epoch, info),) = harness.switched
+        assert (epoch, info.epoch, info.address.role) == (1, 1, "decode")
+        assert info.address.task_address == harness.loop.address.task_address  # same sockets
+        assert harness.loop.link is link and harness.loop.spec.role == "decode"
+        assert type(harness.loop.role).__name__ == "DecodeRole"
+        harness.turn(3)
+        assert harness.roles[-1] == "decode" and harness.epoch == 1  # heartbeats alike
+        assert harness.inspect().block_owners == {}  # the prompt's blocks stay cached
+    finally:
+        harness.close()
+
+
+def test_a_decode_instance_becomes_colocated_and_serves_whole_requests() -> None:
+    harness = Harness("decode")
+    try:
+        harness.send(SwitchRoleTask("colocated", epoch=3))
+        harness.until(lambda: harness.switched, "the switch")
+        harness.send(generate("c", [5, 6, 7], max_tokens=3))
+        harness.until(lambda: harness.finished("c"), "a whole request")
+        assert harness.tokens("c") == [8, 9, 10] and harness.epoch == 3
+    finally:
+        harness.close()
+
+
+def test_a_colocated_instance_without_kv_transfer_keeps_its_role(colocated) -> None:
+    colocated.send(SwitchRoleTask("decode", epoch=1))
+    colocated.turn(3)
+    assert colocated.switched == [] and colocated.roles[-1] == "colocated"
+    assert type(colocated.loop.role).__name__ == "ColocatedRole"
