@@ -36,6 +36,6 @@
   accepts).
 - Operators: `/admin/*` (`admin.py`: drain an instance, scale a pool, switch an
   instance's role, through the cluster's `PoolControl`; a request's timeline;
-  `role_switch.py`: one switch carried out; `role_metrics.py`: its series), `/debug/*` (`debug.py`, mounted only with
-  `--enable-test-hooks`).
+  `role_switch.py`: one switch carried out; `role_metrics.py`: its series), `/debug/*`
+  (`debug.py`, mounted only with `--enable-test-hooks`).
 """

@@ -169,6 +169,7 @@ def admin_router(gateway: Gateway) -> APIRouter:
                 404, f"no recent request {request_id} (only the latest are kept)", "id", "not_found"
             )
         return gateway.json(msgspec.to_builtins(run))
+
     @router.post("/instances/{instance_id}/role")
     async def switch_role(instance_id: str, request: Request) -> Response:
         try:

@@ -39,7 +39,6 @@ from pdserve.common.messages import (
     InstanceInfo,
     InstanceInspection,
     InstanceOutput,
-    LeakBlocksTask,
     RequestDelta,
     SnapshotTask,
     Task,

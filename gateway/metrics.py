@@ -28,8 +28,8 @@ from pdserve.common.messages import InstanceOutput, InstanceStats
 from pdserve.gateway.deployment_metrics import DeploymentSeries
 from pdserve.gateway.frame_drop_metrics import DroppedFrameSeries
 from pdserve.gateway.health import recompute_ratio
-from pdserve.gateway.timeline import PHASES
 from pdserve.gateway.role_metrics import RoleSeries
+from pdserve.gateway.timeline import PHASES
 
 PREFIX = "pdserve:"
 LABELS = ("role", "instance")
