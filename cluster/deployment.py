@@ -224,9 +224,11 @@ def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> d
             )
             if args.quantization == "int8":  # each rank's slice holds whole scale groups
                 check_int8_groups(
-                    size, mc.hidden_size, mc.num_attention_heads * mc.head_dim,
+                    size,
+                    mc.hidden_size,
+                    mc.num_attention_heads * mc.head_dim,
                     mc.intermediate_size,
-                )  # fmt: skip
+                )
         except (TensorParallelError, Int8GroupError) as exc:
             flag = (
                 "--tensor-parallel-size"

@@ -23,6 +23,7 @@ from pdserve.common.structured_output import StructuredOutput
 from pdserve.engine import gpu_memory
 from pdserve.engine.checkpoint import (
     CheckpointError,
+    ModelConfig,
     load_generation_config,
     load_model_config,
 )
@@ -106,14 +107,7 @@ class ModelWorker:
         torch.set_num_threads(config.resolved_threads())
         self.model_path = str(config.model or embedded_model_path())
         self.model_config = mc = load_model_config(self.model_path)
-        check_tp_size(
-            self.tp.size, mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size
-        )
-        if config.quantization == "int8":
-            check_int8_groups(
-                self.tp.size, mc.hidden_size, mc.num_attention_heads * mc.head_dim,
-                mc.intermediate_size,
-            )  # fmt: skip
+        self._check_split(mc)
         self.stage = stage = self._stage or PipelineStage.of(mc.num_hidden_layers)
         check_pp_size(stage.size, mc.num_hidden_layers)
         generation_config = load_generation_config(self.model_path)
@@ -183,6 +177,14 @@ class ModelWorker:
             load_peak_memory_bytes=max(0, _peak_resident_bytes() - rss_before),
             weight_format=weight_format(self.model),
         )
+
+    def _check_split(self, mc: ModelConfig) -> None:
+        """The model's shapes split this rank's way (an int8 split keeps groups whole)."""
+        tp = self.tp.size
+        check_tp_size(tp, mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size)
+        if self.config.quantization == "int8":
+            attention_width = mc.num_attention_heads * mc.head_dim
+            check_int8_groups(tp, mc.hidden_size, attention_width, mc.intermediate_size)
 
     def _generation_defaults(self, checkpoint: dict[str, int | float]) -> dict[str, int | float]:
         source = self.config.generation_config

@@ -126,9 +126,11 @@ class WorkerGroupExecutor:
         check_pp_size(self.config.pipeline_parallel_size, mc.num_hidden_layers)
         if self.config.quantization == "int8":
             check_int8_groups(
-                self.config.tensor_parallel_size, mc.hidden_size,
-                mc.num_attention_heads * mc.head_dim, mc.intermediate_size,
-            )  # fmt: skip
+                self.config.tensor_parallel_size,
+                mc.hidden_size,
+                mc.num_attention_heads * mc.head_dim,
+                mc.intermediate_size,
+            )
 
     @property
     def rank_pids(self) -> list[int | None]:

@@ -141,14 +141,7 @@ def admin_router(gateway: Gateway) -> APIRouter:
         members = pools().members(role)
         if not members:
             raise APIError(404, f"this deployment has no {role} pool", "role", "not_found")
-        least = 1 if role in ROLES_THAT_DECODE else 0
-        if size < least:
-            raise APIError(400, f"a {role} pool needs at least {least} instance(s)", "size")
-        most = pools().max_size(role)
-        if most is not None and size > most:
-            raise APIError(
-                400, f"a {role} pool may hold at most {most} instances (--max-pool-size)", "size"
-            )
+        _check_size(pools(), role, size)
         started, drained = [], members[size:][::-1]  # the newest go first
         _refuse_busy(pools(), drained)
         if size > len(members):
@@ -160,15 +153,6 @@ def admin_router(gateway: Gateway) -> APIRouter:
             drain(instance_id)
         body = {"role": role, "size": size, "starting": started, "draining": drained}
         return gateway.json(body, status=202)
-
-    @router.get("/requests/{request_id}/timeline")
-    async def request_timeline(request_id: str) -> Response:
-        run = gateway.dispatcher.timelines.get(request_id)
-        if run is None:
-            raise APIError(
-                404, f"no recent request {request_id} (only the latest are kept)", "id", "not_found"
-            )
-        return gateway.json(msgspec.to_builtins(run))
 
     @router.post("/instances/{instance_id}/role")
     async def switch_role(instance_id: str, request: Request) -> Response:
@@ -185,7 +169,31 @@ def admin_router(gateway: Gateway) -> APIRouter:
         keep(RoleSwitcher(gateway, control, view).run(body.role, body.reason))
         return gateway.json(answer, status=202)
 
+    _add_timeline_route(router, gateway)
     return router
+
+
+def _add_timeline_route(router: APIRouter, gateway: Gateway) -> None:
+    @router.get("/requests/{request_id}/timeline")
+    async def request_timeline(request_id: str) -> Response:
+        run = gateway.dispatcher.timelines.get(request_id)
+        if run is None:
+            raise APIError(
+                404, f"no recent request {request_id} (only the latest are kept)", "id", "not_found"
+            )
+        return gateway.json(msgspec.to_builtins(run))
+
+
+def _check_size(control: PoolControl, role: str, size: int) -> None:
+    """A 400 for a size the pool may not have: below its floor or over `--max-pool-size`."""
+    least = 1 if role in ROLES_THAT_DECODE else 0
+    if size < least:
+        raise APIError(400, f"a {role} pool needs at least {least} instance(s)", "size")
+    most = control.max_size(role)
+    if most is not None and size > most:
+        raise APIError(
+            400, f"a {role} pool may hold at most {most} instances (--max-pool-size)", "size"
+        )
 
 
 def _refuse_busy(control: PoolControl, instance_ids: list[str]) -> None:

@@ -35,9 +35,18 @@ from pdserve.gateway.clock_sync import ClockSync
 Attributes = dict[str, str | int | float]
 # Every phase name a timeline may hold (children included), for /metrics' labels.
 PHASES = (
-    "admission", "queue", "prefill", "handoff", "kv_seat_wait", "kv_transfer", "decode",
-    "preempted", "migration", "retry", "detokenize",
-)  # fmt: skip
+    "admission",
+    "queue",
+    "prefill",
+    "handoff",
+    "kv_seat_wait",
+    "kv_transfer",
+    "decode",
+    "preempted",
+    "migration",
+    "retry",
+    "detokenize",
+)
 
 
 class Phase(msgspec.Struct):

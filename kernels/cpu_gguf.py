@@ -69,10 +69,22 @@ class CpuGgufLinear:
         y = torch.empty(rows, n, dtype=torch.float32)
         call = self._Args()
         _CALL.pack_into(
-            call, 0,
-            x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0), qtype,
-            0 if bias is None else bias.data_ptr(), -1 if bias is None else _dtype("bias", bias),
-            y.data_ptr(), n, rows, n, k, torch.get_num_threads(), -1,
-        )  # fmt: skip
+            call,
+            0,
+            x2.data_ptr(),
+            x2.stride(0),
+            weight.data_ptr(),
+            weight.stride(0),
+            qtype,
+            0 if bias is None else bias.data_ptr(),
+            -1 if bias is None else _dtype("bias", bias),
+            y.data_ptr(),
+            n,
+            rows,
+            n,
+            k,
+            torch.get_num_threads(),
+            -1,
+        )
         _check(self._fn(call), call)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)

@@ -53,11 +53,23 @@ class CpuInt8Linear:
         k_ = self.kernels
         call = k_._Int8Args()
         k_._pack_int8(
-            call, 0,
-            x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0), scales.data_ptr(),
-            k // group, 0 if bias is None else bias.data_ptr(),
+            call,
+            0,
+            x2.data_ptr(),
+            x2.stride(0),
+            weight.data_ptr(),
+            weight.stride(0),
+            scales.data_ptr(),
+            k // group,
+            0 if bias is None else bias.data_ptr(),
             -1 if bias is None else _dtype("bias", bias),
-            y.data_ptr(), n, rows, n, k, torch.get_num_threads(), -1,
-        )  # fmt: skip
+            y.data_ptr(),
+            n,
+            rows,
+            n,
+            k,
+            torch.get_num_threads(),
+            -1,
+        )
         _check(k_._int8(call), call)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)

@@ -113,9 +113,11 @@ def valid_tp_sizes(shape: ModelShape, dtype: str | None = None) -> list[int]:
 def _int8_groups_fit(shape: ModelShape, tp: int) -> bool:
     try:
         check_int8_groups(
-            tp, shape.hidden_size, shape.num_attention_heads * shape.head_dim,
+            tp,
+            shape.hidden_size,
+            shape.num_attention_heads * shape.head_dim,
             shape.intermediate_size,
-        )  # fmt: skip
+        )
     except Int8GroupError:
         return False
     return True

@@ -159,7 +159,9 @@ def test_a_received_head_slice_is_scattered_and_done_before_its_pull_is_reported
     )  # fmt: skip
     prefills = [FakePrefill(LAYOUT, "p", tp_rank=r, tp_size=2) for r in (0, 1)]
     context = zmq.Context()
-    puller = DecodeKVPuller(rank, context, lambda kind, rid, why: log.append(f"reported {kind}"))
+    puller = DecodeKVPuller(
+        rank, context, lambda kind, rid, why, pull=None: log.append(f"reported {kind}")
+    )
     try:
         # The prefill instance runs TP 2: one head from each rank, each into a staging
         # buffer scattered into this rank's two heads.
