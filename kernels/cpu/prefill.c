@@ -3,8 +3,7 @@
  *
  * - A work item is (sequence, tile of query tokens, kv head). Its rows are the tile's
  *   tokens x the GQA group's heads (about ROWS_TARGET rows); each key tile is read once
- *   for all of them, widened to float32 once (a 16-bit cache), and stays in L1 while
- *   they pass over it in chunks of MAX_CHUNK rows.
+ *   for all of them and stays in L1 while they pass over it in chunks of MAX_CHUNK rows.
  * - Every row gets exactly the decode kernel's arithmetic (attend.h): the keys go block
  *   by block in tiles of SCORE_TILE from each block's start; a row whose position falls
  *   inside a tile takes the tile up to its position, as a decode step at that position
@@ -28,29 +27,12 @@ typedef struct {
 
 typedef struct {
     float *qf, *acc, *m, *l, *sc;
-    float *kv; /* a key tile's K then V rows widened to float32: SCORE_TILE x dp each */
 } tile_scratch;
 
-/* Rows [0, n) of a 16-bit cache tile (row stride in bytes) widened to float32 rows of
- * dp: exact, so the rows that pass over the tile read the same numbers as from the
- * cache, without converting them once per chunk of rows. */
-ALWAYS_INLINE void widen_rows(const char *src, int64_t row, int n, int d, int dp, float *dst,
-                              const int dt) {
-    const int d8 = d & ~7;
-    for (int t = 0; t < n; t++) {
-        const char *r = src + t * row;
-        float *out = dst + (int64_t)t * dp;
-#pragma GCC unroll 8
-        for (int c = 0; c < d8; c += 8) v8_store(out + c, v8_load_as(r, dt, c));
-        for (int c = d8; c < d; c++) out[c] = load_scalar(r, dt, c);
-    }
-}
-
-/* Rows [r0, r1) of the item (token-major: row = token * group + head) over the n
- * float32 keys at kr / vr, in chunks of MAX_CHUNK. */
+/* Rows [r0, r1) of the item (token-major: row = token * group + head) over the n keys
+ * at kr / vr, in chunks of MAX_CHUNK. */
 ALWAYS_INLINE void attend_rows(const char *kr, const char *vr, int64_t row, int n, int d, int dp,
-                               int r0, int r1, const tile_scratch *w, v8f *dots) {
-    const int dt = DT_F32;
+                               int r0, int r1, const tile_scratch *w, v8f *dots, const int dt) {
     for (int r = r0; r < r1; r += MAX_CHUNK) {
         const float *q = w->qf + (int64_t)r * dp;
         float *m = w->m + r, *l = w->l + r, *acc = w->acc + (int64_t)r * dp;
@@ -80,24 +62,15 @@ ALWAYS_INLINE void attend_causal(const attention_args *A, const prefill_item *it
             const int64_t j0 = base + t0;
             const int whole = bs - t0 < SCORE_TILE ? bs - t0 : SCORE_TILE;
             const char *kr = kb + t0 * row, *vr = vb + t0 * row;
-            int64_t tr = row; /* the rows' stride where the rows pass over them */
-            if (dt != DT_F32) { /* keys up to the item's last position only */
-                const int used = hi - t0 < whole ? hi - t0 : whole;
-                widen_rows(kr, row, used, d, dp, w->kv, dt);
-                widen_rows(vr, row, used, d, dp, w->kv + SCORE_TILE * dp, dt);
-                kr = (const char *)w->kv;
-                vr = (const char *)(w->kv + SCORE_TILE * dp);
-                tr = (int64_t)dp * (int64_t)sizeof(float);
-            }
             /* Tokens before `full` end inside the tile: each takes it up to itself. */
             int64_t seen = j0 - pos0 > 0 ? j0 - pos0 : 0;
             int64_t full = j0 + whole - 1 - pos0 > 0 ? j0 + whole - 1 - pos0 : 0;
             if (full > tokens) full = tokens;
             for (int64_t t = seen; t < full; t++)
-                attend_rows(kr, vr, tr, (int)(pos0 + t - j0 + 1), d, dp, (int)t * g,
-                            (int)(t + 1) * g, w, dots);
+                attend_rows(kr, vr, row, (int)(pos0 + t - j0 + 1), d, dp, (int)t * g,
+                            (int)(t + 1) * g, w, dots, dt);
             if (full < tokens)
-                attend_rows(kr, vr, tr, whole, d, dp, (int)full * g, (int)tokens * g, w, dots);
+                attend_rows(kr, vr, row, whole, d, dp, (int)full * g, (int)tokens * g, w, dots, dt);
         }
     }
 }
@@ -144,7 +117,6 @@ static void prefill_run(const attention_job *J, int64_t i, float *scratch) {
     w.m = w.acc + rows * dp;
     w.l = w.m + rows;
     w.sc = w.l + rows;
-    w.kv = w.sc + MAX_CHUNK * SCORE_TILE;
     prefill_variant(A->c_dt, A->head_dim)(A, (const prefill_item *)J->items + i, &w);
 }
 
@@ -236,8 +208,7 @@ int pd_prefill_attention(pd_prefill_call *call) {
     if (threads > num_items) threads = (int)num_items;
     const size_t rows = (size_t)A.rows_pad;
     attention_job job = {.A = &A, .items = items, .run = prefill_run, .queue = {0, num_items},
-                         .scratch_floats = rows * A.dp * 2 + 2 * rows + MAX_CHUNK * SCORE_TILE
-                                           + 2 * SCORE_TILE * (size_t)A.dp};
+                         .scratch_floats = rows * A.dp * 2 + 2 * rows + MAX_CHUNK * SCORE_TILE};
     rc = run_attention_job(&job, threads);
     free(items);
     return rc;
