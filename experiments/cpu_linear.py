@@ -2,6 +2,7 @@
 BLAS / oneDNN matmul, over SmolLM2-135M's four projections of all 30 layers.
 
     python -m experiments.cpu_linear [--rows 1 8 32 128 512 2048] [--threads 2] [--clock cpu]
+        [--dtypes float32 bfloat16]
 
 Per row count and weight dtype, the median wall ms of one pass over the 30 layers'
 fused QKV (960 x 576), output (576 x 576), gate/up (3072 x 576) and down (576 x 1536)
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     args = parser.parse_args(argv)
     clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.clock} clock"
     )
     gen = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in [getattr(torch, name) for name in args.dtypes]:
         weights = [
             [torch.randn(n, k, generator=gen).to(dtype) for n, k in SHAPES] for _ in range(LAYERS)
         ]

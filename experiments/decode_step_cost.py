@@ -2,12 +2,15 @@
 op and by stage.
 
     python -m experiments.decode_step_cost [--batches 1 32] [--steps 40] [--rounds 3]
-        [--threads 1 --clock cpu] [--dtype float32 --quantization int8]
+        [--threads 1 --clock cpu] [--dtype float32 --quantization int8] [--prefill 2000]
 
 Each batch runs `batch` greedy requests of random 128-token prompts through the
 prefill, then times `--steps` decode steps, `--rounds` times (the median round is
-printed). The ops the model calls (linear, rms_norm, rotary, the KV write, attention,
-the LM head) are wrapped in timers for the timed steps, so "model glue" is the
+printed). `--prefill N` then times, the same way, the steps that compute one fresh
+N-token prompt up to its first token (one step where N fits the step's token budget),
+a new random prompt each round so the prefix cache never serves it. The ops the model
+calls (linear, rms_norm, rotary, the KV write, attention, the LM head) are wrapped in
+timers for the timed steps, so "model glue" is the
 forward's wall time outside them (Python, module calls, splits and views, the MLP's
 activation) and "step driver" is `EngineCore.step` outside the rank's prepare /
 forward / sample (the scheduler, the plan, the deltas). A timer costs ~0.2 us a call
@@ -113,6 +116,30 @@ def one_round(llm: LLM, steps: int) -> Clock:
     return {k: v / steps * 1e3 for k, v in clock.items()}
 
 
+def prefill_round(llm: LLM, prompt_len: int, seed: int) -> Clock:
+    """ms of each op over the steps that take one fresh prompt to its first token."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, llm.engine.vocab_size, (prompt_len,), generator=gen).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    request = llm.engine.make_request(f"prefill-{seed}", prompt, params)
+    llm.engine.add_request(request)
+    clock: Clock = defaultdict(float)
+    with timers(clock, llm.engine.executor.worker.model):
+        while request.num_output_tokens == 0:
+            step_start = now()
+            llm.engine.step()
+            clock["step"] += now() - step_start
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    return {k: v * 1e3 for k, v in clock.items()}
+
+
+def print_median(rounds: list[Clock]) -> None:
+    rows = [breakdown(r) for r in rounds]
+    for i, (label, _) in enumerate(rows[0]):
+        print(f"  {label:<40} {statistics.median(r[i][1] for r in rows):8.2f}")
+
+
 def breakdown(clock: Clock) -> list[tuple[str, float]]:
     ops = [label for _, _, label in MODEL_OPS if label in clock]
     top_ops = [label for label in ops if not label.startswith("  ")]
@@ -147,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     parser.add_argument("--untimed", action="store_true", help="step wall time only, no timers")
+    parser.add_argument("--prefill", type=int, default=0, help="also time an N-token prompt")
     args = parser.parse_args(argv)
     global now
     now = time.thread_time if args.clock == "cpu" else time.perf_counter
@@ -172,13 +200,16 @@ def main(argv: list[str] | None = None) -> None:
             print(f"batch {batch}: step ms per round {[round(w, 2) for w in walls]}")
         else:
             rounds = [one_round(llm, args.steps) for _ in range(args.rounds)]
-            rows = [breakdown(r) for r in rounds]
             print(f"batch {batch}: ms per decode step, median of {args.rounds} rounds")
-            for i, (label, _) in enumerate(rows[0]):
-                print(f"  {label:<40} {statistics.median(r[i][1] for r in rows):8.2f}")
+            print_median(rounds)
         for request in list(llm.engine.scheduler.running):
             llm.engine.abort_request(request.request_id)
         llm.engine.step()
+    if args.prefill:
+        prefill_round(llm, args.prefill, seed=0)  # warm
+        rounds = [prefill_round(llm, args.prefill, seed=1 + i) for i in range(args.rounds)]
+        print(f"prefill of {args.prefill} tokens: ms to the first token, median of {args.rounds}")
+        print_median(rounds)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@
  * a's block); per tile, each score is one 8-lane FMA chain over head_dim reduced by
  * v8_sum8, then the online-softmax update in base 2 (v8_exp2) and P.V as one FMA chain
  * per dimension. attend_tokens computes one tile for up to MAX_CHUNK rows at once, each
- * row's arithmetic independent of the others and of how many there are.
+ * row's arithmetic independent of the others and of how many there are; register
+ * blocks (QK_TOKENS keys per pass of q.k, PV_CHUNKS dims per pass of P.V, wider where
+ * AVX-512 gives 32 registers) share loads between chains, never change one.
  */
 #ifndef PDSERVE_CPU_ATTEND_H
 #define PDSERVE_CPU_ATTEND_H
@@ -19,9 +21,62 @@
 #define MAX_CHUNK 4 /* query heads per pass over a block */
 #define SCORE_TILE 32
 
+/* Token columns per register block of q.k: G heads x QK_TOKENS tokens of accumulators,
+ * with G query vectors and the tokens' key vectors, fit the registers (32 ymm with
+ * AVX-512, 16 without). */
+#ifdef __AVX512F__
+#define QK_TOKENS 4
+#else
+#define QK_TOKENS 2
+#endif
+
 /* Dims per register-blocked pass of P.V: G heads x PV_CHUNKS(G) vectors of 8 stay in
- * registers (with the G broadcast probabilities and one V vector: <= 16 ymm). */
+ * registers (with the G broadcast probabilities and one V vector). */
+#ifdef __AVX512F__
+#define PV_CHUNKS(G) ((G) <= 3 ? 8 : 4)
+#else
 #define PV_CHUNKS(G) ((G) == 1 ? 8 : (G) == 2 ? 4 : 2)
+#endif
+
+/* q.k of G heads and TB consecutive tokens from kr: dots[i * 8 + t] for each head i and
+ * token t of the block. Every score is the same 8-lane FMA chain over the dims in
+ * increasing order whatever TB is (the block only shares the loads), so a token's score
+ * does not depend on which block it fell in. */
+ALWAYS_INLINE void score_block(const char *kr, int64_t row, int d, int dp, const float *qf,
+                               v8f *dots, const int G, const int TB, const int dt) {
+    const int d8 = d & ~7;
+    /* An opaque copy of the query pointer: the compiler would otherwise hoist every
+     * query vector of the tile out of the callers' loop over tokens, keeping G x d / 8
+     * vectors live and spilling the accumulators. */
+    const float *q = qf;
+    __asm__("" : "+r"(q));
+    v8f dot[MAX_CHUNK][QK_TOKENS];
+#pragma GCC unroll 4
+    for (int i = 0; i < G; i++)
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; t++) dot[i][t] = v8_splat(0.0f);
+#pragma GCC unroll 8
+    for (int c = 0; c < d8; c += 8) {
+        v8f kv[QK_TOKENS];
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; t++) kv[t] = v8_load_as(kr + t * row, dt, c);
+#pragma GCC unroll 4
+        for (int i = 0; i < G; i++) {
+            const v8f qv = v8_load(q + i * dp + c);
+#pragma GCC unroll 4
+            for (int t = 0; t < TB; t++) dot[i][t] = v8_fma(qv, kv[t], dot[i][t]);
+        }
+    }
+    for (int c = d8; c < d; c++)
+        for (int t = 0; t < TB; t++) {
+            float kc = load_scalar(kr + t * row, dt, c);
+            for (int i = 0; i < G; i++) dot[i][t][0] += q[i * dp + c] * kc;
+        }
+#pragma GCC unroll 4
+    for (int i = 0; i < G; i++)
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; t++) dots[i * 8 + t] = dot[i][t];
+}
 
 /* Scores, online-softmax update and P.V of G query heads (a chunk of the group) over
  * the n <= SCORE_TILE tokens at rows kr / vr. d is a compile-time constant where it
@@ -29,30 +84,19 @@
 ALWAYS_INLINE void attend_tokens(const char *kr, const char *vr, int64_t row, int n, int d, int dp,
                                  const float *qf, float *m, float *l, float *acc, float *sc,
                                  v8f *dots, const int G, const int dt) {
-    const int d8 = d & ~7;
     /* q.k: one vector of partial products per (head, token), eight tokens reduced
-     * together, so the horizontal sums cost ~1 op per score instead of ~7. */
+     * together, so the horizontal sums cost ~1 op per score instead of ~7. Tokens past
+     * n get zero vectors. */
+    const int d8 = d & ~7;
     for (int t0 = 0; t0 < n; t0 += 8) {
-        for (int t = 0; t < 8; t++) {
-            v8f dot[MAX_CHUNK];
+        int t = 0;
+        for (; t + QK_TOKENS <= 8 && t0 + t + QK_TOKENS <= n; t += QK_TOKENS)
+            score_block(kr + (t0 + t) * row, row, d, dp, qf, dots + t, G, QK_TOKENS, dt);
+        for (; t < 8 && t0 + t < n; t++)
+            score_block(kr + (t0 + t) * row, row, d, dp, qf, dots + t, G, 1, dt);
+        for (; t < 8; t++)
 #pragma GCC unroll 4
-            for (int i = 0; i < G; i++) dot[i] = v8_splat(0.0f);
-            if (t0 + t < n) {
-                const char *k = kr + (t0 + t) * row;
-#pragma GCC unroll 8
-                for (int c = 0; c < d8; c += 8) {
-                    v8f kv = v8_load_as(k, dt, c);
-#pragma GCC unroll 4
-                    for (int i = 0; i < G; i++) dot[i] = v8_fma(v8_load(qf + i * dp + c), kv, dot[i]);
-                }
-                for (int c = d8; c < d; c++) {
-                    float kc = load_scalar(k, dt, c);
-                    for (int i = 0; i < G; i++) dot[i][0] += qf[i * dp + c] * kc;
-                }
-            }
-#pragma GCC unroll 4
-            for (int i = 0; i < G; i++) dots[i * 8 + t] = dot[i];
-        }
+            for (int i = 0; i < G; i++) dots[i * 8 + t] = v8_splat(0.0f);
 #pragma GCC unroll 4
         for (int i = 0; i < G; i++) v8_store(sc + i * SCORE_TILE + t0, v8_sum8(dots + i * 8));
     }

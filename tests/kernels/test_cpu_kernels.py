@@ -6,13 +6,21 @@ scalar-tail paths), block size 16/32, fp32/bf16/fp16 and sliding windows. Every 
 is a block-strided view of a NaN-poisoned block-major storage with shuffled block ids
 and table entries past each sequence's end pointing anywhere, so a kernel that reads
 a slot it should not fails; outputs start as NaN, so a row left unwritten fails too.
+The AVX2 build (`PDSERVE_CPU_ISA=avx2`, in a child process) runs part of the grid and
+the prefill-equals-decode check as well: its register blocks differ from AVX-512's.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from pdserve.kernels import cpu_build
 from pdserve.kernels.reference import (
     decode_attention_ref,
     prefill_attention_ref,
@@ -97,6 +105,10 @@ def test_prefill_rows_equal_decode_steps_however_chunked(
     position, whatever chunk it came in (one 200-token chunk, chunks of 1, 7 and 64
     over the cached prefix) and whatever else shares the call: a recomputed request
     (migrated, preempted, a prefix-cache hit) gets the same KV and logits."""
+    _assert_prefill_rows_equal_decode_steps(kernels, threads, block_size, dtype, window)
+
+
+def _assert_prefill_rows_equal_decode_steps(kernels, set_threads, block_size, dtype, window):
     gen = torch.Generator().manual_seed(block_size)
     heads, kv_heads, d, total = 9, 3, 64, 200
     batch = make_paged_batch([total, 90], kv_heads, d, block_size, dtype, gen)
@@ -110,7 +122,7 @@ def test_prefill_rows_equal_decode_steps_however_chunked(
         )
     for chunk in (total, 1, 7, 64):
         for num_threads in (1, 2):
-            threads(num_threads)
+            set_threads(num_threads)
             for start in range(0, total, chunk):
                 end = min(total, start + chunk)
                 # The other sequence's three tokens share the call.
@@ -119,6 +131,39 @@ def test_prefill_rows_equal_decode_steps_however_chunked(
                 lens = torch.tensor([end, 90], dtype=torch.int32)
                 out = kernels.prefill_attention(q, cache, tables, starts, lens, 0.125, window)
                 assert torch.equal(out[: end - start], steps[start:end]), (chunk, start)
+
+
+def check_the_avx2_build() -> None:
+    """Run in a child with PDSERVE_CPU_ISA=avx2: its attention kernels (16 registers, other
+    register blocks than AVX-512's) against the references, and prefill rows equal to
+    decode steps there too."""
+    from pdserve.kernels import cpu_ops
+
+    kernels = cpu_ops.load()
+    assert "-march=haswell" in kernels.build_info, kernels.build_info
+    for heads, kv_heads, d, bs, dtype, window in PAIRWISE[:6]:
+        seqs = [(1, 1), (bs + 1, 2), (2 * bs + 3, bs + 2), (300, 290)]
+        _prefill_case(kernels, heads, kv_heads, d, bs, dtype, window, seqs, seed=d + bs)
+        lens = [bs + 1, 1, 2 * bs + 5, 70]
+        _decode_case(kernels, heads, kv_heads, d, bs, dtype, window, lens, seed=d + bs)
+    _assert_prefill_rows_equal_decode_steps(kernels, torch.set_num_threads, 16, BF16, None)
+    print("avx2 attention ok")
+
+
+@pytest.mark.skipif(
+    not {"avx2", "fma", "f16c"} <= cpu_build.cpu_flags(), reason="the CPU has no AVX2"
+)
+def test_the_avx2_build_matches_the_references():
+    """PDSERVE_CPU_ISA=avx2 builds per process, so the checks run in a child."""
+    root = Path(__file__).resolve().parents[2]
+    code = "from tests.kernels.test_cpu_kernels import check_the_avx2_build as c; c()"
+    env = {**os.environ, "PDSERVE_CPU_ISA": "avx2"}
+    child = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.strip().splitlines()[-1] == "avx2 attention ok"
 
 
 EDGE_SHAPES = [
