@@ -185,6 +185,7 @@ def exited(gateway: Gateway, supervisor: Supervisor, instance_id: str, reason: s
     if not supervisor.knows(instance_id):
         gateway.scheduler.forget(instance_id)
         gateway.metrics.roles.forget(instance_id)  # it serves in no role any more
+        gateway.dispatcher.timelines.forget_instance(instance_id)  # and keeps no clock
         return
     view = gateway.scheduler.views.get(instance_id)
     supervisor.instance_exited(instance_id, view.epoch if view is not None else 0)

@@ -48,7 +48,7 @@ class InstanceFrames:
         if output is None:
             self._outputs.refuse(frame_drops.UNDECODABLE, opened.sender)
             return None
-        if output.instance.instance_id != opened.sender:
+        if output.instance.instance_id != opened.sender or not _own_switch(output):
             self._outputs.refuse(frame_drops.IDENTITY, opened.sender)
             return None
         return output
@@ -79,3 +79,15 @@ async def _off_the_loop_if_large(size: int, check: Any, *args: Any, **kwargs: An
     if size <= HASH_ON_LOOP_BYTES:
         return check(*args, **kwargs)
     return await asyncio.to_thread(check, *args, **kwargs)
+
+
+def _own_switch(output: InstanceOutput) -> bool:
+    """A role switch an output announces is its sender's own, in the output's (new)
+    epoch: another holder of the secret must not move an instance between pools."""
+    switched = output.switched
+    if switched is None:
+        return True
+    return (switched.address.instance_id, switched.epoch) == (
+        output.instance.instance_id,
+        output.epoch,
+    )

@@ -16,6 +16,7 @@ from pdserve.common.frame_seal import MAX_HEADER_BYTES, OUTPUTS, Sealer
 from pdserve.common.messages import (
     DroppedFrames,
     GenerateTask,
+    InstanceAddress,
     InstanceOutput,
     MetricsDelta,
     RequestDelta,
@@ -95,3 +96,28 @@ async def under_attack(dispatcher: Dispatcher, context: zmq.Context) -> None:
         d0.close()
         attacker.close(linger=0)
         events_in.close(linger=0)
+
+
+def test_an_instance_cannot_announce_another_ones_role_switch() -> None:
+    run(switch_of_another)
+
+
+async def switch_of_another(dispatcher: Dispatcher, context: zmq.Context) -> None:
+    d0 = ScriptedInstance(context, "d0", "decode", dispatcher.output_address)
+    d1 = ScriptedInstance(context, "d1", "decode", dispatcher.output_address)
+    try:
+        dispatcher.register(d0.info)
+        dispatcher.register(d1.info)
+        moved = msgspec.structs.replace(
+            d0.info, address=InstanceAddress("d0", "prefill", d0.address.task_address), epoch=1
+        )
+        # d1 holds the secret and seals as itself, but names d0's switch.
+        claim = InstanceOutput(d1.address, epoch=1, switched=moved)
+        d1.outputs.send(d1.seal.seal(msgspec.msgpack.encode(claim)))
+        await until(lambda: dropped(dispatcher).get(("outputs", "identity")) == 1.0, 10,
+                    "the claim dropped", keep_alive=[d0, d1])  # fmt: skip
+        view = dispatcher.scheduler.views["d0"]
+        assert (view.role, view.epoch) == ("decode", 0)
+    finally:
+        d0.close()
+        d1.close()
