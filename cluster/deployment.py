@@ -193,6 +193,14 @@ def api_keys_of(
     return api_key, api_keys, admin_key
 
 
+def tensor_parallel_flag(args: argparse.Namespace, role: str) -> str:
+    """The flag that set `role`'s size: its own when given, else the shared one."""
+    own = f"{role}_tensor_parallel_size"
+    if getattr(args, own, None):
+        return f"--{role}-tensor-parallel-size"
+    return "--tensor-parallel-size"
+
+
 def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> dict[str, int]:
     """Ranks per stage by role, checked against the model's heads (one rule:
     `common.model_split.check_tp_size`; with int8 weights, `check_int8_groups` too), and
@@ -230,12 +238,7 @@ def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> d
                     mc.intermediate_size,
                 )
         except (TensorParallelError, Int8GroupError) as exc:
-            flag = (
-                "--tensor-parallel-size"
-                if role == "colocated"
-                else f"--{role}-tensor-parallel-size"
-            )
-            raise ServeError(f"{flag}: {exc}") from None
+            raise ServeError(f"{tensor_parallel_flag(args, role)}: {exc}") from None
         try:  # a GGUF's row-parallel matrices split on whole blocks
             check_tp_blocks(model_path or embedded_model_path(), size)
         except CheckpointError as exc:

@@ -116,6 +116,23 @@ def test_the_ttft_slo_must_be_a_positive_number_of_milliseconds(slo: str) -> Non
         Deployment.from_args(parse("--ttft-slo-ms", slo))
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--mode", "colocated", "-tp", "2"], "--tensor-parallel-size: "),
+        (["-tp", "2"], "--tensor-parallel-size: "),
+        (["--decode-tensor-parallel-size", "2"], "--decode-tensor-parallel-size: "),
+    ],
+)
+def test_a_tensor_parallel_refusal_names_the_flag_that_was_given(
+    flags: list[str], named: str
+) -> None:
+    with pytest.raises(ServeError) as refused:
+        Deployment.from_args(parse(*flags))
+    assert str(refused.value).startswith(named), refused.value
+    assert "does not divide the model's 3 KV heads" in str(refused.value)
+
+
 def test_inconsistent_kv_transfer_limits_fail_with_one_line() -> None:
     result = run_cli("--kv-lease-seconds", "2", "--kv-transfer-timeout", "3")
     assert result.returncode == 2
