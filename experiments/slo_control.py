@@ -106,6 +106,8 @@ def simulate(args: argparse.Namespace) -> int:
         TTFT_SLO_MS,
         ITL_SLO_MS,
         interval_s=args.interval,
+        cooldown_intervals=args.cooldown_intervals,
+        persist_intervals=args.persist_intervals,
         switch_delay_s=args.switch_delay,
     )
     budget = args.instances
@@ -153,7 +155,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=None, help="chat phase requests/s")
     parser.add_argument("--scale", type=float, default=1.0, help="stretch the phases' lengths")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--interval", type=float, default=2.0, help="decision interval (s)")
+    parser.add_argument("--interval", type=float, default=1.0, help="decision interval (s)")
+    parser.add_argument("--cooldown-intervals", type=int, default=1)
+    parser.add_argument("--persist-intervals", type=int, default=2)
     parser.add_argument("--switch-delay", type=float, default=0.5, help="role switch (s)")
     parser.add_argument("--calibration", type=Path, default=CALIBRATION)
     parser.add_argument("--trace-every", type=int, default=10, help="print every Nth split")

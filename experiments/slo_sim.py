@@ -24,7 +24,9 @@ class SimSetup:
     calibration: Calibration
     ttft_slo_ms: float
     itl_slo_ms: float
-    interval_s: float = 2.0
+    interval_s: float = 1.0
+    cooldown_intervals: int = 1
+    persist_intervals: int = 2
     switch_delay_s: float = 0.5
     start_delay_s: float = 20.0
     handoff_s: float = 0.01
@@ -134,6 +136,8 @@ def policy_config(setup: SimSetup, budget: int) -> PolicyConfig:
         ttft_slo_ms=setup.ttft_slo_ms,
         itl_slo_ms=setup.itl_slo_ms,
         interval_s=setup.interval_s,
+        cooldown_intervals=setup.cooldown_intervals,
+        persist_intervals=setup.persist_intervals,
     )
 
 

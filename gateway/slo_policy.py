@@ -55,7 +55,7 @@ class SloPolicy:
             raise ValueError("no prefill:decode split fits the budget, floors and maxima")
         self.config = config
         self.calibration = calibration
-        self.forecaster = LoadForecaster(config.forecast_alpha)
+        self.forecaster = LoadForecaster(config.forecast_halflife_s)
         self.scorer = SplitScorer(config, calibration)
         self.last_at: float | None = None
         self.last_move_at: float | None = None

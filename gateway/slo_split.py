@@ -3,10 +3,11 @@
 Closed form per split, no simulation, so a 128-instance budget scores in well under a
 millisecond's worth of arithmetic per split:
 
-- TTFT: the forecast prompt tokens per second spread over p prefill instances, each
-  computing at most `max_num_batched_tokens` per step (its throughput from the prefill
-  step model at that batch); a prompt's own compute time, plus an M/D/1 queueing wait
-  at that utilisation, plus the time to drain what is queued now.
+- TTFT: the forecast prompts over p prefill instances, each computing at most
+  `max_num_batched_tokens` per step (its throughput from the prefill step model at that
+  batch): a prompt's own compute time, plus an M/G/c queueing wait at that load (the
+  prompt lengths' spread from the forecast's second moment), plus the time to drain
+  what is queued now.
 - ITL: the decode concurrency per instance that Little's law gives at the forecast
   output-token rate, solved against the decode step model (each step gives every
   running sequence one token, so the step time is the ITL); the requests running now
@@ -60,6 +61,15 @@ def feasible_splits(config: PolicyConfig) -> list[tuple[int, int]]:
     ]
 
 
+def erlang_c(servers: int, offered: float) -> float:
+    """The chance an arrival waits in an M/M/c queue (`offered` = arrival rate x service)."""
+    blocking = 1.0  # Erlang B, built up one server at a time
+    for k in range(1, servers + 1):
+        blocking = offered * blocking / (k + offered * blocking)
+    utilisation = offered / servers
+    return blocking / (1.0 - utilisation * (1.0 - blocking))
+
+
 def margin(predicted: float, slo: float) -> float:
     return max(1.0 - predicted / slo, OVERLOAD_MARGIN)
 
@@ -107,16 +117,18 @@ class SplitScorer:
 
     def predict_ttft(self, prefill: int, load: Forecast, now: Observation) -> tuple[float, float]:
         slo_s = self.config.ttft_slo_ms / 1e3
-        prompt = load.prompt_tokens
-        if prompt <= 0:
-            prompt = 1.0
-        capacity = prefill * self.prefill_tokens_per_s(prompt)  # tokens/s of the pool
-        utilisation = load.rate * prompt / capacity
-        if utilisation >= 1.0:
-            return math.inf, overload_margin(utilisation)
-        per_request = prompt / (capacity / prefill)  # an instance's time per prompt
-        wait = utilisation / (2.0 * (1.0 - utilisation)) * per_request
-        backlog = now.prefill.queued * prompt / capacity
+        prompt = max(load.prompt_tokens, 1.0)
+        per_instance = self.prefill_tokens_per_s(prompt)
+        service = prompt / per_instance  # an instance's time per prompt at full steps
+        offered = load.rate * service  # instances' worth of prefill work
+        if offered >= prefill:
+            return math.inf, overload_margin(offered / prefill)
+        # M/G/c (Lee and Longton): the M/M/c wait scaled by (1 + cv^2) / 2 of the
+        # prompts' service times, which a mix of short and long prompts makes large.
+        square = max(load.prompt_tokens_sq, prompt * prompt)
+        variation = square / (prompt * prompt) - 1.0
+        wait = (1.0 + variation) / 2.0 * erlang_c(prefill, offered) * service / (prefill - offered)
+        backlog = now.prefill.queued * service / prefill
         seconds = self.prompt_seconds(prompt) + wait + backlog
         return seconds, margin(seconds, slo_s)
 

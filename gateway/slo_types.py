@@ -46,6 +46,9 @@ class Forecast(msgspec.Struct, frozen=True):
     rate: float  # requests per second
     prompt_tokens: float  # mean per request
     output_tokens: float  # mean per request
+    # Mean of the squared prompt lengths: a mix of short and long prompts queues longer
+    # than prompts of its mean length (0: unknown, taken as prompt_tokens squared).
+    prompt_tokens_sq: float = 0.0
 
 
 class Decision(msgspec.Struct, frozen=True):
@@ -76,7 +79,7 @@ class PolicyConfig(msgspec.Struct, frozen=True):
     persist_intervals: int = 2
     cooldown_intervals: int = 2  # intervals after a move during which nothing moves
     stale_intervals: float = 3.0  # older data, or a gap this long between observations
-    forecast_alpha: float = 0.5  # weight of the newest interval in the smoothed load
+    forecast_halflife_s: float = 15.0  # the smoothed load forgets half its past in this time
     # What an instance does per step, as the engine is configured (the latency model's
     # inputs): prompt tokens per prefill step, sequences per decode step.
     max_num_batched_tokens: int = 2048
@@ -100,6 +103,8 @@ class PolicyConfig(msgspec.Struct, frozen=True):
                 raise ValueError(f"max_{name} {high} is below min_{name} {low}")
         if self.ttft_slo_ms <= 0 or self.itl_slo_ms <= 0:
             raise ValueError("the TTFT and ITL SLOs must be positive")
+        if self.forecast_halflife_s <= 0:
+            raise ValueError("forecast_halflife_s must be positive")
         if self.interval_s <= 0 or self.stale_intervals <= 1:
             raise ValueError("interval_s must be positive and stale_intervals above 1")
         if self.persist_intervals < 1 or self.cooldown_intervals < 0:
