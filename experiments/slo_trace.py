@@ -7,8 +7,8 @@ Phases follow one another (Poisson arrivals within each):
 - mixed: each request chat or RAG with even odds;
 - burst: the mixed traffic at twice the mixed phase's rate.
 
-A RAG request costs a prefill instance about eight times a chat request's prompt, so the
-rag and mixed phases run at fixed fractions of `rate` that offer each phase about the
+A RAG prompt costs a prefill instance about ten times a chat prompt, so the rag and mixed
+phases run at fixed fractions of `rate` (0.17 and 0.3) that offer each phase about the
 same work (instance-seconds per second) on a CPU-calibrated latency model: the phases
 differ in which pool the work lands on, not in how much there is. `scale` stretches the
 phases' lengths (1.0: the full trace; tests take a short one).
