@@ -27,6 +27,7 @@ class SimSetup:
     interval_s: float = 1.0
     cooldown_intervals: int = 1
     persist_intervals: int = 2
+    forecast_halflife_s: float = 15.0
     switch_delay_s: float = 0.5
     start_delay_s: float = 20.0
     handoff_s: float = 0.01
@@ -138,6 +139,7 @@ def policy_config(setup: SimSetup, budget: int) -> PolicyConfig:
         interval_s=setup.interval_s,
         cooldown_intervals=setup.cooldown_intervals,
         persist_intervals=setup.persist_intervals,
+        forecast_halflife_s=setup.forecast_halflife_s,
     )
 
 
