@@ -18,6 +18,7 @@ takes nothing new and leaves when its work is done. A policy acts through `switc
 
 from __future__ import annotations
 
+import functools
 import heapq
 from array import array
 from collections import deque
@@ -109,8 +110,9 @@ class PrefillWorker:
             budget -= take
         if not chunks:
             self.busy = False
-            if self.on_empty is not None:
-                self.on_empty, then = None, self.on_empty
+            then = self.on_empty
+            if then is not None:
+                self.on_empty = None
                 then()
             return
         tokens = sum(n for _, n in chunks)
@@ -176,8 +178,9 @@ class DecodeWorker:
 
     def plan_wake(self) -> None:
         if not self.pulling:
-            if not self.finishing and not self.waiting and self.on_empty is not None:
-                self.on_empty, then = None, self.on_empty
+            then = self.on_empty
+            if not self.finishing and not self.waiting and then is not None:
+                self.on_empty = None
                 then()
             return
         at = min(ready for ready, _ in self.pulling)
@@ -364,6 +367,6 @@ class ElasticSimulation:
     def run(self, jobs: list[Job]) -> list[Job]:
         self.total += len(jobs)
         for job in jobs:
-            self.loop.schedule(job.arrival, lambda job=job: self.arrive(job))
+            self.loop.schedule(job.arrival, functools.partial(self.arrive, job))
         self.loop.run()
         return jobs
