@@ -77,7 +77,7 @@ class PolicyConfig(msgspec.Struct, frozen=True):
     switch_margin: float = 0.1
     # ... and want the same direction for this many consecutive intervals.
     persist_intervals: int = 2
-    cooldown_intervals: int = 2  # intervals after a move during which nothing moves
+    cooldown_intervals: int = 2  # the next move comes no sooner than this many intervals
     stale_intervals: float = 3.0  # older data, or a gap this long between observations
     forecast_halflife_s: float = 15.0  # the smoothed load forgets half its past in this time
     # What an instance does per step, as the engine is configured (the latency model's
