@@ -38,4 +38,8 @@
   instance's role, through the cluster's `PoolControl`; a request's timeline;
   `role_switch.py`: one switch carried out; `role_metrics.py`: its series), `/debug/*`
   (`debug.py`, mounted only with `--enable-test-hooks`).
+- The SLO policy (pure, clock-free): `slo_policy.py` (`SloPolicy.decide`: hold, switch,
+  start or stop, with a reason), `slo_types.py` (its observation, forecast, decision and
+  settings), `slo_forecast.py` (the next interval's load), `slo_split.py` (each split's
+  TTFT and ITL from the planner's step-latency model).
 """

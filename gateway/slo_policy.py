@@ -1,88 +1,227 @@
 """What split of the instance budget the SLOs want next: one pure decision per interval.
 
 The policy reads one `Observation` (what the gateway saw over the last interval), forecasts
-the next interval's load, asks the calibrated step-latency model (`planner/sim`) which
-prefill:decode split of the budget meets the TTFT and ITL objectives with the most
-headroom, and answers one `Decision`. It does no I/O and reads no clock: the controller
-(`gateway/slo_controller.py`) and the simulator drive it alike.
+the next interval's load (`slo_forecast.py`), asks the calibrated step-latency model
+(`planner/sim`, through `slo_split.py`) which prefill:decode split of the budget meets the
+TTFT and ITL objectives with the most headroom, and answers one `Decision`. It does no I/O
+and reads no clock: the controller (`gateway/slo_controller.py`) and the simulator drive
+it alike. The types live in `slo_types.py` and are re-exported here.
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
-import msgspec
-
+from pdserve.gateway.slo_forecast import LoadForecaster
+from pdserve.gateway.slo_split import SplitScore, SplitScorer, feasible_splits
+from pdserve.gateway.slo_types import (
+    Action,
+    Arrival,
+    Decision,
+    Forecast,
+    Observation,
+    PolicyConfig,
+    PoolObservation,
+)
 from pdserve.planner.sim.latency import Calibration
 
-Action = Literal["hold", "switch", "start", "stop"]
+__all__ = [
+    "Action",
+    "Arrival",
+    "Decision",
+    "Forecast",
+    "Observation",
+    "PolicyConfig",
+    "PoolObservation",
+    "SloPolicy",
+]
 
-
-class PoolObservation(msgspec.Struct, frozen=True):
-    """One pool (prefill or decode) as the gateway saw it at the end of the interval."""
-
-    serving: int  # instances that take requests (not loading, draining or switching)
-    starting: int  # instances loading or switching into this pool
-    queued: int  # requests waiting for this pool's compute
-    running: int  # requests this pool computes now
-    kv_usage: float  # mean fraction of KV blocks in use, 0..1
-
-
-class Arrival(msgspec.Struct, frozen=True):
-    """A request that arrived during the interval."""
-
-    prompt_tokens: int
-    max_tokens: int  # the request's output bound (max_tokens, else the context left)
-
-
-class Observation(msgspec.Struct, frozen=True):
-    at: float  # seconds on the controller's clock when taken
-    interval_s: float  # how long the interval was
-    prefill: PoolObservation
-    decode: PoolObservation
-    ttft_ms: tuple[float, ...]  # TTFT of each request whose first token came in the interval
-    itl_ms: tuple[float, ...]  # inter-token gaps seen in the interval (a bounded sample)
-    arrivals: tuple[Arrival, ...]
-    operator_change: bool  # an admin drain, scale or role switch is in flight
-
-
-class Forecast(msgspec.Struct, frozen=True):
-    """The load the policy expects over the next interval."""
-
-    rate: float  # requests per second
-    prompt_tokens: float  # mean per request
-    output_tokens: float  # mean per request
-
-
-class Decision(msgspec.Struct, frozen=True):
-    at: float
-    action: Action
-    reason: str  # a short label, also the metric's `reason` (e.g. "ttft_risk", "stale")
-    detail: str  # one line for the log and `GET /admin/controller`
-    target_prefill: int  # the split the policy wants
-    target_decode: int
-    role_from: str | None = None  # switch: the pool that gives an instance
-    role_to: str | None = None  # switch: the pool that takes it; start/stop: the pool
-    forecast: Forecast | None = None
-
-
-class PolicyConfig(msgspec.Struct, frozen=True):
-    instance_budget: int
-    ttft_slo_ms: float
-    itl_slo_ms: float
-    min_prefill: int = 1
-    max_prefill: int | None = None
-    min_decode: int = 1
-    max_decode: int | None = None
-    interval_s: float = 5.0
+ROLES = ("prefill", "decode")
 
 
 class SloPolicy:
-    """Decides each interval's move from an `Observation` and the step-latency model."""
+    """Decides each interval's move from an `Observation` and the step-latency model.
+
+    Holds, in this order: while an operator's change is in flight ("operator"), on stale
+    figures or a gap between observations ("stale"), while an instance is still starting
+    or switching ("settling"), within the cooldown after a move ("cooldown"). Otherwise it
+    switches one instance toward the split with the most headroom once that split beats
+    the current one by `switch_margin` for `persist_intervals` intervals in a row (a run
+    of moves in one direction waits once; a reversal waits again), and starts or stops
+    instances only to bring the total to the budget.
+    """
 
     def __init__(self, config: PolicyConfig, calibration: Calibration) -> None:
+        config.check()
+        if not feasible_splits(config):
+            raise ValueError("no prefill:decode split fits the budget, floors and maxima")
         self.config = config
         self.calibration = calibration
+        self.forecaster = LoadForecaster(config.forecast_halflife_s)
+        self.scorer = SplitScorer(config, calibration)
+        self.last_at: float | None = None
+        self.last_move_at: float | None = None
+        self.wanted: str | None = None  # the pool the last intervals wanted to grow
+        self.wanted_for = 0  # consecutive intervals it was wanted
 
     def decide(self, observation: Observation) -> Decision:
-        raise NotImplementedError("the policy is being written")
+        gap = None if self.last_at is None else observation.at - self.last_at
+        self.last_at = observation.at
+        self.forecaster.observe(observation.arrivals, observation.interval_s)
+        load = self.forecaster.forecast()
+        scores = self.scorer.score_all(load, observation)
+        current = current_split(observation)
+        target = choose_target(scores, current[0])
+        decide = DecisionMaker(observation, load, target)
+        held = self.hold_reason(observation, gap)
+        if held is not None:
+            if held[0] in ("operator", "stale"):
+                self.forget_wish()  # what was wanted before is no evidence for after
+            return decide.hold(*held)
+        budget_total = target.prefill + target.decode
+        current_score = self.score_current(current, load, observation)
+        gain = target.headroom - current_score.headroom if current_score else float("inf")
+        direction = switch_direction(current, (target.prefill, target.decode))
+        if direction is None or gain < self.config.switch_margin:
+            self.forget_wish()
+            if sum(current) != budget_total:
+                return self.resize(decide, current)
+            reason = "on_target" if current == (target.prefill, target.decode) else "within_margin"
+            return decide.hold(reason, f"{current_label(current)} gains {gain:+.2f} at best")
+        if self.wanted != direction:
+            self.wanted, self.wanted_for = direction, 0
+        self.wanted_for += 1
+        if self.wanted_for < self.config.persist_intervals:
+            return decide.hold(
+                "persisting",
+                f"{direction} wanted {self.wanted_for}/{self.config.persist_intervals} "
+                f"intervals (gain {gain:+.2f})",
+            )
+        source = "decode" if direction == "prefill" else "prefill"
+        if getattr(observation, source).serving < 1:
+            return decide.hold("settling", f"no serving {source} instance to switch")
+        self.last_move_at = observation.at
+        reason = switch_reason(direction, current_score, self.config.switch_margin)
+        return decide.move(
+            "switch",
+            reason,
+            f"{source} -> {direction}: {current_label(current)} headroom "
+            f"{current_score.headroom if current_score else float('-inf'):+.2f}, "
+            f"{target.label()} {target.headroom:+.2f}",
+            source,
+            direction,
+        )
+
+    def hold_reason(self, observation: Observation, gap: float | None) -> tuple[str, str] | None:
+        config = self.config
+        stale_s = config.stale_intervals * config.interval_s
+        if observation.operator_change:
+            return "operator", "an operator's change is in flight"
+        if observation.data_age_s > stale_s:
+            return "stale", f"pool figures are {observation.data_age_s:.1f} s old"
+        if gap is not None and gap > stale_s:
+            return "stale", f"no observation for {gap:.1f} s"
+        if observation.interval_s > stale_s:
+            return "stale", f"the interval lasted {observation.interval_s:.1f} s"
+        if observation.prefill.starting or observation.decode.starting:
+            return "settling", "an instance is still starting or switching"
+        if self.last_move_at is not None:
+            since = observation.at - self.last_move_at
+            if since < config.cooldown_intervals * config.interval_s:
+                return "cooldown", f"last move {since:.1f} s ago"
+        return None
+
+    def forget_wish(self) -> None:
+        self.wanted, self.wanted_for = None, 0
+
+    def score_current(
+        self, current: tuple[int, int], load: Forecast, observation: Observation
+    ) -> SplitScore | None:
+        prefill, decode = current
+        if prefill < 1 or decode < 1:
+            return None  # a split without one of the pools serves nobody
+        return self.scorer.score(prefill, decode, load, observation)
+
+    def resize(self, decide: DecisionMaker, current: tuple[int, int]) -> Decision:
+        """Start or stop one instance toward the target's total, in the pool that needs it."""
+        target = decide.target
+        wants = {"prefill": target.prefill - current[0], "decode": target.decode - current[1]}
+        if sum(current) < target.prefill + target.decode:
+            role = max(ROLES, key=lambda r: wants[r])
+            self.last_move_at = decide.observation.at
+            return decide.move(
+                "start", "below_budget", f"{current_label(current)} -> {target.label()}", None, role
+            )
+        role = min(ROLES, key=lambda r: wants[r])
+        if getattr(decide.observation, role).serving < 1:
+            return decide.hold("settling", f"no serving {role} instance to stop")
+        self.last_move_at = decide.observation.at
+        return decide.move(
+            "stop", "over_budget", f"{current_label(current)} -> {target.label()}", None, role
+        )
+
+
+class DecisionMaker:
+    """Builds one interval's `Decision` around the target it found."""
+
+    def __init__(self, observation: Observation, load: Forecast, target: SplitScore) -> None:
+        self.observation = observation
+        self.load = load
+        self.target = target
+
+    def hold(self, reason: str, detail: str) -> Decision:
+        return self.move("hold", reason, detail, None, None)
+
+    def move(
+        self, action: Action, reason: str, detail: str, role_from: str | None, role_to: str | None
+    ) -> Decision:
+        load = self.load
+        forecast = (
+            f" | {load.rate:.2f} req/s, {load.prompt_tokens:.0f}+{load.output_tokens:.0f} tok"
+        )
+        return Decision(
+            at=self.observation.at,
+            action=action,
+            reason=reason,
+            detail=detail + forecast,
+            target_prefill=self.target.prefill,
+            target_decode=self.target.decode,
+            role_from=role_from,
+            role_to=role_to,
+            forecast=load,
+            headroom=self.target.headroom,
+        )
+
+
+def current_split(observation: Observation) -> tuple[int, int]:
+    """Instances each pool has or is about to have."""
+    prefill, decode = observation.prefill, observation.decode
+    return prefill.serving + prefill.starting, decode.serving + decode.starting
+
+
+def choose_target(scores: list[SplitScore], current_prefill: int) -> SplitScore:
+    """The most headroom; among equals (within rounding) the split nearest the current."""
+    best = max(score.headroom for score in scores)
+    near_best = [s for s in scores if s.headroom >= best - 1e-9]
+    return min(near_best, key=lambda s: abs(s.prefill - current_prefill))
+
+
+def switch_direction(current: tuple[int, int], target: tuple[int, int]) -> str | None:
+    """The pool a switch would grow: one pool under its target while the other is over."""
+    if current[0] < target[0] and current[1] > target[1]:
+        return "prefill"
+    if current[1] < target[1] and current[0] > target[0]:
+        return "decode"
+    return None
+
+
+def switch_reason(direction: str, current: SplitScore | None, comfortable: float) -> str:
+    """ "ttft_risk" / "itl_risk" when the growing pool's SLO is at risk, else "rebalance"."""
+    if current is None:
+        return f"{'ttft' if direction == 'prefill' else 'itl'}_risk"
+    growing = current.ttft_margin if direction == "prefill" else current.itl_margin
+    if growing < comfortable:
+        return "ttft_risk" if direction == "prefill" else "itl_risk"
+    return "rebalance"
+
+
+def current_label(current: tuple[int, int]) -> str:
+    return f"{current[0]}P+{current[1]}D"

@@ -61,7 +61,8 @@ ALLOWED_ROOMS: dict[str, tuple[str, ...]] = {
     "prefill": ("common", "scheduler", "kvtransfer", "engine"),
     "decode": ("common", "scheduler", "kvtransfer", "engine"),
     "instance": ("common", "scheduler", "kvtransfer", "engine", "prefill", "decode", "text"),
-    "gateway": ("common", "scheduler", "text"),
+    # The SLO policy scores splits with the planner's step-latency model (torch-free).
+    "gateway": ("common", "scheduler", "text", "planner"),
     "cluster": ("common", "gateway", "instance", "scheduler", "engine", "text", "kvtransfer"),
     "bench": ("common",),
     "eval": ("bench", "common"),
