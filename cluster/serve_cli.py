@@ -207,7 +207,7 @@ def _add_http_flags(http: argparse._ArgumentGroup) -> None:
         type=float,
         default=None,
         help="the time-to-first-token objective, exported as pdserve:ttft_slo_seconds for "
-        "the p95 TTFT alert (deploy/prometheus/alerts.yaml); nothing else changes",
+        "the p95 TTFT alert (deploy/prometheus/alerts.yaml) and kept by --autoscale slo",
     )
     http.add_argument(
         "--trust-request-chat-template",

@@ -4,7 +4,7 @@ and carries it out through the pools' control, on the gateway's event loop.
 One interval: an `Observation` (`slo_observation.py`: both pools, the TTFTs, gaps and
 arrivals since the last one), then one `Decision`. The controller holds still without
 asking the policy while the deployment is not ready, has no pool control, or a serving
-instance's news is older than an interval (stale data). It asks the policy
+instance's news is older than an interval (stale data; at least `STALE_FLOOR_S`). It asks the policy
 (`SloPolicy`, or any object with its `decide`); a policy that raises is a hold with
 reason "policy_error", never a failure of the gateway. It vetoes a move (a hold naming
 why) while an operator's drain, scale or switch runs (the operator wins), while its own
@@ -45,7 +45,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 KEPT_DECISIONS = 100
-COOLDOWN_INTERVALS = 2  # intervals between the end of one move and the next move
+COOLDOWN_INTERVALS = 2  # intervals between one move and the next
+# News older than an interval is stale, and never younger than this: instances
+# heartbeat every 0.5 s, so a short interval would otherwise take a late beat for silence.
+STALE_FLOOR_S = 2.0
 
 
 class Policy(Protocol):
@@ -162,9 +165,9 @@ class SloController:
             return "not_ready", not_ready
         if self.gateway.pools is None:
             return "no_pool_control", "this deployment cannot start or stop instances"
-        stale = self.observer.stale(now, self.config.interval_s)
+        limit = max(self.config.interval_s, STALE_FLOOR_S)
+        stale = self.observer.stale(now, limit)
         if stale:
-            limit = self.config.interval_s
             return "stale", f"no news from {', '.join(stale)} for over {limit:g} s"
         return None
 

@@ -4,6 +4,8 @@ starting anything: the defaults, and every refusal in one line."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,9 +13,11 @@ import pytest
 from experiments.serving import MODEL
 from pdserve.cli import build_parser
 from pdserve.cluster.deployment import Deployment, ServeError
-from tests.cluster.test_serve_cli import run_cli
 
-STEPS = [{"batch_tokens": n, "attention_pairs": n * n, "seconds": 0.001 + n * 1e-5} for n in (1, 8, 64)]  # fmt: skip
+STEPS = [
+    {"batch_tokens": n, "attention_pairs": n * n, "seconds": 0.001 + n * 1e-5}
+    for n in (1, 8, 64)
+]  # a step-latency model's measurements, as `pdserve bench calibrate` writes
 CORES = list(range(8))
 
 
@@ -22,6 +26,11 @@ def calibration(tmp_path: Path) -> str:
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps({"prefill": STEPS, "decode": STEPS, "tp": 1, "model": MODEL}))
     return str(path)
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "pdserve.cli", "serve", *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 
 def plan(*argv: str) -> Deployment:

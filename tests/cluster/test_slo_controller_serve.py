@@ -19,7 +19,10 @@ from experiments.serving import ADMIN_KEY, LOCAL, ServeProcess, served
 pytestmark = pytest.mark.slow
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
-STEPS = [{"batch_tokens": n, "attention_pairs": n * n, "seconds": 0.001 + n * 1e-5} for n in (1, 8, 64, 256)]  # fmt: skip
+STEPS = [
+    {"batch_tokens": n, "attention_pairs": n * n, "seconds": 0.001 + n * 1e-5}
+    for n in (1, 8, 64, 256)
+]  # a step-latency model's measurements, as `pdserve bench calibrate` writes
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,7 @@ class FakePools:
         self.started: list[str] = []
         self.stopped: list[str] = []
         self.moved: dict[str, str] = {}
+        self.cannot_start: str | None = None  # why `start` fails (None: it starts)
 
     def members(self, role: str) -> list[str]:
         return sorted(i for i, r in self.roles.items() if r == role)
@@ -51,6 +52,8 @@ class FakePools:
         return None
 
     def start(self, role: str, count: int) -> list[str]:
+        if self.cannot_start is not None:
+            raise ValueError(self.cannot_start)
         ids = [f"{role}-{len(self.roles) + n}" for n in range(count)]
         self.roles.update(dict.fromkeys(ids, role))
         self.started += ids
@@ -126,8 +129,8 @@ class Script:
 def move(action: str, role_to: str, role_from: str | None = None) -> Callable:
     def decide(observation: Observation) -> Decision:
         forecast = Forecast(rate=2.0, prompt_tokens=100.0, output_tokens=20.0)
-        return Decision(observation.at, action, "ttft_risk", "scripted", 2, 1,  # type: ignore[arg-type]
-                        role_from, role_to, forecast)  # fmt: skip
+        at, targets = observation.at, (2, 1)
+        return Decision(at, action, "ttft_risk", "scripted", *targets, role_from, role_to, forecast)
 
     return decide
 
@@ -256,6 +259,19 @@ def test_a_start_stays_within_the_budget_and_one_move_at_a_time() -> None:
     assert 'pdserve:controller_target_instances{role="prefill"} 2.0' in text
 
 
+def test_a_move_the_pools_refuse_is_a_hold() -> None:
+    controller, gateway, policy, clock = controller_for(move("start", "decode"))
+    assert gateway.pools is not None
+    gateway.pools.cannot_start = "this launcher cannot start instances"
+    next_interval(gateway, clock)
+    decision = controller.tick()
+    assert decision is not None and (decision.action, decision.reason) == ("hold", "cannot_act")
+    assert decision.detail.startswith("this launcher cannot start instances")
+    next_interval(gateway, clock)  # no move was made: no cooldown either
+    gateway.pools.cannot_start = None
+    assert controller.tick().action == "start"  # type: ignore[union-attr]
+
+
 def test_moves_are_rate_limited() -> None:
     controller, gateway, policy, clock = controller_for(move("start", "prefill"), budget=6)
     next_interval(gateway, clock)
@@ -288,9 +304,9 @@ async def _a_switch_runs_through_the_claim_and_the_role_switch() -> None:
     await asyncio.sleep(0.1)
     assert gateway.pools.moved == {"decode-1": "prefill"} and not gateway.pools.busy("decode-1")
     next_interval(gateway, clock, COOLDOWN_INTERVALS * INTERVAL_S)
-    decision = controller.tick()  # decode-0 is the last decode instance serving
-    assert decision is not None and decision.reason == "cannot_act"
-    assert "last decode" in decision.detail
+    decision = controller.tick()  # decode-0 is the last decode instance
+    assert decision is not None and decision.reason == "out_of_bounds"
+    assert "below --min-decode 1" in decision.detail
 
 
 def test_a_stop_drains_the_least_loaded_instance_for_good() -> None:

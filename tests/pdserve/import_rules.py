@@ -61,7 +61,7 @@ ALLOWED_ROOMS: dict[str, tuple[str, ...]] = {
     "prefill": ("common", "scheduler", "kvtransfer", "engine"),
     "decode": ("common", "scheduler", "kvtransfer", "engine"),
     "instance": ("common", "scheduler", "kvtransfer", "engine", "prefill", "decode", "text"),
-    "gateway": ("common", "scheduler", "text"),
+    "gateway": ("common", "scheduler", "text", "planner"),  # the SLO policy's latency model
     "cluster": ("common", "gateway", "instance", "scheduler", "engine", "text", "kvtransfer"),
     "bench": ("common",),
     "eval": ("bench", "common"),
