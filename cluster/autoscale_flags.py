@@ -47,7 +47,10 @@ def add_autoscale_flags(group: argparse._ArgumentGroup) -> None:
     )
     for role in ("prefill", "decode"):
         group.add_argument(
-            f"--min-{role}", type=int, default=None, help=f"the fewest {role} instances (default: 1)"
+            f"--min-{role}",
+            type=int,
+            default=None,
+            help=f"the fewest {role} instances (default: 1)",
         )
         group.add_argument(
             f"--max-{role}",
@@ -111,7 +114,9 @@ def policy_config(
     """The budget, the pools' bounds and the interval, each checked in one line."""
     started = planned.get("prefill", 0) + planned.get("decode", 0)
     budget = started if args.instance_budget is None else args.instance_budget
-    interval = DEFAULT_INTERVAL_S if args.autoscale_interval_s is None else args.autoscale_interval_s
+    interval = (
+        DEFAULT_INTERVAL_S if args.autoscale_interval_s is None else args.autoscale_interval_s
+    )
     if not 0 < interval < math.inf:
         raise ValueError("--autoscale-interval-s must be a positive number of seconds")
     least = {role: _given(args, f"min_{role}", 1) for role in POOLS}

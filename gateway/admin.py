@@ -35,11 +35,12 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from pdserve.gateway.controller_routes import add_controller_routes
 from pdserve.gateway.errors import APIError
 from pdserve.gateway.gateway import Gateway
-from pdserve.gateway.controller_routes import add_controller_routes
 from pdserve.gateway.pool_changes import PoolChanges
 from pdserve.gateway.routing import ROLES_THAT_DECODE
+
 ROLES = ("prefill", "decode", "colocated")
 
 

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from fastapi import APIRouter, Request
@@ -21,7 +21,7 @@ from pdserve.gateway.errors import APIError
 if TYPE_CHECKING:
     from pdserve.gateway.gateway import Gateway
 
-OFF = {
+OFF: dict[str, Any] = {
     "enabled": False,
     "paused": False,
     "interval_s": None,

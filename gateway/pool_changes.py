@@ -76,7 +76,9 @@ class PoolChanges:
             return Refusal(409, f"another change of {instance_id} is under way")
         view = self.gateway.scheduler.views.get(instance_id)
         if view is None or not view.alive or view.draining:
-            return Refusal(409, f"{instance_id} is not serving now (loading, restarting or draining)")
+            return Refusal(
+                409, f"{instance_id} is not serving now (loading, restarting or draining)"
+            )
         if view.role == role:
             return Refusal(409, f"{instance_id} is {role} already", "role")
         why = self._floor(instance_id, role) or control.fit(instance_id, role)

@@ -272,7 +272,7 @@ class SloController:
         control, why = self.gateway.pools, f"no {role} instance serves"
         views = self.gateway.scheduler.live((role,))
         for view in sorted(views, key=_load):
-            fault = f"another change of {view.instance_id} is under way"
+            fault: str | None = f"another change of {view.instance_id} is under way"
             if not control.busy(view.instance_id):
                 fault = allowed(view) if allowed is not None else None
             if fault is None:
