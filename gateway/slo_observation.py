@@ -3,14 +3,18 @@ traffic's samples, and whether an operator's change is under way."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from pdserve.gateway.slo_policy import Observation, PoolObservation
+from pdserve.gateway.slo_samples import MAX_ARRIVALS
 
 if TYPE_CHECKING:
     from pdserve.gateway.gateway import Gateway
     from pdserve.gateway.routing import InstanceView
+
+logger = logging.getLogger(__name__)
 
 POOLS = ("prefill", "decode")
 
@@ -25,6 +29,11 @@ class SloObserver:
 
     def observe(self, at: float, interval_s: float, own: Collection[str]) -> Observation:
         """The interval's observation; the traffic's samples start anew."""
+        dropped = self.gateway.slo_samples.arrivals_dropped
+        if dropped:  # the forecast's rate reads low this interval
+            logger.warning(
+                "SLO controller: %d arrivals past the interval's %d", dropped, MAX_ARRIVALS
+            )
         ttft_ms, itl_ms, arrivals = self.gateway.slo_samples.take()
         return Observation(
             at=at,
