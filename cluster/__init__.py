@@ -1,7 +1,8 @@
 """cluster: bringing it up. Ray lives here only.
 
 - `pdserve serve`: `serve.py`, `serve_cli.py` (its flags; `ops_flags.py`: the tracing
-  and debugging ones and their checks; `help_format.py`: defaults in
+  and debugging ones and their checks; `autoscale_flags.py`: the SLO controller's,
+  checked into its typed config; `help_format.py`: defaults in
   `--help` as vLLM shows them), `exposure.py` (beyond loopback only with tenant and
   admin keys, or `--allow-unauthenticated`), `deployment.py` (`Deployment`: what the
   flags bring up, the engine and KV transfer configs built from them by attribute),

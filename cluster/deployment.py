@@ -12,6 +12,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from pdserve.cluster.autoscale_flags import AutoscaleConfig, autoscale_config
 from pdserve.cluster.ops_flags import check_tracing_flags
 from pdserve.cluster.placement import (
     PlacementError,
@@ -88,6 +89,7 @@ class Deployment:
     resources: dict[str, dict[str, float]] = field(default_factory=dict)
     # The most instances `/admin/pools/{role}/scale` may ask for, by role.
     max_pool_sizes: dict[str, int] = field(default_factory=dict)
+    autoscale: AutoscaleConfig | None = None  # --autoscale slo's controller (None: off)
 
     @classmethod
     def from_args(
@@ -101,9 +103,8 @@ class Deployment:
         resolve_model(args)
         check_flags(args)
         resources = ray_resources(args)
-        roles = _roles(args)
         cores = cores or available_cores()
-        instances = place(roles, cores, args.threads_per_instance)
+        instances = place(_roles(args), cores, args.threads_per_instance)
         gpus = available_gpus() if gpus is None else gpus
         names = args.served_model_name or [args.model or MODEL_NAME]
         model_path = local_model(args)
@@ -118,6 +119,7 @@ class Deployment:
         except PlacementError as exc:
             raise ServeError(str(exc)) from None
         engine = engine_config(args, model_path, device)
+        max_pool_sizes = pool_limits(args, instances, len(cores), len(gpus))
         try:
             scheduler = GlobalSchedulerConfig(
                 routing_policy=args.routing_policy,
@@ -128,6 +130,7 @@ class Deployment:
                 skip_prefill_max_tokens=args.skip_prefill_max_tokens,
                 skip_prefill_min_cached_ratio=args.skip_prefill_min_cached_ratio,
             )
+            autoscale = autoscale_config(args, instances, max_pool_sizes)
         except ValueError as exc:
             raise ServeError(str(exc)) from None
         kv_transfer = kv_transfer_config(args) if args.mode == "disaggregated" else None
@@ -140,7 +143,6 @@ class Deployment:
         if args.tokenizer is not None and not os.path.isdir(os.path.expanduser(args.tokenizer)):
             raise ServeError(f"--tokenizer {args.tokenizer}: no such tokenizer folder")
         api_key, api_keys, admin_api_key = api_keys_of(args, names)
-        max_pool_sizes = pool_limits(args, instances, len(cores), len(gpus))
         return cls(
             args=args,
             model_path=model_path,
@@ -156,6 +158,7 @@ class Deployment:
             tensor_parallel=tensor_parallel,
             resources=resources,
             max_pool_sizes=max_pool_sizes,
+            autoscale=autoscale,
         )
 
 

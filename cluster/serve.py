@@ -249,6 +249,7 @@ def gateway_config(deployment: Deployment, model_path: str, zmq_host: str) -> Ga
         deployment_secret=deployment_secret(),
         request_timeout_s=args.request_timeout,
         ttft_slo_ms=args.ttft_slo_ms,
+        autoscale=deployment.autoscale,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         collect_detailed_traces=detail_modules(args),
         zmq_host=zmq_host,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdserve.cluster.autoscale_flags import add_autoscale_flags
 from pdserve.cluster.deployment import LAUNCHERS, MODES
 from pdserve.cluster.exposure import ExposureError, check_exposure
 from pdserve.cluster.help_format import DefaultsHelpFormatter
@@ -42,6 +43,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     _add_http_flags(parser.add_argument_group("HTTP"))
     _add_topology_flags(parser.add_argument_group("topology"))
     _add_scheduler_flags(parser.add_argument_group("global scheduler"))
+    add_autoscale_flags(parser.add_argument_group("SLO controller"))
     add_observability_flags(parser.add_argument_group("observability"))
     add_debug_flags(parser.add_argument_group("debugging"))
     parser.set_defaults(handler=_run)
@@ -205,7 +207,7 @@ def _add_http_flags(http: argparse._ArgumentGroup) -> None:
         type=float,
         default=None,
         help="the time-to-first-token objective, exported as pdserve:ttft_slo_seconds for "
-        "the p95 TTFT alert (deploy/prometheus/alerts.yaml); nothing else changes",
+        "the p95 TTFT alert (deploy/prometheus/alerts.yaml) and kept by --autoscale slo",
     )
     http.add_argument(
         "--trust-request-chat-template",

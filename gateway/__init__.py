@@ -36,8 +36,13 @@
   accepts).
 - Operators: `/admin/*` (`admin.py`: drain an instance, scale a pool, switch an
   instance's role, through the cluster's `PoolControl`; a request's timeline;
+  `pool_changes.py`: the drains and switches both it and the SLO controller run;
   `role_switch.py`: one switch carried out; `role_metrics.py`: its series), `/debug/*`
   (`debug.py`, mounted only with `--enable-test-hooks`).
+- The SLO controller (`--autoscale slo`): `slo_controller.py` (each interval observes,
+  asks the policy, vetoes or carries out one move), `slo_observation.py` (what it sees
+  of the pools), `slo_samples.py` (TTFTs, gaps and arrivals in bounded memory),
+  `controller_metrics.py` (its series), `controller_routes.py` (`/admin/controller`).
 - The SLO policy (pure, clock-free): `slo_policy.py` (`SloPolicy.decide`: hold, switch,
   start or stop, with a reason), `slo_types.py` (its observation, forecast, decision and
   settings), `slo_forecast.py` (the next interval's load), `slo_split.py` (each split's

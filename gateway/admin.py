@@ -15,6 +15,9 @@ read a request's timeline.
   decode or colocated instance left, another change of the instance (switch or
   drain) under way, or the role it has.
 
+- `GET /admin/controller`, `POST /admin/controller` `{"paused": true}`: the SLO
+  controller (`gateway/controller_routes.py`).
+
 - `GET /admin/requests/{id}/timeline`: a recent request's phases on the gateway's clock
   (`gateway/timelines.py`), by its response id or a choice's; 404 once it aged out.
 
@@ -26,20 +29,18 @@ empty.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Coroutine
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from pdserve.gateway.controller_routes import add_controller_routes
 from pdserve.gateway.errors import APIError
 from pdserve.gateway.gateway import Gateway
-from pdserve.gateway.role_switch import RoleSwitcher
-from pdserve.gateway.routing import ROLES_THAT_DECODE, InstanceView
+from pdserve.gateway.pool_changes import PoolChanges
+from pdserve.gateway.routing import ROLES_THAT_DECODE
 
-DRAIN_POLL_S = 0.2
 ROLES = ("prefill", "decode", "colocated")
 
 
@@ -99,7 +100,7 @@ class RoleBody(msgspec.Struct, forbid_unknown_fields=True):
 
 def admin_router(gateway: Gateway) -> APIRouter:
     router = APIRouter(prefix="/admin")
-    changing: set[asyncio.Task] = set()  # drains and switches, held so the loop keeps them
+    changes = PoolChanges(gateway)  # the same drains and switches the SLO controller makes
 
     def pools() -> PoolControl:
         if gateway.pools is None:
@@ -108,28 +109,12 @@ def admin_router(gateway: Gateway) -> APIRouter:
             )
         return gateway.pools
 
-    def keep(coroutine: Coroutine[Any, Any, object]) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        changing.add(task)
-        task.add_done_callback(changing.discard)
-
-    def drain(instance_id: str) -> None:
-        control = pools()
-        control.claim(instance_id)  # for good: it stops
-        view = gateway.scheduler.views.get(instance_id)
-        control.retire(instance_id)
-        if view is None or not view.alive:
-            control.stop(instance_id)  # still loading, or dead: nothing to wait for
-            return
-        gateway.scheduler.drain(instance_id)
-        keep(_stop_when_empty(gateway, instance_id))
-
     @router.post("/instances/{instance_id}/drain")
     async def drain_instance(instance_id: str) -> Response:
-        if instance_id not in pools().members(_role_of(gateway, instance_id)):
+        if instance_id not in pools().members(changes.role_of(instance_id)):
             raise APIError(404, f"no instance {instance_id} to drain", code="not_found")
         _refuse_busy(pools(), [instance_id])
-        drain(instance_id)
+        changes.drain(instance_id)
         return gateway.json({"id": instance_id, "draining": True})
 
     @router.post("/pools/{role}/scale")
@@ -150,7 +135,7 @@ def admin_router(gateway: Gateway) -> APIRouter:
             except ValueError as exc:
                 raise APIError(501, str(exc), code="unsupported") from None
         for instance_id in drained:
-            drain(instance_id)
+            changes.drain(instance_id)
         body = {"role": role, "size": size, "starting": started, "draining": drained}
         return gateway.json(body, status=202)
 
@@ -162,13 +147,17 @@ def admin_router(gateway: Gateway) -> APIRouter:
             raise APIError(400, f'the body must be {{"role": ROLE}}: {exc}', "role") from None
         if body.role not in ROLES:
             raise APIError(400, f"role must be one of {', '.join(ROLES)}", "role")
-        control = pools()
-        view = _switchable(gateway, control, instance_id, body.role)
-        control.claim(instance_id)
+        pools()
+        refusal = changes.switch_refusal(instance_id, body.role)
+        if refusal is not None:
+            code = "not_found" if refusal.status == 404 else "conflict"
+            raise APIError(refusal.status, refusal.message, refusal.param, code)
+        view = gateway.scheduler.views[instance_id]
         answer = {"id": instance_id, "from": view.role, "to": body.role, "switching": True}
-        keep(RoleSwitcher(gateway, control, view).run(body.role, body.reason))
+        changes.switch(view, body.role, body.reason)
         return gateway.json(answer, status=202)
 
+    add_controller_routes(router, gateway)
     _add_timeline_route(router, gateway)
     return router
 
@@ -201,54 +190,3 @@ def _refuse_busy(control: PoolControl, instance_ids: list[str]) -> None:
         if control.busy(instance_id):
             message = f"another change of {instance_id} is under way"
             raise APIError(409, message, code="conflict")
-
-
-def _switchable(
-    gateway: Gateway, control: PoolControl, instance_id: str, role: str
-) -> InstanceView:
-    """The instance's view if it may switch to `role` now; else the 404 or 409 saying
-    why not."""
-    if instance_id not in control.members(_role_of(gateway, instance_id)):
-        raise APIError(404, f"no instance {instance_id} to switch", code="not_found")
-    _refuse_busy(control, [instance_id])
-    view = gateway.scheduler.views.get(instance_id)
-    if view is None or not view.alive or view.draining:
-        message = f"{instance_id} is not serving now (loading, restarting or draining)"
-        raise APIError(409, message, code="conflict")
-    if view.role == role:
-        raise APIError(409, f"{instance_id} is {role} already", "role", "conflict")
-    why = _floor(gateway, instance_id, role) or control.fit(instance_id, role)
-    if why is not None:
-        raise APIError(409, why, "role", "conflict")
-    return view
-
-
-def _floor(gateway: Gateway, instance_id: str, role: str) -> str | None:
-    """Why the switch would leave no instance that decodes (None: others do)."""
-    if role in ROLES_THAT_DECODE:
-        return None
-    others = [v for v in gateway.scheduler.live(ROLES_THAT_DECODE) if v.instance_id != instance_id]
-    if others:
-        return None
-    return f"{instance_id} is the last decode or colocated instance serving: it must stay one"
-
-
-def _role_of(gateway: Gateway, instance_id: str) -> str:
-    view = gateway.scheduler.views.get(instance_id)
-    if view is not None:
-        return view.role
-    return instance_id.rsplit("-", 1)[0]  # still loading: ids are "<role>-<n>"
-
-
-async def _stop_when_empty(gateway: Gateway, instance_id: str) -> None:
-    """Stops a draining instance once no request needs it (one that dies meanwhile has
-    its requests migrated as any other, and is not restarted)."""
-    while True:
-        view = gateway.scheduler.views.get(instance_id)
-        if view is None or not view.alive:
-            return
-        if not view.in_flight:
-            break
-        await asyncio.sleep(DRAIN_POLL_S)
-    assert gateway.pools is not None
-    gateway.pools.stop(instance_id)

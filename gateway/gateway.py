@@ -31,6 +31,9 @@ from pdserve.gateway.offload import DEFAULT_BUDGET_S, Offload
 from pdserve.gateway.prompts import Prompt
 from pdserve.gateway.rate_limits import RateLimited, RateLimiter
 from pdserve.gateway.routing import ROLES_THAT_DECODE
+from pdserve.gateway.slo_controller import AutoscaleConfig, SloController
+from pdserve.gateway.slo_policy import SloPolicy
+from pdserve.gateway.slo_samples import SloSamples
 from pdserve.gateway.streaming import ClientDisconnected, watch_disconnect
 from pdserve.gateway.tenants import (
     ANONYMOUS,
@@ -91,6 +94,8 @@ class GatewayConfig:
     # (vLLM's --collect-detailed-traces modules; docs/operations.md).
     otlp_traces_endpoint: str | None = None
     collect_detailed_traces: tuple[str, ...] = ()
+    # `--autoscale slo`: the SLO controller's policy settings and latency model (None: off).
+    autoscale: AutoscaleConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,11 @@ class Gateway:
         # Starts and stops instances for /admin/* (set by `pdserve serve`; None: cannot).
         self.pools: PoolControl | None = None
         self._registered: set[str] = set()  # ids, so a restart is not counted twice
+        self.slo_samples = SloSamples()  # what the runs tell the SLO controller
+        self.controller: SloController | None = None
+        if config.autoscale is not None:
+            policy = SloPolicy(config.autoscale.policy, config.autoscale.calibration)
+            self.controller = SloController(self, policy, config.autoscale.policy)
 
     @property
     def model_name(self) -> str:
@@ -164,8 +174,12 @@ class Gateway:
 
     def start(self) -> None:
         self.dispatcher.start()
+        if self.controller is not None:
+            self.controller.start()
 
     async def close(self) -> None:
+        if self.controller is not None:
+            await self.controller.close()
         await self.dispatcher.close()
         self.dispatcher.timelines.close()  # exports the spans still queued
         self.offload.close()
@@ -306,6 +320,7 @@ class Gateway:
             timeout_s=self.config.request_timeout_s,
             received=received,
             trace=trace,
+            samples=self.slo_samples,
         )
         try:
             run.start()
@@ -316,7 +331,18 @@ class Gateway:
                 503, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after_s)}
             ) from None
         self.metrics.tenants.admitted(tenant.name)
+        self._count_arrivals(prompts, params)
         return run
+
+    def _count_arrivals(self, prompts: list[Prompt], params: SamplingParams) -> None:
+        """Each admitted choice, for the SLO controller's forecast: its prompt and its
+        output bound (max_tokens, else the context the prompt leaves)."""
+        context = self.model_card.max_model_len if self.model_card is not None else 0
+        for prompt in prompts:
+            length = len(prompt.token_ids)
+            bound = params.max_tokens or max(0, context - length)
+            for _ in range(params.n):
+                self.slo_samples.add_arrival(length, bound)
 
     async def finish_run(self, request: Request, run: GenerationRun) -> list[Choice]:
         """Waits for every choice; aborts them all if the client leaves or one fails."""

@@ -24,6 +24,7 @@ from pdserve.gateway.dispatcher import Dispatcher
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.prompts import Prompt
 from pdserve.gateway.request_stream import StreamEvent
+from pdserve.gateway.slo_samples import SloSamples
 from pdserve.gateway.timelines import RunFacts, TraceHeaders
 from pdserve.text.choice import ChoiceText, choice_seeds
 from pdserve.text.tokenizer import Tokenizer
@@ -78,12 +79,14 @@ class GenerationRun:
         timeout_s: float = 0.0,
         received: float | None = None,
         trace: TraceHeaders = TraceHeaders(),
+        samples: SloSamples | None = None,
     ) -> None:
         """`on_end`: called once with the usage when the last choice ends or the run is
         aborted (the tenant's seat and unused tokens go back). `timeout_s`: the server-side
         deadline from arrival to the last token (0: none); past it every choice is aborted
         on its instances and the run fails. `received`: when the HTTP request came in (wall
-        clock; default: now), where its timeline starts; `trace`: the client's context."""
+        clock; default: now), where its timeline starts; `trace`: the client's context;
+        `samples`: where its TTFTs and inter-token gaps go for the SLO controller."""
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -95,6 +98,7 @@ class GenerationRun:
         self.arrival = time.perf_counter()
         self.received = time.time() if received is None else received
         self.trace = trace
+        self.samples = samples
         self.timelines = dispatcher.timelines
         self.choices: list[Choice] = []
         self._by_request: dict[str, Choice] = {}
@@ -255,9 +259,13 @@ class GenerationRun:
         if choice.last_token_at is None:
             ttft = event.arrival - self.arrival
             self.metrics.observe("time_to_first_token_seconds", role, event.source, ttft)
+            if self.samples is not None:
+                self.samples.add_ttft(ttft)
         else:
             gap = event.arrival - choice.last_token_at
             self.metrics.observe("inter_token_latency_seconds", role, event.source, gap)
+            if self.samples is not None:
+                self.samples.add_gap(gap)
         choice.last_token_at = event.arrival
 
     def _observe_end(self, choice: Choice, event: StreamEvent, finish_reason: str) -> None:

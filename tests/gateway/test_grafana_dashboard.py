@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from pdserve.gateway.controller_metrics import ControllerSeries
 from pdserve.gateway.metrics import GatewayMetrics
 from tests.gateway.exported_series import exported_series, series_in
 
@@ -16,8 +17,10 @@ _GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
 
 
 def exported() -> dict[str, set[str]]:
-    """Series name -> label names, as `/metrics` shows them once instances are known."""
+    """Series name -> label names, as `/metrics` shows them once instances are known
+    (with `--autoscale slo`: the SLO controller's series too)."""
     metrics = GatewayMetrics(model_name="m")
+    ControllerSeries(metrics.registry).count("hold", "policy_error")
     for role in ("prefill", "decode", "colocated"):
         metrics.add_instance(role, f"{role}-0")
     return exported_series(metrics)
