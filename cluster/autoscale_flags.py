@@ -156,6 +156,8 @@ def policy_config(
         min_decode=least["decode"],
         max_decode=most["decode"],
         interval_s=interval,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
     )
 
 

@@ -198,10 +198,8 @@ def api_keys_of(
 
 def tensor_parallel_flag(args: argparse.Namespace, role: str) -> str:
     """The flag that set `role`'s size: its own when given, else the shared one."""
-    own = f"{role}_tensor_parallel_size"
-    if getattr(args, own, None):
-        return f"--{role}-tensor-parallel-size"
-    return "--tensor-parallel-size"
+    own = getattr(args, f"{role}_tensor_parallel_size", None)
+    return f"--{role}-tensor-parallel-size" if own else "--tensor-parallel-size"
 
 
 def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> dict[str, int]:

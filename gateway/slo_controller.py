@@ -8,7 +8,7 @@ instance's news is older than an interval (stale data; at least `STALE_FLOOR_S`)
 (`SloPolicy`, or any object with its `decide`); a policy that raises is a hold with
 reason "policy_error", never a failure of the gateway. It vetoes a move (a hold naming
 why) while an operator's drain, scale or switch runs (the operator wins), while its own
-last move is under way, within `COOLDOWN_INTERVALS` intervals of it, or when the move
+last move is under way, within `PolicyConfig.cooldown_intervals` intervals of it, or when the move
 would leave the budget or a pool's bounds. A move runs the admin routes' code
 (`pool_changes.py`): "switch" the least-loaded serving instance of `role_from` through
 its claim and `RoleSwitcher`, "start" one more instance of the pool, "stop" the
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 KEPT_DECISIONS = 100
-COOLDOWN_INTERVALS = 2  # intervals between one move and the next
 # News older than an interval is stale, and never younger than this: instances
 # heartbeat every 0.5 s, so a short interval would otherwise take a late beat for silence.
 STALE_FLOOR_S = 2.0
@@ -177,7 +176,7 @@ class SloController:
         if self._moves:
             return "move_in_flight", f"waiting for {', '.join(sorted(self._moves))}"
         since = observation.at - self._last_move_at
-        cooldown = COOLDOWN_INTERVALS * self.config.interval_s
+        cooldown = self.config.cooldown_intervals * self.config.interval_s
         if since < cooldown:
             return "cooldown", f"the last move was {since:.1f} s ago (moves {cooldown:g} s apart)"
         why = self._malformed(wanted) or self._out_of_bounds(wanted)

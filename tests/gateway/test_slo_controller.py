@@ -18,12 +18,14 @@ import pytest
 from pdserve.common.messages import InstanceAddress, InstanceStats, SwitchRoleTask
 from pdserve.gateway.global_scheduler import GlobalScheduler
 from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.slo_controller import COOLDOWN_INTERVALS, SloController
+from pdserve.gateway.slo_controller import SloController
 from pdserve.gateway.slo_policy import Decision, Forecast, Observation, PolicyConfig
 from pdserve.gateway.slo_samples import SloSamples
 from tests.gateway.instances import instance_info
 
 INTERVAL_S = 5.0
+# The policy settings' default: moves this far apart.
+COOLDOWN_S = PolicyConfig(2, ttft_slo_ms=1.0, itl_slo_ms=1.0).cooldown_intervals * INTERVAL_S
 
 
 class Clock:
@@ -210,7 +212,7 @@ def test_an_operators_change_in_flight_holds_every_move() -> None:
     )
     assert "the policy asked to start" in decision.detail and gateway.pools.started == []
     gateway.pools.release("decode-1")
-    next_interval(gateway, clock, COOLDOWN_INTERVALS * INTERVAL_S)
+    next_interval(gateway, clock, COOLDOWN_S)
     assert controller.tick().action == "start"  # type: ignore[union-attr]
     assert gateway.pools.started == ["prefill-3"]
 
@@ -245,11 +247,11 @@ def test_a_start_stays_within_the_budget_and_one_move_at_a_time() -> None:
     next_interval(gateway, clock)
     decision = controller.tick()
     assert decision is not None and decision.action == "start" and "[prefill-3]" in decision.detail
-    next_interval(gateway, clock, COOLDOWN_INTERVALS * INTERVAL_S)
+    next_interval(gateway, clock, COOLDOWN_S)
     decision = controller.tick()  # prefill-3 still loads
     assert decision is not None and decision.reason == "move_in_flight"
     gateway.scheduler.add_instance(instance_info("prefill-3", "prefill"), clock())
-    next_interval(gateway, clock, COOLDOWN_INTERVALS * INTERVAL_S)
+    next_interval(gateway, clock, COOLDOWN_S)
     decision = controller.tick()
     assert decision is not None and decision.reason == "out_of_bounds"
     assert "--instance-budget 4" in decision.detail and gateway.pools.started == ["prefill-3"]
@@ -297,14 +299,14 @@ async def _a_switch_runs_through_the_claim_and_the_role_switch() -> None:
     await asyncio.sleep(0.1)
     assert gateway.scheduler.views["decode-1"].draining
     assert gateway.dispatcher.tasks == [("decode-1", SwitchRoleTask("prefill", 1))]
-    next_interval(gateway, clock, COOLDOWN_INTERVALS * INTERVAL_S)
+    next_interval(gateway, clock, COOLDOWN_S)
     assert controller.tick().reason == "move_in_flight"  # type: ignore[union-attr]
     info = instance_info("decode-1", "prefill")
     address = InstanceAddress("decode-1", "prefill", info.address.task_address)
     gateway.scheduler.switch_role(msgspec.structs.replace(info, address=address, epoch=1), clock())
     await asyncio.sleep(0.1)
     assert gateway.pools.moved == {"decode-1": "prefill"} and not gateway.pools.busy("decode-1")
-    next_interval(gateway, clock, COOLDOWN_INTERVALS * INTERVAL_S)
+    next_interval(gateway, clock, COOLDOWN_S)
     decision = controller.tick()  # decode-0 is the last decode instance
     assert decision is not None and decision.reason == "out_of_bounds"
     assert "below --min-decode 1" in decision.detail
@@ -345,7 +347,9 @@ def test_the_snapshot_shows_state_forecast_and_decisions() -> None:
     assert body["enabled"] and not body["paused"] and body["budget"] == 4
     assert body["target"] == {"prefill": 2, "decode": 1}
     assert body["actual"] == {"prefill": 1, "decode": 2}
-    assert body["forecast"] == {"rate": 2.0, "prompt_tokens": 100.0, "output_tokens": 20.0}
+    assert body["forecast"] == {
+        "rate": 2.0, "prompt_tokens": 100.0, "output_tokens": 20.0, "prompt_tokens_sq": 0.0
+    }
     (only,) = body["decisions"]
     assert (only["action"], only["reason"], only["age_s"]) == ("hold", "ttft_risk", 1.5)
 
