@@ -348,7 +348,10 @@ def test_the_snapshot_shows_state_forecast_and_decisions() -> None:
     assert body["target"] == {"prefill": 2, "decode": 1}
     assert body["actual"] == {"prefill": 1, "decode": 2}
     assert body["forecast"] == {
-        "rate": 2.0, "prompt_tokens": 100.0, "output_tokens": 20.0, "prompt_tokens_sq": 0.0
+        "rate": 2.0,
+        "prompt_tokens": 100.0,
+        "output_tokens": 20.0,
+        "prompt_tokens_sq": 0.0,
     }
     (only,) = body["decisions"]
     assert (only["action"], only["reason"], only["age_s"]) == ("hold", "ttft_risk", 1.5)
