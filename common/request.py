@@ -171,8 +171,10 @@ class Request:
                 self.prefill_model = ModelTime()
             _charge(self.prefill_model, forward, execute)
             return
-        since = self.first_token_time if not self.prefilled_elsewhere else None
-        stretch = sum(1 for lost in self.preempted_times if since is None or lost >= since)
+        stretch = 0
+        if self.preempted_times:  # rare: most requests are never preempted
+            since = self.first_token_time if not self.prefilled_elsewhere else None
+            stretch = sum(1 for lost in self.preempted_times if since is None or lost >= since)
         while len(self.decode_model) <= stretch:
             self.decode_model.append(ModelTime())
         _charge(self.decode_model[stretch], forward, execute)
