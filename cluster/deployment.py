@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from pdserve.cluster.autoscale_flags import AutoscaleConfig, autoscale_config
-from pdserve.cluster.ops_flags import check_tracing_flags
+from pdserve.cluster.ops_flags import check_tracing_flags, detail_modules
 from pdserve.cluster.placement import (
     PlacementError,
     PlannedInstance,
@@ -40,6 +40,7 @@ from pdserve.engine.model_source import ModelNotFound
 from pdserve.engine.model_source import resolve_model as resolve_model_source
 from pdserve.gateway.global_scheduler import GlobalSchedulerConfig
 from pdserve.gateway.tenants import KeyBook, KeysFile, TenantsError, read_keys_file
+from pdserve.gateway.trace_config import collects_model
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.text.tokenizer import TokenizerError, read_chat_template
 
@@ -297,6 +298,7 @@ def engine_config(args: argparse.Namespace, model_path: str | None, device: str)
             tokenizer=args.tokenizer,
             generation_config=args.generation_config,
             pipeline_parallel_size=args.pipeline_parallel_size,
+            collect_model_time=collects_model(detail_modules(args)),
         )
     except ValueError as exc:
         raise ServeError(str(exc)) from None

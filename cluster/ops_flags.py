@@ -19,9 +19,11 @@ def add_observability_flags(group: argparse._ArgumentGroup) -> None:
         "--collect-detailed-traces",
         default=None,
         metavar="MODULES",
-        help=f"comma-separated, of {', '.join(DETAIL_MODULES)}: add the instances' detail "
-        "spans (the handoff's wait for a decode seat and its KV transfer); needs "
-        "--otlp-traces-endpoint",
+        help=f"comma-separated, of {', '.join(DETAIL_MODULES)}: model has the instances "
+        "time the model per step and puts each request's forward and execute seconds on "
+        "its spans; worker adds the instances' detail spans (the handoff's wait for a "
+        "decode seat and its KV transfer); all both. Needs --otlp-traces-endpoint; "
+        "docs/operations.md",
     )
 
 

@@ -41,13 +41,25 @@ class KVPullTimes(msgspec.Struct, array_like=True):
     num_blocks: int = 0  # blocks pulled (the driver's count: local prefix hits not pulled)
 
 
+class ModelTime(msgspec.Struct, array_like=True):
+    """Seconds of the model steps one request was part of on one instance (each step's
+    whole time counts for every request in it, as vLLM counts it): `forward` the
+    model's forward (logits included) on the sampling rank, None where it was not
+    timed (a CUDA device: timing it would need a synchronize); `execute` the step as
+    the driver ran it (its plan and the executor call: the trip to the ranks and back,
+    forward and sampling; not the scheduler's own schedule and update)."""
+
+    forward: float | None = 0.0
+    execute: float = 0.0
+
+
 class InstanceTimings(msgspec.Struct, array_like=True):
     """When one request's phases happened on one instance, on that instance's wall clock
     (`time.time()` seconds; the gateway reconciles clocks: `gateway/clock_sync.py`). Sent
     once, with the request's last delta from the instance (a prefill instance's: its
     first token); None where a phase never happened there."""
 
-    queued: float  # entered the waiting queue (a handoff: arrived)
+    queued: float  # its task (a handoff) reached this instance: its queue starts
     first_scheduled: float | None = None  # first given a chunk, or its remote blocks
     kv_ready: float | None = None  # decode side: its pulled KV usable
     first_token: float | None = None  # first token sampled here
@@ -55,6 +67,11 @@ class InstanceTimings(msgspec.Struct, array_like=True):
     kv_pull: KVPullTimes | None = None
     # Each preemption: lost its blocks → scheduled again (its decode splits there).
     preemptions: list[tuple[float, float]] = []
+    # With model detail on (`EngineConfig.collect_model_time`): the model time of its
+    # steps before its first token here, and of each decode stretch after it (split
+    # where it was preempted, in order).
+    prefill_model: ModelTime | None = None
+    decode_model: list[ModelTime] = []
 
 
 class RequestDelta(msgspec.Struct):

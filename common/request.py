@@ -19,7 +19,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pdserve.common.messages import InstanceTimings, KVPullTimes, TokenLogprobs
+from pdserve.common.messages import InstanceTimings, KVPullTimes, ModelTime, TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
 
 
@@ -86,6 +86,9 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     error: str | None = None
+    # Its task (or handoff) decoded by this instance's I/O thread, before the step loop
+    # admitted it: where its queue starts on a timeline (None: not received as a task).
+    received_time: float | None = None
     # When things happened to it on this instance (the scheduler's monotonic clock), for
     # vLLM's queue / prefill / decode histograms (`phase_times`).
     queued_time: float | None = None  # entered this instance's waiting queue
@@ -102,6 +105,10 @@ class Request:
     # The driver's copy of prompt tokens 1..n-1's logprobs as the ranks compute them
     # (by position: a prompt recomputed after a preemption overwrites the same entries).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # With model detail on: the model time of its steps here before its first token, and
+    # of each decode stretch after it (`add_model_time`).
+    prefill_model: ModelTime | None = None
+    decode_model: list[ModelTime] = field(default_factory=list)
 
     @property
     def computes_prompt_logprobs(self) -> bool:
@@ -150,18 +157,41 @@ class Request:
             return PhaseTimes(queue=queue, prefill=prefill)
         return PhaseTimes(queue, prefill, self.last_token_time - self.first_token_time)
 
+    @property
+    def prefills_here(self) -> bool:
+        """Whether a step it is in now computes toward its first token on this instance."""
+        return self.first_token_time is None and not self.prefilled_elsewhere
+
+    def add_model_time(self, prefilling: bool, forward: float | None, execute: float) -> None:
+        """Counts one step it was part of (`prefilling`: its `prefills_here` when the step
+        was planned) toward its prefill, or toward the decode stretch it is in: one per
+        preemption since its first token here, as the gateway splits its decode span."""
+        if prefilling:
+            if self.prefill_model is None:
+                self.prefill_model = ModelTime()
+            _charge(self.prefill_model, forward, execute)
+            return
+        stretch = 0
+        if self.preempted_times:  # rare: most requests are never preempted
+            since = self.first_token_time if not self.prefilled_elsewhere else None
+            stretch = sum(1 for lost in self.preempted_times if since is None or lost >= since)
+        while len(self.decode_model) <= stretch:
+            self.decode_model.append(ModelTime())
+        _charge(self.decode_model[stretch], forward, execute)
+
     def timings(self) -> InstanceTimings | None:
         """Its phases here on this process's wall clock (the scheduler stamps them on the
         monotonic clock, which other processes cannot compare); None if never queued."""
         if self.queued_time is None:
             return None
         offset = time.time() - time.monotonic()
+        queued = self.queued_time if self.received_time is None else self.received_time
 
         def wall(stamp: float | None) -> float | None:
             return None if stamp is None else stamp + offset
 
         return InstanceTimings(
-            queued=self.queued_time + offset,
+            queued=queued + offset,
             first_scheduled=wall(self.first_scheduled_time),
             kv_ready=wall(self.kv_ready_time),
             first_token=wall(self.first_token_time),
@@ -171,6 +201,8 @@ class Request:
                 (p + offset, r + offset)
                 for p, r in zip(self.preempted_times, self.resumed_times, strict=False)
             ],
+            prefill_model=self.prefill_model,
+            decode_model=self.decode_model,
         )
 
     def token_at(self, index: int) -> int:
@@ -184,3 +216,9 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+
+def _charge(total: ModelTime, forward: float | None, execute: float) -> None:
+    """Adds one step's figures; a forward not timed leaves the total's untimed too."""
+    total.forward = None if forward is None or total.forward is None else total.forward + forward
+    total.execute += execute

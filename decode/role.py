@@ -88,7 +88,7 @@ class DecodeRole:
 
     # ---- tasks ------------------------------------------------------------------------
 
-    def admit(self, task: GenerateTask) -> None:
+    def admit(self, task: GenerateTask, received_at: float | None = None) -> None:
         """A request sent here without a prefill instance: it is computed here from its
         prompt (the global scheduler's decode-side prefill of short prompts), or from its
         prompt and output so far (a request migrated off a dead instance)."""
@@ -97,11 +97,11 @@ class DecodeRole:
             # its blocks here.
             self.link.defer(task)
             return
-        self.engine.add_request(self.engine.request_of(task))
+        self.engine.add_request(self.engine.request_of(task, received_at))
 
-    def on_task(self, task: Any) -> RequestDelta | None:
+    def on_task(self, task: Any, received_at: float | None = None) -> RequestDelta | None:
         if isinstance(task, KVHandoff):
-            return self.take_handoff(task)
+            return self.take_handoff(task, received_at)
         logger.warning("%s: ignoring a %s task", self.instance_id, type(task).__name__)
         return None
 
@@ -112,7 +112,11 @@ class DecodeRole:
             or self.kv.handoff(request_id) is not None
         )
 
-    def take_handoff(self, handoff: KVHandoff) -> RequestDelta | None:
+    def take_handoff(
+        self, handoff: KVHandoff, received_at: float | None = None
+    ) -> RequestDelta | None:
+        """`received_at`: when it reached this instance (its queue and the handoff's
+        transit meet there); None for a handoff deferred since."""
         request_id = handoff.request_id
         if not self.source_epochs.admit(handoff.source.instance_id, handoff.source.epoch):
             return None  # from a prefill instance retired since: the gateway moved it on
@@ -128,7 +132,11 @@ class DecodeRole:
         engine = self.engine
         try:
             request = engine.make_request(
-                request_id, handoff.prompt_token_ids, handoff.sampling_params, handoff.cache_salt
+                request_id,
+                handoff.prompt_token_ids,
+                handoff.sampling_params,
+                handoff.cache_salt,
+                received_at=received_at,
             )
             request.output_token_ids.append(handoff.first_token_id)
             engine.add_remote_request(request, num_remote_tokens)

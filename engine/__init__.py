@@ -1,7 +1,8 @@
 """engine: what runs a step.
 
 The torch-free driver, `core.py` (`EngineCore`: the step scheduler driving an executor;
-`request_of`, a gateway task's request for every role), takes its arguments from
+`request_of`, a gateway task's request for every role; with `collect_model_time` it
+charges each step's model time to the step's requests), takes its arguments from
 `config.py` (`EngineConfig`, a msgspec Struct). The seam's messages are in
 `step_plan.py` and its protocol in `executor.py`.
 

@@ -55,6 +55,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     pipeline_parallel_size: int = 1
     # A structured-output grammar that takes longer to compile fails its request.
     grammar_compile_timeout_s: float = 30.0
+    # Times the model per step and charges each request the steps it was part of
+    # (`InstanceTimings.prefill_model`, `decode_model`): `--collect-detailed-traces model`.
+    collect_model_time: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

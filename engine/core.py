@@ -173,15 +173,17 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------
 
-    def request_of(self, task: GenerateTask) -> Request:
+    def request_of(self, task: GenerateTask, received_at: float | None = None) -> Request:
         """The request a gateway's task asks for: its prompt, sampling parameters, cache
-        salt and any output it already has (a migrated request's)."""
+        salt and any output it already has (a migrated request's); `received_at`: when
+        the instance's I/O thread decoded the task (`time.monotonic()`)."""
         return self.make_request(
             task.request_id,
             task.prompt_token_ids,
             task.sampling_params,
             task.cache_salt,
             output_token_ids=task.output_token_ids,
+            received_at=received_at,
         )
 
     def make_request(
@@ -192,9 +194,11 @@ class EngineCore:
         cache_salt: str = "",
         arrival_time: float | None = None,
         output_token_ids: list[int] | None = None,
+        received_at: float | None = None,
     ) -> Request:
         """`output_token_ids`: output a migrated request already has (sampling goes on
-        from the next output index, as after a preemption)."""
+        from the next output index, as after a preemption); `received_at`: when its task
+        reached the instance (`time.monotonic()`; its timeline's queue starts there)."""
         for what, tokens in (("prompt", prompt_token_ids), ("output", output_token_ids or ())):
             bad = [t for t in tokens if not 0 <= t < self.info.vocab_size]
             if bad:
@@ -209,6 +213,7 @@ class EngineCore:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             cache_salt=cache_salt,
             seed=self._seeds.getrandbits(63) if seed is None else seed,
+            received_time=received_at,
         )
 
     def add_request(self, request: Request, hand_off: bool = False) -> None:
@@ -270,6 +275,7 @@ class EngineCore:
         """`execute`, with the KV connector's metadata for the step going to the ranks;
         returns the deltas and each rank's KV connector report."""
         failed, self._gate_errors = self._gate_errors, []
+        planned = time.perf_counter() if self.config.collect_model_time else 0.0
         plan = self.planner.plan(output, kv_connector)
         if plan.is_empty and not plan.finished_ids and kv_connector is None:
             return failed, []
@@ -277,10 +283,13 @@ class EngineCore:
         result = self.executor.execute(plan)
         if plan.is_empty:
             return failed, result.kv_reports
-        self.stats.model_seconds += time.perf_counter() - started
+        ended = time.perf_counter()
+        self.stats.model_seconds += ended - started
         self.stats.collective_seconds += result.collective_seconds
         self.stats.stage_transfer_seconds += result.stage_transfer_seconds
         self._count(output)
+        if self.config.collect_model_time:
+            self._charge_model_time(output, result.forward_seconds, ended - planned)
         sampled = {s.request_id: s.token_id for s in result.sampled}
         self.scheduler.update_from_output(output, sampled)
         requests = {c.request.request_id: c.request for c in output.chunks}
@@ -288,6 +297,15 @@ class EngineCore:
             self._keep_prompt_logprobs(requests[scored.request_id], scored)
         deltas = [self._delta(requests[s.request_id], s) for s in result.sampled]
         return failed + deltas, result.kv_reports
+
+    @staticmethod
+    def _charge_model_time(output: SchedulerOutput, forward: float | None, execute: float) -> None:
+        """Each request of the step is charged the whole step (vLLM's way), before the
+        scheduler's update stamps its tokens: its execute time stays inside the span
+        those stamps bound."""
+        for chunk in output.chunks:
+            request = chunk.request
+            request.add_model_time(request.prefills_here, forward, execute)
 
     def exchange_kv(self, kv_connector: Any) -> list[Any]:
         """Hands the ranks' KV connectors their metadata without a model step; returns

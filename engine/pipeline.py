@@ -190,14 +190,19 @@ def run_stage(worker: ModelWorker, chunks: list[ScheduledChunk]) -> list[Sampled
         if not stage.is_first:
             shape = (2, batch.num_tokens, hidden_size)
             carried = stage.recv(shape, model.hidden_dtype, worker.device)
+        began = worker.forward_began()
         out = model(batch.token_ids, batch.positions, worker.kv_cache.layers, batch.meta, carried)
         sampling.extend(batch.sampling_requests)
         if not stage.is_last:
+            worker.forward_ended(began)
             sends.append(stage.send(out))
             in_flight.append(out)
         elif batch.logits_indices.numel():  # rows to sample, or prompt tokens to score
             logits = model.compute_logits(out[batch.logits_indices])
+            worker.forward_ended(began)
             sampled.extend(worker.take_logits(logits, batch))
+        else:
+            worker.forward_ended(began)
     stage.wait(sends)
     if not sampling:
         return []

@@ -116,3 +116,6 @@ class StepResult(msgspec.Struct):
     # and the most any rank spent waiting on sends and receives between pipeline stages.
     collective_seconds: float = 0.0
     stage_transfer_seconds: float = 0.0
+    # With `collect_model_time`: the sampling rank's seconds in the model's forward (its
+    # own layers' under pipeline stages); None when not timed (off, or on CUDA).
+    forward_seconds: float | None = None

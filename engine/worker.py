@@ -11,6 +11,7 @@ the step runs and reports its finished and failed transfers after.
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,11 @@ class ModelWorker:
         self.requests: dict[str, Request] = {}
         self.block_tables: dict[str, list[int]] = {}
         self._prompt_logprobs: list[PromptLogprobs] = []  # the current step's
+        # The forward's wall time, summed over the step (`collect_model_time`, CPU only:
+        # on CUDA the launch returns before the work ends, and a synchronize to time it
+        # would stall every step).
+        self.times_forward = config.collect_model_time and config.device == "cpu"
+        self.forward_seconds = 0.0
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -240,6 +246,7 @@ class ModelWorker:
             connector.apply(plan.kv_connector)
         in_collectives, in_sends = self.tp.clock.seconds, self.stage.clock.seconds
         self._prompt_logprobs = []
+        self.forward_seconds = 0.0
         sampled = self._run(plan) if plan.chunks else []
         reports = [connector.report()] if connector is not None else []
         return StepResult(
@@ -248,7 +255,16 @@ class ModelWorker:
             kv_reports=reports,
             collective_seconds=self.tp.clock.seconds - in_collectives,
             stage_transfer_seconds=self.stage.clock.seconds - in_sends,
+            forward_seconds=self.forward_seconds if self.times_forward else None,
         )
+
+    def forward_began(self) -> float:
+        """Where a timed forward starts (0.0 when the forward is not timed)."""
+        return time.perf_counter() if self.times_forward else 0.0
+
+    def forward_ended(self, began: float) -> None:
+        if self.times_forward:
+            self.forward_seconds += time.perf_counter() - began
 
     def _update_requests(self, plan: StepPlan) -> None:
         for request_id in plan.finished_ids:
@@ -279,7 +295,10 @@ class ModelWorker:
         if self.stage.enabled:
             return run_stage(self, chunks)
         batch = self.runner.prepare(chunks)
-        return self.take_logits(self.runner.execute(batch), batch)
+        began = self.forward_began()
+        logits = self.runner.execute(batch)
+        self.forward_ended(began)
+        return self.take_logits(logits, batch)
 
     def take_logits(self, logits: torch.Tensor, batch: StepBatch) -> list[SampledToken]:
         """The batch's logits rows: its prompt spans scored (kept for the step's result),

@@ -164,6 +164,7 @@ class WorkerGroupExecutor:
             kv_reports=reports,
             collective_seconds=sampler.collective_seconds,
             stage_transfer_seconds=max(r.stage_transfer_seconds for r in results),
+            forward_seconds=sampler.forward_seconds,
         )
 
     def prepare_grammar(self, spec: StructuredOutput) -> Future[Any]:

@@ -18,6 +18,11 @@ phases, each timed where its work ran:
   when none came) → the next attempt queued on its instance;
 - `detokenize` (gateway): the last delta received → its text out.
 
+With model detail (`--collect-detailed-traces model`), `prefill` carries the prefill
+instance's model seconds for the request and each `decode` stretch the decode
+instance's for that stretch (vLLM's `gen_ai.latency.time_in_model_forward` and
+`gen_ai.latency.time_in_model_execute`; `model_totals` sums them for the root span).
+
 An attempt whose instance never reported (it died, or the gateway ended the request,
 e.g. on a stop string) keeps the phases the gateway saw, from its deltas' arrivals,
 marked `pdserve.timing.source = gateway`.
@@ -29,7 +34,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from pdserve.common.messages import InstanceTimings
+from pdserve.common.messages import InstanceTimings, ModelTime
 from pdserve.gateway.clock_sync import ClockSync
 
 Attributes = dict[str, str | int | float]
@@ -49,6 +54,20 @@ PHASES = (
 )
 
 
+FORWARD = "gen_ai.latency.time_in_model_forward"
+EXECUTE = "gen_ai.latency.time_in_model_execute"
+
+
+def model_attributes(spent: ModelTime | None) -> Attributes:
+    """A compute span's model seconds (forward left out where it was not timed)."""
+    if spent is None:
+        return {}
+    attributes: Attributes = {EXECUTE: spent.execute}
+    if spent.forward is not None:
+        attributes[FORWARD] = spent.forward
+    return attributes
+
+
 class Phase(msgspec.Struct):
     """A span of the timeline (gateway wall clock, seconds)."""
 
@@ -62,6 +81,18 @@ class Phase(msgspec.Struct):
     @property
     def seconds(self) -> float:
         return self.end - self.start
+
+
+def model_totals(phases: list[Phase]) -> Attributes:
+    """The model seconds of a choice's compute spans, summed (forward only where every
+    span that has an execute figure has a forward one)."""
+    timed = [p.attributes for p in phases if EXECUTE in p.attributes]
+    if not timed:
+        return {}
+    totals: Attributes = {EXECUTE: sum(float(a[EXECUTE]) for a in timed)}
+    if all(FORWARD in a for a in timed):
+        totals[FORWARD] = sum(float(a[FORWARD]) for a in timed)
+    return totals
 
 
 @dataclass
@@ -175,20 +206,29 @@ class PhaseBuilder:
 
     def _decode(self, stint: Stint, t: InstanceTimings, start: float, end: float) -> float:
         """Decode stretches, split where it was preempted (`preempted`: blocks lost →
-        scheduled again; the recompute is the next stretch's)."""
+        scheduled again; the recompute is the next stretch's), each with its model time."""
+        stretch = 0
         for lost, resumed in t.preemptions:
             if start <= lost <= end:
-                self._add("decode", start, lost, stint)
+                self._add("decode", start, lost, stint, self._stretch_model(t, stretch))
                 self._add("preempted", lost, min(resumed, end), stint)
                 start = min(resumed, end)
-        self._add("decode", start, end, stint)
+                stretch += 1
+        self._add("decode", start, end, stint, self._stretch_model(t, stretch))
         return end
+
+    @staticmethod
+    def _stretch_model(t: InstanceTimings, stretch: int) -> Attributes:
+        return model_attributes(t.decode_model[stretch]) if stretch < len(t.decode_model) else {}
 
     def _queue_and_prefill(self, stint: Stint, t: InstanceTimings) -> None:
         if t.first_scheduled is None or t.first_token is None:
             return
         self._add("queue", t.queued, t.first_scheduled, stint)
-        attrs: Attributes = {"gen_ai.usage.input_tokens": self.record.num_prompt_tokens}
+        attrs: Attributes = {
+            "gen_ai.usage.input_tokens": self.record.num_prompt_tokens,
+            **model_attributes(t.prefill_model),
+        }
         self._add("prefill", t.first_scheduled, t.first_token, stint, attrs)
 
     def _handoff(self, decode: Stint, since: float, d: InstanceTimings) -> None:

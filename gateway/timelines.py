@@ -18,7 +18,14 @@ import msgspec
 from pdserve.common.messages import InstanceTimings
 from pdserve.gateway.clock_sync import ClockSync
 from pdserve.gateway.global_scheduler import Route
-from pdserve.gateway.timeline import Attempt, ChoiceRecord, Phase, PhaseBuilder, Stint
+from pdserve.gateway.timeline import (
+    Attempt,
+    ChoiceRecord,
+    Phase,
+    PhaseBuilder,
+    Stint,
+    model_totals,
+)
 
 STORE_CAPACITY = 1000  # runs kept for the endpoint, newest first out last
 
@@ -36,6 +43,9 @@ class ChoiceTimeline(msgspec.Struct):
     prompt_tokens: int
     output_tokens: int
     phases: list[Phase]
+    # Its compute spans' model seconds summed (`timeline.model_totals`; {} without
+    # model detail).
+    model: dict[str, str | int | float] = {}
 
 
 class RunTimeline(msgspec.Struct):
@@ -182,6 +192,7 @@ class Timelines:
             prompt_tokens=record.num_prompt_tokens,
             output_tokens=record.num_output_tokens,
             phases=phases,
+            model=model_totals(phases),
         )
 
     # ---- the store --------------------------------------------------------------------

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 
-# vLLM's --collect-detailed-traces modules that mean something here: the instances'
-# detail (the handoff's children). `model` (per-request model time) is not collected.
-DETAIL_MODULES = ("worker", "all")
+# vLLM's --collect-detailed-traces modules: `model` has the instances time the model per
+# step and charge each request its steps (attributes on its compute spans and the root),
+# `worker` adds the instances' detail spans (the handoff's children), `all` both.
+DETAIL_MODULES = ("model", "worker", "all")
 PROTOCOLS = ("grpc", "http/protobuf")
 PROTOCOL_VARIABLE = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 
@@ -16,9 +17,18 @@ def check_detail_modules(modules: tuple[str, ...]) -> None:
     for module in modules:
         if module not in DETAIL_MODULES:
             raise ValueError(
-                f"--collect-detailed-traces {module}: choose from {', '.join(DETAIL_MODULES)} "
-                "(instances do not time the model per request)"
+                f"--collect-detailed-traces {module}: choose from {', '.join(DETAIL_MODULES)}"
             )
+
+
+def collects_model(modules: tuple[str, ...]) -> bool:
+    """Whether the instances time the model per request (`model` or `all`)."""
+    return "model" in modules or "all" in modules
+
+
+def collects_worker(modules: tuple[str, ...]) -> bool:
+    """Whether traces get the instances' detail spans (`worker` or `all`)."""
+    return "worker" in modules or "all" in modules
 
 
 def otlp_protocol() -> str:

@@ -5,10 +5,13 @@ the start and end times its phases have, so nothing is traced on the per-token p
 the instances carry no OpenTelemetry. The root span (kind SERVER, named as the GenAI
 semantic conventions say: `{gen_ai.operation.name} {gen_ai.request.model}`) is the
 child of the client's `traceparent` when it sent one; each phase of each choice is its
-child, and with `--collect-detailed-traces` the handoff's own children (the wait for a
-decode seat, the KV transfer) follow. The SDK's batch processor exports from its own
-thread. `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` (`grpc`, the default, or `http/protobuf`)
-picks the exporter, as vLLM's does; the SDK's other `OTEL_*` variables apply.
+child; with `--collect-detailed-traces worker` (or `all`) the handoff's own children (the
+wait for a decode seat, the KV transfer) follow, and with `model` (or `all`) the compute
+spans and the root carry the instances' model seconds (the root: its choice's sums, the
+largest over choices when there are several). The SDK's batch processor exports from
+its own thread. `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` (`grpc`, the default, or
+`http/protobuf`) picks the exporter, as vLLM's does; the SDK's other `OTEL_*` variables
+apply.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from opentelemetry.trace import SpanKind, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
-from pdserve.gateway.timeline import Phase
+from pdserve.gateway.timeline import EXECUTE, FORWARD, Phase
 from pdserve.gateway.timelines import ChoiceTimeline, RunFacts, RunTimeline
-from pdserve.gateway.trace_config import check_detail_modules, otlp_protocol
+from pdserve.gateway.trace_config import check_detail_modules, collects_worker, otlp_protocol
 
 
 def span_exporter(endpoint: str) -> SpanExporter:
@@ -52,13 +55,13 @@ class TraceExporter:
         self._provider = TracerProvider(resource=Resource.create({"service.name": "pdserve"}))
         self._provider.add_span_processor(BatchSpanProcessor(exporter))
         self._tracer = self._provider.get_tracer("pdserve.gateway")
-        self._detailed = detailed
+        self.detailed = detailed
         self._propagator = TraceContextTextMapPropagator()
 
     @classmethod
     def to_endpoint(cls, endpoint: str, modules: tuple[str, ...] = ()) -> TraceExporter:
         check_detail_modules(modules)
-        return cls(span_exporter(endpoint), detailed=bool(modules))
+        return cls(span_exporter(endpoint), detailed=collects_worker(modules))
 
     def export(self, run: RunTimeline, facts: RunFacts) -> None:
         carrier = {"traceparent": facts.trace.traceparent, "tracestate": facts.trace.tracestate}
@@ -87,7 +90,7 @@ class TraceExporter:
         span = self._tracer.start_span(
             phase.name, context=context, start_time=_ns(phase.start), attributes=attributes
         )
-        if self._detailed:
+        if self.detailed:
             inner = set_span_in_context(span)
             for child in phase.children:
                 self._span(child, choice, inner)
@@ -96,7 +99,7 @@ class TraceExporter:
     @staticmethod
     def _run_attributes(run: RunTimeline, facts: RunFacts) -> dict[str, AttributeValue]:
         reasons = [c.finish_reason for c in run.choices]
-        return {
+        attributes: dict[str, AttributeValue] = {
             "gen_ai.operation.name": run.operation,
             "gen_ai.request.model": run.model,
             "gen_ai.response.model": run.model,
@@ -104,6 +107,12 @@ class TraceExporter:
             "gen_ai.response.finish_reasons": reasons,
             **facts.params,
         }
+        for key in (FORWARD, EXECUTE):
+            # Choices of one run share their steps: the largest, not their sum.
+            values = [float(c.model[key]) for c in run.choices if key in c.model]
+            if values:
+                attributes[key] = max(values)
+        return attributes
 
     def shutdown(self) -> None:
         """Exports what is still queued, then stops."""

@@ -9,7 +9,7 @@
 - `role_switch.py`: a role switch in place, once the old role holds nothing (weights,
   KV cache and process kept; the ranks' KV connectors serve and pull alike);
 - `io.py`: the I/O thread, owner of every ZMQ socket, which heartbeats while a step
-  runs;
+  runs and stamps each task's receipt (`Received`: where a request's queue starts);
 - `spec.py` (`InstanceSpec`, carrying an `EngineConfig` and a `KVTransferConfig`) and
   `main.py`, the entry point;
 - `reporting.py`: metric deltas shipped with the outputs;

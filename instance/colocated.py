@@ -29,10 +29,10 @@ class ColocatedRole:
         self.instance_id = instance_id
         self.engine = engine
 
-    def admit(self, task: GenerateTask) -> None:
-        self.engine.add_request(self.engine.request_of(task))
+    def admit(self, task: GenerateTask, received_at: float | None = None) -> None:
+        self.engine.add_request(self.engine.request_of(task, received_at))
 
-    def on_task(self, task: Any) -> RequestDelta | None:
+    def on_task(self, task: Any, received_at: float | None = None) -> RequestDelta | None:
         raise TypeError(f"a colocated instance has no {type(task).__name__} tasks")  # never decoded
 
     def request_ids(self) -> set[str]:

@@ -25,6 +25,7 @@ import collections
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
@@ -52,6 +53,16 @@ _OUTPUT_HWM = 100_000  # messages queued for a gateway that is slow or gone
 _CLOSE_LINGER_MS = 500
 PEER_IDLE_S = 60.0  # a peer's PUSH unused this long is closed (its peer may be gone)
 _instance_numbers = count()
+
+
+@dataclass(frozen=True)
+class Received:
+    """A task as this thread decoded it, and when (`time.monotonic()`, the clock the
+    scheduler stamps requests on): a request's queue starts here, so its wait in the
+    inbox while a step runs is queue time, not a gap before it."""
+
+    task: Any
+    at: float
 
 
 class InstanceIO:
@@ -91,7 +102,7 @@ class InstanceIO:
         self.events_address = f"tcp://{host}:{event_port}"
         # Frame 0 of every event message: one SUB socket at the gateway hears them all.
         self._topic = instance_id.encode()
-        self._tasks: collections.deque[Any] = collections.deque()
+        self._tasks: collections.deque[Received] = collections.deque()
         self._task_ready = threading.Event()
         self._stopping = threading.Event()
         self._decoder = msgspec.msgpack.Decoder(task_type)
@@ -112,7 +123,7 @@ class InstanceIO:
     def start(self) -> None:
         self._thread.start()
 
-    def take_tasks(self, timeout_s: float) -> list[Any]:
+    def take_tasks(self, timeout_s: float) -> list[Received]:
         """Every task received so far; waits up to `timeout_s` when there is none."""
         if not self._tasks:
             self._task_ready.wait(timeout_s)
@@ -222,7 +233,8 @@ class InstanceIO:
             if opened is None:
                 continue  # not from the deployment, or a replay: never decoded
             try:
-                self._tasks.append(self._decoder.decode(opened.payload))
+                task = self._decoder.decode(opened.payload)
+                self._tasks.append(Received(task, time.monotonic()))
             except msgspec.DecodeError as exc:
                 self._task_opener.refuse(frame_drops.UNDECODABLE, opened.sender)
                 logger.warning("%s: dropping a malformed task: %s", self.address.instance_id, exc)

@@ -36,9 +36,12 @@ if TYPE_CHECKING:
 class Role(Protocol):
     """What the step loop calls on its role, in loop order (see instance/loop.py)."""
 
-    def admit(self, task: wire.GenerateTask) -> None: ...  # ValueError: cannot run here
+    # ValueError: cannot run here. `received_at`: when the I/O thread decoded it
+    # (`time.monotonic()`; None: held back since), where its queue starts.
+    def admit(self, task: wire.GenerateTask, received_at: float | None = None) -> None: ...
 
-    def on_task(self, task: Any) -> wire.RequestDelta | None: ...  # a role's own task types
+    # A role's own task types (e.g. a decode role's handoffs).
+    def on_task(self, task: Any, received_at: float | None = None) -> wire.RequestDelta | None: ...
 
     def abort(self, task: wire.AbortTask) -> None: ...
 

@@ -163,7 +163,7 @@ class StepLoop:
             self._end_after_failure()
             return
         tasks = self.io.take_tasks(role.task_wait_s(self.spec.idle_wait_s))
-        deltas = [d for task in tasks if (d := self._apply(task)) is not None]
+        deltas = [d for got in tasks if (d := self._apply(got.task, got.at)) is not None]
         role.before_step()
         if role.has_work():
             deltas.extend(self._step(role))
@@ -220,10 +220,13 @@ class StepLoop:
 
     # ---- tasks ------------------------------------------------------------------------
 
-    def _apply(self, task: wire.Task) -> wire.RequestDelta | None:
+    def _apply(self, task: wire.Task, received_at: float) -> wire.RequestDelta | None:
+        """`received_at`: when the I/O thread decoded it (a request's queue starts there)."""
         role = self.require_role()
         if isinstance(task, wire.GenerateTask):
-            return self._admit(role, task) if self.probation.admit(task) else None
+            if not self.probation.admit(task):
+                return None
+            return self._admit(role, task, received_at)
         if isinstance(task, wire.AbortTask):
             self.probation.drop(task.request_ids)
             role.abort(task)
@@ -249,12 +252,15 @@ class StepLoop:
             except ValueError as exc:  # the gateway checks first: this is a bug there
                 logger.error("%s: role switch refused: %s", self.spec.instance_id, exc)
         else:
-            return role.on_task(task)
+            return role.on_task(task, received_at)
         return None
 
-    def _admit(self, role: Role, task: wire.GenerateTask) -> wire.RequestDelta | None:
+    def _admit(
+        self, role: Role, task: wire.GenerateTask, received_at: float | None = None
+    ) -> wire.RequestDelta | None:
+        """`received_at`: None for a task held back (on probation) since it came in."""
         try:
-            role.admit(task)
+            role.admit(task, received_at)
         except ValueError as exc:  # a request this instance cannot run
             return wire.error_delta(task.request_id, str(exc), len(task.prompt_token_ids))
         except Exception as exc:  # a bug: fail the request, keep the instance serving

@@ -76,21 +76,21 @@ class PrefillRole:
 
     # ---- tasks ------------------------------------------------------------------------
 
-    def admit(self, task: GenerateTask) -> None:
+    def admit(self, task: GenerateTask, received_at: float | None = None) -> None:
         if self.id_in_use(task.request_id):
             self.link.defer(task)  # an earlier attempt's blocks are still on loan
             return
         if task.output_token_ids and task.decode_target is not None:
             # A handoff carries one first token; a migrated request runs where it lands.
             raise ValueError("a request with output so far is never handed off")
-        request = self.engine.request_of(task)
+        request = self.engine.request_of(task, received_at)
         if task.decode_target is None:
             self.engine.add_request(request)  # no decode instance: it runs here to the end
             return
         self.engine.add_request(request, hand_off=True)
         self._targets[task.request_id] = task.decode_target
 
-    def on_task(self, task: Any) -> RequestDelta | None:
+    def on_task(self, task: Any, received_at: float | None = None) -> RequestDelta | None:
         raise TypeError(f"a prefill instance has no {type(task).__name__} tasks")  # never decoded
 
     def request_ids(self) -> set[str]:

@@ -1,8 +1,11 @@
-"""One prefill and two decode instances (local processes) exporting traces over OTLP/HTTP to
-a receiver in this process: each disaggregated request's phases tile its end-to-end time
-(timeline endpoint and trace alike), the handoff's bytes are what `kv_transfer_bytes_total`
-grew by, the client's `traceparent` is the root's parent, the phases are histograms in
-`/metrics`, and a request whose decode instance is killed mid-stream shows its migration.
+"""One prefill and two decode instances (local processes, `--collect-detailed-traces all`)
+exporting traces over OTLP/HTTP to a receiver in this process: each disaggregated
+request's phases tile its end-to-end time (timeline endpoint and trace alike; the queue
+starts when the prefill instance received the task), the prefill and decode spans and
+the root carry the instances' model seconds (forward ≤ execute ≤ the span), the
+handoff's bytes are what `kv_transfer_bytes_total` grew by, the client's `traceparent`
+is the root's parent, the phases are histograms in `/metrics`, and a request whose
+decode instance is killed mid-stream shows its migration.
 
 The tests run in file order on one server; the last one kills a decode instance.
 """
@@ -36,6 +39,9 @@ PROMPTS = [
     "Water boils at one hundred degrees Celsius at sea level, but on a high mountain",
 ]
 TILE_TOLERANCE = 0.05
+FORWARD = "gen_ai.latency.time_in_model_forward"
+EXECUTE = "gen_ai.latency.time_in_model_execute"
+COMPUTE = ("prefill", "decode")
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
@@ -77,6 +83,19 @@ def assert_tiles(choice: dict) -> None:
         assert after["end"] >= after["start"]
 
 
+def assert_model_time(choice: dict) -> None:
+    """Each compute span carries its instance's model seconds for the request, within
+    the span (one instance's clock; the clocks' error allowed), and the choice's sums
+    within its end-to-end time."""
+    slack = choice["clock_error_s"] + 1e-6
+    for phase in choice["phases"]:
+        if phase["name"] in COMPUTE:
+            forward, execute = phase["attributes"][FORWARD], phase["attributes"][EXECUTE]
+            assert 0 < forward <= execute <= phase["end"] - phase["start"] + slack, phase
+    total = choice["model"]
+    assert 0 < total[FORWARD] <= total[EXECUTE] <= choice["e2e_s"], total
+
+
 def test_disaggregated_phases_tile_the_request_and_the_handoff_counts_its_bytes(server) -> None:
     client = server.openai()
     for prompt in PROMPTS:
@@ -88,6 +107,7 @@ def test_disaggregated_phases_tile_the_request_and_the_handoff_counts_its_bytes(
         names = [p["name"] for p in choice["phases"]]
         assert names == ["admission", "queue", "prefill", "handoff", "decode", "detokenize"]
         assert_tiles(choice)
+        assert_model_time(choice)
         handoff = next(p for p in choice["phases"] if p["name"] == "handoff")
         assert handoff["attributes"]["pdserve.kv.bytes"] == moved > 0
         assert handoff["attributes"]["pdserve.kv.blocks"] >= 1
@@ -118,6 +138,13 @@ def test_the_trace_is_the_clients_and_carries_the_same_phases(server, receiver) 
     e2e = root.end_time_unix_nano - root.start_time_unix_nano
     covered = sum(s.end_time_unix_nano - s.start_time_unix_nano for s in phases)
     assert abs(covered - e2e) <= TILE_TOLERANCE * e2e
+    forward, execute = attributes[FORWARD].double_value, attributes[EXECUTE].double_value
+    assert 0 < forward <= execute <= e2e / 1e9
+    for span in (s for s in phases if s.name in COMPUTE):
+        seconds = {a.key: a.value.double_value for a in span.attributes}
+        length = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e9
+        slack = seconds["pdserve.clock.error_s"] + 1e-6  # the span's ends: whole ns
+        assert 0 < seconds[FORWARD] <= seconds[EXECUTE] <= length + slack, span.name
     handoff = next(s for s in phases if s.name == "handoff")
     children = {s.name for s in spans if s.parent_span_id == handoff.span_id}
     assert children == {"kv_seat_wait", "kv_transfer"}

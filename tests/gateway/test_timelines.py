@@ -8,10 +8,10 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from pdserve.common.messages import InstanceTimings, KVPullTimes
+from pdserve.common.messages import InstanceTimings, KVPullTimes, ModelTime
 from pdserve.gateway.clock_sync import ClockSync
 from pdserve.gateway.global_scheduler import Route
-from pdserve.gateway.timeline import Phase
+from pdserve.gateway.timeline import EXECUTE, FORWARD, Phase
 from pdserve.gateway.timelines import RunFacts, Timelines, TraceHeaders
 from pdserve.gateway.trace_config import check_detail_modules
 from pdserve.gateway.tracing import TraceExporter
@@ -208,7 +208,7 @@ def test_spans_follow_the_clients_trace_and_the_genai_conventions(clock) -> None
     assert sorted(s.name for s in details) == ["kv_seat_wait", "kv_transfer"]
 
 
-def test_without_detail_the_handoff_has_no_children_and_model_is_refused(clock) -> None:
+def test_without_worker_detail_the_handoff_has_no_children_and_junk_is_refused(clock) -> None:
     spans = InMemorySpanExporter()
     exporter = TraceExporter(spans)
     timelines = book_with_clocks()
@@ -218,12 +218,18 @@ def test_without_detail_the_handoff_has_no_children_and_model_is_refused(clock) 
     exporter.shutdown()
     names = {s.name for s in spans.get_finished_spans()}
     assert "handoff" in names and not names & {"kv_seat_wait", "kv_transfer"}
-    with pytest.raises(ValueError, match="model"):
-        check_detail_modules(("model",))
+    check_detail_modules(("model",))
+    with pytest.raises(ValueError, match="^--collect-detailed-traces gpu: choose from model"):
+        check_detail_modules(("model", "gpu"))
+    model_only = TraceExporter.to_endpoint("http://127.0.0.1:1/v1/traces", ("model",))
+    assert not model_only.detailed  # model detail adds attributes, not the worker's spans
+    model_only.shutdown()
 
 
-def test_a_preemption_splits_decode_into_stretches(clock) -> None:
+def test_a_preemption_splits_decode_into_stretches_each_with_its_model_time(clock) -> None:
+    spans = InMemorySpanExporter()
     timelines = Timelines("m")
+    timelines.exporter = TraceExporter(spans)
     timelines.clocks.observe_output("c", sent_at=T0, received=T0 + 0.0001)
     timelines.open("cmpl-3-0", T0, num_prompt_tokens=12)
     clock.t = T0 + 0.001
@@ -234,6 +240,8 @@ def test_a_preemption_splits_decode_into_stretches(clock) -> None:
         first_token=T0 + 0.040,
         last_token=T0 + 0.300,
         preemptions=[(T0 + 0.100, T0 + 0.150)],
+        prefill_model=ModelTime(forward=0.02, execute=0.03),
+        decode_model=[ModelTime(0.04, 0.05), ModelTime(0.1, 0.12)],
     )
     timelines.delta("cmpl-3-0", "c", T0 + 0.301, timings)
     clock.t = T0 + 0.302
@@ -246,6 +254,44 @@ def test_a_preemption_splits_decode_into_stretches(clock) -> None:
     expected = [(0.04, 0.1), (0.1, 0.15), (0.15, 0.3)]
     for found, wanted in zip(bounds, expected, strict=True):
         assert found == pytest.approx(wanted, abs=1e-3)
+    model = [(p.attributes.get(FORWARD), p.attributes.get(EXECUTE)) for p in phases]
+    assert model == [(0.04, 0.05), (None, None), (0.1, 0.12)]
+    prefill = run.choices[0].phases[2]
+    assert (prefill.attributes[FORWARD], prefill.attributes[EXECUTE]) == (0.02, 0.03)
+    assert run.choices[0].model == {FORWARD: pytest.approx(0.16), EXECUTE: pytest.approx(0.2)}
+    timelines.close()
+    (root,) = [s for s in spans.get_finished_spans() if s.kind == SpanKind.SERVER]
+    assert root.attributes is not None
+    assert root.attributes[FORWARD] == pytest.approx(0.16)
+    assert root.attributes[EXECUTE] == pytest.approx(0.2)
+    decode = [s for s in spans.get_finished_spans() if s.name == "decode"]
+    assert sorted(s.attributes[EXECUTE] for s in decode if s.attributes) == [0.05, 0.12]
+
+
+def test_an_untimed_forward_leaves_the_figure_out(clock) -> None:
+    """A CUDA instance times execute only: no forward attribute, on the span or in sums."""
+    timelines = Timelines("m")
+    timelines.clocks.observe_output("c", sent_at=T0, received=T0 + 0.0001)
+    timelines.open("cmpl-4-0", T0, num_prompt_tokens=12)
+    clock.t = T0 + 0.001
+    timelines.dispatched("cmpl-4-0", route(None, "c", "colocated"))
+    timings = InstanceTimings(
+        queued=T0 + 0.002,
+        first_scheduled=T0 + 0.003,
+        first_token=T0 + 0.040,
+        last_token=T0 + 0.300,
+        prefill_model=ModelTime(forward=None, execute=0.03),
+        decode_model=[ModelTime(None, 0.2)],
+    )
+    timelines.delta("cmpl-4-0", "c", T0 + 0.301, timings)
+    clock.t = T0 + 0.302
+    timelines.choice_ended("cmpl-4-0", "length", 20)
+    run = timelines.finish_run(RunFacts("cmpl-4", ["cmpl-4-0"], {}))
+    assert run is not None
+    prefill, decode = run.choices[0].phases[2:4]
+    assert prefill.attributes[EXECUTE] == 0.03 and FORWARD not in prefill.attributes
+    assert decode.attributes[EXECUTE] == 0.2 and FORWARD not in decode.attributes
+    assert run.choices[0].model == {EXECUTE: pytest.approx(0.23)}
 
 
 def test_traces_go_over_otlp_grpc_by_default(clock, monkeypatch) -> None:

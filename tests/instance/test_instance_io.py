@@ -76,6 +76,7 @@ def test_tasks_arrive_decoded_and_malformed_frames_are_dropped(io) -> None:
     push = context.socket(zmq.PUSH)
     push.connect(io.address.task_address)
     generate = GenerateTask("r1", [1, 2], SamplingParams(max_tokens=2, seed=3), arrival_time=0.0)
+    sent = time.monotonic()
     push.send(SEAL.seal(ENCODER.encode(generate)))
     push.send(SEAL.seal(b"\x93not a task"))
     push.send(ENCODER.encode(AbortTask(["forged"])))  # no MAC: refused, never decoded
@@ -83,7 +84,11 @@ def test_tasks_arrive_decoded_and_malformed_frames_are_dropped(io) -> None:
     push.send(SEAL.seal(ENCODER.encode(Ping("custom kinds decode their own task types"))))
     tasks = take(io, 3)
     push.close(linger=0)
-    assert tasks == [generate, AbortTask(["r1"]), Ping("custom kinds decode their own task types")]
+    assert [r.task for r in tasks] == [
+        generate, AbortTask(["r1"]), Ping("custom kinds decode their own task types")]  # fmt: skip
+    # Each stamped as it was decoded: where a request's queue starts.
+    stamps = [r.at for r in tasks]
+    assert stamps == sorted(stamps) and sent <= stamps[0] <= time.monotonic()
 
 
 def test_outputs_go_out_and_heartbeats_fill_the_silence(io, gateway) -> None:
@@ -146,7 +151,7 @@ def test_an_oversized_frame_is_never_buffered(gateway, monkeypatch) -> None:
         big.send(SEAL.seal(b"\x00" * 4096))
         small.connect(instance.address.task_address)
         small.send(SEAL.seal(ENCODER.encode(AbortTask(["fits"]))))
-        assert take(instance, 2, timeout_s=2.0) == [AbortTask(["fits"])]
+        assert [r.task for r in take(instance, 2, timeout_s=2.0)] == [AbortTask(["fits"])]
     finally:
         big.close(linger=0)
         small.close(linger=0)

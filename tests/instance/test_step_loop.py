@@ -45,7 +45,9 @@ class FakeExecutor:
     """Ranks without a model: each sampled token is the previous token + 1. It keeps
     the requests' tokens only from what the plans carry, as real ranks do."""
 
-    def __init__(self) -> None:
+    def __init__(self, step_s: float = 0.0) -> None:
+        """`step_s`: each step with chunks takes this long, half of it its forward."""
+        self.step_s = step_s
         self.plans: list[tuple[float, StepPlan]] = []
         self.tokens: dict[str, list[int]] = {}
         self.next_report = TransferReport()
@@ -89,7 +91,11 @@ class FakeExecutor:
         if plan.kv_connector is not None:
             reports = [RankReport(self.next_report, KVTransferStats())]
             self.next_report = TransferReport()
-        return StepResult(sampled=sampled, kv_reports=reports)
+        forward = None
+        if self.step_s and plan.chunks:
+            time.sleep(self.step_s)
+            forward = self.step_s / 2
+        return StepResult(sampled=sampled, kv_reports=reports, forward_seconds=forward)
 
     def shutdown(self) -> None:
         self.shut_down = True
@@ -98,7 +104,9 @@ class FakeExecutor:
 class Harness:
     """A loaded loop stepped by the test, its gateway socket and a peer socket."""
 
-    def __init__(self, role: str, test_hooks: bool = False) -> None:
+    def __init__(
+        self, role: str, test_hooks: bool = False, engine: EngineConfig | None = None
+    ) -> None:
         self.context = zmq.Context()
         self.outputs = self.context.socket(zmq.PULL)
         port = self.outputs.bind_to_random_port("tcp://127.0.0.1")
@@ -108,7 +116,7 @@ class Harness:
         gateway = f"tcp://127.0.0.1:{port}"
         spec = InstanceSpec(instance_id=f"{role}-0", role=role, idle_wait_s=0.01,
                             gateway_address=gateway, test_hooks=test_hooks,
-                            engine=EngineConfig(block_size=4))  # fmt: skip
+                            engine=engine or EngineConfig(block_size=4))  # fmt: skip
         self.executor = FakeExecutor()
         self.loop = StepLoop(spec, self.executor)
         self.loop.load()
