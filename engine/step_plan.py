@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from pdserve.common.messages import TokenLogprobs
+from pdserve.common.messages import DroppedFrames, TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
 
 
@@ -116,3 +116,7 @@ class StepResult(msgspec.Struct):
     # and the most any rank spent waiting on sends and receives between pipeline stages.
     collective_seconds: float = 0.0
     stage_transfer_seconds: float = 0.0
+    # Frames the rank's process dropped since its previous result (its KV control and
+    # KV data sockets): a rank process has no output of its own, so its driver counts
+    # them in the instance's book (`common/frame_drops.py`).
+    dropped_frames: list[DroppedFrames] = []
