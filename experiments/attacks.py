@@ -58,7 +58,7 @@ OVERSIZED = (8 << 20, 70 << 20)  # beyond every channel's limit, and beyond ZMQ'
 RANK_NAMES = (b"0", b"1", b"2", b"driver", b"99")
 PROBE_TIMEOUT_S = 2.0
 LINGER_MS = 3000  # long enough for a 70 MiB frame to leave on a loaded machine
-CAPTURE_S = 3.0  # how long a SUB listens for frames to replay
+CAPTURE_S = 15.0  # how long the SUBs listen for frames to replay, at most
 
 
 @dataclass(frozen=True)
@@ -225,6 +225,10 @@ def identify(port: Port) -> str:
                 return f"zmq {kind}" if kind else "zmq"
             if reply.startswith(b"HTTP/"):
                 return "http"
+        with socket.create_connection((port.host, port.port), timeout=PROBE_TIMEOUT_S) as s:
+            s.sendall(b"HEAD / HTTP/1.0\r\n\r\n")  # a server that waits for a line
+            if _read_exact(s, 5) == b"HTTP/":
+                return "http"
     except OSError:
         pass
     return "tcp"
@@ -273,15 +277,15 @@ class Attacker:
 
     def attack(self, ports: list[Port]) -> list[Outcome]:
         outcomes = [Outcome(p, kind) for p, kind in zip(ports, identify_all(ports), strict=True)]
-        for outcome in outcomes:
-            if outcome.kind == "zmq PUB":
-                self._capture(outcome)
+        subscribers = [(o, self._subscribe(o)) for o in outcomes if o.kind == "zmq PUB"]
+        raw = [o for o in outcomes if not o.kind.startswith("zmq")]
+        with ThreadPoolExecutor(max_workers=16) as pool:  # listening meanwhile
+            list(pool.map(self._send_garbage, raw))
+        self._capture(subscribers)
         for outcome in outcomes:
             if outcome.kind in ("zmq PULL", "zmq ROUTER"):
                 self._send_frames(outcome)
-            elif not outcome.kind.startswith("zmq"):
-                self._send_garbage(outcome)
-            elif outcome.kind != "zmq PUB":
+            elif outcome.kind.startswith("zmq") and outcome.kind != "zmq PUB":
                 outcome.notes.append("no attack written for this socket type")
         return outcomes
 
@@ -298,18 +302,28 @@ class Attacker:
         sock.connect(endpoint)
         return sock
 
-    def _capture(self, outcome: Outcome) -> None:
+    def _subscribe(self, outcome: Outcome) -> zmq.Socket:
         sub = self._socket(zmq.SUB, outcome.port.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        got: list[list[bytes]] = []
-        deadline = time.monotonic() + CAPTURE_S
-        while len(got) < 2 and time.monotonic() < deadline:
-            if sub.poll(100):
-                got.append(sub.recv_multipart())
-        sub.close(linger=0)
-        self.captured += got
         outcome.sent.append("subscribe")
-        outcome.notes.append(f"captured {len(got)} messages")
+        return sub
+
+    def _capture(self, subscribers: list[tuple[Outcome, zmq.Socket]]) -> None:
+        """What the SUBs read, until two messages came (or `CAPTURE_S` passed)."""
+        poller = zmq.Poller()
+        for _, sub in subscribers:
+            poller.register(sub, zmq.POLLIN)
+        got = dict.fromkeys(range(len(subscribers)), 0)
+        deadline = time.monotonic() + CAPTURE_S
+        while subscribers and len(self.captured) < 2 and time.monotonic() < deadline:
+            ready = dict(poller.poll(100))
+            for i, (_, sub) in enumerate(subscribers):
+                if sub in ready:
+                    self.captured.append(sub.recv_multipart())
+                    got[i] += 1
+        for i, (outcome, sub) in enumerate(subscribers):
+            sub.close(linger=0)
+            outcome.notes.append(f"captured {got[i]} messages")
 
     def _send_frames(self, outcome: Outcome) -> None:
         endpoint = outcome.port.endpoint

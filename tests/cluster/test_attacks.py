@@ -36,6 +36,9 @@ SHAPES = [
     Shape(f"greedy-{i}", prompt, GREEDY)
     for i, prompt in enumerate(("The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"))
 ]
+# Token ids under a fresh cache salt each time: full blocks enter the prefix cache, so
+# the instances publish block events for a stranger's SUB to capture.
+SHAPES.append(Shape("salted", [1000 + 37 * i for i in range(40)], GREEDY))
 # The ZMQ channels of this deployment that take frames from a stranger, each of which
 # must count what it dropped: the instances' task sockets, the gateway's output socket,
 # the decode group's rank channel and every rank's KV control socket.
