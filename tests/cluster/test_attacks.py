@@ -13,7 +13,8 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -112,6 +113,15 @@ class HealthPoller:
         self._thread.join(15)
 
 
+def text_of(server: ServeProcess) -> Callable[[Shape], str]:
+    def text(shape: Shape) -> str:
+        response = server.post("/v1/completions", json=shape.body(False))
+        response.raise_for_status()
+        return response.json()["choices"][0]["text"]
+
+    return text
+
+
 def instances(server: ServeProcess) -> dict[str, tuple[int, int, bool]]:
     """Each instance's (pid, epoch, alive)."""
     return {i: (v["pid"], v["epoch"], v["alive"]) for i, v in server.instances().items()}
@@ -154,11 +164,10 @@ def test_junk_to_a_rank_process_is_counted_in_metrics(server, ray_cluster) -> No
 
 
 def test_every_port_attacked_under_load(server, ray_cluster) -> None:
-    expected = {}
-    for shape in SHAPES:
-        response = server.post("/v1/completions", json=shape.body(False))
-        response.raise_for_status()
-        expected[shape.name] = response.json()["choices"][0]["text"]
+    with ThreadPoolExecutor(len(SHAPES)) as pool:  # each shape's text, attacks aside
+        expected = dict(
+            zip([s.name for s in SHAPES], pool.map(text_of(server), SHAPES), strict=True)
+        )
     ports = attacks.deployment_ports(server.base_url, ray_cluster)
     instances_before, counters_before = instances(server), counters(server)
     drops_before = drops(server)
@@ -167,24 +176,28 @@ def test_every_port_attacked_under_load(server, ray_cluster) -> None:
     try:
         with Load(server, SHAPES, concurrency=3) as load:
             wait_for(lambda: any(p.chunks for p in load.probes), 60, "streams under way")
+            began = time.monotonic()
             try:
                 outcomes = attacker.attack(ports)
             finally:
                 attacker.close()
             admin = attacks.probe_admin(server.base_url, API_KEY)
+            attack_s = time.monotonic() - began
             sent = len(load.probes)
-            wait_for(lambda: sum(p.done for p in load.probes[sent:]) >= 2, 90,
-                     "streams sent after the attack")  # fmt: skip
+            wait_for(lambda: any(p.done for p in load.probes[sent:]), 90,
+                     "a stream sent after the attack")  # fmt: skip
         load.join(120)
     finally:
         poller.stop()
     report = "\n".join(f"{o.port.endpoint} {o.kind} {o.port.owner}: {o.sent} {o.notes}"
                        for o in outcomes)  # fmt: skip
     print(report)
+    print(f"{len(ports)} ports attacked in {attack_s:.1f} s; {len(load.probes)} requests; "
+          f"slowest /health {poller.slowest_s:.3f} s of {poller.polls}")  # fmt: skip
 
     # Every port was found and attacked; what cannot be counted is listed with its reason.
     kinds = {o.kind for o in outcomes}
-    assert kinds <= {"zmq PULL", "zmq ROUTER", *UNCOUNTED}, report
+    assert kinds <= {"zmq PULL", "zmq ROUTER", *UNCOUNTED} and "http" in kinds, report
     assert all(o.sent for o in outcomes), report
     routers = [o for o in outcomes if o.kind == "zmq ROUTER"]
     # The decode driver's rank channel and the KV control socket of each of the 4 ranks.
@@ -192,7 +205,10 @@ def test_every_port_attacked_under_load(server, ray_cluster) -> None:
     assert len([o for o in outcomes if o.kind == "zmq PULL"]) == 3, report  # 2 tasks, outputs
     assert attacker.captured, report  # block events, read by a stranger's SUB
     # Each attacked ZMQ channel counted its drops.
-    assert grown(server, drops_before, COUNTED) >= COUNTED, (drops_before, drops(server))
+    up = grown(server, drops_before, COUNTED)
+    drops_after = drops(server)
+    print({c: n - drops_before.get(c, 0.0) for c, n in drops_after.items()})
+    assert up >= COUNTED, (drops_before, drops_after)
 
     # Nothing failed, nothing was restarted or fenced, /health kept answering.
     probes = load.probes
