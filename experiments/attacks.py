@@ -54,7 +54,9 @@ ACTOR_TITLE = re.compile(rb"^ray::(Instance|ColocatedInstance|TensorParallelRank
 LISTEN = "0A"  # /proc/net/tcp's state column
 ZMTP_SIGNATURE = b"\xff" + bytes(8) + b"\x7f"
 ZMTP_GREETING = ZMTP_SIGNATURE + b"\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
-OVERSIZED = (8 << 20, 70 << 20)  # beyond every channel's limit, and beyond ZMQ's cut
+# 8 MiB: past KV control's limit (ZMQ cuts it there), read and dropped elsewhere;
+# 70 MiB: past every channel's limit and ZMQ's cut (`zmq.MAXMSGSIZE`).
+OVERSIZED = (8 << 20, 70 << 20)
 RANK_NAMES = (b"0", b"1", b"2", b"driver", b"99")
 PROBE_TIMEOUT_S = 2.0
 LINGER_MS = 3000  # long enough for a 70 MiB frame to leave on a loaded machine
@@ -296,6 +298,7 @@ class Attacker:
     def _socket(self, kind: int, endpoint: str, identity: bytes | None = None) -> zmq.Socket:
         sock = self.context.socket(kind)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
+        sock.setsockopt(zmq.IPV6, 1)  # a listener on :: or ::1 too
         sock.setsockopt(zmq.SNDTIMEO, int(PROBE_TIMEOUT_S * 1000))
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
