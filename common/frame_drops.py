@@ -3,7 +3,9 @@
 One process-wide book: every `Sealer` (and every receiver that drops a frame for its
 shape) counts here, so a flood of junk is seen in `/metrics` and never ends a group or
 fences an instance. The gateway exports its own book; an instance ships what it
-counted since its previous output (`MetricsDelta.dropped_frames`).
+counted since its previous output (`MetricsDelta.dropped_frames`), and the rank
+processes of a worker group hand theirs to its driver with every step's result
+(`StepResult.dropped_frames`), where they join the instance's book.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ class FrameDrops:
         self._counts: dict[tuple[str, str], int] = {}
         self._shipped: dict[tuple[str, str], int] = {}
 
-    def count(self, channel: str, reason: str) -> None:
+    def count(self, channel: str, reason: str, frames: int = 1) -> None:
+        """`frames` > 1: another process's drops joining this book (a rank's, at its driver)."""
         with self._lock:
             key = (channel, reason)
-            self._counts[key] = self._counts.get(key, 0) + 1
+            self._counts[key] = self._counts.get(key, 0) + frames
 
     def totals(self) -> dict[tuple[str, str], int]:
         with self._lock:

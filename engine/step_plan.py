@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from pdserve.common.messages import TokenLogprobs
+from pdserve.common.messages import DroppedFrames, TokenLogprobs
 from pdserve.common.sampling_params import SamplingParams
 
 
@@ -119,3 +119,7 @@ class StepResult(msgspec.Struct):
     # With `collect_model_time`: the sampling rank's seconds in the model's forward (its
     # own layers' under pipeline stages); None when not timed (off, or on CUDA).
     forward_seconds: float | None = None
+    # Frames the rank's process dropped since its previous result (its KV control and
+    # KV data sockets): a rank process has no output of its own, so its driver counts
+    # them in the instance's book (`common/frame_drops.py`).
+    dropped_frames: list[DroppedFrames] = []

@@ -10,7 +10,8 @@ the driver sends the same encoded `StepPlan` to every rank; the ranks run the mo
 together (all-reduces inside it), every rank samples the same tokens from the same
 gathered logits (so their request mirrors agree), and each sends back its `StepResult`:
 the driver takes the sampling rank's tokens (and prompt logprobs) and every rank's KV
-report.
+report, and counts the frames each rank's process dropped (its KV sockets') in its own
+book, which the instance ships to the gateway (`common/frame_drops.py`).
 With pipeline stages (`engine/pipeline.py`) the group holds tp × pp ranks, stage-major;
 the stages pass hidden states to each other within the step, and the tokens come from
 the last stage's first rank.
@@ -32,6 +33,8 @@ from typing import Any
 
 import msgspec
 
+from pdserve.common.frame_drops import DROPS
+from pdserve.common.messages import DroppedFrames
 from pdserve.common.model_split import check_int8_groups, check_pp_size, check_tp_size
 from pdserve.common.structured_output import StructuredOutput
 from pdserve.engine.config import EngineConfig
@@ -154,6 +157,9 @@ class WorkerGroupExecutor:
             for rank in range(self.size):
                 self._send(rank, message)
             results = [self._decoder.decode(reply) for reply in self._gather()]
+        for result in results:
+            for dropped in result.dropped_frames:
+                DROPS.count(dropped.channel, dropped.reason, dropped.count)
         reports = [report for result in results for report in result.kv_reports]
         if self._report_type is not None:  # decoded as plain data: back to the connector's type
             reports = [msgspec.convert(r, self._report_type) for r in reports]
@@ -247,6 +253,12 @@ class WorkerGroupExecutor:
             self.on_failure(reason)
 
 
+def _dropped_here() -> list[DroppedFrames]:
+    """What this rank's process dropped since its previous result: a rank always runs in
+    a process of its own, so its book holds only its own sockets' drops."""
+    return [DroppedFrames(c, r, n) for (c, r), n in DROPS.take_new().items()]
+
+
 def run_rank(job: RankJob, channel: RankChannel) -> None:
     """A rank's life, wherever it runs: join the group, load its slice, report, then
     run each plan the driver sends until it says stop or goes away."""
@@ -276,6 +288,7 @@ def run_rank(job: RankJob, channel: RankChannel) -> None:
             if plan.kv_connector is not None and metadata_type is not None:
                 plan.kv_connector = msgspec.convert(plan.kv_connector, metadata_type)
             result = worker.execute(plan)
+            result.dropped_frames = _dropped_here()
             channel.send_bytes(_OK + encoder.encode(result))
     except Exception as exc:  # reported to the driver, which ends the group
         logger.exception("rank %d failed", rank)

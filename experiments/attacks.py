@@ -1,0 +1,436 @@
+"""The attack suite: every listening TCP port of a deployment, attacked as a stranger on
+its node would.
+
+    python -m experiments.attacks --base-url http://127.0.0.1:PORT [--ray-address GCS]
+
+Finding the ports (Linux `/proc`, no help from the deployment): the gateway is the
+process that holds the HTTP port's listening socket; its process tree, and the Ray
+workers whose title names pdserve's actors (`ray::Instance`, `ray::ColocatedInstance`,
+`ray::TensorParallelRank`; with `--ray-address`, only those under the raylet of that
+cluster), are the deployment. Each socket descriptor of theirs is matched by inode to
+the listening sockets of `/proc/net/tcp` and `/proc/net/tcp6`.
+
+What each port is: a ZMTP greeting says whether ZMQ speaks there and, in the peer's
+READY, its socket type; an HTTP status line says HTTP; anything else is raw TCP (the
+worker group's rendezvous store, gloo's and UCX's listeners, Ray's own gRPC servers).
+
+What each port gets (`Attacker.attack`), a few frames per port:
+
+- ZMQ PUB (block events): a SUB that captures what it can (a stranger can read this
+  channel: frames are authenticated, not encrypted); what it captured is replayed
+  elsewhere, since the only receiver of its channel (the gateway's SUB) listens on no
+  port;
+- ZMQ PULL (tasks, outputs) and ROUTER (a worker group's ranks, KV control): junk single
+  frames, a 3-part and an empty message, frames of 8 MiB and 70 MiB, the captured
+  messages replayed as they were and a captured pair in reverse order; to a ROUTER
+  through DEALERs named like ranks ("0", "1", "2", "driver") and like no rank ("99");
+  nothing sent to a PULL or a ROUTER comes back, so neither channel can be captured
+  from outside;
+- raw TCP and HTTP: garbage bytes, a ZMTP greeting cut short, and a burst of random
+  bytes; the admin API is asked without a key and with a tenant's key (`probe_admin`).
+
+Nothing here checks the outcome: the caller (`tests/cluster/test_attacks.py`) compares
+the deployment before and after (requests, restarts, `/health`, and
+`pdserve:dropped_frames_total` per channel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import re
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+import zmq
+
+ACTOR_TITLE = re.compile(rb"^ray::(Instance|ColocatedInstance|TensorParallelRank)\b")
+LISTEN = "0A"  # /proc/net/tcp's state column
+ZMTP_SIGNATURE = b"\xff" + bytes(8) + b"\x7f"
+ZMTP_GREETING = ZMTP_SIGNATURE + b"\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
+# 8 MiB: past KV control's limit (ZMQ cuts it there), read and dropped elsewhere;
+# 70 MiB: past every channel's limit and ZMQ's cut (`zmq.MAXMSGSIZE`).
+OVERSIZED = (8 << 20, 70 << 20)
+RANK_NAMES = (b"0", b"1", b"2", b"driver", b"99")
+PROBE_TIMEOUT_S = 2.0
+LINGER_MS = 3000  # long enough for a 70 MiB frame to leave on a loaded machine
+CAPTURE_S = 15.0  # how long the SUBs listen for frames to replay, at most
+
+
+@dataclass(frozen=True)
+class Port:
+    """One listening socket of the deployment."""
+
+    pid: int
+    owner: str  # the process's title (the gateway's command, or the actor's)
+    host: str
+    port: int
+
+    @property
+    def endpoint(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port}"
+
+
+@dataclass
+class Outcome:
+    """What one port was found to be, and what was sent to it."""
+
+    port: Port
+    kind: str = "tcp"  # "zmq PULL", "zmq ROUTER", "zmq PUB", ..., "http" or "tcp"
+    sent: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+# ---- finding the ports -----------------------------------------------------------------
+
+
+def listening_sockets() -> dict[int, tuple[str, int]]:
+    """inode → (address, port) of every listening TCP socket of this network namespace."""
+    found = {}
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as table:
+                lines = table.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if cols[3] != LISTEN:
+                continue
+            address, port = cols[1].split(":")
+            found[int(cols[9])] = (_address(address), int(port, 16))
+    return found
+
+
+def _address(hex_address: str) -> str:
+    """/proc/net/tcp{,6}'s address: 32-bit words in host (little-endian) order."""
+    raw = bytes.fromhex(hex_address)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(words)
+    if ip.is_unspecified:  # bound on every interface: reach it on loopback
+        return "127.0.0.1" if ip.version == 4 else "::1"
+    return str(ip)
+
+
+def socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes  # gone, or another user's
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def _pids() -> Iterator[int]:
+    yield from (int(name) for name in os.listdir("/proc") if name.isdigit())
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def process_tree(root: int) -> list[int]:
+    parents = {pid: _parent(pid) for pid in _pids()}
+    tree, frontier = [root], [root]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        tree += children
+        frontier = children
+    return tree
+
+
+def ray_actor_pids(ray_address: str | None) -> list[int]:
+    """pdserve's actor processes; with `ray_address`, only under that cluster's raylet
+    (its command line names the GCS address)."""
+    found = []
+    for pid in _pids():
+        if not ACTOR_TITLE.match(_cmdline(pid)):
+            continue
+        if ray_address is None or _under_cluster(pid, ray_address.encode()):
+            found.append(pid)
+    return found
+
+
+def _under_cluster(pid: int, gcs_address: bytes) -> bool:
+    ancestor = _parent(pid)
+    while ancestor > 1:
+        if gcs_address in _cmdline(ancestor):
+            return True
+        ancestor = _parent(ancestor)
+    return False
+
+
+def holder_of(inode: int) -> int:
+    """The process holding a socket (the gateway: its HTTP port's listener)."""
+    for pid in _pids():
+        if inode in socket_inodes(pid):
+            return pid
+    raise LookupError(f"no process of this user holds socket {inode}")
+
+
+def deployment_ports(base_url: str, ray_address: str | None = None) -> list[Port]:
+    """Every listening port of the gateway's process tree and of pdserve's actors."""
+    listening = listening_sockets()
+    http_port = urlsplit(base_url).port
+    inodes = [i for i, (_, port) in listening.items() if port == http_port]
+    if not inodes:
+        raise LookupError(f"nothing listens on port {http_port} here")
+    gateway = holder_of(inodes[0])
+    ports = []
+    for pid in sorted(set(process_tree(gateway) + ray_actor_pids(ray_address))):
+        title = _cmdline(pid).split(b"\0")[0].decode(errors="replace")
+        for inode in sorted(socket_inodes(pid)):
+            if inode in listening:
+                host, port = listening[inode]
+                ports.append(Port(pid, title, host, port))
+    return ports
+
+
+# ---- what a port is --------------------------------------------------------------------
+
+
+def identify(port: Port) -> str:
+    """The port's kind: "zmq TYPE" (from the peer's READY), "http", or "tcp"."""
+    try:
+        with socket.create_connection((port.host, port.port), timeout=PROBE_TIMEOUT_S) as s:
+            s.sendall(ZMTP_GREETING)
+            reply = _read_exact(s, len(ZMTP_GREETING))
+            if reply[:1] == b"\xff" and reply[9:10] == b"\x7f":
+                head = _read_exact(s, 2)  # a short command frame: flags, size
+                kind = _socket_type(_read_exact(s, head[1])) if len(head) == 2 else ""
+                return f"zmq {kind}" if kind else "zmq"
+            if reply.startswith(b"HTTP/"):
+                return "http"
+        with socket.create_connection((port.host, port.port), timeout=PROBE_TIMEOUT_S) as s:
+            s.sendall(b"HEAD / HTTP/1.0\r\n\r\n")  # a server that waits for a line
+            if _read_exact(s, 5) == b"HTTP/":
+                return "http"
+    except OSError:
+        pass
+    return "tcp"
+
+
+def identify_all(ports: list[Port]) -> list[str]:
+    """Every port's kind, probed side by side (a silent port takes the probe's timeout)."""
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        return list(pool.map(identify, ports))
+
+
+def _read_exact(s: socket.socket, size: int) -> bytes:
+    """`size` bytes, or what came before the peer closed or the probe's time ran out."""
+    data = b""
+    deadline = time.monotonic() + PROBE_TIMEOUT_S
+    while len(data) < size and time.monotonic() < deadline:
+        try:
+            chunk = s.recv(size - len(data))
+        except OSError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _socket_type(command: bytes) -> str:
+    """The Socket-Type property of a ZMTP READY command's body."""
+    marker = command.find(b"Socket-Type")
+    if marker < 0:
+        return ""
+    start = marker + len(b"Socket-Type")
+    length = int.from_bytes(command[start : start + 4], "big")
+    return command[start + 4 : start + 4 + length].decode(errors="replace")
+
+
+# ---- the attacks -----------------------------------------------------------------------
+
+
+class Attacker:
+    """Attacks each port once: captures first (PUB ports), then the rest with replays."""
+
+    def __init__(self) -> None:
+        self.context = zmq.Context()
+        self.captured: list[list[bytes]] = []  # whole multipart messages, as received
+
+    def attack(self, ports: list[Port]) -> list[Outcome]:
+        outcomes = [Outcome(p, kind) for p, kind in zip(ports, identify_all(ports), strict=True)]
+        subscribers = [(o, self._subscribe(o)) for o in outcomes if o.kind == "zmq PUB"]
+        raw = [o for o in outcomes if not o.kind.startswith("zmq")]
+        with ThreadPoolExecutor(max_workers=16) as pool:  # listening meanwhile
+            list(pool.map(self._send_garbage, raw))
+        self._capture(subscribers)
+        for outcome in outcomes:
+            if outcome.kind in ("zmq PULL", "zmq ROUTER"):
+                self._send_frames(outcome)
+            elif outcome.kind.startswith("zmq") and outcome.kind != "zmq PUB":
+                outcome.notes.append("no attack written for this socket type")
+        return outcomes
+
+    def close(self) -> None:
+        """Once every frame queued left (each socket lingers at most `LINGER_MS`)."""
+        self.context.term()
+
+    def _socket(self, kind: int, endpoint: str, identity: bytes | None = None) -> zmq.Socket:
+        sock = self.context.socket(kind)
+        sock.setsockopt(zmq.LINGER, LINGER_MS)
+        sock.setsockopt(zmq.IPV6, 1)  # a listener on :: or ::1 too
+        sock.setsockopt(zmq.SNDTIMEO, int(PROBE_TIMEOUT_S * 1000))
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        sock.connect(endpoint)
+        return sock
+
+    def _subscribe(self, outcome: Outcome) -> zmq.Socket:
+        sub = self._socket(zmq.SUB, outcome.port.endpoint)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        outcome.sent.append("subscribe")
+        return sub
+
+    def _capture(self, subscribers: list[tuple[Outcome, zmq.Socket]]) -> None:
+        """What the SUBs read, until two messages came (or `CAPTURE_S` passed)."""
+        poller = zmq.Poller()
+        for _, sub in subscribers:
+            poller.register(sub, zmq.POLLIN)
+        got = dict.fromkeys(range(len(subscribers)), 0)
+        deadline = time.monotonic() + CAPTURE_S
+        while subscribers and len(self.captured) < 2 and time.monotonic() < deadline:
+            ready = dict(poller.poll(100))
+            for i, (_, sub) in enumerate(subscribers):
+                if sub in ready:
+                    self.captured.append(sub.recv_multipart())
+                    got[i] += 1
+        for i, (outcome, sub) in enumerate(subscribers):
+            sub.close(linger=0)
+            outcome.notes.append(f"captured {got[i]} messages")
+
+    def _send_frames(self, outcome: Outcome) -> None:
+        endpoint = outcome.port.endpoint
+        router = outcome.kind == "zmq ROUTER"
+        senders = (
+            [self._socket(zmq.DEALER, endpoint, name) for name in RANK_NAMES]
+            if router
+            else [self._socket(zmq.PUSH, endpoint)]
+        )
+        time.sleep(0.2)  # connected before the first frame
+        first = senders[-1]  # a ROUTER's: named like no rank ("99")
+        try:
+            for sender in senders:
+                self._send(sender, outcome, "junk frame", [os.urandom(48)])
+            self._send(first, outcome, "3-part message", [b"part"] * 3)
+            self._send(first, outcome, "empty message", [b""])
+            for message in self.captured:
+                self._send(first, outcome, "captured message replayed", message)
+            if len(self.captured) >= 2:
+                pair = self.captured[:2]
+                for message in reversed(pair):
+                    self._send(first, outcome, "captured pair reordered", message)
+            for size in OVERSIZED:
+                self._send(first, outcome, f"{size >> 20} MiB frame", [bytes(size)])
+        finally:
+            for sender in senders:
+                sender.close()  # lingers: what was queued leaves first
+        if not self.captured:
+            outcome.notes.append("nothing captured to replay")
+
+    @staticmethod
+    def _send(sender: zmq.Socket, outcome: Outcome, what: str, parts: list[bytes]) -> None:
+        try:
+            sender.send_multipart(parts)
+        except zmq.ZMQError as exc:  # a peer that refuses our name: ZMQ drops us
+            outcome.notes.append(f"{what}: {exc}")
+            return
+        outcome.sent.append(what)
+
+    @staticmethod
+    def _send_garbage(outcome: Outcome) -> None:
+        payloads = {
+            "garbage line": b"GARBAGE \x00\xff\r\n\r\n" * 4,
+            "cut ZMTP greeting": ZMTP_SIGNATURE + b"\x03",
+            "random bytes": os.urandom(64 << 10),
+        }
+        for what, payload in payloads.items():
+            try:
+                with socket.create_connection(
+                    (outcome.port.host, outcome.port.port), timeout=PROBE_TIMEOUT_S
+                ) as s:
+                    s.sendall(payload)
+                    time.sleep(0.05)
+            except OSError as exc:
+                outcome.notes.append(f"{what}: {exc}")
+                continue
+            outcome.sent.append(what)
+
+
+def probe_admin(base_url: str, tenant_key: str | None) -> dict[str, int]:
+    """The operator routes without a key (and with a tenant's): each route's status."""
+    routes = [
+        ("POST", "/admin/pools/decode/scale", {"size": 4}),
+        ("POST", "/admin/instances/decode-0/drain", None),
+        ("POST", "/admin/instances/prefill-0/role", {"role": "decode"}),
+        ("GET", "/debug/instances", None),
+    ]
+    found = {}
+    for method, path, body in routes:
+        for who, headers in (("none", {}), ("tenant", _bearer(tenant_key))):
+            if who == "tenant" and tenant_key is None:
+                continue
+            response = httpx.request(
+                method, base_url + path, json=body, headers=headers, timeout=10
+            )
+            found[f"{method} {path} ({who} key)"] = response.status_code
+    return found
+
+
+def _bearer(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m experiments.attacks", description=__doc__)
+    parser.add_argument("--base-url", required=True, help="the gateway, http://HOST:PORT")
+    parser.add_argument("--ray-address", help="only actors of this Ray cluster (its GCS)")
+    parser.add_argument("--api-key", help="a tenant's key, to ask the admin API with")
+    args = parser.parse_args()
+    try:
+        ports = deployment_ports(args.base_url, args.ray_address)
+    except LookupError as exc:
+        parser.exit(2, f"python -m experiments.attacks: error: {exc}\n")
+    attacker = Attacker()
+    try:
+        outcomes = attacker.attack(ports)
+    finally:
+        attacker.close()
+    for o in outcomes:
+        print(f"{o.port.endpoint:28} {o.kind:11} pid {o.port.pid} {o.port.owner[:40]}")
+        print(f"    sent: {', '.join(o.sent) or '-'}; {'; '.join(o.notes)}")
+    for route, status in probe_admin(args.base_url, args.api_key).items():
+        print(f"{route}: {status}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""The attack suite (`experiments/attacks.py`) against one real deployment: the Ray
+launcher, one prefill instance and one decode instance of three tensor-parallel ranks
+(each rank a Ray actor), under a light steady stream of greedy requests. Every
+listening port of the deployment's processes, found through /proc as a stranger on the
+node would, gets junk, odd shapes, oversized and replayed frames or raw garbage; the
+admin API is asked without keys. No request fails or changes its text, no instance is
+restarted or fenced, `/health` answers within a second throughout, and each attacked
+ZMQ channel counts its drops in `pdserve:dropped_frames_total`, those of the rank
+processes included (they reach the driver with the ranks' step results)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import zmq
+
+from experiments import attacks
+from experiments.chaos_harness import GREEDY, Load, Shape, counters, wait_for
+from experiments.serving import API_KEY, ServeProcess, served
+from tests.cluster.conftest import RAY_ENV, ray_list
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+ARGS = (
+    "--launcher", "ray", "--num-prefill", "1", "--num-decode", "1",
+    "--decode-tensor-parallel-size", "3", "--dtype", "float32", "--kv-cache-memory", "48MiB",
+    "--max-model-len", "512", "--threads-per-instance", "1", "--enable-test-hooks",
+)  # fmt: skip
+SHAPES = [
+    Shape(f"greedy-{i}", prompt, GREEDY)
+    for i, prompt in enumerate(("The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"))
+]
+# Token ids under a fresh cache salt each time: full blocks enter the prefix cache, so
+# the instances publish block events for a stranger's SUB to capture.
+SHAPES.append(Shape("salted", [1000 + 37 * i for i in range(40)], GREEDY))
+# The ZMQ channels of this deployment that take frames from a stranger, each of which
+# must count what it dropped: the instances' task sockets, the gateway's output socket,
+# the decode group's rank channel and every rank's KV control socket.
+COUNTED = {"tasks", "outputs", "ranks", "kv_control"}
+# What the attacks reach but no frame metric can count, and why.
+UNCOUNTED = {
+    "zmq PUB": "block events: a PUB takes no frames, only subscriptions (a SUB reads it "
+    "instead, and what it captures is replayed on the other channels)",
+    "tcp": "raw TCP: the decode group's rendezvous store (torch's TCPStore), gloo's and "
+    "UCX's listeners and Ray's gRPC servers carry no sealed frames",
+    "http": "the HTTP API: garbage gets HTTP errors, keys guard /admin (checked below)",
+}
+DROPS_LINE = re.compile(r'^pdserve:dropped_frames_total\{channel="([^"]+)",[^}]*\} (\S+)$', re.M)
+HEALTH_LIMIT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster: str) -> Iterator[ServeProcess]:
+    with served(*ARGS, "--ray-address", ray_cluster, env=RAY_ENV, stop_timeout_s=60) as process:
+        yield process
+
+
+def drops(server: ServeProcess) -> dict[str, float]:
+    """`pdserve:dropped_frames_total` by channel (summed over reasons)."""
+    found: dict[str, float] = {}
+    for channel, value in DROPS_LINE.findall(server.get("/metrics").text):
+        found[channel] = found.get(channel, 0.0) + float(value)
+    return found
+
+
+def grown(server: ServeProcess, before: dict[str, float], channels: set[str]) -> set[str]:
+    """The channels whose drops grew, once all of `channels` did (or 20 s passed)."""
+    deadline = time.monotonic() + 20
+    while True:
+        now = drops(server)
+        up = {c for c, n in now.items() if n > before.get(c, 0.0)}
+        if channels <= up or time.monotonic() > deadline:
+            return up
+        time.sleep(0.3)
+
+
+class HealthPoller:
+    """Asks `/health` every 0.2 s on a thread: the slowest answer, and any that failed."""
+
+    def __init__(self, server: ServeProcess) -> None:
+        self.slowest_s = 0.0
+        self.failures: list[str] = []
+        self.polls = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, args=(server,), daemon=True)
+        self._thread.start()
+
+    def _poll(self, server: ServeProcess) -> None:
+        with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=10) as c:
+            while not self._stop.is_set():
+                began = time.monotonic()
+                try:
+                    status = c.get("/health").status_code
+                except httpx.HTTPError as exc:
+                    status, error = 0, f"{type(exc).__name__}: {exc}"
+                else:
+                    error = f"HTTP {status}"
+                self.slowest_s = max(self.slowest_s, time.monotonic() - began)
+                self.polls += 1
+                if status != 200:
+                    self.failures.append(error)
+                self._stop.wait(0.2)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(15)
+
+
+def text_of(server: ServeProcess) -> Callable[[Shape], str]:
+    def text(shape: Shape) -> str:
+        response = server.post("/v1/completions", json=shape.body(False))
+        response.raise_for_status()
+        return response.json()["choices"][0]["text"]
+
+    return text
+
+
+def instances(server: ServeProcess) -> dict[str, tuple[int, int, bool]]:
+    """Each instance's (pid, epoch, alive)."""
+    return {i: (v["pid"], v["epoch"], v["alive"]) for i, v in server.instances().items()}
+
+
+def test_junk_to_a_rank_process_is_counted_in_metrics(server, ray_cluster) -> None:
+    """Rank 1 of the decode group is a process of its own: what its KV control socket
+    drops reaches /metrics through its driver."""
+    [rank1] = [
+        a for a in ray_list("actors", ray_cluster)
+        if a["class_name"] == "TensorParallelRank" and a["state"] == "ALIVE"
+        and a["repr_name"] == "decode-0-rank-1"
+    ]  # fmt: skip
+    listening = attacks.listening_sockets()
+    ports = [
+        attacks.Port(rank1["pid"], "rank 1", *listening[inode])
+        for inode in attacks.socket_inodes(rank1["pid"])
+        if inode in listening
+    ]
+    routers = [
+        p for p, k in zip(ports, attacks.identify_all(ports), strict=True) if k == "zmq ROUTER"
+    ]
+    assert len(routers) == 1, ports  # its KV control socket
+    before = drops(server)
+    context = zmq.Context()
+    try:
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 2000)
+        dealer.connect(routers[0].endpoint)
+        for _ in range(3):
+            dealer.send(b"not a sealed frame")
+        dealer.close()
+    finally:
+        context.term()
+    assert "kv_control" in grown(server, before, {"kv_control"})
+    deadline = time.monotonic() + 10
+    while drops(server).get("kv_control", 0.0) < before.get("kv_control", 0.0) + 3:
+        assert time.monotonic() < deadline, drops(server)
+        time.sleep(0.3)
+
+
+def test_every_port_attacked_under_load(server, ray_cluster) -> None:
+    with ThreadPoolExecutor(len(SHAPES)) as pool:  # each shape's text, attacks aside
+        expected = dict(
+            zip([s.name for s in SHAPES], pool.map(text_of(server), SHAPES), strict=True)
+        )
+    ports = attacks.deployment_ports(server.base_url, ray_cluster)
+    instances_before, counters_before = instances(server), counters(server)
+    drops_before = drops(server)
+    poller = HealthPoller(server)
+    attacker = attacks.Attacker()
+    try:
+        with Load(server, SHAPES, concurrency=3) as load:
+            wait_for(lambda: any(p.chunks for p in load.probes), 60, "streams under way")
+            began = time.monotonic()
+            try:
+                outcomes = attacker.attack(ports)
+            finally:
+                attacker.close()
+            admin = attacks.probe_admin(server.base_url, API_KEY)
+            attack_s = time.monotonic() - began
+            sent = len(load.probes)
+            wait_for(lambda: any(p.done for p in load.probes[sent:]), 90,
+                     "a stream sent after the attack")  # fmt: skip
+        load.join(120)
+    finally:
+        poller.stop()
+    report = "\n".join(f"{o.port.endpoint} {o.kind} {o.port.owner}: {o.sent} {o.notes}"
+                       for o in outcomes)  # fmt: skip
+    print(report)
+    print(f"{len(ports)} ports attacked in {attack_s:.1f} s; {len(load.probes)} requests; "
+          f"slowest /health {poller.slowest_s:.3f} s of {poller.polls}")  # fmt: skip
+
+    # Every port was found and attacked; what cannot be counted is listed with its reason.
+    kinds = {o.kind for o in outcomes}
+    assert kinds <= {"zmq PULL", "zmq ROUTER", *UNCOUNTED} and "http" in kinds, report
+    assert all(o.sent for o in outcomes), report
+    routers = [o for o in outcomes if o.kind == "zmq ROUTER"]
+    # The decode driver's rank channel and the KV control socket of each of the 4 ranks.
+    assert len(routers) == 5 and len({o.port.pid for o in routers}) == 5, report
+    assert len([o for o in outcomes if o.kind == "zmq PULL"]) == 3, report  # 2 tasks, outputs
+    assert attacker.captured, report  # block events, read by a stranger's SUB
+    # Each attacked ZMQ channel counted its drops.
+    up = grown(server, drops_before, COUNTED)
+    drops_after = drops(server)
+    print({c: n - drops_before.get(c, 0.0) for c, n in drops_after.items()})
+    assert up >= COUNTED, (drops_before, drops_after)
+
+    # Nothing failed, nothing was restarted or fenced, /health kept answering.
+    probes = load.probes
+    assert probes and all(p.done and not p.errors for p in probes), [p.errors for p in probes]
+    wrong = [(p.shape.name, p.text) for p in probes if p.text != expected[p.shape.name]]
+    assert not wrong and all(p.finish_reason for p in probes), wrong
+    assert instances(server) == instances_before
+    assert all(alive for _, _, alive in instances_before.values())
+    after = counters(server)
+    for name in ("restarted", "fenced", "rejoined"):
+        assert after[name] == counters_before[name], (name, after)
+    assert not poller.failures and poller.slowest_s < HEALTH_LIMIT_S, (
+        poller.slowest_s,
+        poller.failures[:3],
+    )
+    assert poller.polls > 10
+
+    # The operator routes stay closed to a stranger and to a tenant.
+    for route, status in admin.items():
+        assert status == (401 if "(none key)" in route else 403), admin
