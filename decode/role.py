@@ -71,12 +71,15 @@ class DecodeRole:
         engine: EngineCore,
         link: KVLink,
         held_pulls: PullQueue | None = None,
+        epoch: int = 0,
     ) -> None:
-        """`held_pulls`: None starts each pull as soon as its blocks are allocated."""
+        """`held_pulls`: None starts each pull as soon as its blocks are allocated;
+        `epoch`: this instance's, carried by its ranks' control messages."""
         self.instance_id = instance_id
         self.engine = engine
         self.link = link
-        self.kv = DecodeKVScheduler(link.layout, link.tp_size, link.config.failure_policy)
+        policy = link.config.failure_policy
+        self.kv = DecodeKVScheduler(link.layout, link.tp_size, policy, epoch)
         self.held_pulls = held_pulls
         self.voided = VoidedHandoffs()
         self.source_epochs = SourceEpochs()

@@ -9,7 +9,9 @@
 - `role_switch.py`: a role switch in place, once the old role holds nothing (weights,
   KV cache and process kept; the ranks' KV connectors serve and pull alike);
 - `io.py`: the I/O thread, owner of every ZMQ socket, which heartbeats while a step
-  runs;
+  runs; `task_epochs.py`: which of the gateway's tasks it takes by the epoch they name
+  (a task for a retired epoch is dropped; across a role switch the old epoch is taken
+  until the gateway names the new one);
 - `spec.py` (`InstanceSpec`, carrying an `EngineConfig` and a `KVTransferConfig`) and
   `main.py`, the entry point;
 - `reporting.py`: metric deltas shipped with the outputs;
