@@ -100,9 +100,9 @@ def rendezvous_prefix(secret: bytes, address: str) -> str:
     return hmac.new(key, address.encode(), hashlib.sha256).hexdigest() + "/"
 
 
-def rendezvous_proof(secret: bytes, address: str) -> bytes:
+def rendezvous_proof(secret: bytes, address: str) -> str:
     """What the driver of the worker group whose store is at `address` leaves in the
     store in clear, for a rank to compare with its own before it joins: a rank with
     another secret fails at once. A key of its own: it reveals nothing of the prefix."""
     key = derive_key(secret, RENDEZVOUS_PROOF_KEY)
-    return hmac.new(key, address.encode(), hashlib.sha256).hexdigest().encode()
+    return hmac.new(key, address.encode(), hashlib.sha256).hexdigest()

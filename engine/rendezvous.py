@@ -79,11 +79,11 @@ def join_store(master: str, timeout_s: float) -> dist.Store:
     return dist.PrefixStore(rendezvous_prefix(secret, master), store)
 
 
-def check_proof(store: dist.Store, expected: bytes, master: str) -> None:
+def check_proof(store: dist.Store, expected: str, master: str) -> None:
     """SecretError unless the driver's proof in the store is the one this rank's secret
     makes (the driver writes it before any rank starts, so it is never waited for)."""
     found = store.get(PROOF_KEY) if store.check([PROOF_KEY]) else b""
-    if not hmac.compare_digest(found, expected):
+    if not hmac.compare_digest(found, expected.encode()):
         raise SecretError(
             f"the deployment secret ({SECRET_ENV} or {SECRET_FILE_ENV}) of this rank differs "
             f"from its worker group's driver's (rendezvous {master}): start every rank "
