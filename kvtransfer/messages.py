@@ -94,6 +94,9 @@ class KVHandoff(msgspec.Struct, tag="kv_handoff", kw_only=True):
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     cache_salt: str = ""
     source: KVSource
+    # The decode instance's epoch the gateway routed to (the hold names it too): a
+    # decode instance in another epoch drops the handoff.
+    decode_epoch: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -100,6 +100,7 @@ class PrefillKVScheduler:
             source=KVSource(
                 self.instance_id, self.rank_addresses, prompt_blocks, self.layout, self.epoch
             ),
+            decode_epoch=decode_epoch,
         )
 
     def abort(self, request_id: str) -> None:

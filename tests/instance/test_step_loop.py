@@ -30,7 +30,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.step_plan import KVGeometry, SampledToken, StepPlan, StepResult, WorkerInfo
 from pdserve.instance.loop import StepLoop
 from pdserve.instance.spec import InstanceSpec
-from pdserve.kvtransfer import KVHandoff, KVTransferStats, TransferReport
+from pdserve.kvtransfer import KVHandoff, KVLayout, KVSource, KVTransferStats, TransferReport
 from pdserve.kvtransfer.connector import RankReport
 
 VOCAB = 1000
@@ -361,5 +361,30 @@ def test_a_restarted_instance_drops_what_was_sent_to_its_retired_epoch() -> None
         harness.until(lambda: harness.finished("new"), "the request of its own epoch")
         assert harness.tokens("old") == [] and harness.epoch == 2
         assert all(n.request_id == "new" for _, p in harness.executor.plans for n in p.new_requests)
+    finally:
+        harness.close()
+
+
+def handoff_to(request_id: str, decode_epoch: int) -> KVHandoff:
+    layout = KVLayout(block_size=4, num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32")
+    source = KVSource("p-0", ["tcp://127.0.0.1:9"], [0, 1], layout)
+    params = SamplingParams(max_tokens=4, temperature=0.0, seed=1, ignore_eos=True)
+    return KVHandoff(request_id=request_id, prompt_token_ids=list(range(1, 8)),
+                     first_token_id=8, sampling_params=params, source=source,
+                     decode_epoch=decode_epoch)  # fmt: skip
+
+
+def test_a_decode_instance_drops_a_handoff_routed_to_another_of_its_epochs() -> None:
+    harness = Harness("decode", epoch=2)
+    try:
+        stale = DROPS.totals().get(("tasks", "stale_epoch"), 0)
+        harness.send(handoff_to("to-epoch-1", 1))  # routed before it was fenced
+        harness.send(handoff_to("to-epoch-2", 2))
+        harness.turn(3)
+        query = "books"
+        harness.send(InspectTask(query, epoch=2))
+        harness.until(lambda: query in harness.inspections, "the inspection")
+        assert harness.inspections[query].unfinished_request_ids == ["to-epoch-2"]
+        assert DROPS.totals()[("tasks", "stale_epoch")] == stale + 1
     finally:
         harness.close()

@@ -43,6 +43,7 @@ def test_hand_off_holds_the_prompt_blocks_and_builds_the_message():
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(handoff), type=KVHandoff)
     assert wire == handoff
     assert wire.source.block_ids == [9, 3, 4]  # 10 tokens of block size 4
+    assert wire.decode_epoch == 2  # the decode life it is routed to, as its hold names
     assert wire.source.tp_size == 2 and wire.sampling_params.temperature == 0.7
     assert (
         wire.eos_token_ids == [2, 7]
