@@ -19,7 +19,8 @@ BAD_MAC = "bad_mac"  # the tag does not match (no secret, another channel or dir
 REPLAY = "replay"  # a sequence number its sender already used
 IDENTITY = "identity"  # sealed under another name than the socket's peer
 UNDECODABLE = "undecodable"  # a valid seal around bytes that do not decode
-STALE_EPOCH = "stale_epoch"  # a handoff from an epoch of its sender retired since
+# From or for a life of an instance retired since: a handoff, a task, a KV control message.
+STALE_EPOCH = "stale_epoch"
 
 
 class FrameDrops:

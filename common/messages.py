@@ -129,7 +129,16 @@ class InstanceAddress(msgspec.Struct, frozen=True):
     task_address: str  # ZMQ endpoint the instance pulls tasks from
 
 
-class GenerateTask(msgspec.Struct, tag="generate"):
+class AddressedTask(msgspec.Struct, kw_only=True):
+    """What every task of the gateway's names: the epoch of the instance it is meant for,
+    as the gateway believes it current (`InstanceView.epoch`, stamped as the task leaves:
+    `Dispatcher._send`). The instance drops a task for another of its epochs
+    (`instance/task_epochs.py`)."""
+
+    epoch: int = 0
+
+
+class GenerateTask(AddressedTask, tag="generate"):
     request_id: str
     prompt_token_ids: list[int]
     # Its seed is always set (by the gateway), so P and D sample the same stream.
@@ -138,6 +147,9 @@ class GenerateTask(msgspec.Struct, tag="generate"):
     cache_salt: str = ""
     # Prefill role: the decode instance this request is handed to after its first token.
     decode_target: InstanceAddress | None = None
+    # Its epoch as the gateway routed to it: the prefill instance's hold of the blocks
+    # names it, and the control messages of any other life of it are dropped there.
+    decode_epoch: int = 0
     # A migrated request (its instance died mid-stream): the output tokens the client
     # already has. The instance computes prompt + these and samples from the next output
     # index on, so penalties, stop checks and seeded sampling go on as if nothing happened.
@@ -149,7 +161,7 @@ class GenerateTask(msgspec.Struct, tag="generate"):
     step_failures: int = 0
 
 
-class AbortTask(msgspec.Struct, tag="abort"):
+class AbortTask(AddressedTask, tag="abort"):
     request_ids: list[str]
     # Decode side: handoffs of these requests from this prefill instance that have not
     # arrived yet are void (P may have sent one just before it heard of the abort). A
@@ -157,19 +169,19 @@ class AbortTask(msgspec.Struct, tag="abort"):
     handoffs_from: str = ""
 
 
-class SnapshotTask(msgspec.Struct, tag="snapshot"):
+class SnapshotTask(AddressedTask, tag="snapshot"):
     """Asks for a `BlockCacheSnapshot` in the next output: the gateway missed block
     events (PUB/SUB drops messages before a subscription is up and when it falls
     behind), so it resyncs from a snapshot that travels on the reliable output path."""
 
 
-class InspectTask(msgspec.Struct, tag="inspect"):
+class InspectTask(AddressedTask, tag="inspect"):
     """Asks for an `InstanceInspection` in the next output (tests and debugging)."""
 
     query_id: str
 
 
-class LeakBlocksTask(msgspec.Struct, tag="leak_blocks"):
+class LeakBlocksTask(AddressedTask, tag="leak_blocks"):
     """Test hook: hold blocks for a request the scheduler does not know, so a test can
     prove the invariant check catches a leak. Honoured only by instances started with
     test hooks enabled."""
@@ -178,7 +190,7 @@ class LeakBlocksTask(msgspec.Struct, tag="leak_blocks"):
     owner: str = "leaked-on-purpose"
 
 
-class FailStepsTask(msgspec.Struct, tag="fail_steps"):
+class FailStepsTask(AddressedTask, tag="fail_steps"):
     """Test hook: from now on every step fails (`every_step`), or every step while a
     request whose prompt starts with `prompt_prefix` is on the instance; the defaults
     turn it off. Honoured only by instances started with test hooks enabled."""
@@ -187,13 +199,13 @@ class FailStepsTask(msgspec.Struct, tag="fail_steps"):
     prompt_prefix: list[int] = []
 
 
-class SwitchRoleTask(msgspec.Struct, tag="switch_role"):
+class SwitchRoleTask(AddressedTask, tag="switch_role"):
     """The instance takes `role` once the requests it holds are done (the gateway sends
     it nothing new meanwhile), keeping its weights, KV cache and process; its next
-    output announces the switch (`InstanceOutput.switched`) in `epoch`."""
+    output announces the switch (`InstanceOutput.switched`) in the epoch after the one
+    the task names."""
 
     role: str
-    epoch: int
 
 
 Task = (

@@ -8,7 +8,9 @@ the `Pull`. A request is reported exactly once, when none of its receives can st
 write: finished (every slice arrived; P is told `Done`), failed (a rejection, an
 error or the deadline; receives are cancelled and the request stays quarantined
 until the cancels land; P is told `Abort`) or aborted (the instance gave up; an
-in-flight pull runs to its end or deadline first).
+in-flight pull runs to its end or deadline first). Every message leaves in the
+instance's epoch as the rank last heard it (`RankIO.epoch`); a reply from an epoch of
+the prefill instance older than its latest handoff named is dropped.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import zmq
 
 from pdserve.common.messages import KVPullTimes
 from pdserve.decode.pull_state import PrefillRank, PullRequest, PullSlice
-from pdserve.kvtransfer.control import ControlClient
+from pdserve.kvtransfer.control import ControlClient, drop_stale
 from pdserve.kvtransfer.layout import (
     KVLayoutMismatch,
     check_compatible,
@@ -33,7 +35,7 @@ from pdserve.kvtransfer.layout import (
 from pdserve.kvtransfer.messages import (
     Abort,
     BlockRun,
-    ControlMessage,
+    ControlEnvelope,
     Done,
     Heartbeat,
     Hello,
@@ -171,6 +173,8 @@ class DecodeKVPuller:
                     client,
                     pp_stage=self._pp_stage,
                 )
+            rank = self._sources[address]
+            rank.epoch = max(rank.epoch, source.epoch)
         return request
 
     # ---- handshake and pull ---------------------------------------------------------
@@ -179,7 +183,7 @@ class DecodeKVPuller:
         hello = Hello(
             *self._rank.introduction(), self._transport.info, self._pp_stage, self._config.host
         )
-        source.handshake(hello, now + self._config.handshake_timeout_s)
+        source.handshake(hello, now + self._config.handshake_timeout_s, self._rank.epoch)
 
     def _start(self, part: PullSlice) -> None:
         request = part.request
@@ -211,7 +215,7 @@ class DecodeKVPuller:
             return
         heads = (part.head_start, part.head_end)
         pull = Pull(request.request_id, part.transfer_id, *heads, block_runs)
-        self._sources[part.address].client.send(pull)
+        self._sources[part.address].client.send(pull, self._rank.epoch)
 
     # ---- control messages -----------------------------------------------------------
 
@@ -220,10 +224,14 @@ class DecodeKVPuller:
 
     def receive(self, now: float) -> None:
         for source in list(self._sources.values()):
-            for message in source.client.receive():
-                self._on_message(source, message, now)
+            for envelope in source.client.receive():
+                self._on_message(source, envelope, now)
 
-    def _on_message(self, source: PrefillRank, message: ControlMessage, now: float) -> None:
+    def _on_message(self, source: PrefillRank, envelope: ControlEnvelope, now: float) -> None:
+        message = envelope.message
+        if envelope.epoch < source.epoch:
+            drop_stale(message, source.name, envelope.epoch, f"a handoff named {source.epoch}")
+            return
         if isinstance(message, HelloReply):
             self._on_hello_reply(source, message)
         elif isinstance(message, PullRejected):
@@ -323,7 +331,7 @@ class DecodeKVPuller:
         if request.failure is None and not request.aborted:
             for part in request.slices:
                 done = Done(request.request_id, part.transfer_id, part.head_start, part.head_end)
-                self._sources[part.address].client.send(done)
+                self._sources[part.address].client.send(done, self._rank.epoch)
             moved = sum(op.nbytes for p in request.slices for op in p.ops)
             self._stats.bytes_total += moved
             self._stats.transfers_total += 1
@@ -336,7 +344,7 @@ class DecodeKVPuller:
             return
         reason = "aborted" if request.aborted else (request.failure or "")
         for address in request.addresses:
-            self._sources[address].client.send(Abort(request.request_id, reason))
+            self._sources[address].client.send(Abort(request.request_id, reason), self._rank.epoch)
         if request.aborted:
             self._report("aborted", request.request_id, "")
         else:
@@ -350,7 +358,7 @@ class DecodeKVPuller:
                 for address in request.addresses:
                     wanted.setdefault(address, []).append(request.request_id)
         for address, request_ids in wanted.items():
-            self._sources[address].client.send(Heartbeat(request_ids))
+            self._sources[address].client.send(Heartbeat(request_ids), self._rank.epoch)
 
     def next_deadline(self) -> float | None:
         deadlines = [self._next_heartbeat] if self._requests else []

@@ -45,8 +45,16 @@ class DecodeUpdate:
 
 
 class DecodeKVScheduler:
-    def __init__(self, layout: KVLayout, tp_size: int = 1, failure_policy: str = "recompute"):
-        self._pending = KVConnectorMetadata()  # for the ranks, until the next step
+    def __init__(
+        self,
+        layout: KVLayout,
+        tp_size: int = 1,
+        failure_policy: str = "recompute",
+        epoch: int = 0,
+    ):
+        """`epoch`: the instance's, which its ranks' control messages carry."""
+        self.epoch = epoch
+        self._pending = KVConnectorMetadata(epoch=epoch)  # for the ranks, until the next step
         if failure_policy not in FAILURE_POLICIES:
             raise ValueError(
                 f"failure_policy must be one of {FAILURE_POLICIES}, got {failure_policy!r}"
@@ -60,7 +68,7 @@ class DecodeKVScheduler:
 
     def build_metadata(self) -> KVConnectorMetadata:
         """The commands queued for the ranks' transfer workers since the last step."""
-        metadata, self._pending = self._pending, KVConnectorMetadata()
+        metadata, self._pending = self._pending, KVConnectorMetadata(epoch=self.epoch)
         return metadata
 
     def admit(self, handoff: KVHandoff) -> int:

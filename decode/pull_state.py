@@ -63,16 +63,20 @@ class PrefillRank:
     pp_stage: int = 0  # the pipeline stage both ranks hold
     hello_deadline: float = 0.0
     waiting: list[PullSlice] = field(default_factory=list)
+    # The latest epoch of the prefill instance a handoff named: its replies from an
+    # older one (a life of it retired since) are dropped.
+    epoch: int = 0
 
     @property
     def name(self) -> str:
         return f"prefill instance {self.instance_id} rank {self.rank}"
 
-    def handshake(self, hello: Hello, deadline: float) -> None:
-        """Sends the Hello unless one was sent already (or the handshake is done)."""
+    def handshake(self, hello: Hello, deadline: float, epoch: int) -> None:
+        """Sends the Hello (in this instance's `epoch`) unless one was sent already (or
+        the handshake is done)."""
         if self.state != "idle":
             return
-        self.client.send(hello)
+        self.client.send(hello, epoch)
         self.state = "waiting"
         self.hello_deadline = deadline
 

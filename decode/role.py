@@ -18,7 +18,9 @@ Per request (a `KVHandoff` from a prefill instance, on this instance's task sock
 4. tokens stream to the gateway per step with their output indices.
 
 An abort from the gateway ends the request here; if its handoff has not arrived yet,
-the abort names the prefill instance, and that late handoff is dropped on arrival.
+the abort names the prefill instance, and that late handoff is dropped on arrival. A
+handoff routed to another epoch of this instance, or from a retired epoch of its prefill
+instance, is dropped too (`stale_epoch`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from typing import Any, Protocol
 
 import msgspec
 
+from pdserve.common.frame_drops import DROPS, STALE_EPOCH
+from pdserve.common.frame_seal import TASKS
 from pdserve.common.messages import (
     AbortTask,
     GenerateTask,
@@ -71,12 +75,15 @@ class DecodeRole:
         engine: EngineCore,
         link: KVLink,
         held_pulls: PullQueue | None = None,
+        epoch: int = 0,
     ) -> None:
-        """`held_pulls`: None starts each pull as soon as its blocks are allocated."""
+        """`held_pulls`: None starts each pull as soon as its blocks are allocated;
+        `epoch`: this instance's, carried by its ranks' control messages."""
         self.instance_id = instance_id
         self.engine = engine
         self.link = link
-        self.kv = DecodeKVScheduler(link.layout, link.tp_size, link.config.failure_policy)
+        policy = link.config.failure_policy
+        self.kv = DecodeKVScheduler(link.layout, link.tp_size, policy, epoch)
         self.held_pulls = held_pulls
         self.voided = VoidedHandoffs()
         self.source_epochs = SourceEpochs()
@@ -118,6 +125,16 @@ class DecodeRole:
         """`received_at`: when it reached this instance (its queue and the handoff's
         transit meet there); None for a handoff deferred since."""
         request_id = handoff.request_id
+        if handoff.decode_epoch != self.kv.epoch:  # routed to another life of this instance
+            DROPS.count(TASKS.name, STALE_EPOCH)
+            logger.warning(
+                "%s: dropping a handoff of %s for epoch %d (epoch %d now)",
+                self.instance_id,
+                request_id,
+                handoff.decode_epoch,
+                self.kv.epoch,
+            )
+            return None
         if not self.source_epochs.admit(handoff.source.instance_id, handoff.source.epoch):
             return None  # from a prefill instance retired since: the gateway moved it on
         if self.voided.consume(request_id, handoff.source.instance_id):

@@ -37,6 +37,7 @@ from pdserve.common.frame_drops import DROPS
 from pdserve.common.messages import DroppedFrames
 from pdserve.common.model_split import check_int8_groups, check_pp_size, check_tp_size
 from pdserve.common.structured_output import StructuredOutput
+from pdserve.common.wire_auth import SecretError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.devices import use_device
 from pdserve.engine.executor import ConnectorFactory
@@ -269,7 +270,14 @@ def run_rank(job: RankJob, channel: RankChannel) -> None:
 
     config, rank = job.config, job.rank
     use_device(config.device)  # before NCCL, the model or any kernel touches CUDA
-    config, tp, stage = join_group(config, rank, job.master, GROUP_TIMEOUT_S)
+    try:
+        config, tp, stage = join_group(config, rank, job.master, GROUP_TIMEOUT_S)
+    except SecretError as exc:  # the driver names it in the group's failure, at once
+        channel.send_bytes(_FAILED + f"{type(exc).__name__}: {exc}".encode())
+        # Alive until the driver ends the group: it reads the reason, not an exit.
+        with contextlib.suppress(EOFError, OSError):
+            channel.recv_bytes()
+        return
     factory = job.connector
     connector = factory(tp.rank, tp.size) if factory is not None else None
     metadata_type = getattr(factory, "metadata_type", None)

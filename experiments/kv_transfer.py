@@ -86,7 +86,7 @@ def _prefill(conn: Connection, kind: str, tls: str | None, repeats: int) -> None
     workers = _workers(kind, tls, "p", max(BLOCK_COUNTS))
     for name, worker in workers.items():
         holds = [
-            HoldSpec(rid, list(range(count)))
+            HoldSpec(rid, list(range(count)), f"d-{name}", 0)  # the decode side's worker
             for count in BLOCK_COUNTS
             for rid in _request_ids(name, count, repeats)
         ]

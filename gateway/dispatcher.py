@@ -17,7 +17,8 @@ tripped), is fenced: its epoch retired (whatever it sends later is dropped) and
 failed on an instance moves on as `gateway/step_failures.py` says.
 
 Every frame is sealed; what fails is dropped and counted before it is decoded, large
-frames checked off the loop (`gateway/instance_frames.py`).
+frames checked off the loop (`gateway/instance_frames.py`); every task names the
+instance's epoch as the gateway knows it (`_send`).
 """
 
 from __future__ import annotations
@@ -220,9 +221,10 @@ class Dispatcher:
     def _dispatch(self, task: GenerateTask, route: Route, move: Move | None = None) -> None:
         self.timelines.dispatched(task.request_id, route, move)
         if route.prefill is not None:
-            task = msgspec.structs.replace(task, decode_target=route.decode.info.address)
+            target, epoch = route.decode.info.address, route.decode.epoch
+            task = msgspec.structs.replace(task, decode_target=target, decode_epoch=epoch)
         elif task.decode_target is not None:
-            task = msgspec.structs.replace(task, decode_target=None)
+            task = msgspec.structs.replace(task, decode_target=None, decode_epoch=0)
         self._send(route.first.instance_id, task)
 
     def _step_failed(self, instance_id: str, delta: RequestDelta) -> None:
@@ -275,9 +277,13 @@ class Dispatcher:
             stream.fail(message, time.perf_counter())
 
     def _send(self, instance_id: str, task: Task) -> bool:
+        """Sends a task naming the instance's epoch as this gateway knows it now: the
+        instance drops one that reaches another life of it (`instance/task_epochs.py`)."""
         sock = self._task_sockets.get(instance_id)
-        if sock is None:
+        view = self.scheduler.views.get(instance_id)
+        if sock is None or view is None:
             return False
+        task = msgspec.structs.replace(task, epoch=view.epoch)
         try:
             sock.send(self._frames.seal_task(task), zmq.NOBLOCK)
         except zmq.Again:

@@ -10,8 +10,11 @@ their decode instance) the instance gets the task and waits itself for what
 it still holds (handed-off blocks pulled, released or out of lease;
 `instance/role_switch.py`). Its output in the next epoch moves it to the other pool
 (`Dispatcher._on_output` → `GlobalScheduler.switch_role`); nothing it sent in the old
-epoch counts from then on. Should it die meanwhile, the switch is abandoned: the
-supervisor restarts it in its old pool, as any other death.
+epoch counts from then on. The task names the current epoch, as every task does; what
+the gateway sends until the switch's output arrives names it too, and the instance
+takes those until the first task in the new epoch (`instance/task_epochs.py`). Should
+it die meanwhile, the switch is abandoned: the supervisor restarts it in its old pool,
+as any other death.
 """
 
 from __future__ import annotations
@@ -79,8 +82,8 @@ class RoleSwitcher:
             await asyncio.sleep(SWITCH_POLL_S)
         if not self._current():
             return "it died while its requests ended"
-        epoch = self.view.epoch + 1
-        task = SwitchRoleTask(role, epoch)
+        epoch = self.view.epoch + 1  # the task names the current one; it switches into this
+        task = SwitchRoleTask(role)
         if not self.gateway.dispatcher.send_task(self.view.instance_id, task):
             self.view.draining = False  # it serves on in its old role
             return "its task socket took no more tasks"

@@ -10,6 +10,9 @@
   KV cache and process kept; the ranks' KV connectors serve and pull alike);
 - `io.py`: the I/O thread, owner of every ZMQ socket, which heartbeats while a step
   runs and stamps each task's receipt (`Received`: where a request's queue starts);
+  `task_epochs.py`: which of the gateway's tasks it takes by the epoch they name (a
+  task for a retired epoch is dropped; across a role switch the old epoch is taken
+  until the gateway names the new one);
 - `spec.py` (`InstanceSpec`, carrying an `EngineConfig` and a `KVTransferConfig`) and
   `main.py`, the entry point;
 - `reporting.py`: metric deltas shipped with the outputs;

@@ -8,7 +8,8 @@ Sockets (ZMQ; every one is used by this thread only):
 - an inproc PAIR fed by the step loop with encoded outputs and event batches.
 
 Every frame on a TCP socket is sealed (`pdserve.common.frame_seal`): a task that fails
-its seal (or does not decode) is dropped and counted before it is decoded, and outputs,
+its seal (or does not decode) is dropped and counted before it is decoded, one of the
+gateway's for another epoch of this instance after (`instance/task_epochs.py`), and outputs,
 events and handoffs to peers leave sealed under the instance's id. What the process
 dropped rides to the gateway with the next heartbeat (`MetricsDelta.dropped_frames`).
 A peer's PUSH (handoffs to a decode instance) is closed once it has been idle for
@@ -36,6 +37,7 @@ from pdserve.common import frame_drops
 from pdserve.common.frame_drops import DROPS
 from pdserve.common.frame_seal import EVENTS, OUTPUTS, TASKS, Sealer
 from pdserve.common.messages import (
+    AddressedTask,
     DroppedFrames,
     InstanceAddress,
     InstanceOutput,
@@ -43,6 +45,7 @@ from pdserve.common.messages import (
     MetricsDelta,
     Task,
 )
+from pdserve.instance.task_epochs import TaskEpochs
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +78,12 @@ class InstanceIO:
         heartbeat_interval_s: float = 0.5,
         task_type: Any = Task,
         secret: bytes | None = None,
+        epoch: int = 0,
     ) -> None:
         """`task_type`: the union the task socket decodes (a kind may accept more than
         `pdserve.common.messages.Task`, e.g. the decode kind's handoffs); `secret`:
-        the deployment's (default: from the environment)."""
+        the deployment's (default: from the environment); `epoch`: the one the instance
+        starts in."""
         self.heartbeat_interval_s = heartbeat_interval_s
         self._task_opener = Sealer(TASKS, instance_id, responder=True, secret=secret)
         self._task_sealer = Sealer(TASKS, instance_id, secret=secret)  # handoffs to peers
@@ -108,8 +113,9 @@ class InstanceIO:
         self._decoder = msgspec.msgpack.Decoder(task_type)
         self._encoder = msgspec.msgpack.Encoder()
         self.latest_stats: InstanceStats | None = None  # set by the step loop, read here
-        # Set by the step loop, read here (plain ints: one assignment is atomic).
-        self.epoch = 0
+        # Switched by the step loop, read here: outputs' epoch and the tasks taken.
+        self.epochs = TaskEpochs(epoch)
+        # Set by the step loop, read here (a plain int: one assignment is atomic).
         self.loop_turns = 0
         self.unhealthy = ""  # why the instance cannot serve (its breaker tripped)
         self._peer_sockets: dict[bytes, zmq.Socket] = {}  # the I/O thread's, by task address
@@ -117,6 +123,11 @@ class InstanceIO:
         self._last_sent = 0.0
         self._last_drop_report = 0.0
         self._thread = threading.Thread(target=self._run, name=f"io-{instance_id}", daemon=True)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the instance's outputs and heartbeats carry."""
+        return self.epochs.current
 
     # ---- the step loop's side ---------------------------------------------------------
 
@@ -234,10 +245,17 @@ class InstanceIO:
                 continue  # not from the deployment, or a replay: never decoded
             try:
                 task = self._decoder.decode(opened.payload)
-                self._tasks.append(Received(task, time.monotonic()))
             except msgspec.DecodeError as exc:
                 self._task_opener.refuse(frame_drops.UNDECODABLE, opened.sender)
                 logger.warning("%s: dropping a malformed task: %s", self.address.instance_id, exc)
+                continue
+            # A peer's message (a handoff) names no epoch of this instance: its own
+            # sender's epoch is the role's to check.
+            if isinstance(task, AddressedTask) and not self.epochs.admit(task.epoch):
+                what = f"{type(task).__name__} for epoch {task.epoch}, {self.epochs.current} now"
+                self._task_opener.refuse(frame_drops.STALE_EPOCH, f"{opened.sender} ({what})")
+                continue
+            self._tasks.append(Received(task, time.monotonic()))
         self._task_ready.set()
 
     def _forward_outbox(self) -> None:

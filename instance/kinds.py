@@ -73,11 +73,14 @@ class RoleKind:
 
 
 def kv_transfer_config(spec: InstanceSpec) -> KVTransferConfig:
-    """The spec's KV transfer config under the spec's own id and host (a pool's copy of a
-    spec gets a new id; an instance on a cluster node learns its host there)."""
+    """The spec's KV transfer config under the spec's own id, host and epoch (a pool's
+    copy of a spec gets a new id; an instance on a cluster node learns its host there;
+    a replacement starts in a later epoch)."""
     if spec.kv_transfer is None:  # the defaults
-        return KVTransferConfig(instance_id=spec.instance_id, host=spec.host)
-    return msgspec.structs.replace(spec.kv_transfer, instance_id=spec.instance_id, host=spec.host)
+        return KVTransferConfig(instance_id=spec.instance_id, host=spec.host, epoch=spec.epoch)
+    return msgspec.structs.replace(
+        spec.kv_transfer, instance_id=spec.instance_id, host=spec.host, epoch=spec.epoch
+    )
 
 
 def kv_link(loop: StepLoop) -> KVLink:
@@ -111,7 +114,8 @@ def _prefill(loop: StepLoop) -> Role:
 
 def _decode(loop: StepLoop) -> Role:
     delayed = loop.hooks.delayed_pulls() if loop.hooks is not None else None
-    return DecodeRole(loop.spec.instance_id, loop.require_engine(), kv_link(loop), delayed)
+    engine, spec = loop.require_engine(), loop.spec
+    return DecodeRole(spec.instance_id, engine, kv_link(loop), delayed, epoch=spec.epoch)
 
 
 def transfer_connector(spec: InstanceSpec) -> ConnectorFactory | None:

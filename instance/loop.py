@@ -80,8 +80,8 @@ class StepLoop:
             host=spec.host,
             heartbeat_interval_s=spec.heartbeat_interval_s,
             task_type=self.kind.task_type,
+            epoch=spec.epoch,
         )
-        self.io.epoch = spec.epoch
         self.breaker = StepBreaker()
         self.probation = Probation()
         self.engine: EngineCore | None = None

@@ -61,13 +61,14 @@ class RoleSwitch:
         task = self.pending
         assert task is not None, "apply() follows ready()"
         loop = self.loop
-        old = loop.spec.role
-        loop.spec = msgspec.structs.replace(loop.spec, role=task.role, epoch=task.epoch)
+        old, epoch = loop.spec.role, task.epoch + 1  # the epoch after the one it was sent to
+        loop.spec = msgspec.structs.replace(loop.spec, role=task.role, epoch=epoch)
         loop.kind = role_kind(task.role)
         loop.role = loop.kind.build(loop)
         # Epoch first: a heartbeat between the two is dropped as of an epoch to come,
-        # never counted as the old epoch's under the new role.
-        loop.io.epoch = task.epoch
+        # never counted as the old epoch's under the new role. Tasks for the old epoch
+        # are still taken until the gateway names the new one (`instance/task_epochs.py`).
+        loop.io.epochs.switch(epoch)
         loop.io.change_role(task.role, loop.kind.task_type)
         self.pending = None
         if loop.on_role is not None:
@@ -78,6 +79,6 @@ class RoleSwitch:
             old,
             task.role,
             time.monotonic() - self._asked_at,
-            task.epoch,
+            epoch,
         )
         return loop.info()

@@ -27,7 +27,8 @@ class InstanceSpec(msgspec.Struct, kw_only=True):
     idle_wait_s: float = 0.5  # longest wait for a task while there is nothing to step
     test_hooks: bool = False  # honour LeakBlocksTask (tests only)
     # The prefill and decode kinds' KV transfer (None: its defaults; colocated moves no
-    # KV). Its instance id and host are this spec's (`instance/kinds.py:kv_transfer_config`).
+    # KV). Its instance id, host and epoch are this spec's
+    # (`instance/kinds.py:kv_transfer_config`).
     kv_transfer: KVTransferConfig | None = None
     cpus: list[int] = []  # cores to pin to (empty: no pinning)
     # CUDA_VISIBLE_DEVICES of a local process, one GPU per rank (empty: leave it as is).

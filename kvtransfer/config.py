@@ -33,6 +33,9 @@ class KVTransferConfig(msgspec.Struct, frozen=True):
     # A pull may overtake the hold that announces its request; P waits this long.
     pull_grace_s: float = 2.0
     failure_policy: str = "recompute"
+    # The instance's epoch as its ranks start (a replacement's is past its predecessor's):
+    # their control messages carry it until commands name another (a role switch).
+    epoch: int = 0
 
     def __post_init__(self) -> None:
         checks = [

@@ -7,26 +7,70 @@ a frame that fails its seal is dropped and counted before it is decoded, so a pr
 without the secret can neither pull KV nor renew or abort a lease; the server opens a
 client's frames only under the client's routing identity, so a captured pull replays
 under no other connection. A malformed message is counted and dropped, never fatal.
+Every message travels with its sender's epoch (`ControlEnvelope`); a side that drops
+one from a life of its sender it no longer deals with counts it here (`drop_stale`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import threading
+import time
 import uuid
 
 import msgspec
 import zmq
 
 from pdserve.common import frame_drops
+from pdserve.common.frame_drops import DROPS
 from pdserve.common.frame_seal import KV_CONTROL, Sealer
-from pdserve.kvtransfer.messages import ControlMessage, decode_control, encode_control
+from pdserve.kvtransfer.messages import (
+    ControlEnvelope,
+    ControlMessage,
+    decode_control,
+    encode_control,
+)
 
 logger = logging.getLogger(__name__)
 
 
+_STALE_LOG_INTERVAL_S = 5.0  # a retired life that keeps talking logs now and then
+
+
+class _StaleLog:
+    """When a stale message was last logged (one book per process, like the counts)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._logged_at = -math.inf
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._logged_at < _STALE_LOG_INTERVAL_S:
+                return False
+            self._logged_at = now
+            return True
+
+
+_STALE_LOG = _StaleLog()
+
+
+def drop_stale(message: ControlMessage, sender: str, epoch: int, wanted: str) -> None:
+    """Counts (`stale_epoch` on the KV control channel) and, every few seconds, logs a
+    message from a life of its sender the receiver no longer deals with; `wanted`: the
+    one it does."""
+    DROPS.count(KV_CONTROL.name, frame_drops.STALE_EPOCH)
+    if _STALE_LOG.due():
+        logger.warning(
+            "dropping a %s from %s in epoch %d (%s)", type(message).__name__, sender, epoch, wanted
+        )
+
+
 def _decode(
     sealer: Sealer, frame: bytes, origin: str, sender: str | None = None
-) -> ControlMessage | None:
+) -> ControlEnvelope | None:
     opened = sealer.open(frame, origin, sender=sender)
     if opened is None:
         return None
@@ -58,14 +102,15 @@ class ControlServer:
             raise OSError(f"cannot bind the KV control socket on {host}:{port}: {exc}") from exc
         self.address = f"tcp://{host}:{port}"
 
-    def send(self, identity: bytes, message: ControlMessage) -> None:
+    def send(self, identity: bytes, message: ControlMessage, epoch: int) -> None:
+        """`epoch`: this instance's, as its rank last heard it."""
         try:
-            frame = self._sealer.seal(encode_control(message))
+            frame = self._sealer.seal(encode_control(message, epoch))
             self.socket.send_multipart([identity, frame], zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("control reply to %r dropped: peer not reading", identity)
 
-    def receive(self) -> list[tuple[bytes, ControlMessage]]:
+    def receive(self) -> list[tuple[bytes, ControlEnvelope]]:
         messages = []
         while self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames = self.socket.recv_multipart(zmq.NOBLOCK)
@@ -97,15 +142,16 @@ class ControlClient:
         self.socket.setsockopt(zmq.IDENTITY, identity.encode())
         self.socket.connect(address)
 
-    def send(self, message: ControlMessage) -> bool:
+    def send(self, message: ControlMessage, epoch: int) -> bool:
+        """`epoch`: this instance's, as its rank last heard it."""
         try:
-            self.socket.send(self._sealer.seal(encode_control(message)), zmq.NOBLOCK)
+            self.socket.send(self._sealer.seal(encode_control(message, epoch)), zmq.NOBLOCK)
             return True
         except zmq.Again:
             logger.warning("control message to %s dropped: queue full", self.address)
             return False
 
-    def receive(self) -> list[ControlMessage]:
+    def receive(self) -> list[ControlEnvelope]:
         messages = []
         while self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             message = _decode(self._sealer, self.socket.recv(zmq.NOBLOCK), self.address)

@@ -5,7 +5,7 @@ Three families:
   instance to the decode instance; `KVSource` inside it says where the KV lives;
 - the **control plane** between the I/O threads of two instances (ZMQ ROUTER/DEALER):
   `Hello`/`HelloReply` (handshake), `Pull`, `PullRejected`, `Done`, `Heartbeat`,
-  `Abort`, one tagged union decoded by `decode_control`;
+  `Abort`, one tagged union, each in a `ControlEnvelope` with its sender's epoch;
 - what an instance's driver hands its TP workers each step (`KVConnectorMetadata`)
   and what each worker reports back (`TransferReport`); Structs too, because TP
   workers are separate processes.
@@ -94,6 +94,9 @@ class KVHandoff(msgspec.Struct, tag="kv_handoff", kw_only=True):
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     cache_salt: str = ""
     source: KVSource
+    # The decode instance's epoch the gateway routed to (the hold names it too): a
+    # decode instance in another epoch drops the handoff.
+    decode_epoch: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -176,15 +179,27 @@ class Abort(msgspec.Struct, tag="abort"):
 
 ControlMessage = Hello | HelloReply | Pull | PullRejected | Done | Heartbeat | Abort
 
+
+class ControlEnvelope(msgspec.Struct, array_like=True):
+    """One control frame: a message and its sending instance's epoch, as the sending
+    rank last heard it from its driver (`KVConnectorMetadata.epoch`). A receiver drops
+    one from a life of its sender it no longer deals with: a prefill rank, a message
+    about a held request from any decode life but the one its hold names; a decode
+    rank, a reply from an epoch of the prefill instance older than its handoff's."""
+
+    epoch: int
+    message: ControlMessage
+
+
 _control_encoder = msgspec.msgpack.Encoder()
-_control_decoder = msgspec.msgpack.Decoder(ControlMessage)
+_control_decoder = msgspec.msgpack.Decoder(ControlEnvelope)
 
 
-def encode_control(message: ControlMessage) -> bytes:
-    return _control_encoder.encode(message)
+def encode_control(message: ControlMessage, epoch: int) -> bytes:
+    return _control_encoder.encode(ControlEnvelope(epoch, message))
 
 
-def decode_control(data: bytes) -> ControlMessage:
+def decode_control(data: bytes) -> ControlEnvelope:
     return _control_decoder.decode(data)
 
 
@@ -192,10 +207,14 @@ def decode_control(data: bytes) -> ControlMessage:
 
 
 class HoldSpec(msgspec.Struct):
-    """P: keep these blocks for the decode side under a lease."""
+    """P: keep these blocks for the decode side under a lease: for the one decode
+    instance, in the one epoch, the gateway handed the request to (its control
+    messages about the request from any other life are dropped)."""
 
     request_id: str
     block_ids: list[int]
+    decode_id: str
+    decode_epoch: int
 
 
 class KeepaliveSpec(msgspec.Struct):
@@ -215,6 +234,9 @@ class PullSpec(msgspec.Struct):
 
 
 class KVConnectorMetadata(msgspec.Struct):
+    # The instance's epoch when the driver built this: the ranks' control messages
+    # carry the latest one they were handed (a role switch moves it on).
+    epoch: int = 0
     holds: list[HoldSpec] = msgspec.field(default_factory=list)
     keepalives: list[KeepaliveSpec] = msgspec.field(default_factory=list)
     pulls: list[PullSpec] = msgspec.field(default_factory=list)

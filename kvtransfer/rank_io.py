@@ -15,7 +15,13 @@ from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.control import ControlServer
 from pdserve.kvtransfer.kv_memory import KVMemory
 from pdserve.kvtransfer.layout import head_range
-from pdserve.kvtransfer.messages import ControlMessage, HoldSpec, KeepaliveSpec, KVLayout, PullSpec
+from pdserve.kvtransfer.messages import (
+    ControlEnvelope,
+    HoldSpec,
+    KeepaliveSpec,
+    KVLayout,
+    PullSpec,
+)
 from pdserve.kvtransfer.metrics import KVTransferStats
 from pdserve.kvtransfer.transport import Transport
 
@@ -30,6 +36,9 @@ class RankIO:
     transport: Transport
     stats: KVTransferStats
     pp_stage: int = 0  # a rank of stage s serves and pulls stage s's layers only
+    # The instance's epoch as the latest command batch named it (the I/O thread's):
+    # every control message this rank sends carries it.
+    epoch: int = 0
 
     @property
     def heads(self) -> tuple[int, int]:
@@ -54,7 +63,7 @@ class Serving(Protocol):
 
     def abort(self, request_id: str, now: float) -> None: ...
 
-    def on_message(self, peer: bytes, message: ControlMessage, now: float) -> None: ...
+    def on_message(self, peer: bytes, envelope: ControlEnvelope, now: float) -> None: ...
 
     def poll(self, now: float) -> None: ...
 
@@ -97,7 +106,7 @@ class NoServing:
     def abort(self, request_id: str, now: float) -> None:
         pass
 
-    def on_message(self, peer: bytes, message: Any, now: float) -> None:
+    def on_message(self, peer: bytes, envelope: Any, now: float) -> None:
         pass
 
     def poll(self, now: float) -> None:

@@ -24,9 +24,13 @@ Addresses: UCX's TCP transport listens on every network device unless told other
 When the instance has a node address (not loopback) and only TCP / shared-memory
 transports are allowed, the devices are narrowed to the one that holds the address
 (`UCX_NET_DEVICES` set by the operator wins; RDMA devices are never narrowed away).
-ucxx's sockaddr listener ("ucx-listener") takes no address and binds every interface;
-what keeps strangers out there is the random tags (an unmatched message never lands
-in KV memory) and the MAC'd control plane that names them.
+ucxx's sockaddr listener ("ucx-listener") binds every interface (0.0.0.0) whatever
+the host: its Python API (`UCXListener.create(worker, port, callback)`) takes no
+address, though the C++ `ListenerBuilder::host` does; the transport says so once when
+it starts, `docs/security.md` names the network-policy step, and a test reads the
+bound address from /proc/net/tcp. What keeps strangers out of KV memory there is the
+random tags (an unmatched message never lands) and the MAC'd control plane that names
+them.
 
 The worker runs in blocking-progress mode: `ready_to_block` arms it and the I/O
 thread waits on its epoll descriptor next to the ZMQ sockets.
@@ -36,12 +40,15 @@ from __future__ import annotations
 
 import fcntl
 import ipaddress
+import logging
 import os
 import socket
 import struct
 from typing import Any
 
 from pdserve.kvtransfer.transport import TransferOp, Transport
+
+logger = logging.getLogger(__name__)
 
 _OK = 0
 _CANCELED = -16  # UCS_ERR_CANCELED
@@ -192,6 +199,12 @@ class UcxTransport(Transport):
         if listener:
             self._listener = ucx.UCXListener.create(self._worker, 0, self._accept)
             self._info = f"{host}:{self._listener.port}".encode()
+            logger.warning(
+                "ucx-listener: the UCX listener on port %d binds every interface, not only "
+                "%s (ucxx's listener takes no address): admit only the cluster's nodes to it",
+                self._listener.port,
+                host,
+            )
         else:
             self._info = self._worker.address.tobytes()
         self._peer_info: dict[str, bytes] = {}

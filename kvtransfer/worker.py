@@ -214,11 +214,12 @@ class KVTransferWorker:
                 transport=transport,
                 stats=self._stats,
                 pp_stage=self.pp_stage,
+                epoch=self.config.epoch,
             )
             prefill = self._serve(rank, server, self._record) if self._serve else NoServing()
             decode = self._pull(rank, self._context, self._record) if self._pull else NoPulling()
             self._ready.set()
-            self._loop(wake, transport, server, prefill, decode)
+            self._loop(wake, rank, server, prefill, decode)
         except Exception as exc:
             logger.exception("KV transfer I/O thread failed")
             with self._lock:
@@ -237,11 +238,12 @@ class KVTransferWorker:
     def _loop(
         self,
         wake: zmq.Socket,
-        transport: Transport,
+        rank: RankIO,
         server: ControlServer,
         prefill: Serving,
         decode: Pulling,
     ) -> None:
+        transport = rank.transport
         poller = zmq.Poller()
         for handle in [wake, server.socket, *transport.poll_handles()]:
             poller.register(handle, zmq.POLLIN)
@@ -253,6 +255,7 @@ class KVTransferWorker:
             for metadata, written in commands:
                 if written is not None:
                     written.synchronize()  # the steps launched before this plan
+                rank.epoch = metadata.epoch  # what this batch's messages carry
                 for hold in metadata.holds:
                     prefill.hold(hold, now)
                 for keepalive in metadata.keepalives:

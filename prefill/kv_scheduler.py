@@ -41,7 +41,7 @@ class PrefillKVScheduler:
     def __init__(
         self, instance_id: str, layout: KVLayout, rank_addresses: list[str], epoch: int = 0
     ):
-        self._pending = KVConnectorMetadata()  # for the ranks, until the next step
+        self._pending = KVConnectorMetadata(epoch=epoch)  # for the ranks, until the next step
         tp_size = len(rank_addresses) // layout.pipeline_parallel_size
         check_tp_split(layout, tp_size, f"instance {instance_id}")
         self.instance_id = instance_id
@@ -53,7 +53,7 @@ class PrefillKVScheduler:
 
     def build_metadata(self) -> KVConnectorMetadata:
         """The commands queued for the ranks' transfer workers since the last step."""
-        metadata, self._pending = self._pending, KVConnectorMetadata()
+        metadata, self._pending = self._pending, KVConnectorMetadata(epoch=self.epoch)
         return metadata
 
     @property
@@ -67,9 +67,14 @@ class PrefillKVScheduler:
         first_token_id: int,
         first_token_logprob: float | None = None,
         first_token_top_logprobs: dict[int, float] | None = None,
+        *,
+        decode_id: str,
+        decode_epoch: int,
     ) -> KVHandoff:
-        """Hold the request's prompt blocks and build the handoff for the decode side.
-        Apply this step's metadata to the workers before sending the handoff on."""
+        """Hold the request's prompt blocks for decode instance `decode_id` in
+        `decode_epoch` (only that life's control messages touch them) and build the
+        handoff for it. Apply this step's metadata to the workers before sending the
+        handoff on."""
         rid = request.request_id
         if rid in self._held:
             raise ValueError(f"request {rid} is already handed off")
@@ -81,7 +86,7 @@ class PrefillKVScheduler:
             )
         prompt_blocks = list(block_ids[:needed])
         self._held.add(rid)
-        self._pending.holds.append(HoldSpec(rid, prompt_blocks))
+        self._pending.holds.append(HoldSpec(rid, prompt_blocks, decode_id, decode_epoch))
         return KVHandoff(
             request_id=rid,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -95,6 +100,7 @@ class PrefillKVScheduler:
             source=KVSource(
                 self.instance_id, self.rank_addresses, prompt_blocks, self.layout, self.epoch
             ),
+            decode_epoch=decode_epoch,
         )
 
     def abort(self, request_id: str) -> None:

@@ -16,6 +16,12 @@ handling off, UCX has no forced endpoint close, and a flushing close would wait 
 the silent peer forever. Abandoning is safe because a decode side past its deadline
 never uses what it receives, and its own blocks stay quarantined until its receives
 end. The abandoned requests (and their buffers) are kept until UCX completes them.
+
+A hold names the decode instance and epoch the gateway handed the request to; a pull,
+`Done`, `Heartbeat` or `Abort` about it from any other life (a fenced decode instance
+that went on before it was killed, its predecessor, the instance before a role switch,
+a connection that never said `Hello`) is dropped and counted (`stale_epoch`), so it
+never touches blocks held for another. Replies leave in this instance's epoch.
 """
 
 from __future__ import annotations
@@ -26,10 +32,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.kvtransfer.control import ControlServer
+from pdserve.kvtransfer.control import ControlServer, drop_stale
 from pdserve.kvtransfer.layout import KVLayoutMismatch, check_compatible, check_tp_split
 from pdserve.kvtransfer.messages import (
     Abort,
+    ControlEnvelope,
     ControlMessage,
     Done,
     Heartbeat,
@@ -71,6 +78,8 @@ class _Held:
     request_id: str
     block_ids: frozenset[int]
     deadline: float
+    decode_id: str  # the decode instance, in the epoch, that may pull and release it
+    decode_epoch: int
     serving: dict[tuple[bytes, int], _Serving] = field(default_factory=dict)
     delivered_heads: set[int] = field(default_factory=set)
     release: str | None = None  # "finished_sending" | "expired" | "aborted"
@@ -93,13 +102,15 @@ class PrefillKVServer:
         self._rank = rank
         self._server = server
         self._report = report
-        self._peers: dict[bytes, Hello] = {}
+        self._peers: dict[bytes, Hello] = {}  # handshakes accepted
+        self._senders: dict[bytes, str] = {}  # every connection's decode instance, by Hello
         self._held: dict[str, _Held] = {}
         # Held requests that need a look each poll (sends in flight, or being released);
         # the others only need their lease checked, at _lease_check_at.
         self._active: set[str] = set()
         self._lease_check_at = math.inf
-        self._parked: list[tuple[float, bytes, Pull]] = []  # pulls that beat their hold
+        # Pulls that beat their hold: (deadline, peer, epoch, pull).
+        self._parked: list[tuple[float, bytes, int, Pull]] = []
         self._abandoned: list[TransferOp] = []  # sends given up on, kept until UCX ends them
 
     # ---- commands from the instance -------------------------------------------------
@@ -108,7 +119,9 @@ class PrefillKVServer:
         if spec.request_id in self._held:
             return
         deadline = now + self._config.lease_s
-        self._held[spec.request_id] = _Held(spec.request_id, frozenset(spec.block_ids), deadline)
+        self._held[spec.request_id] = _Held(
+            spec.request_id, frozenset(spec.block_ids), deadline, spec.decode_id, spec.decode_epoch
+        )
         self._lease_check_at = min(self._lease_check_at, deadline)
 
     def abort(self, request_id: str, now: float) -> None:
@@ -116,35 +129,54 @@ class PrefillKVServer:
         if held is not None and held.release is None:
             held.release = "aborted"
             self._active.add(request_id)
-        self._parked = [p for p in self._parked if p[2].request_id != request_id]
+        self._parked = [p for p in self._parked if p[3].request_id != request_id]
 
     # ---- control messages -----------------------------------------------------------
 
-    def on_message(self, peer: bytes, message: ControlMessage, now: float) -> None:
+    def on_message(self, peer: bytes, envelope: ControlEnvelope, now: float) -> None:
+        message, epoch = envelope.message, envelope.epoch
         if isinstance(message, Hello):
             self._on_hello(peer, message)
         elif isinstance(message, Pull):
-            self._on_pull(peer, message, now)
+            self._on_pull(peer, message, epoch, now)
         elif isinstance(message, Done):
-            self._on_done(peer, message)
+            held = self._held.get(message.request_id)
+            if held is not None and self._from_holder(peer, held, message, epoch):
+                self._on_done(peer, held, message)
         elif isinstance(message, Heartbeat):
             for request_id in message.request_ids:
                 held = self._held.get(request_id)
-                if held is not None and held.release is None:
+                if held is None or held.release is not None:
+                    continue
+                if self._from_holder(peer, held, message, epoch):
                     held.deadline = now + self._config.lease_s
         elif isinstance(message, Abort):
             # The decode rank sends it only once its receives ended (completed or
             # cancelled): nothing of ours can land in its blocks any more, so our sends
             # to it are abandoned now rather than when the lease runs out.
             held = self._held.get(message.request_id)
-            if held is not None:
+            if held is None:  # only its own pulls that beat the hold go with it
+                key = (peer, message.request_id)
+                self._parked = [p for p in self._parked if (p[1], p[3].request_id) != key]
+            elif self._from_holder(peer, held, message, epoch):
                 self._abandon_sends(held, f"the decode side gave up ({message.reason})", peer)
-            self.abort(message.request_id, now)
+                self.abort(message.request_id, now)
         else:
             logger.warning("unexpected %s on the serving socket", type(message).__name__)
 
+    def _from_holder(self, peer: bytes, held: _Held, message: ControlMessage, epoch: int) -> bool:
+        """Whether `message` about `held` comes from the decode life its hold names."""
+        sender = self._senders.get(peer)
+        if (sender, epoch) == (held.decode_id, held.decode_epoch):
+            return True
+        who = f"decode instance {sender}" if sender else f"a connection without Hello {peer!r}"
+        wanted = f"{held.request_id} is held for {held.decode_id} in epoch {held.decode_epoch}"
+        drop_stale(message, who, epoch, wanted)
+        return False
+
     def _on_hello(self, peer: bytes, hello: Hello) -> None:
         name = f"decode instance {hello.instance_id} rank {hello.tp_rank}"
+        self._senders[peer] = hello.instance_id  # refused or not: whose messages these are
         error = ""
         try:
             check_compatible(self._layout, hello.layout, name)
@@ -165,21 +197,24 @@ class PrefillKVServer:
             self._peers[peer] = hello
             self._transport.add_peer(peer.hex(), hello.transport_info, hello.host)
         reply = HelloReply(*self._rank.introduction(), error, self._pp_stage)
-        self._server.send(peer, reply)
+        self._server.send(peer, reply, self._rank.epoch)
 
     def _reject(self, peer: bytes, pull: Pull, reason: str) -> None:
-        self._server.send(peer, PullRejected(pull.request_id, pull.transfer_id, reason))
+        rejected = PullRejected(pull.request_id, pull.transfer_id, reason)
+        self._server.send(peer, rejected, self._rank.epoch)
 
-    def _on_pull(self, peer: bytes, pull: Pull, now: float) -> None:
+    def _on_pull(self, peer: bytes, pull: Pull, epoch: int, now: float) -> None:
         if peer not in self._peers:
             self._reject(peer, pull, "unknown peer: handshake first")
             return
         held = self._held.get(pull.request_id)
         if held is None:
             if self._config.pull_grace_s > 0:
-                self._parked.append((now + self._config.pull_grace_s, peer, pull))
+                self._parked.append((now + self._config.pull_grace_s, peer, epoch, pull))
             else:
                 self._reject(peer, pull, self._unknown(pull.request_id))
+            return
+        if not self._from_holder(peer, held, pull, epoch):
             return
         if held.release is not None:
             reason = f"request {pull.request_id} is being released ({held.release})"
@@ -226,10 +261,7 @@ class PrefillKVServer:
                 return f"blocks {list(blocks)} are not held for request {held.request_id}"
         return ""
 
-    def _on_done(self, peer: bytes, done: Done) -> None:
-        held = self._held.get(done.request_id)
-        if held is None:
-            return
+    def _on_done(self, peer: bytes, held: _Held, done: Done) -> None:
         key = (peer, done.transfer_id)
         serving = held.serving.get(key)
         if serving is not None and serving.sent:
@@ -272,13 +304,13 @@ class PrefillKVServer:
 
     def _serve_parked(self, now: float) -> None:
         parked, self._parked = self._parked, []
-        for deadline, peer, pull in parked:
+        for deadline, peer, epoch, pull in parked:
             if pull.request_id in self._held:
-                self._on_pull(peer, pull, now)
+                self._on_pull(peer, pull, epoch, now)
             elif now >= deadline:
                 self._reject(peer, pull, self._unknown(pull.request_id))
             else:
-                self._parked.append((deadline, peer, pull))
+                self._parked.append((deadline, peer, epoch, pull))
 
     def _finish_sends(self, held: _Held) -> None:
         for key, serving in list(held.serving.items()):
@@ -289,7 +321,8 @@ class PrefillKVServer:
             if serving.error or errors:
                 del held.serving[key]
                 reason = serving.error or f"prefill side send failed: {errors[0]}"
-                self._server.send(serving.peer, PullRejected(held.request_id, key[1], reason))
+                rejected = PullRejected(held.request_id, key[1], reason)
+                self._server.send(serving.peer, rejected, self._rank.epoch)
                 self._stats.failures_total += 1
                 continue
             self._stats.bytes_total += sum(op.nbytes for op in serving.ops)

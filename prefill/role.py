@@ -70,8 +70,9 @@ class PrefillRole:
         self.kv = PrefillKVScheduler(instance_id, link.layout, link.rank_addresses, epoch)
         self._send_to_instance = send_to_instance
         self._flush = flush
-        # Requests still to hand off once their first token is out, and to whom.
-        self._targets: dict[str, InstanceAddress] = {}
+        # Requests still to hand off once their first token is out, and to whom (the
+        # decode instance and its epoch, which the hold names).
+        self._targets: dict[str, tuple[InstanceAddress, int]] = {}
         self.handoffs_sent = 0
 
     # ---- tasks ------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class PrefillRole:
             self.engine.add_request(request)  # no decode instance: it runs here to the end
             return
         self.engine.add_request(request, hand_off=True)
-        self._targets[task.request_id] = task.decode_target
+        self._targets[task.request_id] = (task.decode_target, task.decode_epoch)
 
     def on_task(self, task: Any, received_at: float | None = None) -> RequestDelta | None:
         raise TypeError(f"a prefill instance has no {type(task).__name__} tasks")  # never decoded
@@ -182,14 +183,17 @@ class PrefillRole:
                 first = delta.logprobs[0]
                 logprob = first.logprob
                 top = dict(zip(first.top_ids, first.top_logprobs, strict=True))
+            target, decode_epoch = self._targets.pop(delta.request_id)
             handoff = self.kv.hand_off(
                 request,
                 scheduler.get_block_ids(delta.request_id),
                 request.output_token_ids[0],
                 logprob,
                 top,
+                decode_id=target.instance_id,
+                decode_epoch=decode_epoch,
             )
-            messages.append((self._targets.pop(delta.request_id), handoff))
+            messages.append((target, handoff))
         # The holds reach the ranks before any handoff leaves (kvtransfer/README.md).
         self._settle(self.link.exchange(self.kv.build_metadata()))
         for target, handoff in messages:

@@ -1,17 +1,23 @@
 """A worker group's rendezvous (engine/rendezvous.py): the store holds its port from the
 moment the driver makes it, listens on the group's interface only, and keeps every key
-the group uses behind a prefix only holders of the deployment secret can name."""
+the group uses behind a prefix only holders of the deployment secret can name; a rank
+with another secret fails before it joins, naming the secret."""
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
+from pdserve.common.wire_auth import SECRET_ENV, SecretError
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.ranks import RankJob
 from pdserve.engine.rendezvous import Rendezvous, bind_collectives, interface_of, join_store
+from pdserve.engine.worker_group import _FAILED, run_rank
 
 
 def outside_address() -> str | None:
@@ -61,3 +67,43 @@ def test_collectives_bind_the_interface_of_the_groups_address(monkeypatch) -> No
     assert os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
     with pytest.raises(OSError, match="no network interface holds"):
         interface_of("192.0.2.77")
+
+
+def test_a_rank_with_another_secret_fails_at_once_naming_the_secret(monkeypatch) -> None:
+    monkeypatch.setenv(SECRET_ENV, "the driver's secret")
+    rendezvous = Rendezvous("127.0.0.1", timeout_s=5.0)
+    join_store(rendezvous.address, timeout_s=5.0)  # the driver's secret: it joins
+    monkeypatch.setenv(SECRET_ENV, "another secret")
+    started = time.monotonic()
+    with pytest.raises(SecretError, match=f"deployment secret \\({SECRET_ENV}"):
+        join_store(rendezvous.address, timeout_s=5.0)
+    assert time.monotonic() - started < 1.0  # not the rendezvous timeout
+
+
+class Channel:
+    """A rank's end of its channel to the driver, recording what the rank sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def send_bytes(self, data: bytes) -> None:
+        self.sent.append(data)
+
+    def recv_bytes(self) -> bytes:
+        raise EOFError
+
+
+def test_a_rank_with_another_secret_tells_its_driver_why_before_it_joins(monkeypatch) -> None:
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", interface_of("127.0.0.1"))
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", interface_of("127.0.0.1"))
+    monkeypatch.setenv(SECRET_ENV, "the driver's secret")
+    rendezvous = Rendezvous("127.0.0.1", timeout_s=5.0)
+    monkeypatch.setenv(SECRET_ENV, "another secret")
+    # Were the secret not checked, the join would fail at this timeout instead.
+    monkeypatch.setattr("pdserve.engine.worker_group.GROUP_TIMEOUT_S", 3.0)
+    channel = Channel()
+    run_rank(RankJob(EngineConfig(), rank=1, size=2, master=rendezvous.address), channel)
+    (reply,) = channel.sent
+    assert reply[:1] == _FAILED
+    message = reply[1:].decode()
+    assert message.startswith("SecretError: the deployment secret") and "\n" not in message

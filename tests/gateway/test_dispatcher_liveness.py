@@ -162,7 +162,8 @@ async def paused_then_replaced(dispatcher: Dispatcher, context: zmq.Context) -> 
         d0.say(running=1)
         events: list[StreamEvent] = []
         dispatcher.submit(task("r1"), events.append)
-        assert (await d0.next_task(GenerateTask)).request_id == "r1"
+        first = await d0.next_task(GenerateTask)
+        assert (first.request_id, first.epoch) == ("r1", 0)  # tasks name the epoch
         d0.say(RequestDelta("r1", [7], 0), running=1)  # it started, then it pauses
         view = dispatcher.scheduler.views["d0"]
         await until(lambda: not view.alive, 5, "d0 to be fenced")
@@ -188,11 +189,13 @@ async def paused_then_replaced(dispatcher: Dispatcher, context: zmq.Context) -> 
         replacement.epoch = 1
         dispatcher.register(msgspec.structs.replace(replacement.info, epoch=1))
         assert dispatcher.metrics.restarted._value.get() == 1
-        await replacement.next_task(SnapshotTask)  # its prefix cache is mirrored afresh
+        snapshot = await replacement.next_task(SnapshotTask)  # its prefix cache afresh
+        assert snapshot.epoch == 1  # the replacement's epoch, not the retired one
         assert gauge_lines(dispatcher, "d0")  # its gauges are back
         dispatcher.scheduler.admit()
         dispatcher.submit(task("r2"), events.append)
-        assert (await replacement.next_task(GenerateTask)).request_id == "r2"
+        second = await replacement.next_task(GenerateTask)
+        assert (second.request_id, second.epoch) == ("r2", 1)
         replacement.say(RequestDelta("r2", [9], 0, finish_reason="length"))
         await until(lambda: events[-1].request_id == "r2", 5, "r2 to finish",
                     keep_alive=[replacement])  # fmt: skip

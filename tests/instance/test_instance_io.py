@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from pdserve.common import frame_seal
+from pdserve.common.frame_drops import DROPS
 from pdserve.common.frame_seal import Channel, Sealer
 from pdserve.common.messages import (
     AbortTask,
@@ -181,4 +182,23 @@ def test_a_peers_socket_is_closed_once_idle(gateway, monkeypatch) -> None:
         ) == AbortTask(["b"])
     finally:
         peer.close(linger=0)
+        instance.close()
+
+
+def test_a_task_for_another_epoch_of_the_instance_is_dropped_and_counted(gateway) -> None:
+    instance = InstanceIO("i-4", "colocated", gateway[1], task_type=Task | Ping, epoch=2)
+    instance.start()
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    before = DROPS.totals().get(("tasks", "stale_epoch"), 0)
+    try:
+        push.connect(instance.address.task_address)
+        # Sent before a fence (epoch 1), to a successor of this process (3), to it (2).
+        for epoch in (1, 3, 2):
+            push.send(SEAL.seal(ENCODER.encode(AbortTask([f"e{epoch}"], epoch=epoch))))
+        push.send(SEAL.seal(ENCODER.encode(Ping("a peer's message names no epoch of it"))))
+        tasks = take(instance, 2, timeout_s=2.0)
+        assert tasks == [AbortTask(["e2"], epoch=2), Ping("a peer's message names no epoch of it")]
+        assert DROPS.totals()[("tasks", "stale_epoch")] == before + 2
+    finally:
+        push.close(linger=0)
         instance.close()

@@ -13,6 +13,7 @@ import msgspec
 import pytest
 import zmq
 
+from pdserve.common.frame_drops import DROPS
 from pdserve.common.frame_seal import OUTPUTS, TASKS, Sealer
 from pdserve.common.messages import (
     AbortTask,
@@ -29,7 +30,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.step_plan import KVGeometry, SampledToken, StepPlan, StepResult, WorkerInfo
 from pdserve.instance.loop import StepLoop
 from pdserve.instance.spec import InstanceSpec
-from pdserve.kvtransfer import KVHandoff, KVTransferStats, TransferReport
+from pdserve.kvtransfer import KVHandoff, KVLayout, KVSource, KVTransferStats, TransferReport
 from pdserve.kvtransfer.connector import RankReport
 
 VOCAB = 1000
@@ -105,7 +106,11 @@ class Harness:
     """A loaded loop stepped by the test, its gateway socket and a peer socket."""
 
     def __init__(
-        self, role: str, test_hooks: bool = False, engine: EngineConfig | None = None
+        self,
+        role: str,
+        test_hooks: bool = False,
+        engine: EngineConfig | None = None,
+        epoch: int = 0,
     ) -> None:
         self.context = zmq.Context()
         self.outputs = self.context.socket(zmq.PULL)
@@ -115,7 +120,7 @@ class Harness:
         self.peer_address = InstanceAddress("d-peer", "decode", f"tcp://127.0.0.1:{peer_port}")
         gateway = f"tcp://127.0.0.1:{port}"
         spec = InstanceSpec(instance_id=f"{role}-0", role=role, idle_wait_s=0.01,
-                            gateway_address=gateway, test_hooks=test_hooks,
+                            gateway_address=gateway, test_hooks=test_hooks, epoch=epoch,
                             engine=engine or EngineConfig(block_size=4))  # fmt: skip
         self.executor = FakeExecutor()
         self.loop = StepLoop(spec, self.executor)
@@ -301,7 +306,7 @@ def test_a_prefill_instance_becomes_decode_once_its_handoffs_are_released() -> N
         harness.send(generate("p", list(range(20, 29)), max_tokens=8, target=harness.peer_address))
         harness.until(lambda: harness.peer.poll(0), "handoff")
         link = harness.loop.link
-        harness.send(SwitchRoleTask("decode", epoch=1))
+        harness.send(SwitchRoleTask("decode"))  # names epoch 0: it switches into 1
         harness.turn(5)
         assert harness.switched == [] and harness.epoch == 0  # its blocks are out on loan
         harness.executor.next_report = TransferReport(finished_sending=["p"])
@@ -321,17 +326,77 @@ def test_a_prefill_instance_becomes_decode_once_its_handoffs_are_released() -> N
 def test_a_decode_instance_becomes_colocated_and_serves_whole_requests() -> None:
     harness = Harness("decode")
     try:
-        harness.send(SwitchRoleTask("colocated", epoch=3))
+        harness.send(SwitchRoleTask("colocated"))
         harness.until(lambda: harness.switched, "the switch")
-        harness.send(generate("c", [5, 6, 7], max_tokens=3))
+        task = msgspec.structs.replace(generate("c", [5, 6, 7], max_tokens=3), epoch=1)
+        harness.send(task)
         harness.until(lambda: harness.finished("c"), "a whole request")
-        assert harness.tokens("c") == [8, 9, 10] and harness.epoch == 3
+        assert harness.tokens("c") == [8, 9, 10] and harness.epoch == 1
     finally:
         harness.close()
 
 
 def test_a_colocated_instance_without_kv_transfer_keeps_its_role(colocated) -> None:
-    colocated.send(SwitchRoleTask("decode", epoch=1))
+    colocated.send(SwitchRoleTask("decode"))
     colocated.turn(3)
     assert colocated.switched == [] and colocated.roles[-1] == "colocated"
     assert type(colocated.loop.role).__name__ == "ColocatedRole"
+
+
+def test_tasks_sent_across_a_role_switch_are_taken_until_the_new_epoch_is_named() -> None:
+    harness = Harness("decode")
+    try:
+        harness.send(SwitchRoleTask("colocated"))
+        harness.until(lambda: harness.switched, "the switch")
+        assert harness.epoch == 1
+        # Sent before the gateway heard of the switch: it names epoch 0 and is not lost.
+        harness.send(InspectTask("in-between", epoch=0))
+        harness.until(lambda: "in-between" in harness.inspections, "the in-between task")
+        harness.send(InspectTask("named-new", epoch=1))
+        harness.until(lambda: "named-new" in harness.inspections, "the new epoch's task")
+        # The gateway's socket keeps order: a task for epoch 0 after one for 1 is stale.
+        stale = DROPS.totals().get(("tasks", "stale_epoch"), 0)
+        harness.send(InspectTask("late", epoch=0))
+        harness.send(InspectTask("after-it", epoch=1))
+        harness.until(lambda: "after-it" in harness.inspections, "the task after it")
+        assert "late" not in harness.inspections
+        assert DROPS.totals()[("tasks", "stale_epoch")] == stale + 1
+    finally:
+        harness.close()
+
+
+def test_a_restarted_instance_drops_what_was_sent_to_its_retired_epoch() -> None:
+    harness = Harness("colocated", epoch=2)
+    try:
+        harness.send(msgspec.structs.replace(generate("old", [3, 4]), epoch=1))
+        harness.send(msgspec.structs.replace(generate("new", [5, 6], max_tokens=2), epoch=2))
+        harness.until(lambda: harness.finished("new"), "the request of its own epoch")
+        assert harness.tokens("old") == [] and harness.epoch == 2
+        assert all(n.request_id == "new" for _, p in harness.executor.plans for n in p.new_requests)
+    finally:
+        harness.close()
+
+
+def handoff_to(request_id: str, decode_epoch: int) -> KVHandoff:
+    layout = KVLayout(block_size=4, num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32")
+    source = KVSource("p-0", ["tcp://127.0.0.1:9"], [0, 1], layout)
+    params = SamplingParams(max_tokens=4, temperature=0.0, seed=1, ignore_eos=True)
+    return KVHandoff(request_id=request_id, prompt_token_ids=list(range(1, 8)),
+                     first_token_id=8, sampling_params=params, source=source,
+                     decode_epoch=decode_epoch)  # fmt: skip
+
+
+def test_a_decode_instance_drops_a_handoff_routed_to_another_of_its_epochs() -> None:
+    harness = Harness("decode", epoch=2)
+    try:
+        stale = DROPS.totals().get(("tasks", "stale_epoch"), 0)
+        harness.send(handoff_to("to-epoch-1", 1))  # routed before it was fenced
+        harness.send(handoff_to("to-epoch-2", 2))
+        harness.turn(3)
+        query = "books"
+        harness.send(InspectTask(query, epoch=2))
+        harness.until(lambda: query in harness.inspections, "the inspection")
+        assert harness.inspections[query].unfinished_request_ids == ["to-epoch-2"]
+        assert DROPS.totals()[("tasks", "stale_epoch")] == stale + 1
+    finally:
+        harness.close()

@@ -136,8 +136,9 @@ class Instance:
         return [[h for rank in per_rank for h in rank[i]] for i in range(len(block_ids))]
 
 
-def hand_off(p: Instance, request_id: str, num_tokens: int) -> KVHandoff:
-    """P finished a prompt of `num_tokens`: hold its blocks; the handoff crosses a wire."""
+def hand_off(p: Instance, d: Instance, request_id: str, num_tokens: int) -> KVHandoff:
+    """P finished a prompt of `num_tokens`: hold its blocks for `d` (in epoch 0, the
+    epoch of its scheduler half); the handoff crosses a wire."""
     assert p.prefill is not None
     count = -(-num_tokens // p.layout.block_size)
     blocks = p.pool.allocate(request_id, count)
@@ -149,7 +150,7 @@ def hand_off(p: Instance, request_id: str, num_tokens: int) -> KVHandoff:
         cache_salt="tenant-a",
         seed=7,
     )
-    handoff = p.prefill.hand_off(request, blocks, first_token_id=42, first_token_logprob=-0.5)
+    handoff = p.prefill.hand_off(request, blocks, 42, -0.5, decode_id=d.name, decode_epoch=0)
     p.push()
     return msgspec.msgpack.decode(msgspec.msgpack.encode(handoff), type=KVHandoff)
 

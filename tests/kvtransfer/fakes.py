@@ -63,8 +63,10 @@ class FakePrefill:
         transport: str = "ucx",
         tp_rank: int = 0,
         tp_size: int = 1,
+        epoch: int = 0,
     ):
         self.layout, self.instance_id, self.transport = layout, instance_id, transport
+        self.epoch = epoch  # its replies carry it
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
@@ -81,14 +83,14 @@ class FakePrefill:
             if not self.socket.poll(10):
                 continue
             identity, frame = self.socket.recv_multipart()
-            message = decode_control(self.sealer.open(frame).payload)
+            message = decode_control(self.sealer.open(frame).payload).message
             self.received.append(message)
             if isinstance(message, Hello):
                 self.hellos.append(message)
                 reply = HelloReply(
                     self.instance_id, self.tp_rank, self.tp_size, self.layout, self.transport
                 )
-                frame = self.sealer.seal(encode_control(reply))
+                frame = self.sealer.seal(encode_control(reply, self.epoch))
                 self.socket.send_multipart([identity, frame])
 
     def close(self) -> None:
@@ -110,8 +112,8 @@ class FakeDecode:
         self.socket.connect(address)
         self.sealer = Sealer(KV_CONTROL, "fake-d")  # its routing identity
 
-    def send(self, message: ControlMessage) -> None:
-        self.socket.send(self.sealer.seal(encode_control(message)))
+    def send(self, message: ControlMessage, epoch: int = 0) -> None:
+        self.socket.send(self.sealer.seal(encode_control(message, epoch)))
 
     def handshake(self, timeout: float = 5.0) -> HelloReply:
         self.send(Hello("fake-d", 0, 1, self.layout, "ucx", self.ucx.address))
@@ -122,7 +124,7 @@ class FakeDecode:
     def receive(self, timeout: float) -> ControlMessage:
         if not self.socket.poll(int(timeout * 1000)):
             raise TimeoutError("no message from the prefill side")
-        return decode_control(self.sealer.open(self.socket.recv()).payload)
+        return decode_control(self.sealer.open(self.socket.recv()).payload).message
 
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -43,6 +43,7 @@ from tests.kvtransfer.test_prefill_kv_server import (
     HeldOp,
     ManualTransport,
     RecordingServer,
+    sent,
 )
 
 SHAPE = (8, 2, 2, 2, 4, 8)  # blocks, layers, K/V, kv heads, block size, head dim
@@ -119,10 +120,10 @@ def test_a_head_slice_is_gathered_and_done_before_ucx_is_handed_it() -> None:
         transport, KVTransferStats(),
     )  # fmt: skip
     side = PrefillKVServer(rank, RecordingServer(), lambda kind, rid: None)
-    side.hold(HoldSpec("r", [2, 3, 5]), now=0.0)
-    side.on_message(PEER, Hello("d", 0, 2, LAYOUT, "ucx", b"addr"), now=0.0)
+    side.hold(HoldSpec("r", [2, 3, 5], "d", 0), now=0.0)
+    side.on_message(PEER, sent(Hello("d", 0, 2, LAYOUT, "ucx", b"addr")), now=0.0)
     # A decode rank of TP 2 wants head 0 of this rank's two: a strided slice, gathered.
-    side.on_message(PEER, Pull("r", 7, 0, 1, [BlockRun(2, 2, 1), BlockRun(5, 1, 2)]), now=0.1)
+    side.on_message(PEER, sent(Pull("r", 7, 0, 1, [BlockRun(2, 2, 1), BlockRun(5, 1, 2)])), now=0.1)
     half_block = LAYOUT.bytes_per_block // 2
     assert log == [
         "transfer stream",
@@ -136,7 +137,7 @@ def test_a_head_slice_is_gathered_and_done_before_ucx_is_handed_it() -> None:
     ]
     log.clear()
     # Whole blocks go out as views of the cache: no copy to wait for.
-    side.on_message(PEER, Pull("r", 8, 0, 2, [BlockRun(2, 2, 3)]), now=0.2)
+    side.on_message(PEER, sent(Pull("r", 8, 0, 2, [BlockRun(2, 2, 3)])), now=0.2)
     assert log == [f"UCX send {2 * LAYOUT.bytes_per_block} bytes"]
 
 
@@ -235,7 +236,7 @@ def test_holds_and_pulls_wait_for_the_steps_launched_before_them() -> None:
     )
     source = KVSource("p", ["tcp://127.0.0.1:1"], [0], LAYOUT)
     with worker:
-        worker.apply(KVConnectorMetadata(holds=[HoldSpec("h", [1])]))
+        worker.apply(KVConnectorMetadata(holds=[HoldSpec("h", [1], "d", 0)]))
         _wait_for(lambda: "hold h" in log, "the hold")
         worker.apply(KVConnectorMetadata(aborts=["gone"]))  # touches no block: no marker
         _wait_for(lambda: "abort gone" in log, "the abort")

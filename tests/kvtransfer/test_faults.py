@@ -38,7 +38,7 @@ def test_decode_killed_mid_pull_prefill_frees_at_lease_expiry(fresh_peers):
     config = {"lease_s": 2.0, "heartbeat_interval_s": 0.25, "transfer_timeout_s": 1.5,
               "handshake_timeout_s": 1.0}  # fmt: skip
     p, d = _pair(fresh_peers, config)
-    admit_and_pull(d, hand_off(p, "victim", REQUEST_TOKENS))
+    admit_and_pull(d, hand_off(p, d, "victim", REQUEST_TOKENS))
     wait_for(lambda: p.stats()["in_flight"] > 0, timeout=20)
     d.peer.kill()
     killed = time.monotonic()
@@ -58,7 +58,7 @@ def test_prefill_killed_decode_fails_within_timeout(fresh_peers, mid_message):
     config = {"lease_s": 10.0, "transfer_timeout_s": 2.0, "handshake_timeout_s": 1.0}
     env = SLOW_TCP_ENV if mid_message else TCP_ENV
     p, d = _pair(fresh_peers, config, env, env)
-    admit_and_pull(d, hand_off(p, "orphan", REQUEST_TOKENS))
+    admit_and_pull(d, hand_off(p, d, "orphan", REQUEST_TOKENS))
     wait_for(lambda: d.stats()["in_flight"] > 0 and p.stats()["in_flight"] > 0, timeout=20)
     if mid_message:
         time.sleep(0.1)  # the message streams in small segments meanwhile
@@ -79,7 +79,7 @@ def test_prefill_killed_decode_fails_within_timeout(fresh_peers, mid_message):
 def test_abort_during_transfer_reuses_no_block_before_it_ends(fresh_peers):
     config = {"lease_s": 20.0, "transfer_timeout_s": 10.0}
     p, d = _pair(fresh_peers, config)
-    handoff = hand_off(p, "doomed", REQUEST_TOKENS)
+    handoff = hand_off(p, d, "doomed", REQUEST_TOKENS)
     dst = admit_and_pull(d, handoff)
     wait_for(lambda: p.stats()["in_flight"] > 0, timeout=20)
     p.peer.signal(signal.SIGSTOP)  # the transfer cannot end while P is frozen
@@ -117,7 +117,7 @@ def test_mismatched_layout_is_a_clear_error_with_nothing_allocated(fresh_peers):
     other = msgspec.structs.replace(small, head_dim=128)
     p = Instance.start(p_peer, "p", "prefill", small, 16, config, seed=2)
     d = Instance.start(d_peer, "d", "decode", other, 16, config)
-    handoff = hand_off(p, "alien", 40)
+    handoff = hand_off(p, d, "alien", 40)
     # The handoff says what P's layout is: refused before any block is allocated.
     with pytest.raises(KVLayoutMismatch, match="head_dim 64 there vs 128 here"):
         d.decode.admit(handoff)

@@ -19,6 +19,7 @@ from pdserve.kvtransfer import (
 from pdserve.prefill.kv_scheduler import PrefillKVScheduler
 
 LAYOUT = KVLayout(block_size=4, num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16")
+TO = {"decode_id": "d0", "decode_epoch": 2}  # the decode life a hold names
 
 
 def _request(rid: str = "r1", tokens: int = 10) -> SimpleNamespace:
@@ -38,10 +39,11 @@ def _prefill() -> PrefillKVScheduler:
 
 def test_hand_off_holds_the_prompt_blocks_and_builds_the_message():
     p = _prefill()
-    handoff = p.hand_off(_request(), [9, 3, 4, 8], 55, -0.25, {55: -0.25, 60: -2.0})
+    handoff = p.hand_off(_request(), [9, 3, 4, 8], 55, -0.25, {55: -0.25, 60: -2.0}, **TO)
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(handoff), type=KVHandoff)
     assert wire == handoff
     assert wire.source.block_ids == [9, 3, 4]  # 10 tokens of block size 4
+    assert wire.decode_epoch == 2  # the decode life it is routed to, as its hold names
     assert wire.source.tp_size == 2 and wire.sampling_params.temperature == 0.7
     assert (
         wire.eos_token_ids == [2, 7]
@@ -50,25 +52,34 @@ def test_hand_off_holds_the_prompt_blocks_and_builds_the_message():
     )
     assert wire.first_token_top_logprobs == {55: -0.25, 60: -2.0}
     metadata = p.build_metadata()
-    assert [(h.request_id, h.block_ids) for h in metadata.holds] == [("r1", [9, 3, 4])]
+    holds = [(h.request_id, h.block_ids, h.decode_id, h.decode_epoch) for h in metadata.holds]
+    assert holds == [("r1", [9, 3, 4], "d0", 2)]
     assert p.build_metadata().is_empty
     with pytest.raises(ValueError, match="already handed off"):
-        p.hand_off(_request(), [1, 2, 3], 5)
+        p.hand_off(_request(), [1, 2, 3], 5, **TO)
     with pytest.raises(ValueError, match="2 blocks cannot hold 10 prompt tokens"):
-        p.hand_off(_request("r2"), [1, 2], 5)
+        p.hand_off(_request("r2"), [1, 2], 5, **TO)
 
 
 def test_a_handoff_carries_its_prefill_instances_epoch():
     p = PrefillKVScheduler("p0", LAYOUT, ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], epoch=3)
-    handoff = p.hand_off(_request(), [9, 3, 4], 55)
+    handoff = p.hand_off(_request(), [9, 3, 4], 55, **TO)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(handoff), type=KVHandoff).source.epoch == 3
-    assert _prefill().hand_off(_request(), [9, 3, 4], 55).source.epoch == 0
+    assert _prefill().hand_off(_request(), [9, 3, 4], 55, **TO).source.epoch == 0
+    assert p.build_metadata().epoch == 3  # the ranks' control messages carry it
+
+
+def test_a_decode_schedulers_metadata_carries_its_instances_epoch():
+    d = DecodeKVScheduler(LAYOUT, epoch=4)
+    d.admit(_prefill().hand_off(_request(), [1, 2, 3], 5, **TO))
+    assert d.build_metadata().epoch == 4
+    assert d.build_metadata().epoch == 4  # an empty one too
 
 
 def test_prefill_update_releases_each_request_once():
     p = _prefill()
     for rid in ("a", "b", "c"):
-        p.hand_off(_request(rid), [1, 2, 3], 5)
+        p.hand_off(_request(rid), [1, 2, 3], 5, **TO)
     p.abort("c")
     assert p.build_metadata().aborts == ["c"]
     update = p.update(TransferReport(finished_sending=["a", "zzz"], expired=["b"], aborted=["c"]))
@@ -79,7 +90,7 @@ def test_prefill_update_releases_each_request_once():
 
 def test_decode_admission_checks_before_allocation_and_pulls_only_misses():
     p = _prefill()
-    handoff = p.hand_off(_request(tokens=14), [20, 21, 22, 23], 5)
+    handoff = p.hand_off(_request(tokens=14), [20, 21, 22, 23], 5, **TO)
     d = DecodeKVScheduler(LAYOUT, tp_size=4, failure_policy="fail")
     assert d.admit(handoff) == 14
     assert [k.request_id for k in d.build_metadata().keepalives] == ["r1"]
@@ -95,7 +106,7 @@ def test_decode_admission_checks_before_allocation_and_pulls_only_misses():
 
 def test_request_that_failed_while_queued_pulls_nothing_once_allocated():
     d = DecodeKVScheduler(LAYOUT)
-    d.admit(_prefill().hand_off(_request(), [1, 2, 3], 5))
+    d.admit(_prefill().hand_off(_request(), [1, 2, 3], 5, **TO))
     d.build_metadata()
     assert d.update(TransferReport(failed={"r1": "handshake failed"})).failed
     allocation = SimpleNamespace(request_id="r1", block_ids=[4, 5, 6], num_local_cached_tokens=0)
@@ -104,7 +115,7 @@ def test_request_that_failed_while_queued_pulls_nothing_once_allocated():
 
 
 def test_decode_admission_refuses_a_foreign_layout():
-    handoff = _prefill().hand_off(_request(), [1, 2, 3], 5)
+    handoff = _prefill().hand_off(_request(), [1, 2, 3], 5, **TO)
     d = DecodeKVScheduler(msgspec.structs.replace(LAYOUT, num_layers=3))
     with pytest.raises(KVLayoutMismatch, match="num_layers 2 there vs 3 here"):
         d.admit(handoff)

@@ -66,7 +66,7 @@ def test_bit_exact_over_shared_memory(pair, shape):
     src, dst = {}, {}
     for name, length in lengths.items():
         rid = f"{shape}-{name}"
-        handoff = hand_off(p, rid, length)
+        handoff = hand_off(p, d, rid, length)
         src[rid] = handoff.source.block_ids
         dst[rid] = admit_and_pull(d, handoff)
     assert any(b - a != 1 for ids in dst.values() for a, b in zip(ids, ids[1:], strict=False))
@@ -86,7 +86,7 @@ def test_bit_exact_over_shared_memory(pair, shape):
 def test_only_missing_blocks_are_pulled(pair):
     """Local prefix-cache hits stay as they are; only the rest crosses."""
     p, d = pair[0]["tiny"], pair[1]["tiny"]
-    handoff = hand_off(p, "cached", 6 * TINY.block_size)
+    handoff = hand_off(p, d, "cached", 6 * TINY.block_size)
     dst = admit_and_pull(d, handoff, cached_tokens=2 * TINY.block_size)
     run_until(p, d, _all_ready(["cached"]), timeout=30)
     zero = d.digests([dst[0]])  # never written: all-zero content
@@ -98,7 +98,7 @@ def test_only_missing_blocks_are_pulled(pair):
 
 def test_fully_cached_prompt_releases_prefill_without_data(pair):
     p, d = pair[0]["tiny"], pair[1]["tiny"]
-    handoff = hand_off(p, "all-cached", 2 * TINY.block_size)
+    handoff = hand_off(p, d, "all-cached", 2 * TINY.block_size)
     before = d.stats()["bytes_total"]
     admit_and_pull(d, handoff, cached_tokens=2 * TINY.block_size)
     run_until(p, d, _all_ready(["all-cached"]), timeout=30)
@@ -111,7 +111,7 @@ def test_fully_cached_prompt_releases_prefill_without_data(pair):
 def test_heterogeneous_tp_reassembles_the_same_kv(pair, p_tp, d_tp):
     p, d = pair[0][f"tp{p_tp}"], pair[1][f"tp{d_tp}"]
     rid = f"hetero-{p_tp}-{d_tp}"
-    handoff = hand_off(p, rid, 9 * HETERO.block_size + 3)
+    handoff = hand_off(p, d, rid, 9 * HETERO.block_size + 3)
     dst = admit_and_pull(d, handoff)
     run_until(p, d, _all_ready([rid]), timeout=30)
     # Expected: the prefill side's logical KV (all heads), whatever its TP split.

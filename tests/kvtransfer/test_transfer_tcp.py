@@ -44,7 +44,7 @@ def test_bit_exact_over_tcp(peers, transport, shape):
     rids, src, dst = [], {}, {}
     for i, length in enumerate([layout.block_size * 11 + 1, 2, layout.block_size * 20]):
         rid = f"{name}-{i}"
-        handoff = hand_off(p, rid, length)
+        handoff = hand_off(p, d, rid, length)
         rids.append(rid)
         src[rid], dst[rid] = handoff.source.block_ids, admit_and_pull(d, handoff)
     run_until(p, d, _ready(rids), timeout=60)
@@ -64,7 +64,7 @@ def test_unreachable_transport_fails_the_pull_clearly(peers, peer_factory):
     config = {"transport": "ucx", "transfer_timeout_s": 5.0}
     p = Instance.start(peers[0], "p-island", "prefill", layout, NUM_BLOCKS, config, seed=4)
     d = Instance.start(d_peer, "d-island", "decode", layout, NUM_BLOCKS, config)
-    handoff = hand_off(p, "island", layout.block_size * 3)
+    handoff = hand_off(p, d, "island", layout.block_size * 3)
     admit_and_pull(d, handoff)
     outcomes = run_until(None, d, lambda o: o.decode.failed, timeout=15)
     failure = outcomes.decode.failed[0]

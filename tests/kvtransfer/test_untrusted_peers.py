@@ -17,7 +17,7 @@ from tests.kvtransfer.test_worker import LAYOUT, _run, collect, make_worker  # n
 
 def test_a_stranger_cannot_handshake_pull_or_keep_a_lease(make_worker, caplog) -> None:  # noqa: F811
     p, _ = make_worker("p", seed=1)
-    p.apply(KVConnectorMetadata(holds=[HoldSpec("a", [0, 1])]))
+    p.apply(KVConnectorMetadata(holds=[HoldSpec("a", [0, 1], "fake-d", 0)]))
     stranger = FakeDecode(LAYOUT, p.control_address, FakeUcx())
     stranger.sealer = Sealer(KV_CONTROL, "fake-d", secret=b"not the deployment's secret")
     held_at = time.monotonic()

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from pdserve.common.frame_drops import DROPS
 from pdserve.decode.kv_puller import DecodeKVPuller
 from pdserve.kvtransfer import (
     KVConnectorMetadata,
@@ -81,7 +82,7 @@ def test_pull_moves_blocks_bit_exact(make_worker, transport):
     p, p_kv = make_worker("p", seed=1, transport=transport)
     d, d_kv = make_worker("d", transport=transport)
     src, dst = [5, 6, 7, 11, 2], [0, 1, 2, 20, 9]
-    p.apply(KVConnectorMetadata(holds=[HoldSpec("r", src)]))
+    p.apply(KVConnectorMetadata(holds=[HoldSpec("r", src, "d", 0)]))
     d.apply(KVConnectorMetadata(pulls=[PullSpec("r", _source(p, src), src, dst)]))
     reports = collect(
         {"p": p, "d": d},
@@ -98,7 +99,7 @@ def test_pull_moves_blocks_bit_exact(make_worker, transport):
 
 def test_lease_expires_when_no_decode_side_comes(make_worker):
     p, _ = make_worker("p", seed=1)
-    p.apply(KVConnectorMetadata(holds=[HoldSpec("lonely", [1, 2])]))
+    p.apply(KVConnectorMetadata(holds=[HoldSpec("lonely", [1, 2], "d", 0)]))
     start = time.monotonic()
     reports = collect({"p": p}, lambda r: r["p"].expired, timeout=5)
     assert reports["p"].expired == ["lonely"]
@@ -110,7 +111,7 @@ def test_heartbeats_keep_a_queued_request_alive(make_worker):
     """D keeps a request queued for longer than the lease, then pulls it."""
     p, p_kv = make_worker("p", seed=1)
     d, d_kv = make_worker("d")
-    p.apply(KVConnectorMetadata(holds=[HoldSpec("patient", [3, 4])]))
+    p.apply(KVConnectorMetadata(holds=[HoldSpec("patient", [3, 4], "d", 0)]))
     source = _source(p, [3, 4])
     d.apply(KVConnectorMetadata(keepalives=[KeepaliveSpec("patient", source)]))
     time.sleep(FAST["lease_s"] * 1.5)
@@ -125,7 +126,7 @@ def test_pull_may_overtake_its_hold(make_worker):
     d, d_kv = make_worker("d")
     d.apply(KVConnectorMetadata(pulls=[PullSpec("early", _source(p, [7]), [7], [1])]))
     time.sleep(0.1)
-    p.apply(KVConnectorMetadata(holds=[HoldSpec("early", [7])]))
+    p.apply(KVConnectorMetadata(holds=[HoldSpec("early", [7], "d", 0)]))
     collect({"p": p, "d": d}, lambda r: r["d"].finished_recving, timeout=5)
     np.testing.assert_array_equal(d_kv[1], p_kv[7])
 
@@ -133,7 +134,7 @@ def test_pull_may_overtake_its_hold(make_worker):
 def test_pull_of_an_aborted_request_is_rejected(make_worker):
     p, _ = make_worker("p", seed=1)
     d, d_kv = make_worker("d")
-    p.apply(KVConnectorMetadata(holds=[HoldSpec("gone", [1, 2])]))
+    p.apply(KVConnectorMetadata(holds=[HoldSpec("gone", [1, 2], "d", 0)]))
     p.apply(KVConnectorMetadata(aborts=["gone"]))
     collect({"p": p}, lambda r: r["p"].aborted, timeout=5)
     d.apply(KVConnectorMetadata(pulls=[PullSpec("gone", _source(p, [1, 2]), [1, 2], [3, 4])]))
@@ -158,7 +159,7 @@ def test_handshake_timeout_is_a_clear_failure(make_worker):
 def test_transport_mismatch_is_refused_at_handshake(make_worker):
     p, _ = make_worker("p", seed=1, transport="zmq")
     d, _ = make_worker("d", transport="ucx")
-    p.apply(KVConnectorMetadata(holds=[HoldSpec("r", [1])]))
+    p.apply(KVConnectorMetadata(holds=[HoldSpec("r", [1], "d", 0)]))
     d.apply(KVConnectorMetadata(pulls=[PullSpec("r", _source(p, [1]), [1], [1])]))
     reports = collect({"d": d}, lambda r: r["d"].failed, timeout=5)
     assert "KV transport mismatch" in reports["d"].failed["r"]
@@ -200,8 +201,9 @@ def test_lease_bounds_sends_to_a_decode_side_that_stopped_reading(make_worker):
     p, _ = make_worker("p", seed=1, lease_s=1.0, heartbeat_interval_s=0.2,
                        transfer_timeout_s=0.5, handshake_timeout_s=0.5)  # fmt: skip
     big = SHAPE[0] // 2
-    p.apply(KVConnectorMetadata(holds=[HoldSpec("a", list(range(big))),
-                                       HoldSpec("b", list(range(big, 2 * big)))]))  # fmt: skip
+    holds = [HoldSpec("a", list(range(big)), "fake-d", 0),
+             HoldSpec("b", list(range(big, 2 * big)), "fake-d", 0)]  # fmt: skip
+    p.apply(KVConnectorMetadata(holds=holds))
     fake = FakeDecode(LAYOUT, p.control_address, FakeUcx())
     try:
         assert fake.handshake().error == ""
@@ -254,3 +256,36 @@ def test_a_dead_io_thread_fails_every_report(make_worker):
             worker.get_finished()
     finally:
         worker._thread = alive
+
+
+def stale_drops() -> int:
+    return DROPS.totals().get(("kv_control", "stale_epoch"), 0)
+
+
+def test_a_pull_from_a_decode_life_its_hold_does_not_name_moves_nothing(make_worker):
+    p, _ = make_worker("p", seed=1)
+    d, d_kv = make_worker("d")
+    before = stale_drops()
+    p.apply(KVConnectorMetadata(holds=[HoldSpec("r", [1, 2], "d", 1)]))  # d's epoch 1
+    spec = PullSpec("r", _source(p, [1, 2]), [1, 2], [3, 4])
+    d.apply(KVConnectorMetadata(epoch=0, pulls=[spec]))  # d's retired epoch 0
+    reports = collect({"d": d}, lambda r: r["d"].failed, timeout=5)
+    assert "timed out" in reports["d"].failed["r"]
+    assert not d_kv.any() and p.stats().bytes_total == 0
+    assert stale_drops() >= before + 2  # its pull and its abort
+    assert p.get_finished().aborted == []  # still held for epoch 1
+
+
+def test_a_reply_from_an_older_epoch_of_the_prefill_instance_is_dropped(make_worker):
+    d, _ = make_worker("d")
+    stale = FakePrefill(LAYOUT, epoch=1)  # a life of fake-p retired since
+    before = stale_drops()
+    try:
+        source = KVSource("fake-p", [stale.address], [0], LAYOUT, epoch=2)
+        d.apply(KVConnectorMetadata(pulls=[PullSpec("r", source, [0], [0])]))
+        stale.serve(0.3)
+        reports = collect({"d": d}, lambda r: r["d"].failed, timeout=5)
+        assert "no handshake reply from prefill instance fake-p" in reports["d"].failed["r"]
+        assert stale.hellos and stale_drops() == before + 1
+    finally:
+        stale.close()
