@@ -197,12 +197,6 @@ def api_keys_of(
     return api_key, api_keys, admin_key
 
 
-def tensor_parallel_flag(args: argparse.Namespace, role: str) -> str:
-    """The flag that set `role`'s size: its own when given, else the shared one."""
-    own = getattr(args, f"{role}_tensor_parallel_size", None)
-    return f"--{role}-tensor-parallel-size" if own else "--tensor-parallel-size"
-
-
 def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> dict[str, int]:
     """Ranks per stage by role, checked against the model's heads (one rule:
     `common.model_split.check_tp_size`; with int8 weights, `check_int8_groups` too), and
@@ -240,7 +234,9 @@ def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> d
                     mc.intermediate_size,
                 )
         except (TensorParallelError, Int8GroupError) as exc:
-            raise ServeError(f"{tensor_parallel_flag(args, role)}: {exc}") from None
+            # Name the flag that set the size: the role's own when given, else the shared one.
+            own = getattr(args, f"{role}_tensor_parallel_size", None)
+            raise ServeError(f"--{role + '-' if own else ''}tensor-parallel-size: {exc}") from None
         try:  # a GGUF's row-parallel matrices split on whole blocks
             check_tp_blocks(model_path or embedded_model_path(), size)
         except CheckpointError as exc:

@@ -298,7 +298,7 @@ async def _a_switch_runs_through_the_claim_and_the_role_switch() -> None:
     assert gateway.pools.busy("decode-1")  # claimed at once
     await asyncio.sleep(0.1)
     assert gateway.scheduler.views["decode-1"].draining
-    assert gateway.dispatcher.tasks == [("decode-1", SwitchRoleTask("prefill", 1))]
+    assert gateway.dispatcher.tasks == [("decode-1", SwitchRoleTask("prefill"))]
     next_interval(gateway, clock, COOLDOWN_S)
     assert controller.tick().reason == "move_in_flight"  # type: ignore[union-attr]
     info = instance_info("decode-1", "prefill")
