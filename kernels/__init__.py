@@ -7,7 +7,8 @@
   (`load_triton_kernels`), and where triton is missing they run the references and
   `triton_unavailable_reason()` says why.
 - C kernels for CPU, built on first use for this CPU, or for AVX2 under
-  `PDSERVE_CPU_ISA=avx2` (`cpu_build.py`, checked here; `cpu_ops.py` loads them): one
+  `PDSERVE_CPU_ISA=avx2` (`cpu_build.py`, checked here; `cpu_ops.py` loads them, every
+  binding passes its arguments by `cpu_fields.py`'s conventions): one
   attention arithmetic for decode and prefill (`cpu/attend.h`); the query and key
   rotation with the KV-cache write, straight from the fused QKV projection, one call
   per layer (`cpu/rotary.c`); RMSNorm with its residual add (`cpu/norm.c`), summing in

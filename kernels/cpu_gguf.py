@@ -8,41 +8,25 @@ copied; each row's output is independent of the other rows of the call.
 
 from __future__ import annotations
 
-import ctypes
-import struct
-
 import torch
 
 from pdserve.kernels import gguf_blocks
-from pdserve.kernels.cpu_build import BuildError
-from pdserve.kernels.cpu_ops import CpuKernels, _check, _dtype
+from pdserve.kernels.cpu_fields import as_rows, bias_fields, check_bias, row_count, shaped_like
+from pdserve.kernels.cpu_ops import CpuKernels
 
 Tensor = torch.Tensor
-# x, its row stride, packed weight, its row stride (bytes), ggml type, bias, bias dtype,
-# y, its row stride, then m, n, k, threads, and the bad-input slot.
-_CALL = struct.Struct("<14q")
 
 
 class CpuGgufLinear:
     """The packed linear layer over the loaded library: checks in Python, work in C."""
 
     def __init__(self, kernels: CpuKernels):
-        lib = ctypes.CDLL(str(kernels.path))  # the handle cpu_ops already opened
-        lib.pd_linear_gguf_call_size.restype = ctypes.c_int64
-        if lib.pd_linear_gguf_call_size() != _CALL.size:
-            raise BuildError(
-                f"pd_linear_gguf takes {lib.pd_linear_gguf_call_size()} bytes of arguments, "
-                f"not {_CALL.size}"
-            )
-        self._fn = lib.pd_linear_gguf
-        self._fn.argtypes = [ctypes.POINTER(ctypes.c_int64)]
-        self._fn.restype = ctypes.c_int
-        self._Args = ctypes.c_int64 * (_CALL.size // 8)
+        self.kernels = kernels
 
     def linear_gguf(
         self, x: Tensor, weight: Tensor, qtype: int, bias: Tensor | None = None
     ) -> Tensor:
-        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+        rows = row_count(x)
         if x.dtype != torch.float32 or rows == 0 or not weight.is_cpu:
             return gguf_blocks.linear_gguf_ref(x, weight, qtype, bias)
         if qtype not in gguf_blocks.PACKED_TYPES:
@@ -59,32 +43,12 @@ class CpuGgufLinear:
                 f"linear_gguf: x has {x.shape[-1]} features, the {gguf_blocks.type_name(qtype)} "
                 f"weight rows hold {weight.shape[1]} bytes"
             )
-        if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
-            raise ValueError(
-                f"linear_gguf: bias must be [{n}] and contiguous, got {tuple(bias.shape)}"
-            )
-        x2 = x if x.dim() == 2 else x.reshape(rows, k)
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
+        check_bias("linear_gguf", bias, n)
+        x2 = as_rows(x, rows, k)
         y = torch.empty(rows, n, dtype=torch.float32)
-        call = self._Args()
-        _CALL.pack_into(
-            call,
-            0,
-            x2.data_ptr(),
-            x2.stride(0),
-            weight.data_ptr(),
-            weight.stride(0),
-            qtype,
-            0 if bias is None else bias.data_ptr(),
-            -1 if bias is None else _dtype("bias", bias),
-            y.data_ptr(),
-            n,
-            rows,
-            n,
-            k,
-            torch.get_num_threads(),
-            -1,
+        self.kernels.gguf_call.run(
+            *(x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0), qtype),
+            *bias_fields(bias),
+            *(y.data_ptr(), n, rows, n, k, torch.get_num_threads()),
         )
-        _check(self._fn(call), call)
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+        return shaped_like(y, x)

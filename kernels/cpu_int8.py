@@ -13,7 +13,15 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels import reference
-from pdserve.kernels.cpu_ops import CpuKernels, _check, _dtype
+from pdserve.kernels.cpu_fields import (
+    as_rows,
+    bias_fields,
+    check_bias,
+    check_features,
+    row_count,
+    shaped_like,
+)
+from pdserve.kernels.cpu_ops import CpuKernels
 from pdserve.kernels.shapes import int8_group_size
 
 Tensor = torch.Tensor
@@ -28,7 +36,7 @@ class CpuInt8Linear:
     def linear_int8(
         self, x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None = None
     ) -> Tensor:
-        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+        rows = row_count(x)
         if x.dtype != torch.float32 or rows == 0 or not weight.is_cpu:
             return reference.linear_int8_ref(x, weight, scales, bias)
         if weight.dtype != torch.int8 or weight.dim() != 2 or weight.stride(1) != 1:
@@ -37,39 +45,17 @@ class CpuInt8Linear:
                 f"{weight.dtype} {tuple(weight.shape)}"
             )
         n, k = weight.shape
-        if x.shape[-1] != k:
-            raise ValueError(f"linear_int8: x has {x.shape[-1]} features, weight expects {k}")
+        check_features("linear_int8", x, k)
         group = int8_group_size(weight, scales)
         if not scales.is_contiguous():
             raise ValueError("linear_int8: scales must be contiguous")
-        if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
-            raise ValueError(
-                f"linear_int8: bias must be [{n}] and contiguous, got {tuple(bias.shape)}"
-            )
-        x2 = x if x.dim() == 2 else x.reshape(rows, k)
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
+        check_bias("linear_int8", bias, n)
+        x2 = as_rows(x, rows, k)
         y = torch.empty(rows, n, dtype=torch.float32)
-        k_ = self.kernels
-        call = k_._Int8Args()
-        k_._pack_int8(
-            call,
-            0,
-            x2.data_ptr(),
-            x2.stride(0),
-            weight.data_ptr(),
-            weight.stride(0),
-            scales.data_ptr(),
-            k // group,
-            0 if bias is None else bias.data_ptr(),
-            -1 if bias is None else _dtype("bias", bias),
-            y.data_ptr(),
-            n,
-            rows,
-            n,
-            k,
-            torch.get_num_threads(),
-            -1,
+        self.kernels.int8_call.run(
+            *(x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0)),
+            *(scales.data_ptr(), k // group),
+            *bias_fields(bias),
+            *(y.data_ptr(), n, rows, n, k, torch.get_num_threads()),
         )
-        _check(k_._int8(call), call)
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+        return shaped_like(y, x)
