@@ -1,6 +1,6 @@
 """The C kernels' calling conventions on the Python side: dtype and index codes, the
 binding of an entry point's packed argument struct, its error codes, and the fields
-every binding (`cpu_ops`, `cpu_layer_ops`, `cpu_int8`, `cpu_gguf`) passes alike."""
+every binding (`cpu_ops`, `cpu_layer_ops`, `cpu_quantized`) passes alike."""
 
 from __future__ import annotations
 

@@ -286,12 +286,11 @@ def register(kernels: CpuKernels) -> None:
     layer_ops = CpuLayerOps(kernels)
     dispatch.register_cpu("rotary_write_kv_cache", layer_ops.rotary_write_kv_cache)
     dispatch.register_cpu("rms_norm", layer_ops.rms_norm)
-    from pdserve.kernels.cpu_int8 import CpuInt8Linear
+    from pdserve.kernels.cpu_quantized import CpuQuantizedLinear
 
-    dispatch.register_cpu("linear_int8", CpuInt8Linear(kernels).linear_int8)
-    from pdserve.kernels.cpu_gguf import CpuGgufLinear
-
-    dispatch.register_cpu("linear_gguf", CpuGgufLinear(kernels).linear_gguf)
+    quantized = CpuQuantizedLinear(kernels)
+    dispatch.register_cpu("linear_int8", quantized.linear_int8)
+    dispatch.register_cpu("linear_gguf", quantized.linear_gguf)
 
 
 def main(argv: list[str] | None = None) -> int:

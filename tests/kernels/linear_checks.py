@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +16,6 @@ import torch
 from pdserve.kernels import dispatch
 from pdserve.kernels.cpu_build import cpu_flags
 
-ROOT = Path(__file__).resolve().parents[2]
 # Row counts of a 300-row call's tail: every tile shape, and a block of rows past the first.
 TAIL_ROWS = (1, 2, 3, 5, 64, 65, 300)
 
@@ -63,12 +61,7 @@ def run_avx2_child(code: str, timeout: float = 900) -> list[str]:
     per process); the lines it printed."""
     env = {**os.environ, "PDSERVE_CPU_ISA": "avx2"}
     child = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout
     )
     assert child.returncode == 0, child.stderr[-2000:]
     return child.stdout.strip().splitlines()

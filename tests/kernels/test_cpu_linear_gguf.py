@@ -13,7 +13,7 @@ import torch
 
 from pdserve.engine import gguf_file
 from pdserve.kernels import gguf_blocks
-from pdserve.kernels.cpu_gguf import CpuGgufLinear
+from pdserve.kernels.cpu_quantized import CpuQuantizedLinear
 from pdserve.kernels.gguf_blocks import PACKED_TYPES, dequantize_rows, linear_gguf_ref
 from tests.kernels.linear_checks import (
     assert_dispatches_to,
@@ -62,8 +62,8 @@ def case_tensors(qtype: int, m: int, n: int, k: int, bias: bool):
 
 
 @pytest.fixture(scope="module")
-def op(kernels) -> CpuGgufLinear:
-    return CpuGgufLinear(kernels)
+def op(kernels) -> CpuQuantizedLinear:
+    return CpuQuantizedLinear(kernels)
 
 
 def test_dequantization_is_the_gguf_packages():
@@ -129,7 +129,7 @@ def test_bad_arguments_get_one_line_errors(op):
 
 
 def test_dispatch_sends_cpu_packed_linear_to_the_c_kernel(kernels):
-    assert_dispatches_to("linear_gguf", CpuGgufLinear, linear_gguf_ref)
+    assert_dispatches_to("linear_gguf", CpuQuantizedLinear, linear_gguf_ref)
 
 
 @pytest.mark.skipif(not cpu_has("avx2", "fma"), reason="the CPU has no AVX2")
@@ -139,10 +139,10 @@ def test_the_avx2_build_is_the_float32_linear_of_the_dequantized_weights():
     code = (
         "import json, torch\n"
         "from pdserve.kernels import cpu_ops\n"
-        "from pdserve.kernels.cpu_gguf import CpuGgufLinear\n"
+        "from pdserve.kernels.cpu_quantized import CpuQuantizedLinear\n"
         "from pdserve.kernels.gguf_blocks import dequantize_rows\n"
         "from tests.kernels.test_cpu_linear_gguf import GRID, TYPES, case_tensors\n"
-        "k = cpu_ops.load(); op = CpuGgufLinear(k)\n"
+        "k = cpu_ops.load(); op = CpuQuantizedLinear(k)\n"
         "equal = []\n"
         "for q in TYPES:\n"
         "    for m, n, kk, b, t in GRID:\n"

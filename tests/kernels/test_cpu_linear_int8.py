@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.cpu_int8 import CpuInt8Linear
+from pdserve.kernels.cpu_quantized import CpuQuantizedLinear
 from pdserve.kernels.reference import linear_int8_ref
 from tests.kernels.linear_checks import (
     assert_dispatches_to,
@@ -67,8 +67,8 @@ def tolerance(k: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def op(kernels) -> CpuInt8Linear:
-    return CpuInt8Linear(kernels)
+def op(kernels) -> CpuQuantizedLinear:
+    return CpuQuantizedLinear(kernels)
 
 
 @pytest.mark.parametrize("case", GRID, ids=lambda c: f"m{c[0]}n{c[1]}k{c[2]}g{c[3]}-{c[4]}-t{c[5]}")
@@ -132,7 +132,7 @@ def test_bad_arguments_get_one_line_errors(op):
 
 
 def test_dispatch_sends_cpu_int8_linear_to_the_c_kernel(kernels):
-    chosen = assert_dispatches_to("linear_int8", CpuInt8Linear, linear_int8_ref)
+    chosen = assert_dispatches_to("linear_int8", CpuQuantizedLinear, linear_int8_ref)
     x = torch.randn(2, 64)
     w = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
     scales = torch.rand(8, 4)
@@ -147,9 +147,9 @@ def test_the_avx2_build_matches_exact_products():
     code = (
         "import json, torch, sys\n"
         "from pdserve.kernels import cpu_ops\n"
-        "from pdserve.kernels.cpu_int8 import CpuInt8Linear\n"
+        "from pdserve.kernels.cpu_quantized import CpuQuantizedLinear\n"
         "from tests.kernels.test_cpu_linear_int8 import GRID, case_tensors, exact\n"
-        "k = cpu_ops.load(); op = CpuInt8Linear(k)\n"
+        "k = cpu_ops.load(); op = CpuQuantizedLinear(k)\n"
         "errors = []\n"
         "for m, n, kk, g, b, t in GRID:\n"
         "    torch.set_num_threads(t)\n"
