@@ -99,25 +99,28 @@ def row_count(x: Tensor) -> int:
     return x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
 
 
+def linear_io(
+    op: str, x: Tensor, rows: int, n: int, k: int, bias: Tensor | None
+) -> tuple[Tensor, Tensor, int, int]:
+    """What every C linear layer checks and passes alike, in one call (a decode step makes
+    ~120): x's features and the bias checked; x as [rows, k] with contiguous columns, the
+    float32 output [rows, n] to fill, and the bias's C fields (pointer, dtype; 0, -1: none)."""
+    if x.shape[-1] != k:
+        raise ValueError(f"{op}: x has {x.shape[-1]} features, weight expects {k}")
+    if bias is None:
+        bias_ptr, bias_dt = 0, -1
+    elif bias.shape != (n,) or not bias.is_contiguous():
+        raise ValueError(f"{op}: bias must be [{n}] and contiguous, got {tuple(bias.shape)}")
+    else:
+        bias_ptr, bias_dt = bias.data_ptr(), dtype_code("bias", bias)
+    y = torch.empty(rows, n, dtype=torch.float32)
+    return as_rows(x, rows, k), y, bias_ptr, bias_dt
+
+
 def as_rows(t: Tensor, rows: int, n: int) -> Tensor:
     """t as [rows, n] with contiguous columns (a view where it can be)."""
     t2 = t if t.dim() == 2 else t.reshape(rows, n)
     return t2 if t2.stride(1) == 1 else t2.contiguous()
-
-
-def check_features(op: str, x: Tensor, k: int) -> None:
-    if x.shape[-1] != k:
-        raise ValueError(f"{op}: x has {x.shape[-1]} features, weight expects {k}")
-
-
-def check_bias(op: str, bias: Tensor | None, n: int) -> None:
-    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
-        raise ValueError(f"{op}: bias must be [{n}] and contiguous, got {tuple(bias.shape)}")
-
-
-def bias_fields(bias: Tensor | None) -> tuple[int, int]:
-    """A linear layer's bias as its C fields: pointer and dtype code (0 and -1: none)."""
-    return (0, -1) if bias is None else (bias.data_ptr(), dtype_code("bias", bias))
 
 
 def shaped_like(y: Tensor, x: Tensor) -> Tensor:

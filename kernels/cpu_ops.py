@@ -30,13 +30,10 @@ from pdserve.kernels.cpu_build import BuildError, BuiltLibrary, ensure_built
 from pdserve.kernels.cpu_fields import (
     DTYPES,
     BoundCall,
-    as_rows,
-    bias_fields,
     cache_fields,
-    check_bias,
-    check_features,
     dtype_code,
     index_code,
+    linear_io,
     row_count,
     shaped_like,
     window_field,
@@ -197,20 +194,10 @@ class CpuKernels:
         ):
             return reference.linear_ref(x, weight, bias)
         n, k = weight.shape
-        check_features("linear", x, k)
-        check_bias("linear", bias, n)
-        x2 = as_rows(x, rows, k)
-        y = torch.empty(rows, n, dtype=torch.float32)
+        x2, y, bias_ptr, bias_dt = linear_io("linear", x, rows, n, k, bias)
         self.linear_call.run(
-            *(
-                x2.data_ptr(),
-                x2.stride(0),
-                weight.data_ptr(),
-                DTYPES[weight.dtype],
-                weight.stride(0),
-            ),
-            *bias_fields(bias),
-            *(y.data_ptr(), n, rows, n, k),
+            *(x2.data_ptr(), x2.stride(0), weight.data_ptr(), DTYPES[weight.dtype]),
+            *(weight.stride(0), bias_ptr, bias_dt, y.data_ptr(), n, rows, n, k),
             *(int(self.bf16_dot and weight.dtype == torch.bfloat16), torch.get_num_threads()),
         )
         return shaped_like(y, x)

@@ -13,14 +13,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels import gguf_blocks, reference
-from pdserve.kernels.cpu_fields import (
-    as_rows,
-    bias_fields,
-    check_bias,
-    check_features,
-    row_count,
-    shaped_like,
-)
+from pdserve.kernels.cpu_fields import linear_io, row_count, shaped_like
 from pdserve.kernels.cpu_ops import CpuKernels
 from pdserve.kernels.shapes import int8_group_size
 
@@ -44,17 +37,13 @@ class CpuQuantizedLinear:
             return reference.linear_int8_ref(x, weight, scales, bias)
         _check_weight_rows("linear_int8", weight, torch.int8)
         n, k = weight.shape
-        check_features("linear_int8", x, k)
+        x2, y, bias_ptr, bias_dt = linear_io("linear_int8", x, rows, n, k, bias)
         group = int8_group_size(weight, scales)
         if not scales.is_contiguous():
             raise ValueError("linear_int8: scales must be contiguous")
-        check_bias("linear_int8", bias, n)
-        x2 = as_rows(x, rows, k)
-        y = torch.empty(rows, n, dtype=torch.float32)
         self.kernels.int8_call.run(
             *(x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0)),
-            *(scales.data_ptr(), k // group),
-            *bias_fields(bias),
+            *(scales.data_ptr(), k // group, bias_ptr, bias_dt),
             *(y.data_ptr(), n, rows, n, k, torch.get_num_threads()),
         )
         return shaped_like(y, x)
@@ -77,12 +66,10 @@ class CpuQuantizedLinear:
                 f"linear_gguf: x has {x.shape[-1]} features, the {gguf_blocks.type_name(qtype)} "
                 f"weight rows hold {weight.shape[1]} bytes"
             )
-        check_bias("linear_gguf", bias, n)
-        x2 = as_rows(x, rows, k)
-        y = torch.empty(rows, n, dtype=torch.float32)
+        x2, y, bias_ptr, bias_dt = linear_io("linear_gguf", x, rows, n, k, bias)
         self.kernels.gguf_call.run(
             *(x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0), qtype),
-            *bias_fields(bias),
+            *(bias_ptr, bias_dt),
             *(y.data_ptr(), n, rows, n, k, torch.get_num_threads()),
         )
         return shaped_like(y, x)
