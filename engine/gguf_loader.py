@@ -1,4 +1,4 @@
-"""Builds a model from a GGUF file, its decoder-layer matrices kept in the file's blocks.
+"""Fills a built model from a GGUF file, its decoder-layer matrices kept in the file's blocks.
 
 Each decoder layer's matrices (QKV, output, gate/up, down) become `PackedMatrix`es of the
 file's blocks with their scales (`engine/models/packed.py`), read with plain reads of exactly
@@ -16,14 +16,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from pdserve.engine.checkpoint import ModelConfig
 from pdserve.engine.gguf_file import GGUFError, GGUFFile, GGUFTensor
-from pdserve.engine.loader import build_model
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.packed import PLAIN, PackedMatrix
-from pdserve.engine.models.precision import compute_dtype, store_matrices_narrow
-from pdserve.engine.parallel import TensorParallel
-from pdserve.engine.pipeline import PipelineStage
+from pdserve.engine.models.precision import compute_dtype
 from pdserve.kernels.gguf_blocks import dequantize_rows
 
 Tensor = torch.Tensor
@@ -43,32 +39,32 @@ MATRIX_KEYS = frozenset(key for keys in MATRICES.values() for key in keys)
 ROWS_PER_READ = 256  # rows of a table dequantized at a time: well under a MiB a temporary
 
 
-def load_gguf_model(
-    source: Path,
-    config: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-    tp: TensorParallel | None = None,
-    stage: PipelineStage | None = None,
-) -> LlamaForCausalLM:
-    """The model (this rank's slice, this stage's layers) over the GGUF at `source`."""
+def open_gguf(source: Path, device: torch.device | str, quantization: str | None) -> GGUFFile:
+    """The GGUF file at `source`, checked before a model is built for it: served on CPU
+    (its C kernels), in its own blocks, of block types the kernels read."""
+    if quantization is not None:
+        raise GGUFError(
+            f"{source}: --quantization {quantization} applies to 16/32-bit checkpoints; "
+            "a GGUF file is served in its own blocks"
+        )
     if torch.device(device).type != "cpu":
         raise GGUFError(f"{source}: GGUF weights are served on CPU (their C kernels), not {device}")
     file = GGUFFile(source)
     file.check_types()
-    model = build_model(config, dtype, device, tp, stage)
+    return file
+
+
+def load_gguf_weights(file: GGUFFile, model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+    """Fills `model` (`loader.build_model`'s: this rank's slice, this stage's layers) from
+    `file`, its tensors' shapes checked first."""
     for name, shape in model.expected_weights():
         found = file.tensor(name).shape
         if found != tuple(shape):
             raise GGUFError(
-                f"{source}: tensor {name!r} has shape {list(found)}, expected {list(shape)}"
+                f"{file.path}: tensor {name!r} has shape {list(found)}, expected {list(shape)}"
             )
-    compute = compute_dtype(dtype, device)
     _narrow_tables(model, dtype)
-    GGUFWeights(file, model, compute).load()
-    if compute != dtype:
-        store_matrices_narrow(model, dtype)
-    return model.eval()
+    GGUFWeights(file, model, compute_dtype(dtype, "cpu")).load()
 
 
 def _narrow_tables(model: LlamaForCausalLM, dtype: torch.dtype) -> None:

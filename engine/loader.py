@@ -8,7 +8,6 @@ import torch
 
 from pdserve.engine.checkpoint import ModelConfig
 from pdserve.engine.checkpoint_weights import check_weights, iter_weights
-from pdserve.engine.gguf_file import GGUFError
 from pdserve.engine.gguf_prepare import gguf_source
 from pdserve.engine.models import model_class
 from pdserve.engine.models.llama import LlamaForCausalLM
@@ -32,22 +31,21 @@ def load_model(
     quantized as their tensors are read (`engine/models/int8.py`). A folder prepared for a
     GGUF file (`engine/gguf_prepare.py`) reads that file's blocks (`engine/gguf_loader.py`)."""
     source = gguf_source(folder)
-    if source is not None:
-        if quantization is not None:
-            raise GGUFError(
-                f"{source}: --quantization {quantization} applies to 16/32-bit checkpoints; "
-                "a GGUF file is served in its own blocks"
-            )
-        from pdserve.engine.gguf_loader import load_gguf_model
+    gguf = None
+    if source is not None:  # checked before the model is built
+        from pdserve.engine.gguf_loader import load_gguf_weights, open_gguf
 
-        return load_gguf_model(source, config, dtype, device, tp, stage)
+        gguf = open_gguf(source, device, quantization)
     model = build_model(config, dtype, device, tp, stage)
     compute = compute_dtype(dtype, device)
-    # Shapes and presence are checked from the file headers before any tensor is read.
-    check_weights(folder, model.expected_weights())
-    if quantization == "int8":
-        model.quantize_int8()
-    model.load_weights(iter_weights(folder, model.shard_of, model.holds))
+    if gguf is not None:
+        load_gguf_weights(gguf, model, dtype)
+    else:
+        # Shapes and presence are checked from the file headers before any tensor is read.
+        check_weights(folder, model.expected_weights())
+        if quantization == "int8":
+            model.quantize_int8()
+        model.load_weights(iter_weights(folder, model.shard_of, model.holds))
     if compute != dtype:
         store_matrices_narrow(model, dtype)
     return model.eval()

@@ -7,15 +7,16 @@
   (`load_triton_kernels`), and where triton is missing they run the references and
   `triton_unavailable_reason()` says why.
 - C kernels for CPU, built on first use for this CPU, or for AVX2 under
-  `PDSERVE_CPU_ISA=avx2` (`cpu_build.py`, checked here; `cpu_ops.py` loads them): one
+  `PDSERVE_CPU_ISA=avx2` (`cpu_build.py`, checked here; `cpu_ops.py` loads them, every
+  binding passes its arguments by `cpu_fields.py`'s conventions): one
   attention arithmetic for decode and prefill (`cpu/attend.h`); the query and key
   rotation with the KV-cache write, straight from the fused QKV projection, one call
   per layer (`cpu/rotary.c`); RMSNorm with its residual add (`cpu/norm.c`), summing in
   torch's order so float32 values stay the reference's; the linear layer at every row
   count (`cpu/linear.c`, `cpu/linear_bf16.c`), and its weight-only int8 form
-  (`cpu/linear_int8.c`, bound in `cpu_int8.py`: int8 rows widened in registers, times
+  (`cpu/linear_int8.c`, bound in `cpu_quantized.py`: int8 rows widened in registers, times
   one scale per group of inputs), and the GGUF block formats Q8_0, Q4_0 and Q4_1 kept packed
-  with their scales (`cpu/linear_gguf.c`, bound in `cpu_gguf.py`; `gguf_blocks.py`
+  with their scales (`cpu/linear_gguf.c`, bound there too; `gguf_blocks.py`
   their sizes, dequantization and reference). `cpu_kernels_status()` says which
   implementation is active.
 - Plain-torch references of the same signatures (`reference.py`), and the dispatch

@@ -11,13 +11,8 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels import reference
-from pdserve.kernels.cpu_ops import (
-    CpuKernels,
-    _cache_fields,
-    _check,
-    _dtype,
-    _index,
-)
+from pdserve.kernels.cpu_fields import as_rows, cache_fields, dtype_code, index_code, row_count
+from pdserve.kernels.cpu_ops import CpuKernels
 from pdserve.kernels.shapes import check_heads
 
 Tensor = torch.Tensor
@@ -42,9 +37,8 @@ class CpuLayerOps:
     ) -> Tensor:
         """`reference.rotary_write_kv_cache_ref`: the rotated query comes back, the rotated
         keys and the values go to their slots; qkv's rows may be strided."""
-        k = self.kernels
         d = kv_cache.shape[-1]
-        cache = _cache_fields(kv_cache, d)
+        cache = cache_fields(kv_cache, d)
         num_tokens, width = qkv.shape if qkv.dim() == 2 else (-1, -1)
         if width != (num_heads + 2 * cache[1]) * d or qkv.stride(1) != 1:
             raise ValueError(
@@ -59,21 +53,17 @@ class CpuLayerOps:
             raise ValueError(f"cos_sin_cache must be [max_position, {d}] with contiguous rows")
         query = torch.empty(num_tokens, num_heads, d, dtype=qkv.dtype)
         q = query.stride()
-        call = k._RotaryArgs()
-        k._pack_rotary(
-            call,
-            0,
-            *(qkv.data_ptr(), _dtype("qkv", qkv), qkv.stride(0)),
-            *(positions.data_ptr(), _index("positions", positions)),
-            *(cos_sin_cache.data_ptr(), _dtype("cos_sin_cache", cos_sin_cache)),
+        self.kernels.rotary_call.run(
+            *(qkv.data_ptr(), dtype_code("qkv", qkv), qkv.stride(0)),
+            *(positions.data_ptr(), index_code("positions", positions)),
+            *(cos_sin_cache.data_ptr(), dtype_code("cos_sin_cache", cos_sin_cache)),
             *(cos_sin_cache.stride(0), cos_sin_cache.shape[0]),
-            *(query.data_ptr(), _dtype("query", query), q[0], q[1], q[2]),
+            *(query.data_ptr(), dtype_code("query", query), q[0], q[1], q[2]),
             *cache[3:],
-            *(slot_mapping.data_ptr(), _index("slot_mapping", slot_mapping)),
+            *(slot_mapping.data_ptr(), index_code("slot_mapping", slot_mapping)),
             *(num_tokens, num_heads, cache[1], d, cache[2], cache[0]),
-            *(torch.get_num_threads(), -1),
+            torch.get_num_threads(),
         )
-        _check(k._rotary(call), call)
         return query
 
     def rms_norm(
@@ -82,7 +72,7 @@ class CpuLayerOps:
         """`reference.rms_norm_ref` on float32 rows of 8 to 32767 elements (what a CPU
         model computes in); anything else runs the reference."""
         n = x.shape[-1] if x.dim() else 0
-        rows = x.numel() // n if n else 0
+        rows = row_count(x)
         if (
             x.dtype != torch.float32
             or weight.dtype != torch.float32
@@ -93,29 +83,18 @@ class CpuLayerOps:
             or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape))
         ):
             return reference.rms_norm_ref(x, weight, eps, residual)
-        k = self.kernels
-        x2 = _rows(x, rows, n)
+        x2 = as_rows(x, rows, n)
         out = torch.empty(x.shape, dtype=torch.float32)
-        call = k._NormArgs()
         if residual is None:
             r2 = summed = None
         else:
-            r2 = _rows(residual, rows, n)
+            r2 = as_rows(residual, rows, n)
             summed = torch.empty(x.shape, dtype=torch.float32)
-        k._pack_norm(
-            call,
-            0,
+        self.kernels.norm_call.run(
             *(x2.data_ptr(), x2.stride(0)),
             *((0, 0) if r2 is None else (r2.data_ptr(), r2.stride(0))),
             *(weight.data_ptr(), out.data_ptr(), n),
             *(0 if summed is None else summed.data_ptr(), n),
-            *(rows, n, torch.get_num_threads(), float(eps), -1),
+            *(rows, n, torch.get_num_threads(), float(eps)),
         )
-        _check(k._norm(call), call)
         return out if summed is None else (out, summed)
-
-
-def _rows(t: Tensor, rows: int, n: int) -> Tensor:
-    """t as [rows, n] with contiguous rows (a view where it can be)."""
-    t2 = t if t.dim() == 2 else t.reshape(rows, n)
-    return t2 if t2.stride(1) == 1 else t2.contiguous()

@@ -27,24 +27,20 @@ import torch
 
 from pdserve.kernels import dispatch, reference
 from pdserve.kernels.cpu_build import BuildError, BuiltLibrary, ensure_built
-from pdserve.kernels.shapes import check_heads, check_kv_layout
+from pdserve.kernels.cpu_fields import (
+    DTYPES,
+    BoundCall,
+    cache_fields,
+    dtype_code,
+    index_code,
+    linear_io,
+    row_count,
+    shaped_like,
+    window_field,
+)
+from pdserve.kernels.shapes import check_heads
 
 Tensor = torch.Tensor
-
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_INDEX = {torch.int32: 0, torch.int64: 1}
-_ERRORS = {
-    -1: "slot_mapping[{i}] points past the KV cache's last block",
-    -2: "context_lens[{i}] is negative or longer than its block table row holds",
-    -3: "block_tables row {i} names a block outside the KV cache",
-    -4: "query_start_loc must be non-decreasing and within the query rows (sequence {i})",
-    -5: "sequence {i} has more new tokens than its context_len",
-    -6: "out of memory in a CPU attention kernel",
-    -7: "positions[{i}] is outside the cos/sin cache",
-    -8: "head_dim must be even and at most 1024 for the rotary kernel",
-    -9: "this build of the CPU kernels (or this CPU) has no bf16 dot-product linear layer",
-    -10: "linear_int8: the scale groups do not split the weight rows into whole vectors",
-}
 
 # Each entry point takes one struct of 8-byte fields (int64, one double for the scale)
 # whose last field receives the index of a bad input; the field order is the C
@@ -63,6 +59,9 @@ _CALLS = {
     # x, its row stride, int8 weight, its row stride, scales, scales per row, bias, bias
     # dtype, y, its row stride, then m, n, k, threads (kernels/cpu/linear_int8.c).
     "linear_int8": ("pd_linear_int8", struct.Struct("<15q")),
+    # x, its row stride, packed weight, its row stride (bytes), ggml type, bias, bias
+    # dtype, y, its row stride, then m, n, k, threads (kernels/cpu/linear_gguf.c).
+    "linear_gguf": ("pd_linear_gguf", struct.Struct("<14q")),
     # qkv, positions, cos/sin (and its rows), q_out, cache, slots (pointer, dtype code,
     # strides each), then shapes, threads.
     "rotary": ("pd_rotary_write_kv_cache", struct.Struct("<30q")),
@@ -80,16 +79,7 @@ class CpuKernels:
     def __init__(self, built: BuiltLibrary):
         self.path = built.path
         lib = ctypes.CDLL(str(built.path))
-        calls = []
-        for op, (name, layout) in _CALLS.items():
-            size_fn = getattr(lib, f"pd_{op}_call_size")
-            size_fn.restype = ctypes.c_int64
-            if size_fn() != layout.size:
-                raise BuildError(f"{name} takes {size_fn()} bytes of arguments, not {layout.size}")
-            fn = getattr(lib, name)
-            fn.argtypes = [ctypes.POINTER(ctypes.c_int64)]
-            fn.restype = ctypes.c_int
-            calls.append((fn, layout.pack_into, ctypes.c_int64 * (layout.size // 8)))
+        calls = {op: BoundCall(lib, op, name, layout) for op, (name, layout) in _CALLS.items()}
         lib.pd_build_info.restype = ctypes.c_char_p
         self.build_info = lib.pd_build_info().decode()
         lib.pd_linear_bf16_dot_available.restype = ctypes.c_int
@@ -97,13 +87,14 @@ class CpuKernels:
         # (see `linear`); `bf16_dot` is what calls use.
         self.bf16_dot_available = bool(lib.pd_linear_bf16_dot_available())
         self.bf16_dot = self.bf16_dot_available
-        (self._write, self._pack_write, self._WriteArgs) = calls[0]
-        (self._decode, self._pack_decode, self._DecodeArgs) = calls[1]
-        (self._prefill, self._pack_prefill, self._PrefillArgs) = calls[2]
-        (self._linear, self._pack_linear, self._LinearArgs) = calls[3]
-        (self._int8, self._pack_int8, self._Int8Args) = calls[4]
-        (self._rotary, self._pack_rotary, self._RotaryArgs) = calls[5]
-        (self._norm, self._pack_norm, self._NormArgs) = calls[6]
+        self.write_call = calls["write"]
+        self.decode_call = calls["decode"]
+        self.prefill_call = calls["prefill"]
+        self.linear_call = calls["linear"]
+        self.int8_call = calls["linear_int8"]
+        self.gguf_call = calls["linear_gguf"]
+        self.rotary_call = calls["rotary"]
+        self.norm_call = calls["norm"]
 
     def describe(self) -> str:
         linear = "bf16 dot-product" if self.bf16_dot else "float32"
@@ -111,7 +102,7 @@ class CpuKernels:
 
     def write_kv_cache(self, key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tensor) -> None:
         shape = key.shape
-        cache = _cache_fields(kv_cache, shape[-1])
+        cache = cache_fields(kv_cache, shape[-1])
         if len(shape) != 3 or shape[1] != cache[1] or value.shape != shape:
             raise ValueError(
                 f"key/value must be [num_tokens, {cache[1]}, {shape[-1]}], got "
@@ -120,19 +111,15 @@ class CpuKernels:
         if slots.dim() != 1 or slots.shape[0] != shape[0]:
             raise ValueError(f"slot_mapping must be [{shape[0]}], got {tuple(slots.shape)}")
         k, v = key.stride(), value.stride()
-        call = self._WriteArgs()
         # One starred group a line, in the C struct's order: a tensor's fields (pointer,
         # dtype, strides), then the shapes and threads.
-        self._pack_write(
-            call,
-            0,
-            *(key.data_ptr(), _dtype("key", key), k[0], k[1], k[2]),
-            *(value.data_ptr(), _dtype("value", value), v[0], v[1], v[2]),
+        self.write_call.run(
+            *(key.data_ptr(), dtype_code("key", key), k[0], k[1], k[2]),
+            *(value.data_ptr(), dtype_code("value", value), v[0], v[1], v[2]),
             *cache[3:],
-            *(slots.data_ptr(), _index("slot_mapping", slots), slots.stride(0)),
-            *(shape[0], cache[1], cache[2], shape[2], cache[0], torch.get_num_threads(), -1),
+            *(slots.data_ptr(), index_code("slot_mapping", slots), slots.stride(0)),
+            *(shape[0], cache[1], cache[2], shape[2], cache[0], torch.get_num_threads()),
         )
-        _check(self._write(call), call)
 
     def decode_attention(
         self,
@@ -150,11 +137,7 @@ class CpuKernels:
         if num_seqs == 0:
             return out
         fields = _attention_fields(query, kv_cache, block_tables, context_lens, out, num_seqs)
-        call = self._DecodeArgs()
-        self._pack_decode(
-            call, 0, *fields, scale, _window(sliding_window), torch.get_num_threads(), -1
-        )
-        _check(self._decode(call), call)
+        self.decode_call.run(*fields, scale, window_field(sliding_window), torch.get_num_threads())
         return out
 
     def prefill_attention(
@@ -181,15 +164,16 @@ class CpuKernels:
         if num_seqs == 0:
             return out
         fields = _attention_fields(query, kv_cache, block_tables, context_lens, out, num_seqs)
-        call = self._PrefillArgs()
-        self._pack_prefill(
-            call,
-            0,
-            *(starts.data_ptr(), _index("query_start_loc", starts), starts.stride(0), num_tokens),
+        self.prefill_call.run(
+            *(
+                starts.data_ptr(),
+                index_code("query_start_loc", starts),
+                starts.stride(0),
+                num_tokens,
+            ),
             *fields,
-            *(scale, _window(sliding_window), torch.get_num_threads(), -1),
+            *(scale, window_field(sliding_window), torch.get_num_threads()),
         )
-        _check(self._prefill(call), call)
         return out
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -199,7 +183,7 @@ class CpuKernels:
         so a token's output would depend on what shares its step). With `bf16_dot`, a
         bf16 weight meets x rounded to bf16 (bf16 dot products, 2.5-3x the float32
         FMA path's throughput at prefill sizes); float32 weights always keep float32 x."""
-        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+        rows = row_count(x)
         if (
             x.dtype != torch.float32
             or weight.dtype not in _LINEAR_WEIGHTS
@@ -210,65 +194,13 @@ class CpuKernels:
         ):
             return reference.linear_ref(x, weight, bias)
         n, k = weight.shape
-        if x.shape[-1] != k:
-            raise ValueError(f"linear: x has {x.shape[-1]} features, weight expects {k}")
-        if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
-            raise ValueError(f"linear: bias must be [{n}] and contiguous, got {tuple(bias.shape)}")
-        # A decode step makes ~120 of these calls: 2-D inputs skip the reshapes.
-        flat = x.dim() == 2
-        x2 = x if flat else x.reshape(rows, k)
-        x_rs, x_cs = x2.stride()
-        if x_cs != 1:
-            x2 = x2.contiguous()
-            x_rs = k
-        y = torch.empty(rows, n, dtype=torch.float32)
-        call = self._LinearArgs()
-        self._pack_linear(
-            call,
-            0,
-            *(x2.data_ptr(), x_rs, weight.data_ptr(), _DTYPES[weight.dtype], weight.stride(0)),
-            0 if bias is None else bias.data_ptr(),
-            -1 if bias is None else _dtype("bias", bias),
-            *(y.data_ptr(), n, rows, n, k),
-            *(int(self.bf16_dot and weight.dtype == torch.bfloat16), torch.get_num_threads(), -1),
+        x2, y, bias_ptr, bias_dt = linear_io("linear", x, rows, n, k, bias)
+        self.linear_call.run(
+            *(x2.data_ptr(), x2.stride(0), weight.data_ptr(), DTYPES[weight.dtype]),
+            *(weight.stride(0), bias_ptr, bias_dt, y.data_ptr(), n, rows, n, k),
+            *(int(self.bf16_dot and weight.dtype == torch.bfloat16), torch.get_num_threads()),
         )
-        _check(self._linear(call), call)
-        return y if flat else y.reshape(*x.shape[:-1], n)
-
-
-def _dtype(name: str, t: Tensor) -> int:
-    code = _DTYPES.get(t.dtype)
-    if code is None:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
-    return code
-
-
-def _index(name: str, t: Tensor) -> int:
-    code = _INDEX.get(t.dtype)
-    if code is None:
-        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
-    return code
-
-
-def _window(sliding_window: int | None) -> int:
-    if sliding_window is None:
-        return 0
-    if sliding_window < 1:
-        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
-    return int(sliding_window)
-
-
-def _cache_fields(kv_cache: Tensor, head_dim: int) -> tuple[int, ...]:
-    """(num_blocks, kv_heads, block_size, then the C fields: pointer, dtype, 4 strides)."""
-    check_kv_layout(kv_cache, None, head_dim)
-    shape = kv_cache.shape
-    c = kv_cache.stride()
-    if c[4] != 1 and head_dim > 1:
-        raise ValueError("kv_cache must be contiguous along head_dim (the KV layout contract)")
-    if not kv_cache.is_cpu:
-        raise ValueError(f"kv_cache must be on the CPU, got {kv_cache.device}")
-    code = _dtype("kv_cache", kv_cache)
-    return shape[0], shape[2], shape[3], kv_cache.data_ptr(), code, c[0], c[1], c[2], c[3]
+        return shaped_like(y, x)
 
 
 def _table_fields(num_seqs: int, block_tables: Tensor, context_lens: Tensor) -> tuple[int, ...]:
@@ -281,8 +213,12 @@ def _table_fields(num_seqs: int, block_tables: Tensor, context_lens: Tensor) -> 
     if context_lens.dim() != 1 or context_lens.shape[0] != num_seqs:
         raise ValueError(f"context_lens must be [{num_seqs}], got {tuple(context_lens.shape)}")
     t = block_tables.stride()
-    tables = (block_tables.data_ptr(), _index("block_tables", block_tables), t[0], t[1])
-    lens = (context_lens.data_ptr(), _index("context_lens", context_lens), context_lens.stride(0))
+    tables = (block_tables.data_ptr(), index_code("block_tables", block_tables), t[0], t[1])
+    lens = (
+        context_lens.data_ptr(),
+        index_code("context_lens", context_lens),
+        context_lens.stride(0),
+    )
     return (*tables, *lens)
 
 
@@ -297,15 +233,15 @@ def _attention_fields(
     """The tensor and shape fields of a decode call (pd_attention_call in
     kernels/cpu/attention.h, up to the scale), after checking the inputs."""
     num_heads, d = query.shape[1], query.shape[2]
-    cache = _cache_fields(kv_cache, d)
+    cache = cache_fields(kv_cache, d)
     check_heads(num_heads, cache[1])
     tables = _table_fields(num_seqs, block_tables, context_lens)
     q, o = query.stride(), out.stride()
     return (
-        *(query.data_ptr(), _dtype("query", query), q[0], q[1], q[2]),
+        *(query.data_ptr(), dtype_code("query", query), q[0], q[1], q[2]),
         *cache[3:],
         *tables,
-        *(out.data_ptr(), _dtype("out", out), o[0], o[1], o[2]),
+        *(out.data_ptr(), dtype_code("out", out), o[0], o[1], o[2]),
         *(num_seqs, num_heads, cache[1], cache[2], d, cache[0], block_tables.shape[1]),
     )
 
@@ -317,12 +253,6 @@ def _query_shape(query: Tensor, out: Tensor) -> tuple[int, int, int]:
     if out.shape != shape:
         raise ValueError(f"out {tuple(out.shape)} must match query {tuple(shape)}")
     return shape
-
-
-def _check(rc: int, call: ctypes.Array) -> None:
-    if rc:
-        message = _ERRORS.get(rc, f"CPU kernel failed with code {rc}")
-        raise ValueError(message.format(i=call[-1]))
 
 
 def load() -> CpuKernels:
@@ -343,12 +273,11 @@ def register(kernels: CpuKernels) -> None:
     layer_ops = CpuLayerOps(kernels)
     dispatch.register_cpu("rotary_write_kv_cache", layer_ops.rotary_write_kv_cache)
     dispatch.register_cpu("rms_norm", layer_ops.rms_norm)
-    from pdserve.kernels.cpu_int8 import CpuInt8Linear
+    from pdserve.kernels.cpu_quantized import CpuQuantizedLinear
 
-    dispatch.register_cpu("linear_int8", CpuInt8Linear(kernels).linear_int8)
-    from pdserve.kernels.cpu_gguf import CpuGgufLinear
-
-    dispatch.register_cpu("linear_gguf", CpuGgufLinear(kernels).linear_gguf)
+    quantized = CpuQuantizedLinear(kernels)
+    dispatch.register_cpu("linear_int8", quantized.linear_int8)
+    dispatch.register_cpu("linear_gguf", quantized.linear_gguf)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,11 +18,15 @@ interpreter gets the reloaded kernel.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
+from typing import Any, ParamSpec
 
 import torch
 
 from pdserve.kernels import (
+    reference,
     triton_decode,
     triton_kv_write,
     triton_norm,
@@ -31,6 +35,7 @@ from pdserve.kernels import (
 )
 
 Tensor = torch.Tensor
+P = ParamSpec("P")
 
 _LIB = torch.library.Library("pdserve", "DEF")
 _SCHEMAS = {
@@ -132,35 +137,32 @@ def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: T
     _write_kv_cache_op(key, value, kv_cache, slot_mapping)
 
 
-def decode_attention(
-    query: Tensor,
-    kv_cache: Tensor,
-    block_tables: Tensor,
-    context_lens: Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    out: Tensor | None = None,
-) -> Tensor:
-    out = torch.empty_like(query) if out is None else out
-    _decode_op(query, kv_cache, block_tables, context_lens, scale, sliding_window, out)
-    return out
+def _writing_out(op: Callable[..., None], reference_fn: Callable[P, Tensor]) -> Callable[P, Tensor]:
+    """The entry point of an operator that writes into its last argument, `out`: the
+    signature of the op's reference, `out` allocated like the query (the first argument)
+    where the caller gives none."""
+    signature = inspect.signature(reference_fn)
+    arity = len(signature.parameters)
+
+    @functools.wraps(reference_fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> Tensor:
+        values: tuple[Any, ...] = args
+        if kwargs or len(args) != arity:  # the engine's calls pass every argument in order
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            values = tuple(bound.arguments.values())
+        *inputs, out = values
+        if out is None:
+            out = torch.empty_like(inputs[0])
+        op(*inputs, out)
+        return out
+
+    call.__name__ = call.__qualname__ = reference_fn.__name__.removesuffix("_ref")
+    return call
 
 
-def prefill_attention(
-    query: Tensor,
-    kv_cache: Tensor,
-    block_tables: Tensor,
-    query_start_loc: Tensor,
-    context_lens: Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    out: Tensor | None = None,
-) -> Tensor:
-    out = torch.empty_like(query) if out is None else out
-    _prefill_op(
-        query, kv_cache, block_tables, query_start_loc, context_lens, scale, sliding_window, out
-    )
-    return out
+decode_attention = _writing_out(_decode_op, reference.decode_attention_ref)
+prefill_attention = _writing_out(_prefill_op, reference.prefill_attention_ref)
 
 
 def rms_norm(

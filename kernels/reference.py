@@ -45,6 +45,15 @@ def _gather_kv(kv_cache: Tensor, block_table: Tensor, num_tokens: int) -> tuple[
     return kv[0, :, :num_tokens], kv[1, :, :num_tokens]
 
 
+def _visible(key_pos: Tensor, query_pos: Tensor, sliding_window: int | None) -> Tensor:
+    """Which keys each query sees (the two positions broadcast): causal, and within the
+    sliding window W when there is one (p - W < j <= p)."""
+    visible = key_pos <= query_pos
+    if sliding_window is not None:
+        visible &= key_pos > query_pos - sliding_window
+    return visible
+
+
 def decode_attention_ref(
     query: Tensor,
     kv_cache: Tensor,
@@ -78,9 +87,8 @@ def decode_attention_ref(
     q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [S, kvh, g, L]
     positions = torch.arange(num_blocks * block_size, device=query.device)
-    visible = positions[None, :] < lens[:, None]
-    if sliding_window is not None:
-        visible &= positions[None, :] > (lens[:, None] - 1 - sliding_window)
+    # The query is the token at position len - 1.
+    visible = _visible(positions[None, :], lens[:, None] - 1, sliding_window)
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     # Slots past a sequence's end may hold anything (even NaN); 0 * NaN would leak.
@@ -125,9 +133,7 @@ def prefill_attention_ref(
         scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [h, q, L]
         q_pos = torch.arange(context_len - q_len, context_len, device=query.device)
         k_pos = torch.arange(context_len, device=query.device)
-        visible = k_pos[None, :] <= q_pos[:, None]
-        if sliding_window is not None:
-            visible &= k_pos[None, :] > (q_pos[:, None] - sliding_window)
+        visible = _visible(k_pos[None, :], q_pos[:, None], sliding_window)
         scores.masked_fill_(~visible[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.matmul(probs, values).transpose(0, 1).to(out.dtype)

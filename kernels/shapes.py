@@ -1,7 +1,7 @@
 """Argument checks that every implementation of an op makes alike, with the same
 messages: the paged-attention ops of the C kernels' bindings (`cpu_ops`, `cpu_layer_ops`)
 and the Triton launches (`triton_common`), and the int8 linear layer's scale groups (its
-C binding `cpu_int8` and its reference). Torch only, so the CPU path never imports
+C binding `cpu_quantized` and its reference). Torch only, so the CPU path never imports
 triton."""
 
 from __future__ import annotations

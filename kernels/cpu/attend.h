@@ -233,7 +233,7 @@ ALWAYS_INLINE void attend_range(const attention_args *A, int64_t s, int h, int64
  * state: no score yet. */
 ALWAYS_INLINE void begin_row(const attention_args *A, int64_t token, int head, float *qf,
                              float *acc, float *m, float *l) {
-    load_row(A->q, A->q_dt, token * A->q_ss + head * A->q_sh, A->q_sd, A->head_dim, A->dp,
+    load_row(A->q.data, A->q.dt, token * A->q.s0 + head * A->q.s1, A->q.s2, A->head_dim, A->dp,
              A->qmul, qf);
     memset(acc, 0, sizeof(float) * A->dp);
     *m = -INFINITY;
@@ -244,8 +244,8 @@ ALWAYS_INLINE void begin_row(const attention_args *A, int64_t token, int head, f
  * was seen). */
 ALWAYS_INLINE void end_row(const attention_args *A, int64_t token, int head, const float *acc,
                            float l) {
-    store_row(A->out, A->o_dt, token * A->o_ss + head * A->o_sh, A->o_sd, A->head_dim, acc,
-              l > 0.0f ? 1.0f / l : 0.0f);
+    store_row(A->out.data, A->out.dt, token * A->out.s0 + head * A->out.s1, A->out.s2,
+              A->head_dim, acc, l > 0.0f ? 1.0f / l : 0.0f);
 }
 
 /* The (cache dtype, head_dim) specialisations each kernel compiles its loop for: head_dim

@@ -10,11 +10,11 @@
 /* A decode call's arguments, and the tail of a prefill call's: one struct of 8-byte
  * fields, packed by kernels/cpu_ops.py. The last receives the index of a bad input. */
 typedef struct {
-    int64_t q, q_dt, q_ss, q_sh, q_sd;
+    pd_tensor3 q;
     int64_t cache, c_dt, c_sb, c_skv, c_sh, c_st;
     int64_t tables, t_ix, t_ss, t_sb;
     int64_t lens, l_ix, l_s;
-    int64_t out, o_dt, o_ss, o_sh, o_sd;
+    pd_tensor3 out;
     int64_t num_seqs, num_heads, num_kv_heads, block_size, head_dim, num_blocks, table_width;
     double scale;
     int64_t window, num_threads, bad;
@@ -22,9 +22,7 @@ typedef struct {
 
 /* The same, typed, with what the attention loops derive from it. */
 typedef struct {
-    const void *q;
-    int q_dt;
-    int64_t q_ss, q_sh, q_sd;
+    tensor3 q; /* [tokens, heads, head_dim] */
     const char *cache;
     int c_dt;
     int64_t c_sb, c_skv, c_sh, c_st;
@@ -34,9 +32,7 @@ typedef struct {
     const void *lens;
     int l_ix;
     int64_t l_s;
-    void *out;
-    int o_dt;
-    int64_t o_ss, o_sh, o_sd;
+    tensor3 out; /* like q */
     int num_kv_heads, block_size, head_dim, group;
     int dp; /* head_dim padded to the kernel's vector step */
     int tile_tokens, rows_pad; /* prefill's query tiles */
@@ -46,12 +42,11 @@ typedef struct {
 
 static inline attention_args attention_args_of(const pd_attention_call *c, int dp) {
     return (attention_args){
-        .q = PTR(c->q), .q_dt = (int)c->q_dt, .q_ss = c->q_ss, .q_sh = c->q_sh, .q_sd = c->q_sd,
-        .cache = PTR(c->cache), .c_dt = (int)c->c_dt, .c_sb = c->c_sb, .c_skv = c->c_skv,
-        .c_sh = c->c_sh, .c_st = c->c_st, .tables = PTR(c->tables), .t_ix = (int)c->t_ix,
-        .t_ss = c->t_ss, .t_sb = c->t_sb, .lens = PTR(c->lens), .l_ix = (int)c->l_ix,
-        .l_s = c->l_s, .out = PTR(c->out), .o_dt = (int)c->o_dt, .o_ss = c->o_ss,
-        .o_sh = c->o_sh, .o_sd = c->o_sd, .num_kv_heads = (int)c->num_kv_heads,
+        .q = tensor3_of(&c->q), .cache = PTR(c->cache), .c_dt = (int)c->c_dt, .c_sb = c->c_sb,
+        .c_skv = c->c_skv, .c_sh = c->c_sh, .c_st = c->c_st, .tables = PTR(c->tables),
+        .t_ix = (int)c->t_ix, .t_ss = c->t_ss, .t_sb = c->t_sb, .lens = PTR(c->lens),
+        .l_ix = (int)c->l_ix, .l_s = c->l_s, .out = tensor3_of(&c->out),
+        .num_kv_heads = (int)c->num_kv_heads,
         .block_size = (int)c->block_size, .head_dim = (int)c->head_dim,
         .group = (int)(c->num_heads / c->num_kv_heads), .dp = dp, .window = c->window,
         .qmul = (float)c->scale * LOG2_E};

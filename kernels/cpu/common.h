@@ -53,6 +53,22 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
 typedef uint32_t v8u32 __attribute__((vector_size(32)));
 
+/* A 3-D tensor as a call's struct passes it (kernels/cpu_ops.py packs the five fields in
+ * this order), and as the kernels read it: data, dtype code, element strides. */
+typedef struct {
+    int64_t data, dt, s0, s1, s2;
+} pd_tensor3;
+
+typedef struct {
+    void *data;
+    int dt;
+    int64_t s0, s1, s2;
+} tensor3;
+
+static inline tensor3 tensor3_of(const pd_tensor3 *t) {
+    return (tensor3){PTR(t->data), (int)t->dt, t->s0, t->s1, t->s2};
+}
+
 static inline size_t dtype_size(int dt) { return dt == DT_F32 ? 4 : 2; }
 
 static inline int64_t load_index(const void *base, int ix, int64_t i) {

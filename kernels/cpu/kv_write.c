@@ -17,12 +17,7 @@ ALWAYS_INLINE void copy_row(const void *src, int src_dt, int64_t off, int64_t st
 }
 
 typedef struct {
-    const void *key;
-    int key_dt;
-    int64_t k_st, k_sh, k_sd;
-    const void *value;
-    int value_dt;
-    int64_t v_st, v_sh, v_sd;
+    tensor3 key, value; /* [num_tokens, num_kv_heads, head_dim] */
     kv_slots cache;
     int num_kv_heads, head_dim;
 } write_args;
@@ -35,10 +30,10 @@ static void write_tokens(const write_args *A, int64_t t0, int64_t t1) {
         if (slot < 0) continue;
         for (int h = 0; h < A->num_kv_heads; h++) {
             char *k = (char *)C->base + kv_key_row(C, slot, h) * es;
-            copy_row(A->key, A->key_dt, t * A->k_st + h * A->k_sh, A->k_sd, k, C->dt,
+            copy_row(A->key.data, A->key.dt, t * A->key.s0 + h * A->key.s1, A->key.s2, k, C->dt,
                      A->head_dim);
-            copy_row(A->value, A->value_dt, t * A->v_st + h * A->v_sh, A->v_sd, k + C->skv * es,
-                     C->dt, A->head_dim);
+            copy_row(A->value.data, A->value.dt, t * A->value.s0 + h * A->value.s1, A->value.s2,
+                     k + C->skv * es, C->dt, A->head_dim);
         }
     }
 }
@@ -60,8 +55,7 @@ static int write_kv_cache(const write_args *A, int64_t num_tokens, int64_t num_b
 
 /* The call's arguments as one struct of 8-byte fields (kernels/cpu_ops.py packs it). */
 typedef struct {
-    int64_t key, key_dt, k_st, k_sh, k_sd;
-    int64_t value, value_dt, v_st, v_sh, v_sd;
+    pd_tensor3 key, value;
     int64_t cache, cache_dt, c_sb, c_skv, c_sh, c_st;
     int64_t slots, slot_ix, slot_stride;
     int64_t num_tokens, num_kv_heads, block_size, head_dim, num_blocks, num_threads;
@@ -71,10 +65,7 @@ typedef struct {
 int64_t pd_write_call_size(void) { return sizeof(pd_write_call); }
 
 int pd_write_kv_cache(pd_write_call *c) {
-    write_args A = {.key = PTR(c->key), .key_dt = (int)c->key_dt, .k_st = c->k_st,
-                    .k_sh = c->k_sh, .k_sd = c->k_sd, .value = PTR(c->value),
-                    .value_dt = (int)c->value_dt, .v_st = c->v_st, .v_sh = c->v_sh,
-                    .v_sd = c->v_sd,
+    write_args A = {.key = tensor3_of(&c->key), .value = tensor3_of(&c->value),
                     .cache = {PTR(c->cache), (int)c->cache_dt, c->c_sb, c->c_skv, c->c_sh,
                               c->c_st, (int)c->block_size, PTR(c->slots), (int)c->slot_ix,
                               c->slot_stride},

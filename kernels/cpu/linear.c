@@ -43,10 +43,7 @@ typedef struct {
     const void *w;
     int w_dt; /* DT_F32 or DT_BF16 */
     int64_t w_rs;
-    const void *bias;
-    int bias_dt; /* -1: none */
-    float *y;
-    int64_t y_rs;
+    linear_out out;
     int k;
 } linear_args;
 
@@ -58,13 +55,16 @@ ALWAYS_INLINE float weight_at(const void *w, int64_t i, const int WDT) {
     return WDT == DT_BF16 ? bf16_to_float(((const uint16_t *)w)[i]) : ((const float *)w)[i];
 }
 
-/* R rows of packed x (from xp) times C weight rows (from w): y[r][c] for the tile.
+/* R rows of packed x from row m0 times C weight rows from row n: y[r][c] for the tile.
  * WDT: the weight dtype, a compile-time constant. */
-ALWAYS_INLINE void tile(const linear_args *A, const float *xp, const void *w, int64_t n, float *y,
-                        const int R, const int C, const int WDT) {
+ALWAYS_INLINE void tile(const linear_args *A, int64_t m0, int64_t n, const int R, const int C,
+                        const int WDT) {
     const int K = A->k, K16 = K & ~15;
     const int64_t ws = (int64_t)dtype_size(WDT); /* weight bytes */
-    const char *wb = w;
+    const float *xp = A->xp + m0 * A->k;
+    const char *wb = (const char *)A->w + n * A->w_rs * ws;
+    const void *w = wb;
+    float *y = linear_y(&A->out, m0, n);
     v8f acc[MAX_R][MAX_C];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
@@ -100,26 +100,13 @@ ALWAYS_INLINE void tile(const linear_args *A, const float *xp, const void *w, in
         for (int c = 0; c < C; c++) {
             float s = v8_hsum(acc[r][c]);
             for (int k = K16; k < K; k++) s += xp[r * K + k] * weight_at(w, c * A->w_rs + k, WDT);
-            if (A->bias_dt >= 0) s += load_scalar(A->bias, A->bias_dt, n + c);
-            y[r * A->y_rs + c] = s;
+            linear_put(&A->out, y, r, c, n, s);
         }
 }
 
-/* Rows m0..m0+R of x against weight rows [n0, n1), in tiles of C. */
-ALWAYS_INLINE void rows_times_block(const linear_args *A, int64_t m0, int64_t n0, int64_t n1,
-                                    const int R, const int WDT) {
-    const int C = R == 1 ? 12 : R == 2 ? 6 : R == 3 ? 4 : 3;
-    const int64_t ws = (int64_t)dtype_size(WDT);
-    const float *xp = A->xp + m0 * A->k;
-    float *y = A->y + m0 * A->y_rs;
-    const char *w = A->w;
-    int64_t n = n0;
-    for (; n + C <= n1; n += C) tile(A, xp, w + n * A->w_rs * ws, n, y + n, R, C, WDT);
-    for (; n < n1; n++) tile(A, xp, w + n * A->w_rs * ws, n, y + n, R, 1, WDT);
-}
-
-LINEAR_ROWS_FN(rows_bf16, linear_args, rows_times_block, DT_BF16)
-LINEAR_ROWS_FN(rows_f32, linear_args, rows_times_block, DT_F32)
+#define COLS(R) ((R) == 1 ? 12 : (R) == 2 ? 6 : (R) == 3 ? 4 : 3)
+LINEAR_ROWS_FN(rows_bf16, linear_args, tile, COLS, DT_BF16)
+LINEAR_ROWS_FN(rows_f32, linear_args, tile, COLS, DT_F32)
 
 /* x rows into the packed layout. bf16 W: per 16-chunk [x0 x2 .. x14 | x1 x3 .. x15],
  * so each half meets its widened weights; f32 W: as is. The tail stays as is. */
@@ -199,8 +186,8 @@ static int linear(const float *x, int64_t x_rs, const void *w, int w_dt, int64_t
     float *xp = linear_scratch((size_t)(m * k) * sizeof(float));
     if (!xp) return PD_NO_MEMORY;
     pack_x(x, x_rs, m, (int)k, w_dt, xp);
-    linear_args A = {.xp = xp, .w = w, .w_dt = w_dt, .w_rs = w_rs, .bias = bias, .bias_dt = bias_dt,
-                     .y = y, .y_rs = y_rs, .k = (int)k};
+    linear_args A = {.xp = xp, .w = w, .w_dt = w_dt, .w_rs = w_rs, .out = {bias, bias_dt, y, y_rs},
+                     .k = (int)k};
     linear_plan P = {.rows = w_dt == DT_BF16 ? rows_bf16 : rows_f32, .args = &A, .m = m, .n = n,
                      .unit_n = UNIT_N, .x_rows = linear_block_rows(X_BLOCK_BYTES, k * 4),
                      .w_units = linear_block_units(UNIT_N * k * (int64_t)dtype_size(w_dt))};

@@ -56,19 +56,46 @@ static inline int64_t linear_block_units(int64_t unit_bytes) {
 __attribute__((visibility("hidden"))) void linear_run(const linear_plan *P, int64_t macs,
                                                        int num_threads);
 
-/* Defines `name`, a linear_rows_fn over `args_t` calling the always-inline
- * `block(A, m, n0, n1, R, ...)` with R a constant in each case: one specialisation of the
- * micro-kernels per row count. */
-#define LINEAR_ROWS_FN(name, args_t, block, ...)                                                \
-    static __attribute__((noinline)) void name(const void *args, int64_t m, int64_t n0,         \
-                                               int64_t n1, int R) {                             \
-        const args_t *A = args;                                                                 \
-        switch (R) {                                                                            \
-        case 4: block(A, m, n0, n1, 4, ##__VA_ARGS__); break;                                   \
-        case 3: block(A, m, n0, n1, 3, ##__VA_ARGS__); break;                                   \
-        case 2: block(A, m, n0, n1, 2, ##__VA_ARGS__); break;                                   \
-        default: block(A, m, n0, n1, 1, ##__VA_ARGS__); break;                                  \
-        }                                                                                       \
+/* Where a path's outputs go: y (row stride y_rs), with the bias added (bias_dt -1: none). */
+typedef struct {
+    const void *bias;
+    int bias_dt;
+    float *y;
+    int64_t y_rs;
+} linear_out;
+
+/* The output rows from x row m0, as a tile from weight row n writes them (column n). */
+ALWAYS_INLINE float *linear_y(const linear_out *O, int64_t m0, int64_t n) {
+    return O->y + m0 * O->y_rs + n;
+}
+
+/* Output (r, c) of a tile whose first weight row is n (y from linear_y): s plus the bias. */
+ALWAYS_INLINE void linear_put(const linear_out *O, float *y, int r, int c, int64_t n, float s) {
+    if (O->bias_dt >= 0) s += load_scalar(O->bias, O->bias_dt, n + c);
+    y[r * O->y_rs + c] = s;
+}
+
+/* Defines `name`, a linear_rows_fn over `args_t`: R rows of x from row m against weight rows
+ * [n0, n1) in tiles of cols(R) weight rows, then those left one a tile, each the
+ * always-inline `tile(A, m, n, R, C, ...)` with R and C constants: one specialisation of
+ * the micro-kernels per row count. */
+#define LINEAR_ROWS_FN(name, args_t, tile, cols, ...)                                          \
+    ALWAYS_INLINE void name##_block(const args_t *A, int64_t m, int64_t n0, int64_t n1,        \
+                                    const int R) {                                             \
+        const int C = cols(R);                                                                 \
+        int64_t n = n0;                                                                        \
+        for (; n + C <= n1; n += C) tile(A, m, n, R, C, ##__VA_ARGS__);                        \
+        for (; n < n1; n++) tile(A, m, n, R, 1, ##__VA_ARGS__);                                \
+    }                                                                                          \
+    static __attribute__((noinline)) void name(const void *args, int64_t m, int64_t n0,        \
+                                               int64_t n1, int R) {                            \
+        const args_t *A = args;                                                                \
+        switch (R) {                                                                           \
+        case 4: name##_block(A, m, n0, n1, 4); break;                                          \
+        case 3: name##_block(A, m, n0, n1, 3); break;                                          \
+        case 2: name##_block(A, m, n0, n1, 2); break;                                          \
+        default: name##_block(A, m, n0, n1, 1); break;                                         \
+        }                                                                                      \
     }
 
 #endif

@@ -31,10 +31,7 @@ typedef struct {
     const uint16_t *xp; /* packed bf16 x, row stride kp (K rounded up to 32) */
     const uint16_t *w;
     int64_t w_rs;
-    const void *bias;
-    int bias_dt; /* -1: none */
-    float *y;
-    int64_t y_rs;
+    linear_out out;
     int k, kp;
 } dot_args;
 
@@ -58,9 +55,11 @@ ALWAYS_INLINE __m512 sum16(const __m512 *v) {
                          _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* R rows of packed x times C weight rows from w: y[r][c] for the tile. */
-ALWAYS_INLINE void dot_tile(const dot_args *A, const uint16_t *xp, const uint16_t *w, int64_t n,
-                            float *y, const int R, const int C) {
+/* R rows of packed x from row m0 times C weight rows from row n: y[r][c] for the tile. */
+ALWAYS_INLINE void dot_tile(const dot_args *A, int64_t m0, int64_t n, const int R, const int C) {
+    const uint16_t *xp = A->xp + m0 * A->kp;
+    const uint16_t *w = A->w + n * A->w_rs;
+    float *y = linear_y(&A->out, m0, n);
     const int K = A->k, K32 = K & ~31, KP = A->kp;
     const int64_t rs = A->w_rs;
     __m512 acc[32]; /* R * C used; the rest stay zero for the sums */
@@ -101,24 +100,12 @@ ALWAYS_INLINE void dot_tile(const dot_args *A, const uint16_t *xp, const uint16_
 #pragma GCC unroll 24
         for (int c = 0; c < C; c++) {
             const int i = r * C + c;
-            float s = sums[(i & ~15) + 4 * (i & 3) + ((i & 15) >> 2)];
-            if (A->bias_dt >= 0) s += load_scalar(A->bias, A->bias_dt, n + c);
-            y[r * A->y_rs + c] = s;
+            linear_put(&A->out, y, r, c, n, sums[(i & ~15) + 4 * (i & 3) + ((i & 15) >> 2)]);
         }
 }
 
-/* Rows m0..m0+R of x against weight rows [n0, n1), in tiles of C. */
-ALWAYS_INLINE void dot_rows_times_block(const dot_args *A, int64_t m0, int64_t n0, int64_t n1,
-                                        const int R) {
-    const int C = R == 1 ? 24 : R == 2 ? 12 : R == 3 ? 8 : 6;
-    const uint16_t *xp = A->xp + m0 * A->kp;
-    float *y = A->y + m0 * A->y_rs;
-    int64_t n = n0;
-    for (; n + C <= n1; n += C) dot_tile(A, xp, A->w + n * A->w_rs, n, y + n, R, C);
-    for (; n < n1; n++) dot_tile(A, xp, A->w + n * A->w_rs, n, y + n, R, 1);
-}
-
-LINEAR_ROWS_FN(dot_rows, dot_args, dot_rows_times_block)
+#define DOT_COLS(R) ((R) == 1 ? 24 : (R) == 2 ? 12 : (R) == 3 ? 8 : 6)
+LINEAR_ROWS_FN(dot_rows, dot_args, dot_tile, DOT_COLS)
 
 /* x rows rounded to bf16 (to nearest even), each row zero-padded to kp elements. */
 static void pack_x_bf16(const float *x, int64_t x_rs, int64_t m, int k, int kp, uint16_t *dst) {
@@ -149,8 +136,8 @@ int linear_bf16_dot(const float *x, int64_t x_rs, const uint16_t *w, int64_t w_r
     uint16_t *xp = linear_scratch((size_t)(m * kp) * sizeof(uint16_t));
     if (!xp) return PD_NO_MEMORY;
     pack_x_bf16(x, x_rs, m, (int)k, kp, xp);
-    dot_args A = {.xp = xp, .w = w, .w_rs = w_rs, .bias = bias, .bias_dt = bias_dt,
-                  .y = y, .y_rs = y_rs, .k = (int)k, .kp = kp};
+    dot_args A = {.xp = xp, .w = w, .w_rs = w_rs, .out = {bias, bias_dt, y, y_rs}, .k = (int)k,
+                  .kp = kp};
     linear_plan P = {.rows = dot_rows, .args = &A, .m = m, .n = n, .unit_n = UNIT_N,
                      .x_rows = linear_block_rows(X_BLOCK_BYTES, kp * 2),
                      .w_units = linear_block_units(UNIT_N * k * 2)};

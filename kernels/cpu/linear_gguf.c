@@ -44,10 +44,7 @@ typedef struct {
     int64_t x_rs;
     const uint8_t *w;
     int64_t w_rs; /* bytes per weight row */
-    const void *bias;
-    int bias_dt; /* -1: none */
-    float *y;
-    int64_t y_rs;
+    linear_out out;
     int k;
 } gguf_args;
 
@@ -137,9 +134,12 @@ ALWAYS_INLINE void decode_block(const uint8_t *b, v8f *w, const int T) {
 }
 #endif
 
-/* R rows of x times C weight rows from w: y[r][c] for the tile. */
-ALWAYS_INLINE void tile(const gguf_args *A, const float *x, const uint8_t *w, int64_t n, float *y,
-                        const int R, const int C, const int T) {
+/* R rows of x from row m0 times C weight rows from row n: y[r][c] for the tile. */
+ALWAYS_INLINE void tile(const gguf_args *A, int64_t m0, int64_t n, const int R, const int C,
+                        const int T) {
+    const float *x = A->x + m0 * A->x_rs;
+    const uint8_t *w = A->w + n * A->w_rs;
+    float *y = linear_y(&A->out, m0, n);
     const int blocks = A->k / QK, BB = block_bytes(T);
     const int64_t rs = A->w_rs, xs = A->x_rs;
     v8f acc[MAX_R][MAX_C];
@@ -168,29 +168,14 @@ ALWAYS_INLINE void tile(const gguf_args *A, const float *x, const uint8_t *w, in
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 12
-        for (int c = 0; c < C; c++) {
-            float s = v8_hsum(acc[r][c]);
-            if (A->bias_dt >= 0) s += load_scalar(A->bias, A->bias_dt, n + c);
-            y[r * A->y_rs + c] = s;
-        }
+        for (int c = 0; c < C; c++) linear_put(&A->out, y, r, c, n, v8_hsum(acc[r][c]));
 }
 
-/* Rows m0..m0+R of x against weight rows [n0, n1), in tiles of C. */
-ALWAYS_INLINE void rows_times_block(const gguf_args *A, int64_t m0, int64_t n0, int64_t n1,
-                                    const int R, const int T) {
-    const int C = COLS(R);
-    const float *x = A->x + m0 * A->x_rs;
-    float *y = A->y + m0 * A->y_rs;
-    int64_t n = n0;
-    for (; n + C <= n1; n += C) tile(A, x, A->w + n * A->w_rs, n, y + n, R, C, T);
-    for (; n < n1; n++) tile(A, x, A->w + n * A->w_rs, n, y + n, R, 1, T);
-}
+LINEAR_ROWS_FN(rows_q8_0, gguf_args, tile, COLS, GGML_Q8_0)
+LINEAR_ROWS_FN(rows_q4_0, gguf_args, tile, COLS, GGML_Q4_0)
+LINEAR_ROWS_FN(rows_q4_1, gguf_args, tile, COLS, GGML_Q4_1)
 
-LINEAR_ROWS_FN(rows_q8_0, gguf_args, rows_times_block, GGML_Q8_0)
-LINEAR_ROWS_FN(rows_q4_0, gguf_args, rows_times_block, GGML_Q4_0)
-LINEAR_ROWS_FN(rows_q4_1, gguf_args, rows_times_block, GGML_Q4_1)
-
-/* The call's arguments as one struct of 8-byte fields (kernels/cpu_gguf.py packs it). */
+/* The call's arguments as one struct of 8-byte fields (kernels/cpu_quantized.py packs it). */
 typedef struct {
     int64_t x, x_rs, w, w_rs, type, bias, bias_dt, y, y_rs;
     int64_t m, n, k, num_threads, bad;
@@ -210,8 +195,7 @@ int pd_linear_gguf(pd_linear_gguf_call *c) {
         return PD_UNSUPPORTED;
     if (m == 0 || n == 0) return PD_OK;
     gguf_args A = {.x = PTR(c->x), .x_rs = c->x_rs, .w = PTR(c->w), .w_rs = c->w_rs,
-                   .bias = PTR(c->bias), .bias_dt = (int)c->bias_dt, .y = PTR(c->y),
-                   .y_rs = c->y_rs, .k = (int)k};
+                   .out = {PTR(c->bias), (int)c->bias_dt, PTR(c->y), c->y_rs}, .k = (int)k};
     linear_plan P = {.rows = rows, .args = &A, .m = m, .n = n, .unit_n = UNIT_N,
                      .x_rows = linear_block_rows(X_BLOCK_BYTES, k * 4),
                      .w_units = linear_block_units(UNIT_N * c->w_rs)};

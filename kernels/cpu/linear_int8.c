@@ -30,27 +30,21 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define LANES 16
 #define UNIT_N 24
+#define MM(op) _mm512_##op /* the intrinsics of this vector width */
 typedef __m512 vec;
-ALWAYS_INLINE vec vec_zero(void) { return _mm512_setzero_ps(); }
-ALWAYS_INLINE vec vec_x(const float *p) { return _mm512_load_ps(p); }
 ALWAYS_INLINE vec vec_w(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-ALWAYS_INLINE vec vec_scale(vec w, const float *s) { return _mm512_mul_ps(w, _mm512_set1_ps(*s)); }
-ALWAYS_INLINE vec vec_fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 ALWAYS_INLINE float vec_sum(vec v) { return _mm512_reduce_add_ps(v); }
 #define COLS(R) ((R) == 1 ? 24 : (R) == 2 ? 12 : (R) == 3 ? 8 : 6)
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LANES 8
 #define UNIT_N 12
+#define MM(op) _mm256_##op
 typedef __m256 vec;
-ALWAYS_INLINE vec vec_zero(void) { return _mm256_setzero_ps(); }
-ALWAYS_INLINE vec vec_x(const float *p) { return _mm256_load_ps(p); }
 ALWAYS_INLINE vec vec_w(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
-ALWAYS_INLINE vec vec_scale(vec w, const float *s) { return _mm256_mul_ps(w, _mm256_set1_ps(*s)); }
-ALWAYS_INLINE vec vec_fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 ALWAYS_INLINE float vec_sum(vec v) { /* halves of 4, 2, 1 lanes */
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -69,6 +63,12 @@ ALWAYS_INLINE vec vec_fma(vec a, vec b, vec c) { return fmaf(a, b, c); }
 ALWAYS_INLINE float vec_sum(vec v) { return v; }
 #define COLS(R) ((R) == 1 ? 12 : (R) == 2 ? 6 : (R) == 3 ? 4 : 3)
 #endif
+#ifdef MM /* AVX-512 and AVX2: the same operations, 16 or 8 lanes wide */
+ALWAYS_INLINE vec vec_zero(void) { return MM(setzero_ps)(); }
+ALWAYS_INLINE vec vec_x(const float *p) { return MM(load_ps)(p); }
+ALWAYS_INLINE vec vec_scale(vec w, const float *s) { return MM(mul_ps)(w, MM(set1_ps)(*s)); }
+ALWAYS_INLINE vec vec_fma(vec a, vec b, vec c) { return MM(fmadd_ps)(a, b, c); }
+#endif
 
 #define MAX_R 4
 #define MAX_ACC (4 * COLS(4)) /* R * C is the same for every R */
@@ -80,16 +80,15 @@ typedef struct {
     int64_t w_rs;
     const float *scales; /* [N, groups], rows contiguous */
     int64_t groups;      /* scales per weight row */
-    const void *bias;
-    int bias_dt; /* -1: none */
-    float *y;
-    int64_t y_rs;
+    linear_out out;
     int k, kp, group; /* group: inputs per scale (K / groups) */
 } int8_args;
 
-/* R rows of packed x times C weight rows from w: y[r][c] for the tile. */
-ALWAYS_INLINE void tile(const int8_args *A, const float *xp, const int8_t *w, int64_t n, float *y,
-                        const int R, const int C) {
+/* R rows of packed x from row m0 times C weight rows from row n: y[r][c] for the tile. */
+ALWAYS_INLINE void tile(const int8_args *A, int64_t m0, int64_t n, const int R, const int C) {
+    const float *xp = A->xp + m0 * A->kp;
+    const int8_t *w = A->w + n * A->w_rs;
+    float *y = linear_y(&A->out, m0, n);
     const int K = A->k, KV = K & ~(LANES - 1), KP = A->kp, G = A->group;
     const int64_t rs = A->w_rs, gs = A->groups;
     const float *s = A->scales + n * gs; /* row n's scales; row n + c's at + c * gs */
@@ -128,25 +127,10 @@ ALWAYS_INLINE void tile(const int8_args *A, const float *xp, const int8_t *w, in
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 24
-        for (int c = 0; c < C; c++) {
-            float v = vec_sum(acc[r * C + c]);
-            if (A->bias_dt >= 0) v += load_scalar(A->bias, A->bias_dt, n + c);
-            y[r * A->y_rs + c] = v;
-        }
+        for (int c = 0; c < C; c++) linear_put(&A->out, y, r, c, n, vec_sum(acc[r * C + c]));
 }
 
-/* Rows m0..m0+R of x against weight rows [n0, n1), in tiles of C. */
-ALWAYS_INLINE void rows_times_block(const int8_args *A, int64_t m0, int64_t n0, int64_t n1,
-                                    const int R) {
-    const int C = COLS(R);
-    const float *xp = A->xp + m0 * A->kp;
-    float *y = A->y + m0 * A->y_rs;
-    int64_t n = n0;
-    for (; n + C <= n1; n += C) tile(A, xp, A->w + n * A->w_rs, n, y + n, R, C);
-    for (; n < n1; n++) tile(A, xp, A->w + n * A->w_rs, n, y + n, R, 1);
-}
-
-LINEAR_ROWS_FN(rows_r, int8_args, rows_times_block)
+LINEAR_ROWS_FN(rows_r, int8_args, tile, COLS)
 
 /* x rows copied to rows of kp floats, the padding zero. */
 static void pack_x(const float *x, int64_t x_rs, int64_t m, int k, int kp, float *dst) {
@@ -167,15 +151,15 @@ int64_t pd_linear_int8_call_size(void) { return sizeof(pd_linear_int8_call); }
 int pd_linear_int8(pd_linear_int8_call *c) {
     const int64_t m = c->m, n = c->n, k = c->k, groups = c->groups;
     if (m == 0 || n == 0) return PD_OK;
-    /* Checked in Python (kernels/cpu_int8.py); refused here too rather than read past S. */
+    /* Checked in Python (kernels/cpu_quantized.py); refused here too rather than read past S. */
     if (groups < 1 || k % groups || (groups > 1 && (k / groups) % LANES)) return PD_BAD_INT8_GROUPS;
     const int kp = (int)((k + LANES - 1) & ~(int64_t)(LANES - 1));
     float *xp = linear_scratch((size_t)(m * kp) * sizeof(float));
     if (!xp) return PD_NO_MEMORY;
     pack_x(PTR(c->x), c->x_rs, m, (int)k, kp, xp);
     int8_args A = {.xp = xp, .w = PTR(c->w), .w_rs = c->w_rs, .scales = PTR(c->scales),
-                   .groups = groups, .bias = PTR(c->bias), .bias_dt = (int)c->bias_dt,
-                   .y = PTR(c->y), .y_rs = c->y_rs, .k = (int)k, .kp = kp,
+                   .groups = groups, .out = {PTR(c->bias), (int)c->bias_dt, PTR(c->y), c->y_rs},
+                   .k = (int)k, .kp = kp,
                    .group = (int)(k / groups)};
     linear_plan P = {.rows = rows_r, .args = &A, .m = m, .n = n, .unit_n = UNIT_N,
                      .x_rows = linear_block_rows(X_BLOCK_BYTES, kp * 4),

@@ -19,8 +19,9 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine import embedded
 from pdserve.engine.checkpoint import ModelConfig, load_model_config
 from pdserve.engine.gguf_file import GGUFError, GGUFFile
-from pdserve.engine.gguf_loader import load_gguf_model
+from pdserve.engine.gguf_loader import load_gguf_weights, open_gguf
 from pdserve.engine.gguf_prepare import check_tp_blocks, gguf_source, prepare_gguf
+from pdserve.engine.loader import build_model
 from pdserve.engine.models.packed import PackedMatrix
 from pdserve.engine.parallel import TensorParallel
 from pdserve.text.tokenizer import Tokenizer
@@ -154,6 +155,13 @@ def test_loading_a_q4_file_peaks_below_twice_its_size(tmp_path):
         assert 0 < peak < bound * size, (dtype, peak, size)
 
 
+def load_gguf_model(path, config: ModelConfig, tp: TensorParallel | None = None):
+    """The float32 CPU model (this rank's slice) over a bare GGUF file."""
+    model = build_model(config, torch.float32, "cpu", tp)
+    load_gguf_weights(open_gguf(path, "cpu", None), model, torch.float32)
+    return model.eval()
+
+
 def _tiny_config(path) -> ModelConfig:
     return ModelConfig.from_dict(embedded.hf_config(GGUFFile(path).metadata, tied=True), path)
 
@@ -163,10 +171,10 @@ def test_tp2_ranks_hold_the_packed_rows_and_whole_blocks_of_columns(tmp_path):
     (output, down): a rank's columns, 32-weight blocks whole, the same bytes."""
     path = write_tiny_gguf(tmp_path / "tiny.gguf", GGMLQuantizationType.Q4_0)
     mc = _tiny_config(path)
-    whole = load_gguf_model(path, mc, torch.float32)
+    whole = load_gguf_model(path, mc)
     q, kv, inter = 32, 16, INTER // 2  # each rank's query rows, KV rows, MLP rows
     for r in range(2):
-        rank = load_gguf_model(path, mc, torch.float32, tp=TensorParallel(r, 2))
+        rank = load_gguf_model(path, mc, TensorParallel(r, 2))
         layer, w0 = rank.layers[1], whole.layers[1]
         qkv_rows = torch.cat([torch.arange(r * q, (r + 1) * q),
                               64 + torch.arange(r * kv, (r + 1) * kv),
@@ -197,7 +205,7 @@ def test_the_whole_tiny_model_computes_its_dequantized_weights(tmp_path):
 
     path = write_tiny_gguf(tmp_path / "mixed.gguf", GGMLQuantizationType.Q4_1,
                            {"attn_v.weight": GGMLQuantizationType.Q8_0})  # fmt: skip
-    model = load_gguf_model(path, _tiny_config(path), torch.float32)
+    model = load_gguf_model(path, _tiny_config(path))
     qkv = model.layers[0].attn.qkv_weight
     assert qkv.format_names() == ["Q4_1", "Q8_0"]
     file = GGUFFile(path)

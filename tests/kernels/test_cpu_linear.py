@@ -10,29 +10,24 @@ remainders), weight rows through partial 12-row units and tiles, and K through t
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from pdserve.kernels import cpu_ops, dispatch
+from pdserve.kernels import cpu_ops
 from pdserve.kernels.reference import linear_ref
+from tests.kernels.linear_checks import (
+    assert_dispatches_to,
+    assert_rows_independent,
+    cpu_has,
+    run_avx2_child,
+)
 
 BF16 = torch.bfloat16
 # The arithmetic paths: float32 weights; bf16 weights against float32 x; bf16 weights
 # against x rounded to bf16 (bf16 dot products).
 PATHS = [("f32", torch.float32, False), ("bf16", BF16, False), ("bf16-dot", BF16, True)]
-
-
-def _cpu_has_bf16_dot() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "avx512_bf16" in f.read().split()
-    except OSError:
-        return False
 
 
 @pytest.fixture(params=PATHS, ids=[p[0] for p in PATHS])
@@ -120,13 +115,7 @@ def test_a_row_does_not_depend_on_the_other_rows(kernels, threads, path, k):
     w = torch.randn(200, k, generator=gen).to(path[0])
     bias = torch.randn(200, generator=gen)
     batch = torch.randn(300, k, generator=gen)
-    threads(2)
-    whole = kernels.linear(batch, w, bias)
-    for rows in (1, 2, 3, 5, 64, 65, 300):
-        for num_threads in (1, 2):
-            threads(num_threads)
-            part = kernels.linear(batch[-rows:], w, bias)
-            assert torch.equal(part, whole[-rows:]), (rows, num_threads)
+    assert_rows_independent(lambda rows: kernels.linear(rows, w, bias), batch, threads)
 
 
 def test_other_dtypes_take_the_reference(kernels):
@@ -141,20 +130,12 @@ def test_other_dtypes_take_the_reference(kernels):
 
 
 def test_dispatch_sends_cpu_linear_to_the_c_kernel(kernels):
+    chosen = assert_dispatches_to("linear", cpu_ops.CpuKernels, linear_ref)
+    assert getattr(chosen, "__name__", "") == "linear"
     x = torch.randn(2, 64)
     w = torch.randn(8, 64).to(BF16)
-    before = dispatch._cpu_enabled
-    dispatch.set_cpu_kernels_enabled(True)
-    try:
-        chosen = dispatch.lookup("linear", x)
-        assert getattr(chosen, "__name__", "") == "linear"
-        assert isinstance(getattr(chosen, "__self__", None), cpu_ops.CpuKernels)
-        expected = exact(as_computed(x, kernels.bf16_dot), w, None)
-        assert_close_to_exact(chosen(x, w), expected, 64)
-        dispatch.set_cpu_kernels_enabled(False)
-        assert dispatch.lookup("linear", x) is linear_ref
-    finally:
-        dispatch.set_cpu_kernels_enabled(before)
+    expected = exact(as_computed(x, kernels.bf16_dot), w, None)
+    assert_close_to_exact(chosen(x, w), expected, 64)
 
 
 def test_mismatched_shapes_get_one_line_errors(kernels):
@@ -168,7 +149,7 @@ def test_mismatched_shapes_get_one_line_errors(kernels):
 def test_bf16_dot_products_where_the_build_and_cpu_have_them(kernels):
     """The native build on a CPU with AVX512-BF16 takes the dot-product path by default."""
     native = "-march=native" in kernels.build_info
-    assert kernels.bf16_dot_available == (native and _cpu_has_bf16_dot())
+    assert kernels.bf16_dot_available == (native and cpu_has("avx512_bf16"))
     assert kernels.bf16_dot == kernels.bf16_dot_available
     gen = torch.Generator().manual_seed(4)
     x, w = torch.randn(3, 96, generator=gen), torch.randn(20, 96, generator=gen).to(BF16)
@@ -177,7 +158,7 @@ def test_bf16_dot_products_where_the_build_and_cpu_have_them(kernels):
     )
 
 
-@pytest.mark.skipif(not _cpu_has_bf16_dot(), reason="the CPU has no AVX512-BF16")
+@pytest.mark.skipif(not cpu_has("avx512_bf16"), reason="the CPU has no AVX512-BF16")
 def test_the_avx2_build_keeps_float32_activations():
     """PDSERVE_CPU_ISA=avx2 (a child process: the build is per process) computes bf16
     weights against float32 x, as every AVX2 machine does, and asking that build for
@@ -192,11 +173,6 @@ def test_the_avx2_build_keeps_float32_activations():
         "try: k.linear(x, w)\n"
         "except ValueError as e: print(e)"
     )
-    env = {**os.environ, "PDSERVE_CPU_ISA": "avx2"}
-    child = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert child.returncode == 0, child.stderr[-2000:]
-    lines = child.stdout.strip().splitlines()
+    lines = run_avx2_child(code)
     assert lines[-2].split() == ["False", "False", "True"]
     assert "no bf16 dot-product linear layer" in lines[-1]

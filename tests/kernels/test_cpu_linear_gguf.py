@@ -7,19 +7,20 @@ dequantization against the `gguf` package's.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
 from pdserve.engine import gguf_file
-from pdserve.kernels import dispatch, gguf_blocks
-from pdserve.kernels.cpu_gguf import CpuGgufLinear
+from pdserve.kernels import gguf_blocks
+from pdserve.kernels.cpu_quantized import CpuQuantizedLinear
 from pdserve.kernels.gguf_blocks import PACKED_TYPES, dequantize_rows, linear_gguf_ref
+from tests.kernels.linear_checks import (
+    assert_dispatches_to,
+    assert_rows_independent,
+    avx2_child_result,
+    cpu_has,
+)
 
 TYPES = sorted(PACKED_TYPES)  # ggml numbers: Q4_0, Q4_1, Q8_0
 # (rows, weight rows, k, bias, threads): every micro-kernel shape and its remainders,
@@ -61,8 +62,8 @@ def case_tensors(qtype: int, m: int, n: int, k: int, bias: bool):
 
 
 @pytest.fixture(scope="module")
-def op(kernels) -> CpuGgufLinear:
-    return CpuGgufLinear(kernels)
+def op(kernels) -> CpuQuantizedLinear:
+    return CpuQuantizedLinear(kernels)
 
 
 def test_dequantization_is_the_gguf_packages():
@@ -98,12 +99,7 @@ def test_packed_linear_is_the_float32_linear_of_its_dequantized_weights(
 @pytest.mark.parametrize("qtype", TYPES, ids=gguf_blocks.type_name)
 def test_a_row_does_not_depend_on_the_other_rows(op, threads, qtype):
     x, w, b = case_tensors(qtype, 300, 130, 576, True)
-    threads(2)
-    whole = op.linear_gguf(x, w, qtype, b)
-    for rows in (1, 2, 3, 5, 64, 65, 300):
-        for num_threads in (1, 2):
-            threads(num_threads)
-            assert torch.equal(op.linear_gguf(x[-rows:], w, qtype, b), whole[-rows:])
+    assert_rows_independent(lambda rows: op.linear_gguf(rows, w, qtype, b), x, threads)
 
 
 def test_strided_rows_leading_dims_and_other_dtypes(op):
@@ -133,38 +129,20 @@ def test_bad_arguments_get_one_line_errors(op):
 
 
 def test_dispatch_sends_cpu_packed_linear_to_the_c_kernel(kernels):
-    x = torch.randn(2, 64)
-    before = dispatch._cpu_enabled
-    dispatch.set_cpu_kernels_enabled(True)
-    try:
-        chosen = dispatch.lookup("linear_gguf", x)
-        assert isinstance(getattr(chosen, "__self__", None), CpuGgufLinear)
-        dispatch.set_cpu_kernels_enabled(False)
-        assert dispatch.lookup("linear_gguf", x) is linear_gguf_ref
-    finally:
-        dispatch.set_cpu_kernels_enabled(before)
+    assert_dispatches_to("linear_gguf", CpuQuantizedLinear, linear_gguf_ref)
 
 
-def _cpu_has_avx2() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read().split()
-    except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags
-
-
-@pytest.mark.skipif(not _cpu_has_avx2(), reason="the CPU has no AVX2")
+@pytest.mark.skipif(not cpu_has("avx2", "fma"), reason="the CPU has no AVX2")
 def test_the_avx2_build_is_the_float32_linear_of_the_dequantized_weights():
     """PDSERVE_CPU_ISA=avx2 (a child process: the build is per process) decodes 8 weights
     at a time; the same grid, bit for bit the float32 path, rows independent as well."""
     code = (
         "import json, torch\n"
         "from pdserve.kernels import cpu_ops\n"
-        "from pdserve.kernels.cpu_gguf import CpuGgufLinear\n"
+        "from pdserve.kernels.cpu_quantized import CpuQuantizedLinear\n"
         "from pdserve.kernels.gguf_blocks import dequantize_rows\n"
         "from tests.kernels.test_cpu_linear_gguf import GRID, TYPES, case_tensors\n"
-        "k = cpu_ops.load(); op = CpuGgufLinear(k)\n"
+        "k = cpu_ops.load(); op = CpuQuantizedLinear(k)\n"
         "equal = []\n"
         "for q in TYPES:\n"
         "    for m, n, kk, b, t in GRID:\n"
@@ -176,11 +154,5 @@ def test_the_avx2_build_is_the_float32_linear_of_the_dequantized_weights():
         "alone = torch.equal(op.linear_gguf(x[-3:], w, 3), op.linear_gguf(x, w, 3)[-3:])\n"
         "print(json.dumps({'info': k.build_info, 'equal': equal, 'alone': alone}))\n"
     )
-    env = {**os.environ, "PDSERVE_CPU_ISA": "avx2"}
-    child = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert child.returncode == 0, child.stderr[-2000:]
-    result = json.loads(child.stdout.strip().splitlines()[-1])
-    assert result["info"].startswith("AVX2+FMA")
+    result = avx2_child_result(code)
     assert result["alone"] and all(result["equal"]), result["equal"]

@@ -11,17 +11,17 @@ and without a partial last vector, and groups of 16 to 128 inputs or one per row
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from pdserve.kernels import dispatch
-from pdserve.kernels.cpu_int8 import CpuInt8Linear
+from pdserve.kernels.cpu_quantized import CpuQuantizedLinear
 from pdserve.kernels.reference import linear_int8_ref
+from tests.kernels.linear_checks import (
+    assert_dispatches_to,
+    assert_rows_independent,
+    avx2_child_result,
+    cpu_has,
+)
 
 BF16 = torch.bfloat16
 # (rows, weight rows, k, inputs per scale (None: one scale per row), bias dtype, threads)
@@ -67,8 +67,8 @@ def tolerance(k: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def op(kernels) -> CpuInt8Linear:
-    return CpuInt8Linear(kernels)
+def op(kernels) -> CpuQuantizedLinear:
+    return CpuQuantizedLinear(kernels)
 
 
 @pytest.mark.parametrize("case", GRID, ids=lambda c: f"m{c[0]}n{c[1]}k{c[2]}g{c[3]}-{c[4]}-t{c[5]}")
@@ -88,12 +88,7 @@ def test_int8_linear_matches_exact_product_and_reference(op, threads, case):
 def test_a_row_does_not_depend_on_the_other_rows(op, threads, k, group):
     """Bit for bit: one row alone, inside any batch, at 1 or 2 threads."""
     x, w, scales, bias = case_tensors(300, 130, k, group, torch.float32)
-    threads(2)
-    whole = op.linear_int8(x, w, scales, bias)
-    for rows in (1, 2, 3, 5, 64, 65, 300):
-        for num_threads in (1, 2):
-            threads(num_threads)
-            assert torch.equal(op.linear_int8(x[-rows:], w, scales, bias), whole[-rows:])
+    assert_rows_independent(lambda rows: op.linear_int8(rows, w, scales, bias), x, threads)
 
 
 def test_strided_rows_leading_dims_and_other_dtypes(op):
@@ -137,41 +132,24 @@ def test_bad_arguments_get_one_line_errors(op):
 
 
 def test_dispatch_sends_cpu_int8_linear_to_the_c_kernel(kernels):
+    chosen = assert_dispatches_to("linear_int8", CpuQuantizedLinear, linear_int8_ref)
     x = torch.randn(2, 64)
     w = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
-    before = dispatch._cpu_enabled
-    dispatch.set_cpu_kernels_enabled(True)
-    try:
-        chosen = dispatch.lookup("linear_int8", x)
-        assert isinstance(getattr(chosen, "__self__", None), CpuInt8Linear)
-        scales = torch.rand(8, 4)
-        expected = exact(x, w, scales, None)
-        torch.testing.assert_close(chosen(x, w, scales).double(), expected, atol=1e-3, rtol=1e-5)
-        dispatch.set_cpu_kernels_enabled(False)
-        assert dispatch.lookup("linear_int8", x) is linear_int8_ref
-    finally:
-        dispatch.set_cpu_kernels_enabled(before)
+    scales = torch.rand(8, 4)
+    expected = exact(x, w, scales, None)
+    torch.testing.assert_close(chosen(x, w, scales).double(), expected, atol=1e-3, rtol=1e-5)
 
 
-def _cpu_has_avx2() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read().split()
-    except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags
-
-
-@pytest.mark.skipif(not _cpu_has_avx2(), reason="the CPU has no AVX2")
+@pytest.mark.skipif(not cpu_has("avx2", "fma"), reason="the CPU has no AVX2")
 def test_the_avx2_build_matches_exact_products():
     """PDSERVE_CPU_ISA=avx2 (a child process: the build is per process) runs the 8-lane
     path on the same grid, within the same bounds, rows independent as well."""
     code = (
         "import json, torch, sys\n"
         "from pdserve.kernels import cpu_ops\n"
-        "from pdserve.kernels.cpu_int8 import CpuInt8Linear\n"
+        "from pdserve.kernels.cpu_quantized import CpuQuantizedLinear\n"
         "from tests.kernels.test_cpu_linear_int8 import GRID, case_tensors, exact\n"
-        "k = cpu_ops.load(); op = CpuInt8Linear(k)\n"
+        "k = cpu_ops.load(); op = CpuQuantizedLinear(k)\n"
         "errors = []\n"
         "for m, n, kk, g, b, t in GRID:\n"
         "    torch.set_num_threads(t)\n"
@@ -182,13 +160,7 @@ def test_the_avx2_build_matches_exact_products():
         "alone = torch.equal(op.linear_int8(x[-3:], w, s), op.linear_int8(x, w, s)[-3:])\n"
         "print(json.dumps({'info': k.build_info, 'errors': errors, 'alone': alone}))\n"
     )
-    env = {**os.environ, "PDSERVE_CPU_ISA": "avx2"}
-    child = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert child.returncode == 0, child.stderr[-2000:]
-    result = json.loads(child.stdout.strip().splitlines()[-1])
-    assert result["info"].startswith("AVX2+FMA")
+    result = avx2_child_result(code)
     assert result["alone"]
     for (_, _, k, _, _, _), error in zip(GRID, result["errors"], strict=True):
         assert error <= tolerance(k), (k, error)

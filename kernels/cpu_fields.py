@@ -1,0 +1,128 @@
+"""The C kernels' calling conventions on the Python side: dtype and index codes, the
+binding of an entry point's packed argument struct, its error codes, and the fields
+every binding (`cpu_ops`, `cpu_layer_ops`, `cpu_quantized`) passes alike."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import torch
+
+from pdserve.kernels.cpu_build import BuildError
+from pdserve.kernels.shapes import check_kv_layout
+
+Tensor = torch.Tensor
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_INDEX = {torch.int32: 0, torch.int64: 1}
+_ERRORS = {
+    -1: "slot_mapping[{i}] points past the KV cache's last block",
+    -2: "context_lens[{i}] is negative or longer than its block table row holds",
+    -3: "block_tables row {i} names a block outside the KV cache",
+    -4: "query_start_loc must be non-decreasing and within the query rows (sequence {i})",
+    -5: "sequence {i} has more new tokens than its context_len",
+    -6: "out of memory in a CPU attention kernel",
+    -7: "positions[{i}] is outside the cos/sin cache",
+    -8: "head_dim must be even and at most 1024 for the rotary kernel",
+    -9: "this build of the CPU kernels (or this CPU) has no bf16 dot-product linear layer",
+    -10: "linear_int8: the scale groups do not split the weight rows into whole vectors",
+}
+
+
+class BoundCall:
+    """One entry point of the library: it takes one struct of 8-byte fields laid out as
+    `layout` (its size checked against the library's `pd_<op>_call_size()`), whose last
+    field receives the index of a bad input."""
+
+    __slots__ = ("_args", "_pack", "_run")
+
+    def __init__(self, lib: ctypes.CDLL, op: str, name: str, layout: struct.Struct):
+        size_fn = getattr(lib, f"pd_{op}_call_size")
+        size_fn.restype = ctypes.c_int64
+        if size_fn() != layout.size:
+            raise BuildError(f"{name} takes {size_fn()} bytes of arguments, not {layout.size}")
+        self._run = getattr(lib, name)
+        self._run.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+        self._run.restype = ctypes.c_int
+        self._pack = layout.pack_into
+        self._args = ctypes.c_int64 * (layout.size // 8)
+
+    def run(self, *fields: float) -> None:
+        """Packs the fields (all but the bad-input slot) in the struct's order and calls;
+        a non-zero return becomes a one-line ValueError naming the bad input."""
+        args = self._args()
+        self._pack(args, 0, *fields, -1)
+        rc = self._run(args)
+        if rc:
+            message = _ERRORS.get(rc, f"CPU kernel failed with code {rc}")
+            raise ValueError(message.format(i=args[-1]))
+
+
+def dtype_code(name: str, t: Tensor) -> int:
+    code = DTYPES.get(t.dtype)
+    if code is None:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    return code
+
+
+def index_code(name: str, t: Tensor) -> int:
+    code = _INDEX.get(t.dtype)
+    if code is None:
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+    return code
+
+
+def window_field(sliding_window: int | None) -> int:
+    if sliding_window is None:
+        return 0
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+    return int(sliding_window)
+
+
+def cache_fields(kv_cache: Tensor, head_dim: int) -> tuple[int, ...]:
+    """(num_blocks, kv_heads, block_size, then the C fields: pointer, dtype, 4 strides)."""
+    check_kv_layout(kv_cache, None, head_dim)
+    shape = kv_cache.shape
+    c = kv_cache.stride()
+    if c[4] != 1 and head_dim > 1:
+        raise ValueError("kv_cache must be contiguous along head_dim (the KV layout contract)")
+    if not kv_cache.is_cpu:
+        raise ValueError(f"kv_cache must be on the CPU, got {kv_cache.device}")
+    code = dtype_code("kv_cache", kv_cache)
+    return shape[0], shape[2], shape[3], kv_cache.data_ptr(), code, c[0], c[1], c[2], c[3]
+
+
+def row_count(x: Tensor) -> int:
+    """x's rows as a matrix of its last dimension (0 for an empty or 0-d x)."""
+    return x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+
+
+def linear_io(
+    op: str, x: Tensor, rows: int, n: int, k: int, bias: Tensor | None
+) -> tuple[Tensor, Tensor, int, int]:
+    """What every C linear layer checks and passes alike, in one call (a decode step makes
+    ~120): x's features and the bias checked; x as [rows, k] with contiguous columns, the
+    float32 output [rows, n] to fill, and the bias's C fields (pointer, dtype; 0, -1: none)."""
+    if x.shape[-1] != k:
+        raise ValueError(f"{op}: x has {x.shape[-1]} features, weight expects {k}")
+    if bias is None:
+        bias_ptr, bias_dt = 0, -1
+    elif bias.shape != (n,) or not bias.is_contiguous():
+        raise ValueError(f"{op}: bias must be [{n}] and contiguous, got {tuple(bias.shape)}")
+    else:
+        bias_ptr, bias_dt = bias.data_ptr(), dtype_code("bias", bias)
+    y = torch.empty(rows, n, dtype=torch.float32)
+    return as_rows(x, rows, k), y, bias_ptr, bias_dt
+
+
+def as_rows(t: Tensor, rows: int, n: int) -> Tensor:
+    """t as [rows, n] with contiguous columns (a view where it can be)."""
+    t2 = t if t.dim() == 2 else t.reshape(rows, n)
+    return t2 if t2.stride(1) == 1 else t2.contiguous()
+
+
+def shaped_like(y: Tensor, x: Tensor) -> Tensor:
+    """A linear layer's output rows [rows, n] shaped as x's leading dimensions by n."""
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[1])
