@@ -279,9 +279,10 @@ def ray_resources(args: argparse.Namespace) -> dict[str, dict[str, float]]:
 # The EngineConfig fields every instance shares that a flag of the same name sets as is
 # (the rest are read from the checkpoint, parsed, or differ per instance).
 SHARED_ENGINE_FLAGS = (
-    "dtype quantization block_size max_num_seqs max_num_batched_tokens max_model_len "
-    "enable_prefix_caching seed tokenizer generation_config pipeline_parallel_size"
-).split()
+    *("dtype", "quantization", "tokenizer", "generation_config", "seed"),  # the model
+    *("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"),  # scheduling
+    *("enable_prefix_caching", "pipeline_parallel_size"),
+)
 
 
 def engine_config(args: argparse.Namespace, model_path: str | None, device: str) -> EngineConfig:
