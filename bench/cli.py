@@ -134,12 +134,15 @@ def add_dataset_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sharegpt-output-len", type=positive_int, default=None)
     group.add_argument("--rag-num-documents", type=positive_int, default=8)
     group.add_argument("--rag-chunk-len", type=positive_int, default=256)
-    group.add_argument(
-        "--prefix-repetition-prefix-len", type=positive_int, default=256, help="tokens"
-    )
-    group.add_argument("--prefix-repetition-suffix-len", type=positive_int, default=256)
-    group.add_argument("--prefix-repetition-num-prefixes", type=positive_int, default=10)
-    group.add_argument("--prefix-repetition-output-len", type=positive_int, default=128)
+    # vLLM's prefix_repetition dataset: each prompt one of a few shared prefixes, then a
+    # suffix of its own.
+    for flag, default, meaning in (
+        ("--prefix-repetition-prefix-len", 256, "tokens"),
+        ("--prefix-repetition-suffix-len", 256, "tokens"),
+        ("--prefix-repetition-num-prefixes", 10, "distinct prefixes"),
+        ("--prefix-repetition-output-len", 128, "tokens"),
+    ):
+        group.add_argument(flag, type=positive_int, default=default, help=meaning)
     group.add_argument(
         "--tokenizer",
         default=None,

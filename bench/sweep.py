@@ -23,9 +23,24 @@ from pdserve.bench.datasets import SampleRequest
 from pdserve.bench.metrics import DEFAULT_PERCENTILES
 from pdserve.bench.runner import RunConfig, run_benchmark
 from pdserve.bench.server_metrics import MetricsWatcher
+from pdserve.common.named_values import named_values
 
 DEFAULT_STEPS = (1, 4, 8, 16, 32, 64, 128)
 PER_REQUEST_FIELDS = ("input_lens", "output_lens", "ttfts", "itls", "errors")
+
+# The RunConfig fields each step takes from the SweepConfig field of the same name.
+STEP_SETTINGS = (
+    "base_url",
+    "model",
+    "ignore_eos",
+    "timeout_s",
+    "show_progress",
+    "seed",
+    "backend",
+    "endpoint",
+    "temperature",
+    "extra_body",
+)
 
 
 @dataclass
@@ -75,19 +90,12 @@ class SweepConfig:
         return self.num_warmups + len(self.concurrency_steps) * self.requests_per_step + probe
 
     def run_config(self, concurrency: int) -> RunConfig:
+        """One step's run: the sweep's own settings (`STEP_SETTINGS`), no warm-ups (they
+        run once, before the first step)."""
         return RunConfig(
-            base_url=self.base_url,
-            model=self.model,
             max_concurrency=concurrency,
-            ignore_eos=self.ignore_eos,
-            timeout_s=self.timeout_s,
             percentiles=list(self.percentiles),
-            show_progress=self.show_progress,
-            seed=self.seed,
-            backend=self.backend,
-            endpoint=self.endpoint,
-            temperature=self.temperature,
-            extra_body=self.extra_body,
+            **named_values(self, STEP_SETTINGS),
         )
 
 

@@ -32,6 +32,7 @@ from pdserve.common.model_split import (
     check_pp_size,
     check_tp_size,
 )
+from pdserve.common.named_values import named_values
 from pdserve.engine.checkpoint import CheckpointError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.embedded import MODEL_NAME
@@ -276,24 +277,23 @@ def ray_resources(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return resources
 
 
+# The EngineConfig fields every instance shares that a flag of the same name sets as is
+# (the rest are read from the checkpoint, parsed, or differ per instance).
+SHARED_ENGINE_FLAGS = (
+    *("dtype", "quantization", "tokenizer", "generation_config", "seed"),  # the model
+    *("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"),  # scheduling
+    *("enable_prefix_caching", "pipeline_parallel_size"),
+)
+
+
 def engine_config(args: argparse.Namespace, model_path: str | None, device: str) -> EngineConfig:
     """The engine settings every instance shares, from the flags by name."""
     try:
         return EngineConfig(
             model=model_path,
-            dtype=args.dtype,
-            quantization=args.quantization,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
             kv_cache_memory=parse_size(args.kv_cache_memory),
-            enable_prefix_caching=args.enable_prefix_caching,
-            seed=args.seed,
             device=device,
-            tokenizer=args.tokenizer,
-            generation_config=args.generation_config,
-            pipeline_parallel_size=args.pipeline_parallel_size,
+            **named_values(args, SHARED_ENGINE_FLAGS),
             collect_model_time=collects_model(detail_modules(args)),
         )
     except ValueError as exc:

@@ -76,6 +76,10 @@ class Launcher(ABC):
     def cancel(self) -> None:
         self.cancelled.set()
 
+    def loading(self, total: int) -> Loading:
+        """The wait of a launch for its `total` instances to load, from now."""
+        return Loading(self, total)
+
     def check_loading(self, deadline: float, pending: Iterable[str], cause: str = "") -> None:
         """Gives up a launch that was cancelled, or whose `pending` instances are still
         loading at `deadline` (`cause`: what likely held them, after their names)."""
@@ -85,6 +89,26 @@ class Launcher(ABC):
             raise LaunchError(
                 f"instances not ready after {self.ready_timeout_s:g} s: {sorted(pending)}{cause}"
             )
+
+
+class Loading:
+    """One launch's wait for its instances' weights: its deadline and progress lines."""
+
+    def __init__(self, launcher: Launcher, total: int) -> None:
+        self._launcher = launcher
+        self._deadline = time.monotonic() + launcher.ready_timeout_s
+        self._progress = LoadProgress(total)
+
+    def check(self, pending: Iterable[str], cause: str = "") -> None:
+        """LaunchError when cancelled or past the deadline (`Launcher.check_loading`);
+        otherwise a progress line now and then."""
+        self._launcher.check_loading(self._deadline, pending, cause)
+        self._progress.tick()
+
+    def ready(self, instance_id: str, info: InstanceInfo, on_ready: ReadyCallback) -> None:
+        """Hands the loaded instance's `info` on, and says it is ready."""
+        on_ready(info)
+        self._progress.mark_ready(instance_id, info.kernels)
 
 
 class LoadProgress:

@@ -24,7 +24,6 @@ from pdserve.cluster.launcher import (
     ExitCallback,
     Launcher,
     LaunchError,
-    LoadProgress,
     ReadyCallback,
 )
 from pdserve.common.messages import InstanceInfo
@@ -51,21 +50,18 @@ class LocalLauncher(Launcher):
     def launch(self, specs: list[InstanceSpec], on_ready: ReadyCallback) -> None:
         for spec in specs:
             self._spawn(spec)
-        progress = LoadProgress(len(specs))
+        loading = self.loading(len(specs))
         pending = {spec.instance_id for spec in specs}
-        deadline = time.monotonic() + self.ready_timeout_s
         while pending:
-            self.check_loading(deadline, pending)
-            progress.tick()
+            loading.check(pending)
             try:
                 instance_id, kind, payload = self._events.get(timeout=0.5)
             except queue.Empty:
                 continue
             if kind == "ready":
                 info = msgspec.json.decode(payload, type=InstanceInfo)
-                on_ready(info)
+                loading.ready(instance_id, info, on_ready)
                 pending.discard(instance_id)
-                progress.mark_ready(instance_id, info.kernels)
             elif kind == "failed":
                 raise LaunchError(f"{instance_id} failed to start: {payload}")
             elif kind == "eof":

@@ -16,7 +16,6 @@ a cluster started here is shut down too.
 from __future__ import annotations
 
 import contextlib
-import time
 
 import msgspec
 
@@ -25,7 +24,6 @@ from pdserve.cluster.launcher import (
     ExitCallback,
     Launcher,
     LaunchError,
-    LoadProgress,
     ReadyCallback,
 )
 from pdserve.cluster.ray_actors import InstanceHandle
@@ -82,12 +80,10 @@ class RayLauncher(Launcher):
                 raise LaunchError(f"cannot create actor {spec.instance_id}: {exc}") from None
             self.actors[spec.instance_id] = actor
             loads[actor.load.remote()] = spec.instance_id
-        progress = LoadProgress(len(specs))
-        deadline = time.monotonic() + self.ready_timeout_s
+        loading = self.loading(len(specs))
         cause = " (not enough CPUs, GPUs or custom resources in the cluster?)"
         while loads:
-            self.check_loading(deadline, loads.values(), cause)
-            progress.tick()
+            loading.check(loads.values(), cause)
             ready, _ = ray.wait(list(loads), num_returns=1, timeout=0.5)
             for ref in ready:
                 instance_id = loads.pop(ref)
@@ -95,8 +91,7 @@ class RayLauncher(Launcher):
                     info = msgspec.json.decode(ray.get(ref), type=InstanceInfo)
                 except Exception as exc:
                     raise LaunchError(f"{instance_id} failed to start: {one_line(exc)}") from None
-                on_ready(info)
-                progress.mark_ready(instance_id, info.kernels)
+                loading.ready(instance_id, info, on_ready)
                 self.run_refs[self.actors[instance_id].run.remote()] = instance_id
 
     def create_actor(self, spec: InstanceSpec, runtime_env: dict | None = None) -> InstanceHandle:

@@ -36,6 +36,7 @@ from pdserve.cluster.pools import Pools
 from pdserve.cluster.supervisor import Supervisor
 from pdserve.common import wire_auth
 from pdserve.common.messages import InstanceInfo
+from pdserve.common.named_values import named_values
 from pdserve.common.wire_auth import SecretError, ensure_secret
 from pdserve.engine.embedded import EmbeddedModelError, embedded_model_path
 from pdserve.gateway.app import create_app
@@ -226,33 +227,43 @@ def describe(deployment: Deployment) -> str:
     return ", ".join(parts)
 
 
+# GatewayConfig fields taken as they are from the flag of the same name.
+GATEWAY_FLAGS = (
+    "max_model_len",
+    "enable_test_hooks",
+    "trust_request_chat_template",
+    "enable_log_requests",
+    "metrics_public",
+    "ttft_slo_ms",
+    "otlp_traces_endpoint",
+)
+# GatewayConfig fields taken from the Deployment's of the same name (checked or read there).
+DEPLOYMENT_SETTINGS = (
+    "served_model_names",
+    "api_key",
+    "scheduler",
+    "chat_template",
+    "api_keys",
+    "admin_api_key",
+)
+
+
 def gateway_config(deployment: Deployment, model_path: str, zmq_host: str) -> GatewayConfig:
     args = deployment.args
     structured = args.structured_outputs_config
     return GatewayConfig(
         model_path=model_path,
-        served_model_names=deployment.served_model_names,
-        max_model_len=args.max_model_len,
-        api_key=deployment.api_key,
-        enable_test_hooks=args.enable_test_hooks,
-        scheduler=deployment.scheduler,
         expected_instances=len(deployment.instances),
         tokenizer_path=args.tokenizer,
-        chat_template=deployment.chat_template,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         disable_any_whitespace=bool(structured and structured.disable_any_whitespace),
-        trust_request_chat_template=args.trust_request_chat_template,
-        enable_log_requests=args.enable_log_requests,
-        api_keys=deployment.api_keys,
-        admin_api_key=deployment.admin_api_key,
-        metrics_public=args.metrics_public,
         deployment_secret=deployment_secret(),
         request_timeout_s=args.request_timeout,
-        ttft_slo_ms=args.ttft_slo_ms,
         autoscale=deployment.autoscale,
-        otlp_traces_endpoint=args.otlp_traces_endpoint,
         collect_detailed_traces=detail_modules(args),
         zmq_host=zmq_host,
+        **named_values(args, GATEWAY_FLAGS),
+        **named_values(deployment, DEPLOYMENT_SETTINGS),
     )
 
 

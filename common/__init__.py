@@ -12,5 +12,7 @@
 - `model_split.py`: how a model splits across tensor- and pipeline-parallel ranks
   (`check_tp_size`, `check_pp_size`, `stage_layers`), and int8 weights' scale groups
   across them (`check_int8_groups`);
-- `json_file.py`: a JSON file read with one-line errors (checkpoints, tokenizers).
+- `json_file.py`: a JSON file read with one-line errors (checkpoints, tokenizers);
+- `named_values.py`: keyword arguments read by name off parsed flags or a config (a
+  config built from the flags of the same names).
 """

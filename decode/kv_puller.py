@@ -78,15 +78,11 @@ class DecodeKVPuller:
     the rank's transfer I/O thread (`KVTransferWorker(pull=DecodeKVPuller)`)."""
 
     def __init__(self, rank: RankIO, context: zmq.Context, report: Report):
-        self._config, self._layout = rank.config, rank.layout
-        self._tp_rank, self._tp_size = rank.tp_rank, rank.tp_size
-        self._memory, self._transport, self._stats = rank.memory, rank.transport, rank.stats
-        self._heads = rank.heads
-        self._pp_stage = rank.pp_stage
+        self._heads = rank.heads  # a property: computed once here
         self._rank = rank
         self._context = context
         self._report = report
-        self._name = f"{self._config.instance_id}/{self._tp_rank}"
+        self._name = f"{self._rank.config.instance_id}/{self._rank.tp_rank}"
         self._requests: dict[str, PullRequest] = {}
         # Requests being pulled, failed or aborted: settled each poll. Queued ones
         # (keepalive only) just get heartbeats.
@@ -107,17 +103,19 @@ class DecodeKVPuller:
         request = self._admit(spec.request_id, spec.source, now)
         if request is None or request.deadline is not None or request.failure is not None:
             return
-        request.deadline = now + self._config.transfer_timeout_s
+        request.deadline = now + self._rank.config.transfer_timeout_s
         self._active.add(request.request_id)
         try:
             runs = coalesce(spec.src_block_ids, spec.dst_block_ids)
             for run in runs:
-                self._memory.check_blocks(run.dst_start, run.count)
+                self._rank.memory.check_blocks(run.dst_start, run.count)
         except (ValueError, IndexError) as exc:
             self._fail(request, f"invalid pull for request {spec.request_id}: {exc}")
             return
-        for piece in source_slices(self._layout, self._tp_rank, self._tp_size, spec.source.tp_size):
-            address = spec.source.address_of(self._pp_stage, piece.src_rank)
+        for piece in source_slices(
+            self._rank.layout, self._rank.tp_rank, self._rank.tp_size, spec.source.tp_size
+        ):
+            address = spec.source.address_of(self._rank.pp_stage, piece.src_rank)
             part = PullSlice(
                 request=request,
                 address=address,
@@ -150,16 +148,20 @@ class DecodeKVPuller:
             return request
         pieces = []
         try:
-            check_compatible(self._layout, source.layout, f"prefill instance {source.instance_id}")
+            check_compatible(
+                self._rank.layout, source.layout, f"prefill instance {source.instance_id}"
+            )
             check_tp_split(source.layout, source.tp_size, f"prefill instance {source.instance_id}")
-            pieces = source_slices(self._layout, self._tp_rank, self._tp_size, source.tp_size)
+            pieces = source_slices(
+                self._rank.layout, self._rank.tp_rank, self._rank.tp_size, source.tp_size
+            )
         except KVLayoutMismatch as exc:
             request = PullRequest(request_id, source, [])
             self._requests[request_id] = request
             self._fail(request, str(exc))
             return request
         # The same stage's ranks there: this stage's layers, the overlapping heads.
-        addresses = [source.address_of(self._pp_stage, p.src_rank) for p in pieces]
+        addresses = [source.address_of(self._rank.pp_stage, p.src_rank) for p in pieces]
         request = PullRequest(request_id, source, addresses)
         self._requests[request_id] = request
         for piece, address in zip(pieces, addresses, strict=True):
@@ -171,7 +173,7 @@ class DecodeKVPuller:
                     source.tp_size,
                     source.instance_id,
                     client,
-                    pp_stage=self._pp_stage,
+                    pp_stage=self._rank.pp_stage,
                 )
             rank = self._sources[address]
             rank.epoch = max(rank.epoch, source.epoch)
@@ -181,9 +183,12 @@ class DecodeKVPuller:
 
     def _handshake(self, source: PrefillRank, now: float) -> None:
         hello = Hello(
-            *self._rank.introduction(), self._transport.info, self._pp_stage, self._config.host
+            *self._rank.introduction(),
+            self._rank.transport.info,
+            self._rank.pp_stage,
+            self._rank.config.host,
         )
-        source.handshake(hello, now + self._config.handshake_timeout_s, self._rank.epoch)
+        source.handshake(hello, now + self._rank.config.handshake_timeout_s, self._rank.epoch)
 
     def _start(self, part: PullSlice) -> None:
         request = part.request
@@ -199,16 +204,16 @@ class DecodeKVPuller:
         if request.started is None:
             request.started = time.perf_counter()
             request.started_wall = time.time()
-            self._stats.in_flight += 1
+            self._rank.stats.in_flight += 1
         try:
             for index, run in enumerate(part.runs):
                 tag = (part.transfer_id << _TAG_BITS) | index
                 if whole:
-                    buffer = self._memory.blocks(run.dst_start, run.count)
+                    buffer = self._rank.memory.blocks(run.dst_start, run.count)
                 else:
-                    buffer = self._memory.staging(run.count, part.head_end - part.head_start)
+                    buffer = self._rank.memory.staging(run.count, part.head_end - part.head_start)
                     part.stagings.append((buffer, run.dst_start))
-                part.ops.append(self._transport.recv(buffer, tag))
+                part.ops.append(self._rank.transport.recv(buffer, tag))
                 block_runs.append(BlockRun(run.src_start, run.count, tag))
         except Exception as exc:
             self._fail(request, f"could not post receives: {exc}")
@@ -246,7 +251,7 @@ class DecodeKVPuller:
     def _on_hello_reply(self, source: PrefillRank, reply: HelloReply) -> None:
         if source.state != "waiting":
             return
-        error = source.refusal(reply, self._layout)
+        error = source.refusal(reply, self._rank.layout)
         if error:
             self._fail_source(source, f"handshake failed: {error}")
             return
@@ -275,7 +280,7 @@ class DecodeKVPuller:
         self._active.add(request.request_id)
         in_flight = [op for part in request.slices if part.in_flight for op in part.ops]
         if in_flight:
-            self._transport.cancel_recvs(in_flight)
+            self._rank.transport.cancel_recvs(in_flight)
 
     def poll(self, now: float) -> None:
         for source in self._sources.values():
@@ -283,7 +288,7 @@ class DecodeKVPuller:
                 self._fail_source(
                     source,
                     f"no handshake reply from {source.name} at "
-                    f"{source.address} within {self._config.handshake_timeout_s:g}s",
+                    f"{source.address} within {self._rank.config.handshake_timeout_s:g}s",
                 )
         for request_id in list(self._active):
             request = self._requests.get(request_id)
@@ -293,13 +298,13 @@ class DecodeKVPuller:
             if request.deadline is not None and now >= request.deadline:
                 self._fail(
                     request,
-                    f"timed out after {self._config.transfer_timeout_s:g}s waiting for KV from "
-                    f"prefill instance {request.source.instance_id}",
+                    f"timed out after {self._rank.config.transfer_timeout_s:g}s waiting for KV "
+                    f"from prefill instance {request.source.instance_id}",
                 )
             self._settle(request)
         if now >= self._next_heartbeat:
             self._heartbeat()
-            self._next_heartbeat = now + self._config.heartbeat_interval_s
+            self._next_heartbeat = now + self._rank.config.heartbeat_interval_s
 
     def _settle(self, request: PullRequest) -> None:
         for part in request.slices:
@@ -311,7 +316,7 @@ class DecodeKVPuller:
                 elif request.failure is None and part.stagings:
                     lo = self._heads[0]
                     heads = (part.head_start - lo, part.head_end - lo)
-                    self._memory.scatter_runs(part.stagings, *heads)
+                    self._rank.memory.scatter_runs(part.stagings, *heads)
                 part.stagings = []
         if request.in_flight:
             return
@@ -327,19 +332,19 @@ class DecodeKVPuller:
         for part in request.slices:
             self._by_transfer.pop(part.transfer_id, None)
         if request.started is not None:
-            self._stats.in_flight -= 1
+            self._rank.stats.in_flight -= 1
         if request.failure is None and not request.aborted:
             for part in request.slices:
                 done = Done(request.request_id, part.transfer_id, part.head_start, part.head_end)
                 self._sources[part.address].client.send(done, self._rank.epoch)
             moved = sum(op.nbytes for p in request.slices for op in p.ops)
-            self._stats.bytes_total += moved
-            self._stats.transfers_total += 1
+            self._rank.stats.bytes_total += moved
+            self._rank.stats.transfers_total += 1
             if request.started is not None:
-                self._stats.observe_seconds(time.perf_counter() - request.started)
+                self._rank.stats.observe_seconds(time.perf_counter() - request.started)
             ended = time.time()
             started = ended if request.started_wall is None else request.started_wall
-            pull = KVPullTimes(started, ended, moved, self._transport.name)
+            pull = KVPullTimes(started, ended, moved, self._rank.transport.name)
             self._report("finished_recving", request.request_id, "", pull)
             return
         reason = "aborted" if request.aborted else (request.failure or "")
@@ -348,7 +353,7 @@ class DecodeKVPuller:
         if request.aborted:
             self._report("aborted", request.request_id, "")
         else:
-            self._stats.failures_total += 1
+            self._rank.stats.failures_total += 1
             self._report("failed", request.request_id, reason)
 
     def _heartbeat(self) -> None:

@@ -56,10 +56,10 @@ def own_seconds() -> float:
 class CpuAccount:
     """CPU used by the machine and by us between `start()` and `stop()`."""
 
-    started_at: float = 0.0
-    busy_at_start: float = 0.0
-    own_at_start: float = 0.0
-    load_at_start: float = 0.0
+    started_at: float  # time.monotonic()
+    busy_at_start: float  # the whole machine's busy CPU seconds
+    own_at_start: float  # this process's and its reaped children's
+    load_at_start: float  # the 1-minute load average
 
     @classmethod
     def start(cls) -> CpuAccount:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from pdserve.bench.cli import from_flags, guarded, int_list, positive_int
+from pdserve.common.named_values import named_values
 from pdserve.planner.capacity import LoadProfile, PhaseThroughput, throughput_from_sweep
 from pdserve.planner.cost import CostInputs
 from pdserve.planner.memory import DTYPE_BYTES, KV_DTYPES, MemoryInputs
@@ -145,18 +146,22 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# `collect_step_samples`' arguments, each from the `bench calibrate` flag of its name.
+CALIBRATE_FLAGS = (
+    "model",
+    "dtype",
+    "prompt_lens",
+    "batch_sizes",
+    "decode_tokens",
+    "repeats",
+    "seed",
+    "num_threads",
+    "max_num_batched_tokens",
+)
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
-    data = collect_step_samples(
-        args.model,
-        dtype=args.dtype,
-        prompt_lens=args.prompt_lens,
-        batch_sizes=args.batch_sizes,
-        decode_tokens=args.decode_tokens,
-        repeats=args.repeats,
-        seed=args.seed,
-        num_threads=args.num_threads,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    data = collect_step_samples(**named_values(args, CALIBRATE_FLAGS))
     fitted = calibration_from_measurements(data)
     data["fitted"] = fitted.to_json()
     Path(args.output).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

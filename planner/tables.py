@@ -8,6 +8,11 @@ def span(values: list[float], digits: int = 1) -> str:
     return f"{low:.{digits}f}-{high:.{digits}f}"
 
 
+def shown(value: float | None, template: str, missing: str = "-") -> str:
+    """`value` through `template` (a format string of one field), or `missing` for None."""
+    return missing if value is None else template.format(value)
+
+
 def section(title: str, *rows: str) -> list[str]:
     """A table after the first: a blank line, its title, then its rows."""
     return ["", f"== {title} ==", *rows]
@@ -59,8 +64,7 @@ def capacity_table(capacity: dict) -> list[str]:
         f"{'M/D/1 TTFT':>11}",
     )
     for t in capacity["at_target_utilization"]:
-        ttft = t["prefill_mean_ttft_ms"]
-        ttft_text = "unstable" if ttft is None else f"{ttft:.0f} ms"
+        ttft_text = shown(t["prefill_mean_ttft_ms"], "{:.0f} ms", "unstable")
         lines.append(
             f"{t['target_utilization']:>7.0%} {t['prefill_instances']:>7} "
             f"{t['decode_instances']:>7} {t['disaggregated_gpus']:>9} "
@@ -84,8 +88,8 @@ def cost_table(rows: list[dict]) -> list[str]:
     for row in rows:
         for name in ("disaggregated", "colocated"):
             c = row[name]
-            api = c["api"]
-            breakeven = "-" if api is None else f"{api['break_even_utilization']:.0%} of peak"
+            api = c["api"] or {}
+            breakeven = shown(api.get("break_even_utilization"), "{:.0%} of peak")
             lines.append(
                 f"{row['target_utilization']:>7.0%} {name:>14} {c['gpus']:>5} "
                 f"{c['cost_per_hour']:>8.2f} {c['price_per_1m_tokens']:>9.4f} "
@@ -106,7 +110,7 @@ def simulation_table(simulation: dict) -> list[str]:
     )
     for name in ("disaggregated", "colocated"):
         s = simulation[name]
-        goodput = "-" if s["request_goodput"] is None else f"{s['request_goodput']:.2f}"
+        goodput = shown(s["request_goodput"], "{:.2f}")
         lines.append(
             f"{s['deployment']:>24} {s['gpus']:>5} {s['median_ttft_ms']:>9.1f} "
             f"{s['p95_ttft_ms']:>9.1f} {s['median_itl_ms']:>8.1f} {s['p95_itl_ms']:>8.1f} "

@@ -94,11 +94,7 @@ class PrefillKVServer:
     on the rank's transfer I/O thread (`KVTransferWorker(serve=PrefillKVServer)`)."""
 
     def __init__(self, rank: RankIO, server: ControlServer, report: Report):
-        self._config, self._layout = rank.config, rank.layout
-        self._tp_rank, self._tp_size = rank.tp_rank, rank.tp_size
-        self._memory, self._transport, self._stats = rank.memory, rank.transport, rank.stats
-        self._heads = rank.heads
-        self._pp_stage = rank.pp_stage
+        self._heads = rank.heads  # a property: computed once here
         self._rank = rank
         self._server = server
         self._report = report
@@ -118,7 +114,7 @@ class PrefillKVServer:
     def hold(self, spec: HoldSpec, now: float) -> None:
         if spec.request_id in self._held:
             return
-        deadline = now + self._config.lease_s
+        deadline = now + self._rank.config.lease_s
         self._held[spec.request_id] = _Held(
             spec.request_id, frozenset(spec.block_ids), deadline, spec.decode_id, spec.decode_epoch
         )
@@ -149,7 +145,7 @@ class PrefillKVServer:
                 if held is None or held.release is not None:
                     continue
                 if self._from_holder(peer, held, message, epoch):
-                    held.deadline = now + self._config.lease_s
+                    held.deadline = now + self._rank.config.lease_s
         elif isinstance(message, Abort):
             # The decode rank sends it only once its receives ended (completed or
             # cancelled): nothing of ours can land in its blocks any more, so our sends
@@ -179,24 +175,24 @@ class PrefillKVServer:
         self._senders[peer] = hello.instance_id  # refused or not: whose messages these are
         error = ""
         try:
-            check_compatible(self._layout, hello.layout, name)
+            check_compatible(self._rank.layout, hello.layout, name)
             check_tp_split(hello.layout, hello.tp_size, name)
-            if hello.pp_stage != self._pp_stage:
+            if hello.pp_stage != self._rank.pp_stage:
                 error = (
                     f"pipeline stage mismatch: {name} holds stage {hello.pp_stage}'s layers, "
-                    f"this rank stage {self._pp_stage}'s"
+                    f"this rank stage {self._rank.pp_stage}'s"
                 )
-            elif hello.transport != self._transport.name:
+            elif hello.transport != self._rank.transport.name:
                 error = (
-                    f"KV transport mismatch: {name} uses {hello.transport}, "
-                    f"prefill instance {self._config.instance_id} uses {self._transport.name}"
+                    f"KV transport mismatch: {name} uses {hello.transport}, prefill instance "
+                    f"{self._rank.config.instance_id} uses {self._rank.transport.name}"
                 )
         except KVLayoutMismatch as exc:
             error = str(exc)
         if not error:
             self._peers[peer] = hello
-            self._transport.add_peer(peer.hex(), hello.transport_info, hello.host)
-        reply = HelloReply(*self._rank.introduction(), error, self._pp_stage)
+            self._rank.transport.add_peer(peer.hex(), hello.transport_info, hello.host)
+        reply = HelloReply(*self._rank.introduction(), error, self._rank.pp_stage)
         self._server.send(peer, reply, self._rank.epoch)
 
     def _reject(self, peer: bytes, pull: Pull, reason: str) -> None:
@@ -209,8 +205,8 @@ class PrefillKVServer:
             return
         held = self._held.get(pull.request_id)
         if held is None:
-            if self._config.pull_grace_s > 0:
-                self._parked.append((now + self._config.pull_grace_s, peer, epoch, pull))
+            if self._rank.config.pull_grace_s > 0:
+                self._parked.append((now + self._rank.config.pull_grace_s, peer, epoch, pull))
             else:
                 self._reject(peer, pull, self._unknown(pull.request_id))
             return
@@ -231,23 +227,25 @@ class PrefillKVServer:
         ops: list[TransferOp] = []
         serving = _Serving(peer, pull.transfer_id, ops, time.perf_counter())
         held.serving[(peer, pull.transfer_id)] = serving
-        held.deadline = max(held.deadline, now + self._config.lease_s)
+        held.deadline = max(held.deadline, now + self._rank.config.lease_s)
         self._active.add(held.request_id)
-        self._stats.in_flight += 1
+        self._rank.stats.in_flight += 1
         try:
             if whole:
-                buffers = [self._memory.blocks(run.src_start, run.count) for run in pull.runs]
+                buffers = [self._rank.memory.blocks(run.src_start, run.count) for run in pull.runs]
             else:
                 starts = [(run.src_start, run.count) for run in pull.runs]
-                buffers = self._memory.gather_runs(starts, pull.head_start - lo, pull.head_end - lo)
+                buffers = self._rank.memory.gather_runs(
+                    starts, pull.head_start - lo, pull.head_end - lo
+                )
             for run, buffer in zip(pull.runs, buffers, strict=True):
-                ops.append(self._transport.send(peer.hex(), buffer, run.tag))
+                ops.append(self._rank.transport.send(peer.hex(), buffer, run.tag))
         except Exception as exc:  # e.g. the peer's address is unreachable
             serving.error = f"prefill side could not send: {exc}"
 
     def _unknown(self, request_id: str) -> str:
         return (
-            f"prefill instance {self._config.instance_id} does not hold request {request_id} "
+            f"prefill instance {self._rank.config.instance_id} does not hold request {request_id} "
             "(never handed off, aborted, or its lease expired)"
         )
 
@@ -293,7 +291,7 @@ class PrefillKVServer:
             if now >= held.deadline:
                 if held.release is None:
                     held.release = "expired"
-                    self._stats.lease_expiries_total += 1
+                    self._rank.stats.lease_expiries_total += 1
                 self._abandon_sends(held, "its lease ran out")
             if held.release is not None and not held.sends_in_flight:
                 del self._held[request_id]
@@ -316,18 +314,18 @@ class PrefillKVServer:
         for key, serving in list(held.serving.items()):
             if serving.sent or serving.in_flight:
                 continue
-            self._stats.in_flight -= 1
+            self._rank.stats.in_flight -= 1
             errors = [op.error for op in serving.ops if op.error]
             if serving.error or errors:
                 del held.serving[key]
                 reason = serving.error or f"prefill side send failed: {errors[0]}"
                 rejected = PullRejected(held.request_id, key[1], reason)
                 self._server.send(serving.peer, rejected, self._rank.epoch)
-                self._stats.failures_total += 1
+                self._rank.stats.failures_total += 1
                 continue
-            self._stats.bytes_total += sum(op.nbytes for op in serving.ops)
-            self._stats.transfers_total += 1
-            self._stats.observe_seconds(time.perf_counter() - serving.started)
+            self._rank.stats.bytes_total += sum(op.nbytes for op in serving.ops)
+            self._rank.stats.transfers_total += 1
+            self._rank.stats.observe_seconds(time.perf_counter() - serving.started)
             serving.sent = True
             serving.ops = []  # lets go of staging buffers; the entry waits for Done
             if serving.confirmed:
@@ -345,8 +343,8 @@ class PrefillKVServer:
                     serving.peer,
                 )
                 self._abandoned.extend(op for op in serving.ops if not op.done)
-                self._stats.in_flight -= 1
-                self._stats.failures_total += 1
+                self._rank.stats.in_flight -= 1
+                self._rank.stats.failures_total += 1
                 del held.serving[key]
         self._abandoned = [op for op in self._abandoned if not op.poll()]
 

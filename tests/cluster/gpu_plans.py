@@ -7,26 +7,25 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# (GPUs on the node, TP, PP, (prefill-0's GPUs, decode-0's GPUs) or what the refusal says)
+# (GPUs on the node, TP, PP) → (prefill-0's GPUs, decode-0's GPUs): every plan that fits.
+# Single-rank instances share a GPU, as they always did.
+PLACED: dict[tuple[int, int, int], tuple[str, str]] = {
+    (1, 1, 1): ("0", "0"),
+    (2, 1, 1): ("0", "1"),
+    (8, 1, 1): ("0", "1"),
+    (8, 2, 1): ("0,1", "2,3"),
+    (8, 1, 2): ("0,1", "2,3"),
+    (8, 4, 1): ("0,1,2,3", "4,5,6,7"),
+    (8, 2, 2): ("0,1,2,3", "4,5,6,7"),
+}
+# Every plan on 1, 2 or 8 GPUs with TP 1, 2 or 4 and PP 1 or 2: (GPUs on the node, TP, PP,
+# the placement, or what the refusal says: two instances of TP x PP ranks need as many
+# GPUs of their own).
 PLANS: list[tuple[int, int, int, tuple[str, str] | str]] = [
-    (1, 1, 1, ("0", "0")),  # single-rank instances share a GPU, as they always did
-    (1, 2, 1, "need 4 GPUs"),
-    (1, 1, 2, "need 4 GPUs"),
-    (1, 4, 1, "need 8 GPUs"),
-    (1, 2, 2, "need 8 GPUs"),
-    (1, 4, 2, "need 16 GPUs"),
-    (2, 1, 1, ("0", "1")),
-    (2, 2, 1, "need 4 GPUs"),
-    (2, 1, 2, "need 4 GPUs"),
-    (2, 4, 1, "need 8 GPUs"),
-    (2, 2, 2, "need 8 GPUs"),
-    (2, 4, 2, "need 16 GPUs"),
-    (8, 1, 1, ("0", "1")),
-    (8, 2, 1, ("0,1", "2,3")),
-    (8, 1, 2, ("0,1", "2,3")),
-    (8, 4, 1, ("0,1,2,3", "4,5,6,7")),
-    (8, 2, 2, ("0,1,2,3", "4,5,6,7")),
-    (8, 4, 2, "need 16 GPUs"),
+    (gpus, tp, pp, PLACED.get((gpus, tp, pp), f"need {2 * tp * pp} GPUs"))
+    for gpus in (1, 2, 8)
+    for pp in (1, 2)
+    for tp in (1, 2, 4)
 ]
 
 

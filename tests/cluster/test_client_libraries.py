@@ -12,7 +12,6 @@ comes back, not the model's judgement.
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Iterator
 
@@ -20,6 +19,7 @@ import pydantic
 import pytest
 
 from experiments.serving import LOCAL, MODEL, ServeProcess, served
+from tests.cluster.weather_agent import assert_the_agent_calls_its_tool
 
 pytestmark = pytest.mark.slow
 
@@ -123,20 +123,5 @@ def test_an_agent_calls_its_tool_through_the_chat_completions_model(server) -> N
     turn, then left to the model, the SDK's default), reads its result and answers."""
     import agents
 
-    calls: list[str] = []
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        calls.append(city)
-        return f"Sunny in {city}, 21 C."
-
     model = agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=server.async_openai())
-    settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False,
-                                    temperature=0, max_tokens=60)  # fmt: skip
-    agent = agents.Agent(name="weather", instructions="Answer with the tool's result.",
-                         tools=[get_weather], model=model, model_settings=settings)  # fmt: skip
-    agents.set_tracing_disabled(True)
-    result = asyncio.run(agents.Runner.run(agent, WEATHER_QUESTION, max_turns=3))
-    assert calls == ["Oslo"]
-    assert "Sunny in Oslo" in result.final_output, result.final_output
+    assert_the_agent_calls_its_tool(model)

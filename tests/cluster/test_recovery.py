@@ -22,19 +22,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from experiments.serving import (
-    ADMIN_KEY,
-    LOCAL,
-    ServeProcess,
-    assert_health_answers_within,
-    counter,
-    gateway_threads,
-    pool,
-    served,
-    wait_for,
-)
+from experiments.serving import LOCAL, ServeProcess, counter, pool, served, wait_for
 from pdserve.cluster.pools import START_WORKERS
-from tests.cluster.recovery_requests import GREEDY, RecoveryRequests
+from tests.cluster.recovery_requests import (
+    ADMIN,
+    GREEDY,
+    MIXED,
+    RecoveryRequests,
+    assert_scaling_up_answers_at_once,
+    scale_decode,
+)
 from tests.processes import still_running
 
 pytestmark = pytest.mark.slow
@@ -47,7 +44,6 @@ ARGS = (
 )  # fmt: skip
 MAX_TOKENS = 64
 REQUESTS = RecoveryRequests("The capital of France is", MAX_TOKENS)
-SEEDED = {"temperature": 0.8, "seed": 1234}
 
 
 @pytest.fixture(scope="module")
@@ -72,20 +68,12 @@ def alive(server: ServeProcess, instance_id: str) -> bool:
     )
 
 
-def expected_of_streams(server: ServeProcess) -> list[str]:
-    """What greedy, greedy, seeded, seeded streams end with, from whole completions."""
-    greedy, seeded = REQUESTS.complete(server, GREEDY), REQUESTS.complete(server, SEEDED)
-    return [greedy, greedy, seeded, seeded]
-
-
 def test_streams_of_a_killed_decode_instance_are_migrated_token_for_token(server) -> None:
-    expected = expected_of_streams(server)
-    # Round robin: of greedy, greedy, seeded, seeded, each decode instance gets one of each.
-    streams = REQUESTS.streams(server, [GREEDY, GREEDY, SEEDED, SEEDED])
+    expected = REQUESTS.texts(server, MIXED)
+    streams = REQUESTS.streams(server, MIXED)
     assert all(len(s.chunks) < MAX_TOKENS for s in streams)  # all mid-stream
     KILLED["decode-0"] = kill(server, "decode-0")
-    for stream, want in zip(streams, expected, strict=True):
-        assert stream.join(120) == want and stream.errors == []
+    REQUESTS.assert_streams_end_as(streams, expected)
     assert counter(server, "requests_migrated_total") == 2.0
     server.assert_blocks_free_or_cached()
 
@@ -114,8 +102,8 @@ def pool_gauges(server: ServeProcess, role: str) -> tuple[float, float]:
 
 
 def test_a_paused_decode_instance_is_fenced_killed_and_replaced(server) -> None:
-    expected = expected_of_streams(server)
-    streams = REQUESTS.streams(server, [GREEDY, GREEDY, SEEDED, SEEDED])
+    expected = REQUESTS.texts(server, MIXED)
+    streams = REQUESTS.streams(server, MIXED)
     pid = server.instances()["decode-0"]["pid"]
     assert all(not s.done for s in streams)  # all mid-stream
     os.kill(pid, signal.SIGSTOP)
@@ -124,8 +112,7 @@ def test_a_paused_decode_instance_is_fenced_killed_and_replaced(server) -> None:
     finally:
         with contextlib.suppress(ProcessLookupError):  # killed already, as it should be
             os.kill(pid, signal.SIGCONT)
-    for stream, want in zip(streams, expected, strict=True):
-        assert stream.join(120) == want and stream.errors == []
+    REQUESTS.assert_streams_end_as(streams, expected)
     assert counter(server, "requests_migrated_total") == 4.0  # 2 of the kill, 2 of the pause
     assert not still_running([pid], 10), "the paused process was not killed"
     wait_for(lambda: alive(server, "decode-0"), 60, "decode-0's replacement")
@@ -136,31 +123,19 @@ def test_a_paused_decode_instance_is_fenced_killed_and_replaced(server) -> None:
 
 
 def test_scaling_and_draining_under_load_drop_no_request(server) -> None:
-    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     for path in ("/admin/pools/decode/scale", "/admin/instances/decode-0/drain"):
         assert server.post(path, json={"size": 3}).status_code == 403  # a tenant's key
     expected = REQUESTS.complete(server, GREEDY)
-    threads = gateway_threads(server)
-    began = time.monotonic()
-    huge = server.post("/admin/pools/decode/scale", json={"size": 100000}, headers=admin)
-    assert time.monotonic() - began < 1.0
-    assert huge.status_code == 400 and huge.json()["error"]["param"] == "size"
-    assert "--max-pool-size" in huge.json()["error"]["message"]
-    assert_health_answers_within(server, 1.0)
-    scaled = server.post("/admin/pools/decode/scale", json={"size": 3}, headers=admin)
-    assert scaled.status_code == 202
-    assert scaled.json() == {"role": "decode", "size": 3, "starting": ["decode-2"], "draining": []}
-    assert_health_answers_within(server, 1.0)
     # The starter's threads and the new process's stdout reader, nothing per request.
-    assert gateway_threads(server) <= threads + START_WORKERS + 1
+    assert_scaling_up_answers_at_once(server, 3, START_WORKERS + 1)
     wait_for(lambda: "decode-2" in pool(server, "decode"), 60, "decode-2 to join its pool")
     assert pool_gauges(server, "decode") == (3.0, 3.0)
 
     streams = REQUESTS.streams(server, [GREEDY] * 3)  # round robin: one on each instance
-    assert server.post("/admin/instances/decode-0/drain", headers=admin).status_code == 200
-    scaled = server.post("/admin/pools/decode/scale", json={"size": 1}, headers=admin)
+    assert server.post("/admin/instances/decode-0/drain", headers=ADMIN).status_code == 200
+    scaled = scale_decode(server, 1)
     assert scaled.json()["draining"] == ["decode-2"]  # the newest goes
-    assert all(s.join(120) == expected and s.errors == [] for s in streams)
+    REQUESTS.assert_streams_end_as(streams, [expected] * len(streams))
     wait_for(lambda: pool(server, "decode") == ["decode-1"], 30, "the drained ones to leave")
     assert REQUESTS.complete(server, GREEDY) == expected
     assert counter(server, "requests_migrated_total") == 4.0  # none since the pause

@@ -7,7 +7,6 @@ OpenAI's events, with function tools, JSON schemas and the 400s of what is not b
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 
@@ -17,6 +16,7 @@ import pydantic
 import pytest
 
 from experiments.serving import LOCAL, MODEL, ServeProcess, served
+from tests.cluster.weather_agent import assert_the_agent_calls_its_tool
 
 pytestmark = pytest.mark.slow
 
@@ -228,24 +228,8 @@ def test_an_agent_calls_its_tool_through_the_default_responses_model(server) -> 
     answers."""
     import agents
 
-    calls: list[str] = []
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        calls.append(city)
-        return f"Sunny in {city}, 21 C."
-
     model = agents.OpenAIResponsesModel(model=MODEL, openai_client=server.async_openai())
-    settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False,
-                                    temperature=0, max_tokens=60)  # fmt: skip
-    agent = agents.Agent(name="weather", instructions="Answer with the tool's result.",
-                         tools=[get_weather], model=model, model_settings=settings)  # fmt: skip
-    agents.set_tracing_disabled(True)
-    run = agents.Runner.run(agent, "What is the weather in Oslo?", max_turns=3)
-    result = asyncio.run(run)
-    assert calls == ["Oslo"]
-    assert "Sunny in Oslo" in result.final_output, result.final_output
+    assert_the_agent_calls_its_tool(model)
 
 
 def test_the_client_raises_the_400_too(server) -> None:

@@ -20,8 +20,6 @@ from pdserve.common.frame_seal import OUTPUTS, TASKS, Sealer
 from pdserve.common.messages import (
     AbortTask,
     GenerateTask,
-    InstanceAddress,
-    InstanceInfo,
     InstanceOutput,
     InstanceStats,
     RequestDelta,
@@ -41,6 +39,7 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.prompts import Prompt
 from pdserve.gateway.request_stream import StreamEvent
 from pdserve.text.tokenizer import Tokenizer
+from tests.gateway.instances import instance_info
 
 TIMEOUT_S = 0.3  # the dispatcher checks every 0.5 s: death is noticed within ~1 s
 
@@ -57,17 +56,13 @@ class ScriptedInstance:
         self.events = events
         self.outputs = context.socket(zmq.PUSH)
         self.outputs.connect(gateway)
-        self.address = InstanceAddress(instance_id, role, f"tcp://127.0.0.1:{port}")
-        self.info = InstanceInfo(
-            address=self.address,
+        self.info = instance_info(
+            instance_id,
+            role,
+            tasks_address=f"tcp://127.0.0.1:{port}",
             events_address=f"tcp://127.0.0.1:{events_port}",
-            model_path="m",
-            max_model_len=4096,
-            vocab_size=1000,
-            block_size=4,
-            num_blocks=100,
-            max_num_seqs=8,
         )
+        self.address = self.info.address
         self.epoch = 0
         # Its ends of the channels, under this process's secret (the dispatcher's too).
         self.seal = Sealer(OUTPUTS, instance_id)
