@@ -60,8 +60,9 @@ def test_a_killed_decode_actor_loses_no_stream_and_is_restarted(server, ray_clus
     restarted = server.instances()["decode-0"]
     assert restarted["pid"] != pid and restarted["epoch"] == 1
     assert counter(server, "num_instances_restarted_total") == 1.0
-    actors = [a for a in ray_list("actors", ray_cluster) if a["name"] == "decode-0"]
-    assert sorted(a["state"] for a in actors)[-2:] == ["ALIVE", "DEAD"]
+    # The session's cluster also lists the dead actors of other modules' servers.
+    states = [a["state"] for a in ray_list("actors", ray_cluster) if a["name"] == "decode-0"]
+    assert states.count("ALIVE") == 1 and "DEAD" in states, states
     assert REQUESTS.texts(server, MIXED) == expected
     server.assert_blocks_free_or_cached()
 
