@@ -109,7 +109,8 @@ class SimController:
     def act(self, sim: ElasticSimulation, decision: Decision) -> None:
         if decision.action == "switch":
             assert decision.role_from is not None and decision.role_to is not None
-            sim.switch(decision.role_from, decision.role_to)
+            for _ in range(decision.count):
+                sim.switch(decision.role_from, decision.role_to)
         elif decision.action == "start":
             assert decision.role_to is not None
             sim.start(decision.role_to)

@@ -189,6 +189,8 @@ class SloController:
             return f"switch names no pool to take from (role_from {wanted.role_from!r})"
         if wanted.action == "switch" and wanted.role_from == wanted.role_to:
             return f"switch from {wanted.role_to} to itself"
+        if wanted.count < 1:
+            return f"{wanted.action} of {wanted.count} instances"
         return None
 
     def _out_of_bounds(self, wanted: Decision) -> str | None:
@@ -197,9 +199,10 @@ class SloController:
         assert self.gateway.pools is not None and wanted.role_to is not None
         sizes = {role: len(self.gateway.pools.members(role)) for role in POOLS}
         after = dict(sizes)
-        after[wanted.role_to] += -1 if wanted.action == "stop" else 1
+        moved = wanted.count if wanted.action == "switch" else 1
+        after[wanted.role_to] += -1 if wanted.action == "stop" else moved
         if wanted.action == "switch" and wanted.role_from is not None:
-            after[wanted.role_from] -= 1
+            after[wanted.role_from] -= moved
         budget = self.config.instance_budget
         if sum(after.values()) > sum(sizes.values()) and sum(after.values()) > budget:
             return f"{sum(after.values())} instances would exceed --instance-budget {budget}"
@@ -237,7 +240,7 @@ class SloController:
         return msgspec.structs.replace(decision, detail=f"{decision.detail} [{instance_id}]")
 
     def _move(self, decision: Decision) -> str:
-        """The instance the move changes (CannotAct: none may change now)."""
+        """The instances the move changes (CannotAct: none may change now)."""
         assert self.gateway.pools is not None and decision.role_to is not None
         control, scheduler, role = self.gateway.pools, self.gateway.scheduler, decision.role_to
         if decision.action == "start":
@@ -256,10 +259,18 @@ class SloController:
             return view.instance_id
         source = decision.role_from
         assert source is not None
-        view = self._least_loaded(source, lambda v: self._may_switch(v, role))
-        task = self.changes.switch(view, role, f"SLO controller: {decision.reason}")
-        self._moves[view.instance_id] = task.done
-        return view.instance_id
+        switched: list[str] = []
+        for _ in range(decision.count):  # each claimed at once, so the next is another
+            try:
+                view = self._least_loaded(source, lambda v: self._may_switch(v, role))
+            except CannotAct:
+                if not switched:
+                    raise
+                break  # fewer may move now than asked: the rest wait for the next decision
+            task = self.changes.switch(view, role, f"SLO controller: {decision.reason}")
+            self._moves[view.instance_id] = task.done
+            switched.append(view.instance_id)
+        return ", ".join(switched)
 
     def _least_loaded(
         self, role: str, allowed: Callable[[InstanceView], str | None] | None = None

@@ -43,7 +43,8 @@ class SloPolicy:
     Holds, in this order: while an operator's change is in flight ("operator"), on stale
     figures or a gap between observations ("stale"), while an instance is still starting
     or switching ("settling"), within the cooldown after a move ("cooldown"). Otherwise it
-    switches one instance toward the split with the most headroom once that split beats
+    switches instances (up to `PolicyConfig.switch_batch()` at once) toward the split
+    with the most headroom once that split beats
     the current one by `switch_margin` for `persist_intervals` intervals in a row (a run
     of moves in one direction waits once; a reversal waits again), and starts or stops
     instances only to bring the total to the budget.
@@ -96,18 +97,24 @@ class SloPolicy:
                 f"intervals (gain {gain:+.2f})",
             )
         source = "decode" if direction == "prefill" else "prefill"
-        if getattr(observation, source).serving < 1:
+        serving = getattr(observation, source).serving
+        if serving < 1:
             return decide.hold("settling", f"no serving {source} instance to switch")
+        short = (
+            target.prefill - current[0] if direction == "prefill" else target.decode - current[1]
+        )
+        count = min(short, serving, self.config.switch_batch())
         self.last_move_at = observation.at
         reason = switch_reason(direction, current_score, self.config.switch_margin)
         return decide.move(
             "switch",
             reason,
-            f"{source} -> {direction}: {current_label(current)} headroom "
+            f"{count} {source} -> {direction}: {current_label(current)} headroom "
             f"{current_score.headroom if current_score else float('-inf'):+.2f}, "
             f"{target.label()} {target.headroom:+.2f}",
             source,
             direction,
+            count,
         )
 
     def hold_reason(self, observation: Observation, gap: float | None) -> tuple[str, str] | None:
@@ -171,7 +178,13 @@ class DecisionMaker:
         return self.move("hold", reason, detail, None, None)
 
     def move(
-        self, action: Action, reason: str, detail: str, role_from: str | None, role_to: str | None
+        self,
+        action: Action,
+        reason: str,
+        detail: str,
+        role_from: str | None,
+        role_to: str | None,
+        count: int = 1,
     ) -> Decision:
         load = self.load
         forecast = (
@@ -188,6 +201,7 @@ class DecisionMaker:
             role_to=role_to,
             forecast=load,
             headroom=self.target.headroom,
+            count=count,
         )
 
 

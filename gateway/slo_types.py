@@ -62,6 +62,7 @@ class Decision(msgspec.Struct, frozen=True):
     role_to: str | None = None  # switch: the pool that takes it; start/stop: the pool
     forecast: Forecast | None = None
     headroom: float | None = None  # the target split's predicted headroom (min SLO margin)
+    count: int = 1  # switch: how many instances move from role_from to role_to at once
 
 
 class PolicyConfig(msgspec.Struct, frozen=True):
@@ -85,6 +86,14 @@ class PolicyConfig(msgspec.Struct, frozen=True):
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     kv_usage_limit: float = 0.9  # a decode pool predicted above this is at risk
+    # The most instances one switch decision moves (0: a sixteenth of the budget, at
+    # least one). A switch takes about the same time however many move together, so a
+    # large budget crosses a phase change in a few intervals instead of one per instance.
+    max_switches: int = 0
+
+    def switch_batch(self) -> int:
+        """How many instances one switch decision may move."""
+        return self.max_switches or max(1, self.instance_budget // 16)
 
     def check(self) -> None:
         """Raise ValueError naming the first setting that cannot work."""

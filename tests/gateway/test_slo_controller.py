@@ -128,11 +128,13 @@ class Script:
         return self.decide_with(observation)
 
 
-def move(action: str, role_to: str, role_from: str | None = None) -> Callable:
+def move(action: str, role_to: str, role_from: str | None = None, count: int = 1) -> Callable:
     def decide(observation: Observation) -> Decision:
         forecast = Forecast(rate=2.0, prompt_tokens=100.0, output_tokens=20.0)
         at, targets = observation.at, (2, 1)
-        return Decision(at, action, "ttft_risk", "scripted", *targets, role_from, role_to, forecast)
+        return Decision(
+            at, action, "ttft_risk", "scripted", *targets, role_from, role_to, forecast, count=count
+        )
 
     return decide
 
@@ -310,6 +312,37 @@ async def _a_switch_runs_through_the_claim_and_the_role_switch() -> None:
     decision = controller.tick()  # decode-0 is the last decode instance
     assert decision is not None and decision.reason == "out_of_bounds"
     assert "below --min-decode 1" in decision.detail
+
+
+def test_a_switch_of_several_claims_the_least_loaded_each_and_stays_in_bounds() -> None:
+    asyncio.run(_a_switch_of_several())
+
+
+async def _a_switch_of_several() -> None:
+    roles = {"prefill-0": "prefill", **{f"decode-{i}": "decode" for i in range(4)}}
+    controller, gateway, _, clock = controller_for(
+        move("switch", "prefill", "decode", count=2), budget=5, roles=roles
+    )
+    assert gateway.pools is not None
+    for busy in ("decode-0", "decode-2"):
+        gateway.scheduler.views[busy].in_flight.add(f"request-on-{busy}")
+    next_interval(gateway, clock)
+    decision = controller.tick()
+    assert decision is not None and decision.action == "switch" and decision.count == 2
+    assert "[decode-1, decode-3]" in decision.detail
+    assert gateway.pools.busy("decode-1") and gateway.pools.busy("decode-3")
+    assert not gateway.pools.busy("decode-0") and not gateway.pools.busy("decode-2")
+    await asyncio.sleep(0.1)
+    assert sorted(i for i, _ in gateway.dispatcher.tasks) == ["decode-1", "decode-3"]
+
+    # Four of four would leave no decode instance: vetoed whole, nothing claimed.
+    controller, gateway, _, clock = controller_for(
+        move("switch", "prefill", "decode", count=4), budget=5, roles=roles
+    )
+    next_interval(gateway, clock)
+    decision = controller.tick()
+    assert decision is not None and decision.reason == "out_of_bounds"
+    assert gateway.pools is not None and not any(gateway.pools.busy(i) for i in roles)
 
 
 def test_a_stop_drains_the_least_loaded_instance_for_good() -> None:

@@ -60,8 +60,8 @@ class ScriptedPools:
         step = {"prefill": (1, 0), "decode": (0, 1)}
         if decision.action == "switch":
             gain, loss = step[decision.role_to or ""], step[decision.role_from or ""]
-            self.prefill += gain[0] - loss[0]
-            self.decode += gain[1] - loss[1]
+            self.prefill += (gain[0] - loss[0]) * decision.count
+            self.decode += (gain[1] - loss[1]) * decision.count
         elif decision.action in ("start", "stop"):
             sign = 1 if decision.action == "start" else -1
             delta = step[decision.role_to or ""]
@@ -98,6 +98,21 @@ def test_a_chat_phase_grows_decode() -> None:
     assert switches[0].reason == "itl_risk"
     # It stops once what is left to gain is within the switch margin.
     assert pools.decode >= 4 and decisions[-1].reason == "within_margin"
+
+
+def test_a_large_budget_moves_several_instances_per_switch() -> None:
+    pools = ScriptedPools(32, 32)
+    policy = SloPolicy(config(instance_budget=64), CALIBRATION)
+    decisions = pools.drive(policy, [arrivals(RAG, 40.0)] * 4)
+    switches = moves(decisions)
+    assert switches and switches[0].count == 4  # a sixteenth of the budget at once
+    assert all(d.role_to == "prefill" and 1 <= d.count <= 4 for d in switches)
+    assert pools.prefill + pools.decode == 64
+    # Never past the target, whatever the batch.
+    pools = ScriptedPools(4, 4)
+    few = pools.drive(SloPolicy(config(max_switches=8), CALIBRATION), [arrivals(RAG, 5.0)] * 6)
+    assert all(d.count <= d.target_prefill - 4 for d in moves(few)[:1])
+    assert pools.prefill <= max(d.target_prefill for d in few) and pools.decode >= 1
 
 
 def test_a_move_waits_for_the_wish_to_persist() -> None:
