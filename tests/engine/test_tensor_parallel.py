@@ -119,9 +119,7 @@ def test_each_rank_reads_and_holds_only_its_shard(tmp_path) -> None:
     """About 1 GiB of float32 weights: at TP=2 each rank's parameters and the memory its
     load took are at most 0.6x those of TP=1 (a rank that read whole tensors fails)."""
     folder = _write_synthetic(tmp_path / "big")
-    whole = _engine(folder, 1)
-    whole_weights, whole_peak = whole.info.weight_bytes, whole.info.load_peak_memory_bytes
-    whole.shutdown()
+    whole_weights, whole_peak = _whole_in_a_fresh_process(folder)
     split = _engine(folder, 2)
     ranks = split.executor.rank_infos
     split.shutdown()
@@ -130,6 +128,29 @@ def test_each_rank_reads_and_holds_only_its_shard(tmp_path) -> None:
         assert rank.weight_bytes <= 0.6 * whole_weights, (rank.weight_bytes, whole_weights)
         assert rank.load_peak_memory_bytes <= 0.6 * whole_peak, (
             rank.load_peak_memory_bytes, whole_peak)  # fmt: skip
+
+
+def _whole_in_a_fresh_process(folder: str) -> tuple[int, int]:
+    """TP=1's weight bytes and load peak, measured in a new process as each rank's are: a
+    long-lived test process holds memory freed by earlier tests, which a load reuses
+    without raising its resident peak."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from tests.engine.test_tensor_parallel import _engine\n"
+        "engine = _engine(sys.argv[1], 1)\n"
+        "print('sizes', engine.info.weight_bytes, engine.info.load_peak_memory_bytes)\n"
+        "engine.shutdown()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, folder], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (line,) = [row for row in done.stdout.splitlines() if row.startswith("sizes ")]
+    _, weights, peak = line.split()
+    return int(weights), int(peak)
 
 
 def _write_synthetic(folder) -> str:
