@@ -56,15 +56,22 @@ class Rendezvous:
         listener.bind((host, 0))
         listener.listen(_BACKLOG)
         port = listener.getsockname()[1]
-        self._listener = listener  # open while the store serves on it
-        self._store = dist.TCPStore(
-            host,
-            port,
-            is_master=True,
-            timeout=timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-            master_listen_fd=listener.fileno(),
-        )
+        try:
+            self._store = dist.TCPStore(
+                host,
+                port,
+                is_master=True,
+                timeout=timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+                master_listen_fd=listener.fileno(),
+            )
+        except BaseException:
+            listener.close()
+            raise
+        # The store now owns the descriptor and closes it when it goes: were Python's
+        # socket object to close it too, the second close could hit whatever descriptor
+        # took that number in between (another store's, in a test session).
+        listener.detach()
         self.address = f"{host}:{port}"
         self._store.set(PROOF_KEY, rendezvous_proof(deployment_secret(), self.address))
 
