@@ -192,14 +192,24 @@ def check_installed(spec: ServerSpec, peers: Peers) -> None:
         peers.llama_command(spec.args, 0)
 
 
+def names_model(args: list[str]) -> bool:
+    """Whether pdserve flags `args` give a model (positional or `--model`)."""
+    return bool(args) and not args[0].startswith("-") or any(
+        arg == "--model" or arg.startswith("--model=") for arg in args
+    )
+
+
 def start_server(
     spec: ServerSpec, peers: Peers, pdserve_args: list[str], timeout_s: float
 ) -> ServeProcess:
     """The server `spec` names, ready to serve."""
     if spec.kind == "pdserve":
         env = {"UCX_WARN_UNUSED_ENV_VARS": "n"}
+        # A label that names its own model (a GGUF file of the same weights, say) serves
+        # that one; the prompts stay the shared checkpoint's token ids.
+        model = [] if names_model(spec.args) else ["--model", str(peers.checkpoint)]
         try:
-            server = ServeProcess.start(*pdserve_args, *spec.args, api_key=None, env=env)
+            server = ServeProcess.start(*pdserve_args, *model, *spec.args, api_key=None, env=env)
         except RuntimeError as exc:
             raise StartFailed(str(exc)) from None
         wait_ready(server, timeout_s)

@@ -9,7 +9,9 @@ bfloat16), vLLM for CPU (`--vllm LABEL=FLAGS`) and llama-server (`--llama LABEL=
 FLAGS`), the peers from their install folders (`../shared/peers/README.md`). A peer
 that is not installed gets a "skipped: not installed" row naming the command that
 installs it; a server that does not start gets a "failed" row; the others still run.
-Every server serves the same checkpoint (the embedded model's by default).
+Every server serves the same checkpoint (the embedded model's by default), unless a
+pdserve label names its own model (`--pdserve 'q41=FILE.gguf --mode colocated'`: the same
+weights packed; the prompts stay the checkpoint tokenizer's ids).
 
 Scenarios: `single` (8 prompts, one at a time, 256 tokens in, 128 out), `c32` (32
 prompts at 32 concurrent, 256 -> 128) and `rag` (16 prompts at 8 concurrent, 2000 ->
@@ -118,8 +120,6 @@ class SideBySide:
             *local_serve_args(args),
             "--kv-transport",
             args.kv_transport,
-            "--model",
-            str(peers.checkpoint),
         ]
 
     @staticmethod

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.engines import NotInstalled, Peers, ServerSpec
+from experiments.engines import NotInstalled, Peers, ServerSpec, names_model
 from experiments.side_by_side import main
 from experiments.side_by_side_report import measurement, summarize, table
 from tests.processes import running
@@ -85,6 +85,14 @@ def test_a_missing_peer_names_the_command_that_makes_it(tmp_path) -> None:
         ServerSpec.parse("llama", "q=")
     with pytest.raises(ValueError, match="LABEL=ARGS"):
         ServerSpec.parse("pdserve", "--mode colocated")
+
+
+def test_a_pdserve_label_that_names_its_own_model_serves_it() -> None:
+    assert names_model(["/m/x.Q4_1.gguf", "--mode", "colocated"])
+    assert names_model(["--mode", "colocated", "--model", "/m"])
+    assert names_model(["--model=/m"])
+    assert not names_model(["--mode", "colocated", "--num-colocated", "1"])
+    assert not names_model([])
 
 
 def fake_llama_install(tmp_path: Path) -> tuple[Path, Path]:
