@@ -194,9 +194,8 @@ def check_installed(spec: ServerSpec, peers: Peers) -> None:
 
 def names_model(args: list[str]) -> bool:
     """Whether pdserve flags `args` give a model (positional or `--model`)."""
-    return bool(args) and not args[0].startswith("-") or any(
-        arg == "--model" or arg.startswith("--model=") for arg in args
-    )
+    positional = bool(args) and not args[0].startswith("-")
+    return positional or any(arg == "--model" or arg.startswith("--model=") for arg in args)
 
 
 def start_server(
