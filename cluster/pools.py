@@ -15,8 +15,7 @@ thread per instance. A pool never grows past its `--max-pool-size`.
 
 A switch moves an instance between pools in place (`gateway/role_switch.py`): `fit`
 says whether its configuration suits the other pool (TP and PP sizes, model, dtype,
-quantization, device, block size, the pool's Ray resources, the pool's size cap);
-`claim` lets one change of an instance (a drain or a switch) run at a time; `move`
+quantization, device, block size, the pool's Ray resources, the pool's size cap); `move`
 makes the supervisor keep it, and restart it, in the new pool.
 """
 
@@ -75,7 +74,6 @@ class Pools:
         self.on_ready = on_ready
         self.max_sizes = dict(max_sizes or {})
         self._starter = ThreadPoolExecutor(START_WORKERS, thread_name_prefix="pool-start")
-        self._changing: set[str] = set()  # instances a drain or a switch holds
         self._templates: dict[str, InstanceSpec] = {}
         self._next: dict[str, int] = {}
         for spec in sorted(supervisor.specs.values(), key=lambda s: index_of(s.instance_id)):
@@ -146,20 +144,6 @@ class Pools:
         if limit is not None and len(self.members(role)) >= limit:
             return f"the {role} pool may hold at most {limit} (--max-pool-size)"
         return None
-
-    def claim(self, instance_id: str) -> bool:
-        """One change of the instance at a time: False while another runs. The event
-        loop's thread only."""
-        if instance_id in self._changing:
-            return False
-        self._changing.add(instance_id)
-        return True
-
-    def busy(self, instance_id: str) -> bool:
-        return instance_id in self._changing
-
-    def release(self, instance_id: str) -> None:
-        self._changing.discard(instance_id)
 
     def move(self, instance_id: str, role: str) -> None:
         """The instance serves in `role`'s pool now; a restart starts it there."""

@@ -26,6 +26,7 @@ import numpy as np
 
 from experiments.slo_sim import SimRun, SimSetup, run_controlled, run_fixed
 from experiments.slo_trace import TraceRequest, phase_windows, phased_trace
+from pdserve.gateway.slo_policy import PolicyConfig
 from pdserve.planner.sim.latency import load_calibration
 
 CALIBRATION = Path(__file__).with_name("slo_calibration.json")
@@ -122,18 +123,25 @@ def fixed_runs(
     return [done[p] for p in sorted(done)]
 
 
-def simulate(args: argparse.Namespace) -> int:
-    calibration = load_calibration(str(args.calibration))
-    setup = SimSetup(
-        calibration,
+def trace_policy(
+    budget: int, interval_s: float, cooldown_intervals: int, persist_intervals: int = 2
+) -> PolicyConfig:
+    """The controller's settings for `budget` instances under the trace's SLOs."""
+    return PolicyConfig(
+        budget,
         TTFT_SLO_MS,
         ITL_SLO_MS,
-        interval_s=args.interval,
-        cooldown_intervals=args.cooldown_intervals,
-        persist_intervals=args.persist_intervals,
-        switch_delay_s=args.switch_delay,
+        interval_s=interval_s,
+        cooldown_intervals=cooldown_intervals,
+        persist_intervals=persist_intervals,
     )
+
+
+def simulate(args: argparse.Namespace) -> int:
+    calibration = load_calibration(str(args.calibration))
     budget = args.instances
+    policy = trace_policy(budget, args.interval, args.cooldown_intervals, args.persist_intervals)
+    setup = SimSetup(calibration, policy, switch_delay_s=args.switch_delay)
     rate = args.rate if args.rate is not None else RATE_PER_INSTANCE * budget
     trace = phased_trace(args.seed, args.scale, rate)
     print(
@@ -150,7 +158,7 @@ def simulate(args: argparse.Namespace) -> int:
         + ", ".join(f"{run.label} {rows[-1]['goodput']:.3f}/s" for rows, run in ranked[:8])
     )
     started = time.monotonic()
-    controlled = run_controlled(setup, budget, budget // 2, trace)
+    controlled = run_controlled(setup, budget // 2, trace)
     controller_s = time.monotonic() - started
     controller_rows = run_figures(controlled, args.scale)
     print(format_rows(f"best fixed split {best.label}", best_rows))

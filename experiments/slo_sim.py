@@ -21,13 +21,11 @@ from pdserve.planner.sim.latency import Calibration
 
 @dataclass(frozen=True)
 class SimSetup:
+    """The simulated cluster: step latencies, the controller's settings (its instance
+    budget and SLOs among them) and how long moving an instance takes."""
+
     calibration: Calibration
-    ttft_slo_ms: float
-    itl_slo_ms: float
-    interval_s: float = 1.0
-    cooldown_intervals: int = 1
-    persist_intervals: int = 2
-    forecast_halflife_s: float = 15.0
+    policy: PolicyConfig
     switch_delay_s: float = 0.5
     start_delay_s: float = 20.0
     handoff_s: float = 0.01
@@ -132,29 +130,15 @@ def run_fixed(setup: SimSetup, prefill: int, decode: int, trace: list[TraceReque
     return finish_run(f"{prefill}P+{decode}D", sim, jobs, trace)
 
 
-def policy_config(setup: SimSetup, budget: int) -> PolicyConfig:
-    return PolicyConfig(
-        instance_budget=budget,
-        ttft_slo_ms=setup.ttft_slo_ms,
-        itl_slo_ms=setup.itl_slo_ms,
-        interval_s=setup.interval_s,
-        cooldown_intervals=setup.cooldown_intervals,
-        persist_intervals=setup.persist_intervals,
-        forecast_halflife_s=setup.forecast_halflife_s,
-    )
-
-
-def run_controlled(
-    setup: SimSetup, budget: int, start_prefill: int, trace: list[TraceRequest]
-) -> SimRun:
-    """The trace under SloPolicy, from `start_prefill` prefill instances of `budget`."""
-    controller = SimController(
-        SloPolicy(policy_config(setup, budget), setup.calibration), setup.interval_s
-    )
+def run_controlled(setup: SimSetup, start_prefill: int, trace: list[TraceRequest]) -> SimRun:
+    """The trace under SloPolicy, from `start_prefill` prefill instances of the budget."""
+    interval_s = setup.policy.interval_s
+    controller = SimController(SloPolicy(setup.policy, setup.calibration), interval_s)
+    budget = setup.policy.instance_budget
     sim = ElasticSimulation(setup.elastic(start_prefill, budget - start_prefill))
     jobs = jobs_of(trace)
     until = (trace[-1].arrival if trace else 0.0) + setup.drain_s
-    sim.every(setup.interval_s, controller.tick, until)
+    sim.every(interval_s, controller.tick, until)
     sim.run(jobs)
     run = finish_run("controller", sim, jobs, trace)
     run.decisions, run.splits = controller.decisions, controller.splits

@@ -16,9 +16,10 @@
   `structured_outputs`, `guided_*`, checked with `jsonschema`), tool calls
   (`tools.py`: forced calls as JSON schemas; `tool_parsers.py`: `hermes`,
   `llama3_json`), SSE and JSON replies (`replies.py`), tokenize/detokenize
-  (`tokenization.py`), `/metrics` (`metrics.py`; `frame_drop_metrics.py`: frames dropped by channel
-  and reason; `deployment_metrics.py`: the
-  TTFT SLO, seats and pool sizes the alert rules compare against), `/health`
+  (`tokenization.py`), `/metrics` (`metrics.py`; `series.py`: each family named and
+  registered; `frame_drop_metrics.py`: frames dropped by channel and reason;
+  `deployment_metrics.py`: the TTFT SLO, seats and pool sizes the alert rules compare
+  against), `/health`
   (`health.py`: each instance, and what degrades the service while it serves).
 - One request on the cluster: `generation.py` (`GenerationRun`: its choices submitted,
   their tokens detokenized and stop strings matched on the event loop), readiness and
@@ -36,7 +37,8 @@
   accepts).
 - Operators: `/admin/*` (`admin.py`: drain an instance, scale a pool, switch an
   instance's role, through the cluster's `PoolControl`; a request's timeline;
-  `pool_changes.py`: the drains and switches both it and the SLO controller run;
+  `pool_changes.py`: the drains and switches both it and the SLO controller run, one
+  claim per instance;
   `role_switch.py`: one switch carried out; `role_metrics.py`: its series), `/debug/*`
   (`debug.py`, mounted only with `--enable-test-hooks`).
 - The SLO controller (`--autoscale slo`): `slo_controller.py` (each interval observes,

@@ -38,7 +38,7 @@ from starlette.responses import Response
 from pdserve.gateway.controller_routes import add_controller_routes
 from pdserve.gateway.errors import APIError
 from pdserve.gateway.gateway import Gateway
-from pdserve.gateway.pool_changes import PoolChanges
+from pdserve.gateway.pool_changes import InstanceClaims, PoolChanges
 from pdserve.gateway.routing import ROLES_THAT_DECODE
 
 ROLES = ("prefill", "decode", "colocated")
@@ -72,18 +72,6 @@ class PoolControl(Protocol):
         """Why the instance cannot join `role`'s pool (None: it can)."""
         ...
 
-    def claim(self, instance_id: str) -> bool:
-        """Starts a change of the instance (drain, switch): False while one runs."""
-        ...
-
-    def busy(self, instance_id: str) -> bool:
-        """Whether a change of the instance runs."""
-        ...
-
-    def release(self, instance_id: str) -> None:
-        """The change of the instance ended."""
-        ...
-
     def move(self, instance_id: str, role: str) -> None:
         """The instance belongs to `role`'s pool now (restarts start it there)."""
         ...
@@ -113,7 +101,7 @@ def admin_router(gateway: Gateway) -> APIRouter:
     async def drain_instance(instance_id: str) -> Response:
         if instance_id not in pools().members(changes.role_of(instance_id)):
             raise APIError(404, f"no instance {instance_id} to drain", code="not_found")
-        _refuse_busy(pools(), [instance_id])
+        _refuse_busy(gateway.claims, [instance_id])
         changes.drain(instance_id)
         return gateway.json({"id": instance_id, "draining": True})
 
@@ -128,7 +116,7 @@ def admin_router(gateway: Gateway) -> APIRouter:
             raise APIError(404, f"this deployment has no {role} pool", "role", "not_found")
         _check_size(pools(), role, size)
         started, drained = [], members[size:][::-1]  # the newest go first
-        _refuse_busy(pools(), drained)
+        _refuse_busy(gateway.claims, drained)
         if size > len(members):
             try:
                 started = pools().start(role, size - len(members))
@@ -185,8 +173,8 @@ def _check_size(control: PoolControl, role: str, size: int) -> None:
         )
 
 
-def _refuse_busy(control: PoolControl, instance_ids: list[str]) -> None:
+def _refuse_busy(claims: InstanceClaims, instance_ids: list[str]) -> None:
     for instance_id in instance_ids:
-        if control.busy(instance_id):
+        if claims.busy(instance_id):
             message = f"another change of {instance_id} is under way"
             raise APIError(409, message, code="conflict")

@@ -3,32 +3,30 @@ split it aims at beside the split that serves."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
-from pdserve.gateway.deployment_metrics import PREFIX
+from pdserve.gateway.series import SeriesBuilder
 
 POOLS = ("prefill", "decode")
 
 
 class ControllerSeries:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.decisions = Counter(
-            PREFIX + "controller_decisions",
+        series = SeriesBuilder(registry)
+        self.decisions = series.counter(
+            "controller_decisions",
             "The SLO controller's decisions, one per interval: what it did and why",
             ("action", "reason"),
-            registry=registry,
         )
-        self.target = Gauge(
-            PREFIX + "controller_target_instances",
+        self.target = series.gauge(
+            "controller_target_instances",
             "Instances per pool the SLO controller's latest decision aims at",
             ("role",),
-            registry=registry,
         )
-        self.actual = Gauge(
-            PREFIX + "controller_actual_instances",
+        self.actual = series.gauge(
+            "controller_actual_instances",
             "Instances per pool serving at the SLO controller's latest look",
             ("role",),
-            registry=registry,
         )
         for role in POOLS:  # both pools show from the start, at zero
             self.target.labels(role)

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-PREFIX = "pdserve:"
+from pdserve.gateway.series import PREFIX, SeriesBuilder
 
 
 class PoolCount(msgspec.Struct, frozen=True):
@@ -68,21 +68,19 @@ class _PoolCollector(Collector):
 class DeploymentSeries:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.max_num_seqs = Gauge(
-            PREFIX + "max_num_seqs",
+        self.series = SeriesBuilder(registry)
+        self.max_num_seqs = self.series.gauge(
+            "max_num_seqs",
             "Requests the instance runs at once (--max-num-seqs)",
             ("role", "instance"),
-            registry=registry,
         )
         self.ttft_slo: Gauge | None = None
 
     def set_ttft_slo(self, seconds: float) -> None:
         """Registered only once known, so a deployment without an SLO exports none."""
         if self.ttft_slo is None:
-            self.ttft_slo = Gauge(
-                PREFIX + "ttft_slo_seconds",
-                "The time-to-first-token objective (--ttft-slo-ms), in seconds",
-                registry=self.registry,
+            self.ttft_slo = self.series.gauge(
+                "ttft_slo_seconds", "The time-to-first-token objective (--ttft-slo-ms), in seconds"
             )
         self.ttft_slo.set(seconds)
 

@@ -28,6 +28,7 @@ from pdserve.gateway.global_scheduler import (
 from pdserve.gateway.health import health_body
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.offload import DEFAULT_BUDGET_S, Offload
+from pdserve.gateway.pool_changes import InstanceClaims
 from pdserve.gateway.prompts import Prompt
 from pdserve.gateway.rate_limits import RateLimited, RateLimiter
 from pdserve.gateway.routing import ROLES_THAT_DECODE
@@ -155,6 +156,7 @@ class Gateway:
         self.model_card: ModelCard | None = None
         # Starts and stops instances for /admin/* (set by `pdserve serve`; None: cannot).
         self.pools: PoolControl | None = None
+        self.claims = InstanceClaims()  # the instances a drain or a switch holds
         self._registered: set[str] = set()  # ids, so a restart is not counted twice
         self.slo_samples = SloSamples()  # what the runs tell the SLO controller
         self.controller: SloController | None = None

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
-    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -29,10 +30,11 @@ from pdserve.gateway.deployment_metrics import DeploymentSeries
 from pdserve.gateway.frame_drop_metrics import DroppedFrameSeries
 from pdserve.gateway.health import recompute_ratio
 from pdserve.gateway.role_metrics import RoleSeries
+from pdserve.gateway.series import SeriesBuilder
 from pdserve.gateway.timeline import PHASES
 
-PREFIX = "pdserve:"
 LABELS = ("role", "instance")
+S = TypeVar("S", Counter, Histogram)
 _NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
 # Buckets from a second up, shared by pdserve's latencies and vLLM's inter-token latency.
@@ -134,39 +136,28 @@ class VLLMSeries:
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         self.model_name = model_name
-        self.gauges = {
-            n: Gauge(VLLM_PREFIX + n, GAUGES[n], VLLM_LABELS, registry=registry)
-            for n in _VLLM_STAT_GAUGES
-        }
+        series = SeriesBuilder(registry, VLLM_PREFIX)
+        self.gauges = {n: series.gauge(n, GAUGES[n], VLLM_LABELS) for n in _VLLM_STAT_GAUGES}
         self.counters = {
-            n: Counter(
-                VLLM_PREFIX + n.removesuffix("_total"),
+            n: series.counter(
+                n,
                 COUNTERS.get(n, "KV transfers whose lease ran out on the prefill side"),
                 VLLM_LABELS,
-                registry=registry,
             )
             for n in VLLM_COUNTERS
         }
         self.histograms: dict[str, list[Histogram]] = {
-            n: [
-                Histogram(
-                    VLLM_PREFIX + v, HISTOGRAMS[n][0], VLLM_LABELS, buckets=b, registry=registry
-                )
-                for v in names
-            ]
+            n: [series.histogram(v, HISTOGRAMS[n][0], VLLM_LABELS, buckets=b) for v in names]
             for n, (names, b) in VLLM_HISTOGRAMS.items()
         }
         self.lengths = {
-            n: Histogram(
-                VLLM_PREFIX + n, d, VLLM_LABELS, buckets=VLLM_TOKEN_BUCKETS, registry=registry
-            )
+            n: series.histogram(n, d, VLLM_LABELS, buckets=VLLM_TOKEN_BUCKETS)
             for n, d in VLLM_LENGTHS.items()
         }
-        self.success = Counter(
-            VLLM_PREFIX + "request_success",
+        self.success = series.counter(
+            "request_success",
             "Requests that finished, by finish reason",
             (*VLLM_LABELS, "finished_reason"),
-            registry=registry,
         )
 
     def add_instance(self, role: str, instance: str) -> None:
@@ -211,8 +202,10 @@ class TenantSeries:
     """Per-tenant counters, labelled by the tenant's name only (never a key)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        series = SeriesBuilder(registry)
+
         def counter(name: str, documentation: str) -> Counter:
-            return Counter(PREFIX + name, documentation, ("tenant",), registry=registry)
+            return series.counter(name, documentation, ("tenant",))
 
         self.requests = counter("tenant_requests", "Generation requests admitted, per tenant")
         self.prompt_tokens = counter("tenant_prompt_tokens", "Prompt tokens, per tenant")
@@ -239,69 +232,53 @@ class GatewayMetrics:
         """`model_name`: the served model name, the `model_name` label of `vllm:*`."""
         disable_created_metrics()  # the *_created series only double the page
         self.registry = CollectorRegistry(auto_describe=True)
-        self.gauges = {
-            n: Gauge(PREFIX + n, d, LABELS, registry=self.registry) for n, d in GAUGES.items()
-        }
-        self.counters = {n: self._counter(n, d) for n, d in COUNTERS.items()}
+        self.series = series = SeriesBuilder(self.registry)
+        self.gauges = {n: series.gauge(n, d, LABELS) for n, d in GAUGES.items()}
+        self.counters = {n: series.counter(n, d, LABELS) for n, d in COUNTERS.items()}
         self.histograms = {
-            n: Histogram(PREFIX + n, d, LABELS, buckets=b, registry=self.registry)
-            for n, (d, b) in HISTOGRAMS.items()
+            n: series.histogram(n, d, LABELS, buckets=b) for n, (d, b) in HISTOGRAMS.items()
         }
         self.vllm = VLLMSeries(self.registry, model_name)
         self.tenants = TenantSeries(self.registry)
         self.deployment = DeploymentSeries(self.registry)  # what alert rules compare against
         self.dropped_frames = DroppedFrameSeries(self.registry)
         self.roles = RoleSeries(self.registry)
-        self.rejected = Counter(
-            PREFIX + "num_requests_rejected",
-            "Requests refused by admission control (503)",
-            registry=self.registry,
+        self.rejected = series.counter(
+            "num_requests_rejected", "Requests refused by admission control (503)"
         )
-        self.retried = Counter(
-            PREFIX + "num_requests_retried",
+        self.retried = series.counter(
+            "num_requests_retried",
             "Requests sent again after their instance died before their first token",
-            registry=self.registry,
         )
-        self.rank_kv_bytes = Counter(
-            PREFIX + "kv_transfer_rank_bytes",
+        self.rank_kv_bytes = series.counter(
+            "kv_transfer_rank_bytes",
             "KV bytes moved by each rank of an instance (a tensor-parallel rank moves its "
             "heads' slice)",
             (*LABELS, "rank"),
-            registry=self.registry,
         )
-        self.migrated = Counter(
-            PREFIX + "requests_migrated",
+        self.migrated = series.counter(
+            "requests_migrated",
             "Requests whose instance died mid-stream, sent with the tokens already "
             "streamed to another instance that went on from the next one",
-            registry=self.registry,
         )
-        self.restarted = Counter(
-            PREFIX + "num_instances_restarted",
+        self.restarted = series.counter(
+            "num_instances_restarted",
             "Instances whose process exited, started again by the supervisor and "
             "re-admitted once their weights loaded",
-            registry=self.registry,
         )
-        self.request_phase = Histogram(
-            PREFIX + "request_phase_seconds",
+        self.request_phase = series.histogram(
+            "request_phase_seconds",
             "Each request's phases as its timeline has them (docs/operations.md)",
             ("phase",),
             buckets=LATENCY_BUCKETS,
-            registry=self.registry,
         )
         for phase in PHASES:  # every phase shows from the start, at zero
             self.request_phase.labels(phase)
-        self.fenced = Counter(
-            PREFIX + "num_instances_fenced",
+        self.fenced = series.counter(
+            "num_instances_fenced",
             "Instances silent past --instance-timeout or stalled past "
             "--instance-stall-timeout: their epoch retired, killed and replaced",
             LABELS,
-            registry=self.registry,
-        )
-
-    def _counter(self, name: str, documentation: str) -> Counter:
-        # prometheus_client appends "_total" itself.
-        return Counter(
-            PREFIX + name.removesuffix("_total"), documentation, LABELS, registry=self.registry
         )
 
     def add_instance(self, role: str, instance_id: str) -> None:
@@ -338,12 +315,16 @@ class GatewayMetrics:
         if output.metrics is None:
             return
         for name, value in output.metrics.counters.items():
-            counter = self.counters.get(name) or self._dynamic_counter(name)
+            counter = self.counters.get(name) or self._reported(
+                name, self.series.counter, self.counters
+            )
             if counter is not None and value > 0:
                 counter.labels(role, instance).inc(value)
                 self.vllm.count(name, role, instance, value)
         for name, values in output.metrics.histograms.items():
-            histogram = self.histograms.get(name) or self._dynamic_histogram(name)
+            histogram = self.histograms.get(name) or self._reported(
+                name, self.series.histogram, self.histograms
+            )
             if histogram is not None:
                 child = histogram.labels(role, instance)
                 for value in values:
@@ -378,23 +359,15 @@ class GatewayMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def _dynamic_counter(self, name: str) -> Counter | None:
-        """A counter an instance kind sends that the gateway does not list (yet)."""
+    def _reported(
+        self, name: str, make: Callable[[str, str, Sequence[str]], S], known: dict[str, S]
+    ) -> S | None:
+        """A series an instance kind sends that the gateway does not list (yet); None for
+        a name Prometheus cannot take or one that clashes with a series registered."""
         if not _NAME.match(name):
             return None
         try:
-            self.counters[name] = self._counter(name, f"{name} (reported by instances)")
-        except ValueError:  # clashes with a series already registered
-            return None
-        return self.counters[name]
-
-    def _dynamic_histogram(self, name: str) -> Histogram | None:
-        if not _NAME.match(name):
-            return None
-        try:
-            self.histograms[name] = Histogram(
-                PREFIX + name, f"{name} (reported by instances)", LABELS, registry=self.registry
-            )
+            known[name] = make(name, f"{name} (reported by instances)", LABELS)
         except ValueError:
             return None
-        return self.histograms[name]
+        return known[name]

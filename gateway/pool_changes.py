@@ -1,8 +1,9 @@
 """The changes of an instance both the admin routes and the SLO controller make: drain
-it for good, or switch its role; each holds its claim on the pool control until it ends.
+it for good, or switch its role; each holds its claim on the instance until it ends.
 
-A drain claims the instance for good (it stops), retires it (never restarted), takes it
-out of routing and stops it once no request needs it. A switch claims it and runs a
+The gateway's `InstanceClaims` let one change of an instance run at a time. A drain
+claims the instance for good (it stops), retires it (never restarted), takes it out of
+routing and stops it once no request needs it. A switch claims it and runs a
 `RoleSwitcher`, which releases the claim when the instance serves in its new role or the
 switch is abandoned. `switch_refusal` says why an instance may not switch now, in the
 words the admin route answers with.
@@ -24,6 +25,29 @@ if TYPE_CHECKING:
 
 DRAIN_POLL_S = 0.2
 T = TypeVar("T")
+
+
+class InstanceClaims:
+    """The instances a drain or a switch holds: one change of an instance at a time. The
+    event loop's thread only."""
+
+    def __init__(self) -> None:
+        self._held: set[str] = set()
+
+    def claim(self, instance_id: str) -> bool:
+        """Starts a change of the instance: False while another runs."""
+        if instance_id in self._held:
+            return False
+        self._held.add(instance_id)
+        return True
+
+    def busy(self, instance_id: str) -> bool:
+        """Whether a change of the instance runs."""
+        return instance_id in self._held
+
+    def release(self, instance_id: str) -> None:
+        """The change of the instance ended."""
+        self._held.discard(instance_id)
 
 
 @dataclass(frozen=True)
@@ -51,7 +75,7 @@ class PoolChanges:
         """Drains the instance for good; the task ends once it is stopped (None: it was
         loading or dead, and is stopped at once)."""
         control = self.control()
-        control.claim(instance_id)  # for good: it stops
+        self.gateway.claims.claim(instance_id)  # for good: it stops
         view = self.gateway.scheduler.views.get(instance_id)
         control.retire(instance_id)
         if view is None or not view.alive:
@@ -63,16 +87,15 @@ class PoolChanges:
     def switch(self, view: InstanceView, role: str, reason: str) -> asyncio.Task[bool]:
         """Claims the instance and switches it to `role` (check `switch_refusal` first);
         the task answers whether it serves in `role`."""
-        control = self.control()
-        control.claim(view.instance_id)
-        return self._keep(RoleSwitcher(self.gateway, control, view).run(role, reason))
+        self.gateway.claims.claim(view.instance_id)
+        return self._keep(RoleSwitcher(self.gateway, self.control(), view).run(role, reason))
 
     def switch_refusal(self, instance_id: str, role: str) -> Refusal | None:
         """Why the instance may not switch to `role` now (None: it may)."""
         control = self.control()
         if instance_id not in control.members(self.role_of(instance_id)):
             return Refusal(404, f"no instance {instance_id} to switch")
-        if control.busy(instance_id):
+        if self.gateway.claims.busy(instance_id):
             return Refusal(409, f"another change of {instance_id} is under way")
         view = self.gateway.scheduler.views.get(instance_id)
         if view is None or not view.alive or view.draining:

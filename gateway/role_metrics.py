@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import contextlib
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-from pdserve.gateway.deployment_metrics import PREFIX
+from pdserve.gateway.series import SeriesBuilder
 
 ROLES = ("prefill", "decode", "colocated")
 SWITCH_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -15,23 +15,21 @@ SWITCH_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 1
 
 class RoleSeries:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.role = Gauge(
-            PREFIX + "instance_role",
+        series = SeriesBuilder(registry)
+        self.role = series.gauge(
+            "instance_role",
             "1 for the role the instance serves in now (one series per instance)",
             ("instance", "role"),
-            registry=registry,
         )
-        self.switches = Counter(
-            PREFIX + "role_switches",
+        self.switches = series.counter(
+            "role_switches",
             "Instances that changed role in place (weights and process kept)",
             ("from", "to"),
-            registry=registry,
         )
-        self.seconds = Histogram(
-            PREFIX + "role_switch_seconds",
+        self.seconds = series.histogram(
+            "role_switch_seconds",
             "From a role switch's request to the instance serving in its new role",
             buckets=SWITCH_BUCKETS,
-            registry=registry,
         )
 
     def show(self, instance_id: str, role: str) -> None:

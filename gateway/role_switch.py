@@ -38,7 +38,7 @@ SWITCH_POLL_S = 0.02
 
 
 class RoleSwitcher:
-    """Switches one instance; `run` releases its claim on the pool control when done."""
+    """Switches one instance; `run` releases its claim on it when done."""
 
     def __init__(self, gateway: Gateway, pools: PoolControl, view: InstanceView) -> None:
         self.gateway = gateway
@@ -53,7 +53,7 @@ class RoleSwitcher:
         try:
             failure = await self._switch(role)
         finally:
-            self.pools.release(instance_id)
+            self.gateway.claims.release(instance_id)
         if failure is not None:
             logger.warning("%s: role switch %s → %s abandoned: %s", instance_id, old, role, failure)
             return False

@@ -279,11 +279,11 @@ class SloController:
         prefill and the most free KV blocks, among those no change holds and `allowed`
         finds no fault with (CannotAct: none)."""
         assert self.gateway.pools is not None
-        control, why = self.gateway.pools, f"no {role} instance serves"
+        why = f"no {role} instance serves"
         views = self.gateway.scheduler.live((role,))
         for view in sorted(views, key=_load):
             fault: str | None = f"another change of {view.instance_id} is under way"
-            if not control.busy(view.instance_id):
+            if not self.gateway.claims.busy(view.instance_id):
                 fault = allowed(view) if allowed is not None else None
             if fault is None:
                 return view

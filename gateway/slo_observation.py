@@ -79,7 +79,7 @@ class SloObserver:
         if control is None:
             return False
         members = {i for role in POOLS for i in control.members(role)}
-        if any(control.busy(i) for i in (members | set(views)) - set(own)):
+        if any(self.gateway.claims.busy(i) for i in (members | set(views)) - set(own)):
             return True
         return any(i not in views for i in members - set(own))
 

@@ -16,7 +16,9 @@ SCALE = 0.25
 @pytest.fixture(scope="module")
 def setup() -> SimSetup:
     calibration = load_calibration(str(slo_control.CALIBRATION))
-    return SimSetup(calibration, slo_control.TTFT_SLO_MS, slo_control.ITL_SLO_MS, interval_s=1.0)
+    return SimSetup(
+        calibration, slo_control.trace_policy(BUDGET, interval_s=1.0, cooldown_intervals=1)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def test_the_trace_is_a_pure_function_of_its_arguments(trace) -> None:
 
 def test_the_controller_grows_prefill_for_rag_and_decode_for_chat(setup, trace) -> None:
     # From a prefill-heavy start, chat wants decode; then RAG wants prefill back.
-    run = run_controlled(setup, BUDGET, BUDGET - 1, trace)
+    run = run_controlled(setup, BUDGET - 1, trace)
     chat, rag = moves_in(run, "chat"), moves_in(run, "rag")
     assert chat and chat.count("decode") > chat.count("prefill"), chat
     assert rag and rag.count("prefill") > rag.count("decode"), rag

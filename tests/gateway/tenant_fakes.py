@@ -19,10 +19,10 @@ import httpx
 
 from pdserve.common.messages import GenerateTask, InstanceAddress, InstanceInfo, RequestDelta
 from pdserve.engine.embedded import embedded_model_path
-from pdserve.gateway.app import create_app
 from pdserve.gateway.gateway import Gateway, GatewayConfig
 from pdserve.gateway.request_stream import StreamEvent
 from pdserve.gateway.tenants import KeysFile, TenantEntry
+from tests.gateway.in_process import app_client
 
 MODELS = ["m", "m-large"]
 ADMIN = "admin-secret-key"
@@ -78,12 +78,8 @@ async def tenant_gateway(
     gateway = make_gateway(clock, **config)
     instance = FakeInstance()
     gateway.dispatcher.submit = instance.submit  # type: ignore[method-assign]
-    transport = httpx.ASGITransport(app=create_app(gateway))
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            yield gateway, instance, client
-    finally:
-        await gateway.close()
+    async with app_client(gateway) as client:
+        yield gateway, instance, client
 
 
 def completion(max_tokens: int = 4, **fields: Any) -> dict[str, Any]:

@@ -4,16 +4,14 @@ and pauses it; a bad body is a 400 in OpenAI's shape, a tenant's key a 403."""
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 
 from pdserve.engine.embedded import embedded_model_path
-from pdserve.gateway.app import create_app
-from pdserve.gateway.gateway import Gateway, GatewayConfig
+from pdserve.gateway.gateway import GatewayConfig
 from pdserve.gateway.slo_controller import AutoscaleConfig
 from pdserve.gateway.slo_policy import PolicyConfig
 from pdserve.planner.sim.latency import Calibration, StepLatencyModel
+from tests.gateway.in_process import Call, gateway_answers
 
 ADMIN = {"Authorization": "Bearer admin-key"}
 TENANT = {"Authorization": "Bearer tenant-key"}
@@ -34,19 +32,7 @@ def answers(autoscale: AutoscaleConfig | None, calls: list[tuple]) -> list[httpx
         autoscale=autoscale,
     )
 
-    async def ask() -> list[httpx.Response]:
-        gateway = Gateway(config)
-        transport = httpx.ASGITransport(app=create_app(gateway))
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-                return [
-                    await client.request(method, path, headers=headers, content=body)
-                    for method, path, headers, body in calls
-                ]
-        finally:
-            await gateway.close()
-
-    return asyncio.run(ask())
+    return gateway_answers(config, [Call(*call) for call in calls])
 
 
 def test_with_autoscale_off_it_says_so_and_refuses_a_pause() -> None:

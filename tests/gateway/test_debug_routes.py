@@ -4,14 +4,12 @@ instances is enough: whether a route exists does not depend on what is behind it
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import pytest
 
 from pdserve.engine.embedded import embedded_model_path
-from pdserve.gateway.app import create_app
-from pdserve.gateway.gateway import Gateway, GatewayConfig
+from pdserve.gateway.gateway import GatewayConfig
+from tests.gateway.in_process import Call, gateway_answers
 
 DEBUG_ROUTES = [
     ("GET", "/debug/instances"),
@@ -28,16 +26,7 @@ def answers(enable_test_hooks: bool, calls: list[tuple[str, str]]) -> list[httpx
         enable_test_hooks=enable_test_hooks,
     )
 
-    async def ask() -> list[httpx.Response]:
-        gateway = Gateway(config)
-        transport = httpx.ASGITransport(app=create_app(gateway))
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-                return [await client.request(method, path) for method, path in calls]
-        finally:
-            await gateway.close()
-
-    return asyncio.run(ask())
+    return gateway_answers(config, [Call(method, path) for method, path in calls])
 
 
 @pytest.mark.parametrize(("method", "path"), DEBUG_ROUTES)

@@ -18,6 +18,7 @@ import pytest
 from pdserve.common.messages import InstanceAddress, InstanceStats, SwitchRoleTask
 from pdserve.gateway.global_scheduler import GlobalScheduler
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.pool_changes import InstanceClaims
 from pdserve.gateway.slo_controller import SloController
 from pdserve.gateway.slo_policy import Decision, Forecast, Observation, PolicyConfig
 from pdserve.gateway.slo_samples import SloSamples
@@ -41,7 +42,6 @@ class FakePools:
 
     def __init__(self, roles: dict[str, str]) -> None:
         self.roles = dict(roles)  # member → pool
-        self.changing: set[str] = set()
         self.started: list[str] = []
         self.stopped: list[str] = []
         self.moved: dict[str, str] = {}
@@ -70,18 +70,6 @@ class FakePools:
     def fit(self, instance_id: str, role: str) -> str | None:
         return None
 
-    def claim(self, instance_id: str) -> bool:
-        if instance_id in self.changing:
-            return False
-        self.changing.add(instance_id)
-        return True
-
-    def busy(self, instance_id: str) -> bool:
-        return instance_id in self.changing
-
-    def release(self, instance_id: str) -> None:
-        self.changing.discard(instance_id)
-
     def move(self, instance_id: str, role: str) -> None:
         self.roles[instance_id] = role
         self.moved[instance_id] = role
@@ -107,6 +95,7 @@ class FakeGateway:
         self.metrics = GatewayMetrics()
         self.dispatcher = FakeDispatcher()
         self.pools: FakePools | None = FakePools(roles)
+        self.claims = InstanceClaims()
         self.slo_samples = SloSamples()
         self.not_ready: str | None = None
         for instance_id, role in roles.items():
@@ -205,7 +194,7 @@ def test_a_loading_member_is_starting_and_an_operators_scale_up() -> None:
 def test_an_operators_change_in_flight_holds_every_move() -> None:
     controller, gateway, policy, clock = controller_for(move("start", "prefill"))
     assert gateway.pools is not None
-    gateway.pools.claim("decode-1")  # an admin switch of decode-1 runs
+    gateway.claims.claim("decode-1")  # an admin switch of decode-1 runs
     next_interval(gateway, clock)
     decision = controller.tick()
     assert decision is not None and (decision.action, decision.reason) == (
@@ -213,7 +202,7 @@ def test_an_operators_change_in_flight_holds_every_move() -> None:
         "operator_change",
     )
     assert "the policy asked to start" in decision.detail and gateway.pools.started == []
-    gateway.pools.release("decode-1")
+    gateway.claims.release("decode-1")
     next_interval(gateway, clock, COOLDOWN_S)
     assert controller.tick().action == "start"  # type: ignore[union-attr]
     assert gateway.pools.started == ["prefill-3"]
@@ -297,7 +286,7 @@ async def _a_switch_runs_through_the_claim_and_the_role_switch() -> None:
     next_interval(gateway, clock)
     decision = controller.tick()
     assert decision is not None and decision.action == "switch" and "[decode-1]" in decision.detail
-    assert gateway.pools.busy("decode-1")  # claimed at once
+    assert gateway.claims.busy("decode-1")  # claimed at once
     await asyncio.sleep(0.1)
     assert gateway.scheduler.views["decode-1"].draining
     assert gateway.dispatcher.tasks == [("decode-1", SwitchRoleTask("prefill"))]
@@ -307,7 +296,7 @@ async def _a_switch_runs_through_the_claim_and_the_role_switch() -> None:
     address = InstanceAddress("decode-1", "prefill", info.address.task_address)
     gateway.scheduler.switch_role(msgspec.structs.replace(info, address=address, epoch=1), clock())
     await asyncio.sleep(0.1)
-    assert gateway.pools.moved == {"decode-1": "prefill"} and not gateway.pools.busy("decode-1")
+    assert gateway.pools.moved == {"decode-1": "prefill"} and not gateway.claims.busy("decode-1")
     next_interval(gateway, clock, COOLDOWN_S)
     decision = controller.tick()  # decode-0 is the last decode instance
     assert decision is not None and decision.reason == "out_of_bounds"
@@ -330,8 +319,8 @@ async def _a_switch_of_several() -> None:
     decision = controller.tick()
     assert decision is not None and decision.action == "switch" and decision.count == 2
     assert "[decode-1, decode-3]" in decision.detail
-    assert gateway.pools.busy("decode-1") and gateway.pools.busy("decode-3")
-    assert not gateway.pools.busy("decode-0") and not gateway.pools.busy("decode-2")
+    assert gateway.claims.busy("decode-1") and gateway.claims.busy("decode-3")
+    assert not gateway.claims.busy("decode-0") and not gateway.claims.busy("decode-2")
     await asyncio.sleep(0.1)
     assert sorted(i for i, _ in gateway.dispatcher.tasks) == ["decode-1", "decode-3"]
 
@@ -342,7 +331,7 @@ async def _a_switch_of_several() -> None:
     next_interval(gateway, clock)
     decision = controller.tick()
     assert decision is not None and decision.reason == "out_of_bounds"
-    assert gateway.pools is not None and not any(gateway.pools.busy(i) for i in roles)
+    assert not any(gateway.claims.busy(i) for i in roles)
 
 
 def test_a_stop_drains_the_least_loaded_instance_for_good() -> None:

@@ -81,23 +81,23 @@ def moves(decisions: list[Decision]) -> list[Decision]:
     return [d for d in decisions if d.action != "hold"]
 
 
-def test_a_rag_burst_grows_prefill() -> None:
-    pools = ScriptedPools(4, 4)
-    decisions = pools.drive(SloPolicy(config(), CALIBRATION), [arrivals(RAG, 5.0)] * 12)
+@pytest.mark.parametrize(
+    ("start", "phase", "rate", "role", "reasons", "least"),
+    [
+        ((4, 4), RAG, 5.0, "prefill", ("ttft_risk", "on_target"), 6),
+        ((6, 2), CHAT, 8.0, "decode", ("itl_risk", "within_margin"), 4),
+    ],
+    ids=["a-rag-burst-grows-prefill", "a-chat-phase-grows-decode"],
+)
+def test_a_phase_grows_the_pool_it_loads(start, phase, rate, role, reasons, least) -> None:
+    """`reasons`: the first move's, and the last hold's once it settles (RAG's target is
+    reached; chat's stops where what is left to gain is within the switch margin)."""
+    pools = ScriptedPools(*start)
+    decisions = pools.drive(SloPolicy(config(), CALIBRATION), [arrivals(phase, rate)] * 12)
     switches = moves(decisions)
-    assert switches and all(d.role_to == "prefill" for d in switches)
-    assert switches[0].reason == "ttft_risk"
-    assert pools.prefill >= 6 and pools.prefill + pools.decode == 8
-
-
-def test_a_chat_phase_grows_decode() -> None:
-    pools = ScriptedPools(6, 2)
-    decisions = pools.drive(SloPolicy(config(), CALIBRATION), [arrivals(CHAT, 8.0)] * 12)
-    switches = moves(decisions)
-    assert switches and all(d.role_to == "decode" for d in switches)
-    assert switches[0].reason == "itl_risk"
-    # It stops once what is left to gain is within the switch margin.
-    assert pools.decode >= 4 and decisions[-1].reason == "within_margin"
+    assert switches and all(d.role_to == role for d in switches)
+    assert (switches[0].reason, decisions[-1].reason) == reasons
+    assert getattr(pools, role) >= least and pools.prefill + pools.decode == 8
 
 
 def test_a_large_budget_moves_several_instances_per_switch() -> None:

@@ -12,7 +12,7 @@ from pdserve.common.messages import InstanceTimings, KVPullTimes, ModelTime
 from pdserve.gateway.clock_sync import ClockSync
 from pdserve.gateway.global_scheduler import Route
 from pdserve.gateway.timeline import EXECUTE, FORWARD, Phase
-from pdserve.gateway.timelines import RunFacts, Timelines, TraceHeaders
+from pdserve.gateway.timelines import RunFacts, RunTimeline, Timelines, TraceHeaders
 from pdserve.gateway.trace_config import check_detail_modules
 from pdserve.gateway.tracing import TraceExporter
 from tests.gateway.instances import instance_info
@@ -91,6 +91,38 @@ def run_disaggregated(timelines: Timelines, clock: Clock, request_id: str = "cmp
     timelines.delta(request_id, "d", T0 + 0.201, decode_timings())
     clock.t = T0 + 0.2015
     timelines.choice_ended(request_id, "length", 16)
+
+
+def run_colocated(
+    timelines: Timelines,
+    clock: Clock,
+    run_id: str,
+    model: tuple[ModelTime, list[ModelTime]],
+    preemptions: list[tuple[float, float]] | None = None,
+) -> RunTimeline:
+    """One choice on colocated instance "c" (its clock 0.1 ms from the gateway's): first
+    token at +40 ms, last at +300 ms; `model` is the prefill's and each decode stretch's
+    model time."""
+    choice_id = f"{run_id}-0"
+    timelines.clocks.observe_output("c", sent_at=T0, received=T0 + 0.0001)
+    timelines.open(choice_id, T0, num_prompt_tokens=12)
+    clock.t = T0 + 0.001
+    timelines.dispatched(choice_id, route(None, "c", "colocated"))
+    timings = InstanceTimings(
+        queued=T0 + 0.002,
+        first_scheduled=T0 + 0.003,
+        first_token=T0 + 0.040,
+        last_token=T0 + 0.300,
+        preemptions=preemptions or [],
+        prefill_model=model[0],
+        decode_model=model[1],
+    )
+    timelines.delta(choice_id, "c", T0 + 0.301, timings)
+    clock.t = T0 + 0.302
+    timelines.choice_ended(choice_id, "length", 20)
+    run = timelines.finish_run(RunFacts(run_id, [choice_id], {}))
+    assert run is not None
+    return run
 
 
 def tile(phases: list[Phase], start: float, end: float, slack: float) -> None:
@@ -230,24 +262,8 @@ def test_a_preemption_splits_decode_into_stretches_each_with_its_model_time(cloc
     spans = InMemorySpanExporter()
     timelines = Timelines("m")
     timelines.exporter = TraceExporter(spans)
-    timelines.clocks.observe_output("c", sent_at=T0, received=T0 + 0.0001)
-    timelines.open("cmpl-3-0", T0, num_prompt_tokens=12)
-    clock.t = T0 + 0.001
-    timelines.dispatched("cmpl-3-0", route(None, "c", "colocated"))
-    timings = InstanceTimings(
-        queued=T0 + 0.002,
-        first_scheduled=T0 + 0.003,
-        first_token=T0 + 0.040,
-        last_token=T0 + 0.300,
-        preemptions=[(T0 + 0.100, T0 + 0.150)],
-        prefill_model=ModelTime(forward=0.02, execute=0.03),
-        decode_model=[ModelTime(0.04, 0.05), ModelTime(0.1, 0.12)],
-    )
-    timelines.delta("cmpl-3-0", "c", T0 + 0.301, timings)
-    clock.t = T0 + 0.302
-    timelines.choice_ended("cmpl-3-0", "length", 20)
-    run = timelines.finish_run(RunFacts("cmpl-3", ["cmpl-3-0"], {}))
-    assert run is not None
+    times = (ModelTime(forward=0.02, execute=0.03), [ModelTime(0.04, 0.05), ModelTime(0.1, 0.12)])
+    run = run_colocated(timelines, clock, "cmpl-3", times, [(T0 + 0.100, T0 + 0.150)])
     phases = run.choices[0].phases[3:6]
     assert [p.name for p in phases] == ["decode", "preempted", "decode"]
     bounds = [(p.start - T0, p.end - T0) for p in phases]
@@ -270,24 +286,8 @@ def test_a_preemption_splits_decode_into_stretches_each_with_its_model_time(cloc
 
 def test_an_untimed_forward_leaves_the_figure_out(clock) -> None:
     """A CUDA instance times execute only: no forward attribute, on the span or in sums."""
-    timelines = Timelines("m")
-    timelines.clocks.observe_output("c", sent_at=T0, received=T0 + 0.0001)
-    timelines.open("cmpl-4-0", T0, num_prompt_tokens=12)
-    clock.t = T0 + 0.001
-    timelines.dispatched("cmpl-4-0", route(None, "c", "colocated"))
-    timings = InstanceTimings(
-        queued=T0 + 0.002,
-        first_scheduled=T0 + 0.003,
-        first_token=T0 + 0.040,
-        last_token=T0 + 0.300,
-        prefill_model=ModelTime(forward=None, execute=0.03),
-        decode_model=[ModelTime(None, 0.2)],
-    )
-    timelines.delta("cmpl-4-0", "c", T0 + 0.301, timings)
-    clock.t = T0 + 0.302
-    timelines.choice_ended("cmpl-4-0", "length", 20)
-    run = timelines.finish_run(RunFacts("cmpl-4", ["cmpl-4-0"], {}))
-    assert run is not None
+    times = (ModelTime(forward=None, execute=0.03), [ModelTime(None, 0.2)])
+    run = run_colocated(Timelines("m"), clock, "cmpl-4", times)
     prefill, decode = run.choices[0].phases[2:4]
     assert prefill.attributes[EXECUTE] == 0.03 and FORWARD not in prefill.attributes
     assert decode.attributes[EXECUTE] == 0.2 and FORWARD not in decode.attributes
