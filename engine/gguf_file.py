@@ -40,7 +40,9 @@ PACKED_TYPES = {
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
 }
-SERVED = ", ".join(t[0] for t in [*PLAIN_TYPES.values(), *PACKED_TYPES.values()])
+SERVED = ", ".join(
+    [name for name, _ in PLAIN_TYPES.values()] + [t[0] for t in PACKED_TYPES.values()]
+)
 
 
 class GGUFError(CheckpointError):

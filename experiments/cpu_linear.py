@@ -110,18 +110,16 @@ def gguf_table(kernels: cpu_ops.CpuKernels, names: list[str], args, clock) -> No
         raise SystemExit(f"--gguf: {', '.join(unknown)} not served (served: {gguf_blocks.SERVED})")
     gen = torch.Generator().manual_seed(0)
     op = CpuQuantizedLinear(kernels)
-    weights = {
-        name: [[random_blocks(qtypes[name], n, k, gen) for n, k in GGUF_SHAPES]
-               for _ in range(LAYERS)]
-        for name in names
-    }  # fmt: skip
+    weights = {}
+    for name in names:
+        weights[name] = [
+            [random_blocks(qtypes[name], n, k, gen) for n, k in GGUF_SHAPES] for _ in range(LAYERS)
+        ]
     first = names[0]
-    floats = [[gguf_blocks.dequantize_rows(w, qtypes[first]) for w in layer]
-              for layer in weights[first]]  # fmt: skip
-    print(f"-- GGUF blocks over {GGUF_SHAPES}: rows, " + ", ".join(f"{n} ms" for n in names)
-          + ", float32 C ms, MiB per pass: " + ", ".join(
-              f"{n} {sum(w.numel() for layer in weights[n] for w in layer) / 2**20:.0f}"
-              for n in names))  # fmt: skip
+    floats = [[gguf_blocks.dequantize_rows(w, qtypes[first]) for w in ws] for ws in weights[first]]
+    sizes = [sum(w.numel() for ws in weights[n] for w in ws) / 2**20 for n in names]
+    print(f"-- GGUF blocks over {GGUF_SHAPES}, MiB a pass: {[round(s) for s in sizes]}")
+    print("rows, " + ", ".join(f"{n} ms" for n in names) + ", float32 C ms")
     for rows in args.rows:
         xs = {k: torch.randn(rows, k, generator=gen) for _, k in GGUF_SHAPES}
         ms = [timed(gguf_pass(op, qtypes[n], weights[n], xs), args.repeats, clock) for n in names]

@@ -20,9 +20,9 @@
  * accumulator over K, one horizontal sum), so a packed matrix gives exactly the numbers
  * of its dequantized float32 copy, on both builds.
  *
- * - Micro-kernel: R rows of x by C weight rows, linear_gguf.c's shapes; per weight row
- *   of the tile a super-block's scales are decoded once, then its 8 chunks of 32 weights
- *   (4 vectors) one at a time, each serving the R rows.
+ * - Micro-kernel: R rows of x by C weight rows, linear_gguf.c's shapes; the C rows'
+ *   super-block scales are decoded once, then chunk by chunk (32 weights, 4 vectors) each
+ *   row's chunk serves the R rows of x.
  * - Blocking and threads: linear_gguf.c's plan (linear_run over 24-row units).
  */
 #include "linear.h"
@@ -168,18 +168,21 @@ ALWAYS_INLINE void tile(const gguf_args *A, int64_t m0, int64_t n, const int R, 
 #pragma GCC unroll 12
         for (int c = 0; c < C; c++) acc[r][c] = v8_splat(0.0f);
     for (int sb = 0; sb < supers; sb++) {
+        const uint8_t *blocks = w + (int64_t)sb * BB;
+        float a[MAX_C][16], m[MAX_C][8];
 #pragma GCC unroll 12
-        for (int c = 0; c < C; c++) {
-            const uint8_t *block = w + c * rs + (int64_t)sb * BB;
-            float a[16], m[8];
-            super_scales(block, a, m, T);
-#pragma GCC unroll 8
-            for (int s = 0; s < 8; s++) {
+        for (int c = 0; c < C; c++) super_scales(blocks + c * rs, a[c], m[c], T);
+        /* Chunks outer, weight rows inner (as linear_gguf.c's blocks): the unrolled body
+         * is one chunk of each row, and each accumulator still sums k in order. */
+        for (int s = 0; s < 8; s++) {
+            const int k = sb * QK_K + 32 * s;
+#pragma GCC unroll 12
+            for (int c = 0; c < C; c++) {
+                const uint8_t *block = blocks + c * rs;
                 /* The next tile's rows, a 64-byte line at a time (as linear_gguf.c). */
                 if (s < 4) __builtin_prefetch(block + C * rs + 64 * s, 0, 0);
                 v8f wv[4];
-                decode_chunk(block, s, a, m, wv, T);
-                const int k = sb * QK_K + 32 * s;
+                decode_chunk(block, s, a[c], m[c], wv, T);
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
                     const float *xr = x + r * xs + k;
