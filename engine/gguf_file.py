@@ -29,11 +29,20 @@ from pdserve.engine.gguf_header import GGUFHeaderError, read_header
 # ggml type number → name of the plain types served (norms, and any matrix a file keeps
 # unquantized), with the numpy dtype their bytes are read as (BF16: as 16-bit words).
 PLAIN_TYPES = {0: ("F32", np.float32), 1: ("F16", np.float16), 30: ("BF16", np.uint16)}
-# ggml type number → (name, bytes per block of BLOCK weights) of the block types the
-# kernels multiply packed (`kernels/gguf_blocks.py`, `kernels/cpu/linear_gguf.c`).
-PACKED_TYPES = {8: ("Q8_0", 34), 2: ("Q4_0", 18), 3: ("Q4_1", 20)}
-BLOCK = 32
-SERVED = ", ".join(name for name, _ in [*PLAIN_TYPES.values(), *PACKED_TYPES.values()])
+# ggml type number → (name, weights per block, bytes per block) of the block types the
+# kernels multiply packed (`kernels/gguf_blocks.py`, `kernels/cpu/linear_gguf.c`,
+# `kernels/cpu/linear_kquant.c`): blocks of 32, and the K-quants' super-blocks of 256.
+PACKED_TYPES = {
+    8: ("Q8_0", 32, 34),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+}
+SERVED = ", ".join(
+    [name for name, _ in PLAIN_TYPES.values()] + [t[0] for t in PACKED_TYPES.values()]
+)
 
 
 class GGUFError(CheckpointError):
@@ -54,6 +63,11 @@ class GGUFTensor:
     @property
     def packed(self) -> bool:
         return self.qtype in PACKED_TYPES
+
+    @property
+    def block(self) -> int:
+        """Weights per block (1 for a plain type): a column slice keeps whole blocks."""
+        return PACKED_TYPES[self.qtype][1] if self.packed else 1
 
     @property
     def row_bytes(self) -> int:
@@ -149,15 +163,15 @@ class GGUFFile:
 
     def read_columns(self, name: str, start: int, stop: int) -> np.ndarray:
         """Columns [start, stop) of every row of a matrix; for a packed one both ends
-        must fall on its 32-weight blocks (the blocks' scales are not split)."""
+        must fall on its blocks (32 weights, a K-quant's 256: scales are not split)."""
         t = self.tensor(name)
-        if t.packed and (start % BLOCK or stop % BLOCK):
+        per = t.block  # columns per unit of bytes
+        if start % per or stop % per:
             raise GGUFError(
                 f"{self.path}: tensor {t.gguf_name!r} ({t.type_name}) splits at columns "
-                f"{start}:{stop}, not on its {BLOCK}-weight blocks: choose a "
+                f"{start}:{stop}, not on its {per}-weight blocks: choose a "
                 "tensor_parallel_size whose split falls on them"
             )
-        per = BLOCK if t.packed else 1  # columns per unit of bytes
         unit = t.row_bytes * per // t.shape[1]
         first, width = start // per * unit, (stop - start) // per * unit
         out = np.empty((t.shape[0], width), dtype=np.uint8)

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from pdserve.engine import embedded
-from pdserve.engine.gguf_file import BLOCK, GGUFError, GGUFFile
+from pdserve.engine.gguf_file import GGUFError, GGUFFile
 
 MARKER_FILE = "pdserve-gguf.json"
 # Bump when the folder's contents change, so stale folders get rewritten.
@@ -101,7 +101,8 @@ def _marker(folder: Path) -> dict | None:
 def check_tp_blocks(folder: str | Path, tp_size: int) -> None:
     """GGUFError (one line) where `tp_size` ranks would split a row-parallel matrix (the
     attention output, the down projection) of a prepared GGUF inside its blocks: each rank
-    holds whole blocks of 32 columns with their scales. Nothing to check for other folders."""
+    holds whole blocks of columns (32, a K-quant's super-blocks 256) with their scales.
+    Nothing to check for other folders."""
     source = gguf_source(folder)
     if source is None or tp_size == 1:
         return
@@ -110,8 +111,8 @@ def check_tp_blocks(folder: str | Path, tp_size: int) -> None:
         if not name.endswith(ROW_PARALLEL) or not t.packed:
             continue
         columns = t.shape[1] // tp_size
-        if columns % BLOCK:
+        if columns % t.block:
             raise GGUFError(
                 f"{source}: tensor_parallel_size {tp_size} gives each rank {columns} columns "
-                f"of {t.gguf_name!r} ({t.type_name}), not whole {BLOCK}-weight blocks"
+                f"of {t.gguf_name!r} ({t.type_name}), not whole {t.block}-weight blocks"
             )

@@ -2,7 +2,7 @@
 BLAS / oneDNN matmul, over SmolLM2-135M's four projections of all 30 layers.
 
     python -m experiments.cpu_linear [--rows 1 8 32 128 512 2048] [--threads 2] [--clock cpu]
-        [--dtypes float32 bfloat16]
+        [--dtypes float32 bfloat16] [--gguf Q4_1 Q4_K Q5_K Q6_K]
 
 Per row count and weight dtype, the median wall ms of one pass over the 30 layers'
 fused QKV (960 x 576), output (576 x 576), gate/up (3072 x 576) and down (576 x 1536)
@@ -13,7 +13,13 @@ x against the weight widened once to float32; and, for bf16, torch's native bf16
 bf16 matmul (oneDNN, x rounded to bf16). `same rows` says whether a row's output equals
 the C kernel's for that row alone (bit for bit, on every C path), the property the
 serving path needs. `--clock cpu` times the process's CPU seconds instead of the wall
-(with one thread: the kernel's own work, steadier than the wall on a shared machine).
+(with one thread: the kernel's own work, steadier than the wall on a shared machine),
+`--clock thread` the calling thread's (with one thread the kernels run on it).
+
+`--gguf TYPE...` times the packed GGUF layer instead (`linear_gguf`, random blocks with
+small scales) per block type, beside the float32 C kernel over the same weights
+dequantized, on the same four projections with K cut to whole 256-weight super-blocks
+(576 → 512), so every type, K-quants included, runs the same shapes.
 """
 
 from __future__ import annotations
@@ -24,13 +30,15 @@ import time
 
 import torch
 
-from pdserve.kernels import cpu_ops
+from pdserve.kernels import cpu_ops, gguf_blocks
+from pdserve.kernels.cpu_quantized import CpuQuantizedLinear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+GGUF_SHAPES = [(960, 512), (512, 512), (3072, 512), (512, 1536)]
 LAYERS = 30
 
 
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time, "thread": time.thread_time}
 
 
 def timed(fn, repeats: int, clock=time.perf_counter) -> float:
@@ -72,6 +80,53 @@ def same_rows(kernels: cpu_ops.CpuKernels, dot: bool, w: torch.Tensor, x: torch.
     )
 
 
+def random_blocks(qtype: int, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Packed rows of random values whose float16 scales (and minimums) are small."""
+    _, block, size = gguf_blocks.PACKED_TYPES[qtype]
+    blocks = torch.randint(0, 256, (n, k // block, size), generator=gen, dtype=torch.uint8)
+    halves = {14: (208,), 3: (0, 2), 12: (0, 2), 13: (0, 2)}.get(qtype, (0,))
+    for at in halves:
+        scale = torch.randn(n, k // block, 1, generator=gen) * 1e-3
+        blocks[..., at : at + 2] = scale.half().view(torch.uint8)
+    return blocks.reshape(n, -1)
+
+
+def gguf_pass(op: CpuQuantizedLinear, qtype: int, weights, xs):
+    """A call that runs the packed layer over every layer's projections once."""
+
+    def run() -> None:
+        for layer in weights:
+            for (_, k), w in zip(GGUF_SHAPES, layer, strict=True):
+                op.linear_gguf(xs[k], w, qtype)
+
+    return run
+
+
+def gguf_table(kernels: cpu_ops.CpuKernels, names: list[str], args, clock) -> None:
+    """Per row count, ms of a pass for each GGUF type, then for float32 weights."""
+    qtypes = {name: q for q, (name, _, _) in gguf_blocks.PACKED_TYPES.items()}
+    unknown = [name for name in names if name not in qtypes]
+    if unknown:
+        raise SystemExit(f"--gguf: {', '.join(unknown)} not served (served: {gguf_blocks.SERVED})")
+    gen = torch.Generator().manual_seed(0)
+    op = CpuQuantizedLinear(kernels)
+    weights = {}
+    for name in names:
+        weights[name] = [
+            [random_blocks(qtypes[name], n, k, gen) for n, k in GGUF_SHAPES] for _ in range(LAYERS)
+        ]
+    first = names[0]
+    floats = [[gguf_blocks.dequantize_rows(w, qtypes[first]) for w in ws] for ws in weights[first]]
+    sizes = [sum(w.numel() for ws in weights[n] for w in ws) / 2**20 for n in names]
+    print(f"-- GGUF blocks over {GGUF_SHAPES}, MiB a pass: {[round(s) for s in sizes]}")
+    print("rows, " + ", ".join(f"{n} ms" for n in names) + ", float32 C ms")
+    for rows in args.rows:
+        xs = {k: torch.randn(rows, k, generator=gen) for _, k in GGUF_SHAPES}
+        ms = [timed(gguf_pass(op, qtypes[n], weights[n], xs), args.repeats, clock) for n in names]
+        ms.append(timed(one_pass(kernels.linear, floats, xs), args.repeats, clock))
+        print(f"{rows:6d} " + " ".join(f"{v:9.2f}" for v in ms))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512, 2048])
@@ -79,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--gguf", nargs="+", default=None, help="GGUF block types to time")
     args = parser.parse_args(argv)
     clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
@@ -87,6 +143,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{kernels.describe()}; torch {torch.__version__}, {args.threads} threads, "
         f"{args.clock} clock"
     )
+    if args.gguf:
+        gguf_table(kernels, args.gguf, args, clock)
+        return
     gen = torch.Generator().manual_seed(0)
     for dtype in [getattr(torch, name) for name in args.dtypes]:
         weights = [

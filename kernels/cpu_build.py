@@ -38,6 +38,7 @@ SOURCES = (
     "linear_bf16.c",
     "linear_int8.c",
     "linear_gguf.c",
+    "linear_kquant.c",
 )
 # Tried in order: the first that compiles wins. -march=native auto-vectorises for
 # this CPU (AVX2/FMA/F16C where present); a compiler that refuses it still builds.

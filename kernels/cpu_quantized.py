@@ -1,6 +1,6 @@
 """The weight-quantized linear layers in C, bound with ctypes to the library
 `pdserve.kernels.cpu_ops` loads: int8 weights with group scales (kernels/cpu/linear_int8.c)
-and GGUF blocks (kernels/cpu/linear_gguf.c).
+and GGUF blocks (kernels/cpu/linear_gguf.c, kernels/cpu/linear_kquant.c).
 
 Both take float32 x against a weight read in place, in its stored form, and decoded in
 registers, never copied; each row's output is independent of the other rows of the call,
@@ -51,8 +51,9 @@ class CpuQuantizedLinear:
     def linear_gguf(
         self, x: Tensor, weight: Tensor, qtype: int, bias: Tensor | None = None
     ) -> Tensor:
-        """`gguf_blocks.linear_gguf_ref`: a weight of GGUF blocks (Q8_0, Q4_0, Q4_1), each
-        block decoded to float32 weights in registers as ggml dequantizes it."""
+        """`gguf_blocks.linear_gguf_ref`: a weight of GGUF blocks (Q8_0, Q4_0, Q4_1) or
+        K-quant super-blocks (Q4_K, Q5_K, Q6_K), each decoded to float32 weights in
+        registers as ggml dequantizes it."""
         rows = _c_rows(x, weight)
         if not rows:
             return gguf_blocks.linear_gguf_ref(x, weight, qtype, bias)

@@ -1,42 +1,62 @@
-"""GGUF's block-quantized weight formats (ggml's Q8_0, Q4_0, Q4_1) in plain torch: their
-sizes, their dequantization and the reference of the packed linear layer.
+"""GGUF's block-quantized weight formats in plain torch: their sizes, their dequantization
+and the reference of the packed linear layer. Blocks of 32 weights (ggml's Q8_0, Q4_0,
+Q4_1) are decoded here, super-blocks of 256 (Q4_K, Q5_K, Q6_K) in `gguf_kquants.py`.
 
-A packed matrix is a uint8 tensor [N, K / 32 * block bytes]: each row its K / 32 blocks
-as the GGUF file stores them, each block its float16 scale (and Q4_1's float16 minimum)
-beside its 32 values. Rows and whole blocks of columns slice without unpacking.
+A packed matrix is a uint8 tensor [N, K / block * block bytes]: each row its blocks as
+the GGUF file stores them, each block its float16 scale (and Q4_1's float16 minimum, a
+K-quant's sub-block scales) beside its values. Rows and whole blocks of columns slice
+without unpacking.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pdserve.kernels.gguf_kquants import KQUANT_TYPES, SUPER_BLOCK, dequantize_kquant_rows
+
 Tensor = torch.Tensor
 
-BLOCK = 32  # weights per block, every packed type
-# ggml type number → (name, bytes per block of 32 weights).
-PACKED_TYPES = {8: ("Q8_0", 34), 2: ("Q4_0", 18), 3: ("Q4_1", 20)}
+BLOCK = 32  # weights per block of Q8_0, Q4_0, Q4_1
+# ggml type number → (name, weights per block, bytes per block).
+PACKED_TYPES = {
+    8: ("Q8_0", BLOCK, 34),
+    2: ("Q4_0", BLOCK, 18),
+    3: ("Q4_1", BLOCK, 20),
+    **{q: (name, SUPER_BLOCK, size) for q, (name, size) in KQUANT_TYPES.items()},
+}
+SERVED = ", ".join(name for name, _, _ in PACKED_TYPES.values())
 
 
 def type_name(qtype: int) -> str:
     return PACKED_TYPES[qtype][0] if qtype in PACKED_TYPES else f"ggml type {qtype}"
 
 
+def block_weights(qtype: int) -> int:
+    """Weights per block of a packed type: a row-parallel slice keeps whole blocks."""
+    return PACKED_TYPES[qtype][1]
+
+
 def row_bytes(qtype: int, k: int) -> int:
-    """Bytes of one packed row of `k` weights (`k` a multiple of 32)."""
-    return k // BLOCK * PACKED_TYPES[qtype][1]
+    """Bytes of one packed row of `k` weights (`k` a multiple of the block)."""
+    _, block, size = PACKED_TYPES[qtype]
+    return k // block * size
 
 
 def columns_of(qtype: int, packed_row_bytes: int) -> int:
     """The weights per row of a packed matrix whose rows are `packed_row_bytes` long."""
-    return packed_row_bytes // PACKED_TYPES[qtype][1] * BLOCK
+    _, block, size = PACKED_TYPES[qtype]
+    return packed_row_bytes // size * block
 
 
 def dequantize_rows(packed: Tensor, qtype: int) -> Tensor:
-    """float32 [N, K] of a packed uint8 [N, K / 32 * block bytes], rounded as ggml's
-    dequantization: d * q (Q8_0), d * (q - 8) (Q4_0), d * q + m (Q4_1)."""
+    """float32 [N, K] of a packed uint8 [N, K / block * block bytes], rounded as ggml's
+    dequantization: d * q (Q8_0), d * (q - 8) (Q4_0), d * q + m (Q4_1), and the
+    K-quants' (`gguf_kquants.dequantize_kquant_rows`)."""
     if qtype not in PACKED_TYPES:
-        raise ValueError(f"{type_name(qtype)} is not a packed type (served: Q8_0, Q4_0, Q4_1)")
-    size = PACKED_TYPES[qtype][1]
+        raise ValueError(f"{type_name(qtype)} is not a packed type (served: {SERVED})")
+    if qtype in KQUANT_TYPES:
+        return dequantize_kquant_rows(packed, qtype)
+    size = PACKED_TYPES[qtype][2]
     n = packed.shape[0]
     blocks = packed.reshape(n, -1, size)
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [n, blocks, 1]
@@ -54,7 +74,7 @@ def dequantize_rows(packed: Tensor, qtype: int) -> Tensor:
 
 def linear_gguf_ref(x: Tensor, weight: Tensor, qtype: int, bias: Tensor | None = None) -> Tensor:
     """x @ W.T (+ bias) in float32 for W packed in GGUF blocks of type `qtype` (uint8
-    [N, K / 32 * block bytes]): the packed linear layer, W dequantized whole first."""
+    [N, K / block * block bytes]): the packed linear layer, W dequantized whole first."""
     w = dequantize_rows(weight, qtype)
     y = torch.nn.functional.linear(x.float(), w)
     return y if bias is None else y + bias.float()

@@ -1,6 +1,7 @@
 /* What the linear layer's arithmetic paths share: float32 FMAs on every CPU (linear.c),
- * bf16 dot products where the CPU has AVX512-BF16 (linear_bf16.c) and int8 weights
- * (linear_int8.c) each bring their micro-kernels; the blocking and threading around them
+ * bf16 dot products where the CPU has AVX512-BF16 (linear_bf16.c), int8 weights
+ * (linear_int8.c) and GGUF blocks (linear_gguf.c, linear_kquant.c) each bring their
+ * micro-kernels; the blocking and threading around them
  * are one (linear_run). */
 #ifndef PDSERVE_CPU_LINEAR_H
 #define PDSERVE_CPU_LINEAR_H
@@ -74,6 +75,21 @@ ALWAYS_INLINE void linear_put(const linear_out *O, float *y, int r, int c, int64
     if (O->bias_dt >= 0) s += load_scalar(O->bias, O->bias_dt, n + c);
     y[r * O->y_rs + c] = s;
 }
+
+/* A GGUF linear call as its micro-kernels read it: 32-weight blocks (linear_gguf.c) or
+ * 256-weight K-quant super-blocks (linear_kquant.c), w_rs bytes per weight row. */
+typedef struct {
+    const float *x;
+    int64_t x_rs;
+    const uint8_t *w;
+    int64_t w_rs;
+    linear_out out;
+    int k;
+} gguf_args;
+
+/* The K-quant micro-kernels over gguf_args for ggml type `type` (Q4_K, Q5_K, Q6_K); NULL
+ * for another type. */
+__attribute__((visibility("hidden"))) linear_rows_fn linear_kquant_rows(int64_t type);
 
 /* Defines `name`, a linear_rows_fn over `args_t`: R rows of x from row m against weight rows
  * [n0, n1) in tiles of cols(R) weight rows, then those left one a tile, each the

@@ -1,5 +1,6 @@
 /* GGUF block-quantized linear layer: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), for W kept
- * in the GGUF file's own blocks (ggml's Q8_0, Q4_0 and Q4_1) and float32 x and y.
+ * in the GGUF file's own blocks (ggml's Q8_0, Q4_0 and Q4_1 here, the K-quants' micro-
+ * kernels in linear_kquant.c) and float32 x and y.
  *
  * A weight row is K / 32 blocks of 32 weights, each block its scale beside its values:
  *   Q8_0: f16 d, 32 int8 q             w = d * q          (34 bytes)
@@ -38,15 +39,6 @@ enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8 };
 #else
 #define COLS(R) ((R) == 1 ? 8 : (R) == 2 ? 4 : (R) == 3 ? 3 : 2)
 #endif
-
-typedef struct {
-    const float *x;
-    int64_t x_rs;
-    const uint8_t *w;
-    int64_t w_rs; /* bytes per weight row */
-    linear_out out;
-    int k;
-} gguf_args;
 
 ALWAYS_INLINE int block_bytes(const int T) {
     return T == GGML_Q8_0 ? 34 : T == GGML_Q4_1 ? 20 : 18;
@@ -183,15 +175,27 @@ typedef struct {
 
 int64_t pd_linear_gguf_call_size(void) { return sizeof(pd_linear_gguf_call); }
 
-/* PD_UNSUPPORTED for a block type not listed above or a K that is not whole blocks. */
+/* Weights and bytes of one block of ggml type `type`; 0 weights for a type not served. */
+static void block_shape(int64_t type, int *weights, int *bytes) {
+    static const struct { int64_t type; int weights, bytes; } shapes[] = {
+        {GGML_Q8_0, QK, 34}, {GGML_Q4_0, QK, 18}, {GGML_Q4_1, QK, 20},
+        {12, 256, 144}, {13, 256, 176}, {14, 256, 210}, /* Q4_K, Q5_K, Q6_K */
+    };
+    *weights = *bytes = 0;
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
+        if (shapes[i].type == type) *weights = shapes[i].weights, *bytes = shapes[i].bytes;
+}
+
+/* PD_UNSUPPORTED for a block type not served or a K that is not whole blocks. */
 int pd_linear_gguf(pd_linear_gguf_call *c) {
     const int64_t m = c->m, n = c->n, k = c->k;
+    int block, bytes;
+    block_shape(c->type, &block, &bytes);
     linear_rows_fn rows = c->type == GGML_Q8_0   ? rows_q8_0
                           : c->type == GGML_Q4_0 ? rows_q4_0
                           : c->type == GGML_Q4_1 ? rows_q4_1
-                                                 : NULL;
-    if (!rows || k % QK || k <= 0) return PD_UNSUPPORTED;
-    if (c->w_rs < k / QK * (c->type == GGML_Q8_0 ? 34 : c->type == GGML_Q4_1 ? 20 : 18))
+                                                 : linear_kquant_rows(c->type);
+    if (!rows || !block || k % block || k <= 0 || c->w_rs < k / block * bytes)
         return PD_UNSUPPORTED;
     if (m == 0 || n == 0) return PD_OK;
     gguf_args A = {.x = PTR(c->x), .x_rs = c->x_rs, .w = PTR(c->w), .w_rs = c->w_rs,

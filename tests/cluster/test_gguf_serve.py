@@ -52,3 +52,19 @@ def test_quantization_and_cuda_are_refused_for_a_gguf_file(tmp_path: Path) -> No
         Deployment.from_args(
             build_parser().parse_args(["serve", str(path)]), cores=[0, 1], gpus=["0"]
         )
+
+
+def test_a_k_quant_file_plans_and_a_split_inside_its_super_blocks_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Q4_K rows of 256 weights: one rank plans; 2 ranks of the output projection's 256
+    columns would hold half a super-block each."""
+    path = write_tiny_gguf(tmp_path / "tiny.Q4_K.gguf", GGMLQuantizationType.Q4_K,
+                           hidden=256, inter=512)  # fmt: skip
+    assert gguf_source(plan_of(str(path)).model_path) == path.resolve()
+    with pytest.raises(ServeError) as refused:
+        plan_of(str(path), "--tensor-parallel-size", "2")
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "tensor_parallel_size 2 gives each rank 128 columns of 'blk.0.attn_output.weight' " \
+        "(Q4_K), not whole 256-weight blocks" in message  # fmt: skip

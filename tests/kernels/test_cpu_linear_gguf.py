@@ -22,7 +22,7 @@ from tests.kernels.linear_checks import (
     cpu_has,
 )
 
-TYPES = sorted(PACKED_TYPES)  # ggml numbers: Q4_0, Q4_1, Q8_0
+TYPES = [2, 3, 8]  # ggml numbers: Q4_0, Q4_1, Q8_0 (the K-quants: test_cpu_linear_kquant.py)
 # (rows, weight rows, k, bias, threads): every micro-kernel shape and its remainders,
 # partial units and tiles, SmolLM2's widths, and a block of x rows past the first.
 GRID = [
@@ -43,7 +43,7 @@ GRID = [
 def packed_weight(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
     """Random blocks with finite float16 scales (and Q4_1 minimums)."""
     gen = torch.Generator().manual_seed(seed)
-    size = PACKED_TYPES[qtype][1]
+    size = PACKED_TYPES[qtype][2]
     blocks = torch.randint(0, 256, (n, k // 32, size), generator=gen, dtype=torch.uint8)
     scales = (torch.randn(n, k // 32, 1, generator=gen) * 0.02).half().view(torch.uint8)
     blocks[..., 0:2] = scales
@@ -78,7 +78,8 @@ def test_dequantization_is_the_gguf_packages():
 
 
 def test_the_engine_and_the_kernels_name_the_same_block_types():
-    assert gguf_file.PACKED_TYPES == PACKED_TYPES and gguf_file.BLOCK == gguf_blocks.BLOCK
+    assert gguf_file.PACKED_TYPES == PACKED_TYPES
+    assert {PACKED_TYPES[q][1] for q in TYPES} == {gguf_blocks.BLOCK}
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=gguf_blocks.type_name)
@@ -119,7 +120,7 @@ def test_bad_arguments_get_one_line_errors(op):
     cases = [
         ((torch.randn(2, 32), w, 8), "x has 32 features, the Q8_0 weight rows hold 68 bytes"),
         ((x, w.float(), 8), "weight must be a 2-D uint8 matrix"),
-        ((x, w, 12), "ggml type 12 is not a packed type"),
+        ((x, w, 15), "ggml type 15 is not a packed type"),
         ((x, w, 8, torch.ones(7)), r"bias must be \[8\]"),
     ]
     for args, message in cases:

@@ -1,0 +1,212 @@
+/* The GGUF linear layer's micro-kernels for ggml's K-quants (Q4_K, Q5_K, Q6_K): W kept in
+ * the file's 256-weight super-blocks, float32 x and y; linear_gguf.c's entry point calls
+ * them.
+ *
+ * A super-block is 8 sub-blocks of 32 weights (Q6_K: 16 of 16) with their scales:
+ *   Q4_K (144 bytes): f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) pairs, 128 bytes
+ *        of nibbles; w = d * sc[s] * q - dmin * mn[s], q in 0..15
+ *   Q5_K (176 bytes): Q4_K's header, 32 bytes of high bits (bit s of byte l: weight l of
+ *        sub-block s), 128 bytes of nibbles; q in 0..31
+ *   Q6_K (210 bytes): 128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8 scales,
+ *        f16 d; w = d * sc[i / 16] * (q - 32), q in 0..63
+ * Sub-blocks 2j and 2j + 1 of Q4_K/Q5_K are the low and high nibbles of bytes 32j..32j+31;
+ * Q6_K's half h (128 weights) keeps weights 0..63 in the low nibbles of its 64 bytes and
+ * 64..127 in the high ones, and its high parts 32 bytes of 2-bit fields, 4 per byte.
+ *
+ * Arithmetic: each product above (an f16 times a 6- or 8-bit integer times q) is exact
+ * in float32, so a weight has one rounding, at the subtraction, whatever the order of the
+ * multiplies: it is ggml's (and `kernels.gguf_kquants`') dequantized float32 weight to
+ * the bit. The accumulation is linear_gguf.c's (linear.c's float32 order: one 8-lane
+ * accumulator over K, one horizontal sum), so a packed matrix gives exactly the numbers
+ * of its dequantized float32 copy, on both builds.
+ *
+ * - Micro-kernel: R rows of x by C weight rows, linear_gguf.c's shapes; the C rows'
+ *   super-block scales are decoded once, then chunk by chunk (32 weights, 4 vectors) each
+ *   row's chunk serves the R rows of x.
+ * - Blocking and threads: linear_gguf.c's plan (linear_run over 24-row units).
+ */
+#include "linear.h"
+
+enum { GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+
+#define QK_K 256 /* weights per super-block */
+#define MAX_R 4
+#define MAX_C 12
+#if defined(__AVX512F__)
+#define COLS(R) ((R) == 1 ? 12 : (R) == 2 ? 8 : (R) == 3 ? 6 : 4)
+#else
+#define COLS(R) ((R) == 1 ? 8 : (R) == 2 ? 4 : (R) == 3 ? 3 : 2)
+#endif
+
+ALWAYS_INLINE int super_bytes(const int T) {
+    return T == GGML_Q4_K ? 144 : T == GGML_Q5_K ? 176 : 210;
+}
+
+ALWAYS_INLINE float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return f16_to_float(h);
+}
+
+/* The super-block's float32 scales: a[s] = d * sc[s] and m[s] = dmin * mn[s] for the 8
+ * sub-blocks (Q4_K, Q5_K); a[i] = d * sc[i] for the 16 of Q6_K. */
+ALWAYS_INLINE void super_scales(const uint8_t *b, float *a, float *m, const int T) {
+    if (T == GGML_Q6_K) {
+        const float d = half_at(b + 208);
+        for (int i = 0; i < 16; i++) a[i] = d * (float)(int8_t)b[192 + i];
+        return;
+    }
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t *p = b + 4;
+    /* Sub-blocks 0-3: the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7: a nibble
+     * of bytes 8-11 below the top 2 bits of those bytes. */
+    for (int s = 0; s < 8; s++) {
+        const int sc = s < 4 ? p[s] & 63 : (p[s + 4] & 15) | (p[s - 4] >> 6) << 4;
+        const int mn = s < 4 ? p[s + 4] & 63 : (p[s + 4] >> 4) | (p[s] >> 6) << 4;
+        a[s] = d * (float)sc;
+        m[s] = dmin * (float)mn;
+    }
+}
+
+#if defined(__AVX2__)
+/* Chunk s's 32 quantized values (0..63), one a byte, in order. */
+ALWAYS_INLINE __m256i chunk_q(const uint8_t *b, const int s, const int T) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    if (T == GGML_Q6_K) {
+        const int h = s >> 2, sub = s & 3;
+        __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (sub & 1)));
+        ql = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (sub >> 1))), low4);
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        qh = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * sub));
+        qh = _mm256_and_si256(qh, _mm256_set1_epi8(3));
+        return _mm256_or_si256(ql, _mm256_slli_epi16(qh, 4)); /* bytes stay under 64 */
+    }
+    const uint8_t *qs = b + (T == GGML_Q5_K ? 48 : 16) + 32 * (s >> 1);
+    __m256i q = _mm256_loadu_si256((const __m256i *)qs);
+    q = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(4 * (s & 1))), low4);
+    if (T == GGML_Q5_K) {
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        qh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), _mm256_set1_epi8(1));
+        q = _mm256_or_si256(q, _mm256_slli_epi16(qh, 4));
+    }
+    return q;
+}
+#endif
+
+#if defined(__AVX512F__)
+ALWAYS_INLINE void split16(__m512 v, v8f *lo, v8f *hi) {
+    *lo = (v8f)_mm512_castps512_ps256(v);
+    *hi = (v8f)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+/* 16 values as weights: a * (q - 32) (Q6_K) or a * q - m. */
+ALWAYS_INLINE __m512 scale16(__m128i q8, float a, float m, const int T) {
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q8));
+    if (T == GGML_Q6_K) return _mm512_mul_ps(_mm512_sub_ps(q, _mm512_set1_ps(32.0f)), _mm512_set1_ps(a));
+    return _mm512_sub_ps(_mm512_mul_ps(q, _mm512_set1_ps(a)), _mm512_set1_ps(m));
+}
+
+/* Chunk s's 32 weights as 4 vectors of 8, in order. */
+ALWAYS_INLINE void decode_chunk(const uint8_t *b, const int s, const float *a, const float *m,
+                                v8f *w, const int T) {
+    const __m256i q = chunk_q(b, s, T);
+    const float a0 = T == GGML_Q6_K ? a[2 * s] : a[s], a1 = T == GGML_Q6_K ? a[2 * s + 1] : a[s];
+    const float m0 = T == GGML_Q6_K ? 0.0f : m[s];
+    split16(scale16(_mm256_castsi256_si128(q), a0, m0, T), &w[0], &w[1]);
+    split16(scale16(_mm256_extracti128_si256(q, 1), a1, m0, T), &w[2], &w[3]);
+}
+#elif defined(__AVX2__)
+ALWAYS_INLINE void decode_chunk(const uint8_t *b, const int s, const float *a, const float *m,
+                                v8f *w, const int T) {
+    const __m256i q = chunk_q(b, s, T);
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[j]));
+        if (T == GGML_Q6_K) {
+            const __m256 d = _mm256_set1_ps(a[2 * s + j / 2]);
+            w[j] = (v8f)_mm256_mul_ps(_mm256_sub_ps(v, _mm256_set1_ps(32.0f)), d);
+        } else {
+            const __m256 d = _mm256_set1_ps(a[s]);
+            w[j] = (v8f)_mm256_sub_ps(_mm256_mul_ps(v, d), _mm256_set1_ps(m[s]));
+        }
+    }
+}
+#else /* any other CPU: the same roundings, one weight at a time */
+ALWAYS_INLINE void decode_chunk(const uint8_t *b, const int s, const float *a, const float *m,
+                                v8f *w, const int T) {
+    for (int l = 0; l < 32; l++) {
+        float v;
+        if (T == GGML_Q6_K) {
+            const int h = s >> 2, sub = s & 3;
+            const int lo = b[64 * h + 32 * (sub & 1) + l] >> 4 * (sub >> 1) & 15;
+            const int hi = b[128 + 32 * h + l] >> 2 * sub & 3;
+            v = ((float)(lo | hi << 4) - 32.0f) * a[2 * s + l / 16];
+        } else {
+            const int off = T == GGML_Q5_K ? 48 : 16;
+            int q = b[off + 32 * (s >> 1) + l] >> 4 * (s & 1) & 15;
+            if (T == GGML_Q5_K) q |= (b[16 + l] >> s & 1) << 4;
+            v = (float)q * a[s] - m[s];
+        }
+        w[l / 8][l % 8] = v;
+    }
+}
+#endif
+
+/* R rows of x from row m0 times C weight rows from row n: y[r][c] for the tile. */
+ALWAYS_INLINE void tile(const gguf_args *A, int64_t m0, int64_t n, const int R, const int C,
+                        const int T) {
+    const float *x = A->x + m0 * A->x_rs;
+    const uint8_t *w = A->w + n * A->w_rs;
+    float *y = linear_y(&A->out, m0, n);
+    const int supers = A->k / QK_K, BB = super_bytes(T);
+    const int64_t rs = A->w_rs, xs = A->x_rs;
+    v8f acc[MAX_R][MAX_C];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 12
+        for (int c = 0; c < C; c++) acc[r][c] = v8_splat(0.0f);
+    for (int sb = 0; sb < supers; sb++) {
+        const uint8_t *blocks = w + (int64_t)sb * BB;
+        float a[MAX_C][16], m[MAX_C][8];
+#pragma GCC unroll 12
+        for (int c = 0; c < C; c++) super_scales(blocks + c * rs, a[c], m[c], T);
+        /* Chunks outer, weight rows inner (as linear_gguf.c's blocks): the unrolled body
+         * is one chunk of each row, and each accumulator still sums k in order. */
+        for (int s = 0; s < 8; s++) {
+            const int k = sb * QK_K + 32 * s;
+#pragma GCC unroll 12
+            for (int c = 0; c < C; c++) {
+                const uint8_t *block = blocks + c * rs;
+                /* The next tile's rows, a 64-byte line at a time (as linear_gguf.c). */
+                if (s < 4) __builtin_prefetch(block + C * rs + 64 * s, 0, 0);
+                v8f wv[4];
+                decode_chunk(block, s, a[c], m[c], wv, T);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const float *xr = x + r * xs + k;
+                    /* lane j: k = j, j + 8, ...: linear.c's order for float32 weights */
+#pragma GCC unroll 4
+                    for (int j = 0; j < 4; j++)
+                        acc[r][c] = v8_fma(v8_load(xr + 8 * j), wv[j], acc[r][c]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 12
+        for (int c = 0; c < C; c++) linear_put(&A->out, y, r, c, n, v8_hsum(acc[r][c]));
+}
+
+LINEAR_ROWS_FN(rows_q4_k, gguf_args, tile, COLS, GGML_Q4_K)
+LINEAR_ROWS_FN(rows_q5_k, gguf_args, tile, COLS, GGML_Q5_K)
+LINEAR_ROWS_FN(rows_q6_k, gguf_args, tile, COLS, GGML_Q6_K)
+
+linear_rows_fn linear_kquant_rows(int64_t type) {
+    return type == GGML_Q4_K   ? rows_q4_k
+           : type == GGML_Q5_K ? rows_q5_k
+           : type == GGML_Q6_K ? rows_q6_k
+                               : NULL;
+}

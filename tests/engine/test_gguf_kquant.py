@@ -1,0 +1,132 @@
+"""GGUF files of K-quants served in their own super-blocks: a tiny llama whose tensors mix
+Q4_K, Q5_K, Q6_K and Q8_0 (as a Q4_K_M file does) gives the greedy tokens of the same model
+written in float32, its matrices stay packed, its reported weight bytes and format are the
+file's, and the tensor-parallel slice rule holds whole 256-weight super-blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.gguf_file import GGUFError, GGUFFile
+from pdserve.engine.gguf_prepare import check_tp_blocks, prepare_gguf
+from pdserve.engine.models.packed import PackedMatrix
+from pdserve.engine.parallel import TensorParallel
+from tests.engine.gguf_files import VOCAB, write_tiny_gguf
+from tests.engine.test_gguf import _tiny_config, load_gguf_model
+
+HIDDEN, INTER = 256, 512  # K-quant rows are whole super-blocks of 256
+# A Q4_K_M-like mix: Q4_K mostly, Q6_K for V, the down projection and the embedding.
+MIX = {
+    "attn_v.weight": Q.Q6_K,
+    "attn_output.weight": Q.Q5_K,
+    "ffn_down.weight": Q.Q6_K,
+    "token_embd.weight": Q.Q6_K,
+}
+PROMPTS = [[5, 17, 40, 3, 88], [60, 61, 62], [94, 95, 12, 30, 31, 7, 2, 9]]
+
+
+def _write(path: Path, types: dict[str, Q], dequantized: bool = False) -> Path:
+    return write_tiny_gguf(path, Q.Q4_K, types, HIDDEN, INTER, dequantized)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("kquant")
+    kquant = _write(folder / "tiny.Q4_K_M.gguf", MIX)
+    plain = _write(folder / "tiny.F32.gguf", MIX, dequantized=True)
+    cache = folder / "cache"
+    return {
+        "kquant": kquant,
+        "kquant_folder": prepare_gguf(kquant, cache=cache),
+        "plain_folder": prepare_gguf(plain, cache=cache),
+    }
+
+
+def _llm(folder: Path):
+    from pdserve import LLM
+
+    return LLM(
+        model=str(folder), dtype="float32", num_threads=2, kv_cache_memory=8 << 20,
+        max_model_len=128,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def kquant_llm(files):
+    return _llm(files["kquant_folder"])
+
+
+@pytest.fixture(scope="module")
+def plain_llm(files):
+    return _llm(files["plain_folder"])
+
+
+def _greedy(llm) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)]
+
+
+def test_greedy_tokens_are_those_of_the_same_model_in_float32(kquant_llm, plain_llm):
+    """The packed kernels compute the float32 path's numbers of the dequantized weights,
+    so the tokens are equal, near-ties included."""
+    packed, plain = _greedy(kquant_llm), _greedy(plain_llm)
+    assert packed == plain
+    assert len({t for tokens in packed for t in tokens}) > 3  # not one repeated token
+
+
+def test_the_matrices_stay_packed_and_the_weight_bytes_are_the_files(files, kquant_llm):
+    model = kquant_llm.engine.executor.worker.model
+    for layer in model.layers:
+        formats = [m.format_names() for m in (layer.attn.qkv_weight, layer.attn.o_weight,
+                   layer.mlp.gate_up_weight, layer.mlp.down_weight)]  # fmt: skip
+        assert formats == [["Q4_K", "Q6_K"], ["Q5_K"], ["Q4_K"], ["Q6_K"]]
+        matrices = (layer.attn.qkv_weight, layer.mlp.down_weight)
+        assert all(isinstance(m, PackedMatrix) for m in matrices)
+        assert all(w.dtype == torch.uint8 for m in matrices for w, _ in m.segments())
+    info = kquant_llm.engine.info
+    assert set(info.weight_format.removeprefix("GGUF ").split("/")) == {"Q4_K", "Q5_K", "Q6_K"}
+    file = GGUFFile(files["kquant"])
+    packed = sum(t.nbytes for name, t in file.tensors.items() if name.startswith("model.layers.")
+                 and len(t.shape) == 2)  # fmt: skip
+    vectors = sum(t.shape[0] for t in file.tensors.values() if len(t.shape) == 1)
+    # The layers' blocks as the file holds them, the Q6_K table and the norms in float32.
+    assert info.weight_bytes == packed + 4 * (VOCAB * HIDDEN + vectors)
+
+
+def test_tp2_ranks_hold_packed_rows_and_whole_super_blocks(tmp_path):
+    """Column-parallel (QKV, gate/up): a rank's rows with their super-blocks. Row-parallel
+    down (512 columns): 256 a rank, one Q6_K super-block of each row, the same bytes."""
+    path = _write(tmp_path / "tp.gguf", {**MIX, "attn_output.weight": Q.Q8_0})
+    check_tp_blocks(prepare_gguf(path, cache=tmp_path / "cache"), 2)
+    config = _tiny_config(path)
+    whole = load_gguf_model(path, config)
+    for r in range(2):
+        rank = load_gguf_model(path, config, TensorParallel(r, 2))
+        ((down, qtype),) = rank.layers[1].mlp.down_weight.segments()
+        assert qtype == Q.Q6_K
+        ((whole_down, _),) = whole.layers[1].mlp.down_weight.segments()
+        assert torch.equal(down, whole_down[:, r * 210 : (r + 1) * 210])
+        gate_up = rank.layers[1].mlp.gate_up_weight.segments()[0][0]
+        mine = torch.arange(r * 256, (r + 1) * 256)
+        rows = torch.cat([mine, INTER + mine])
+        assert torch.equal(gate_up, whole.layers[1].mlp.gate_up_weight.segments()[0][0][rows])
+
+
+def test_a_tp_split_inside_a_super_block_is_refused_naming_the_tensor_and_size(files, tmp_path):
+    """2 ranks of the Q5_K output projection's 256 columns: 128 each, half a super-block."""
+    with pytest.raises(GGUFError) as refused:
+        check_tp_blocks(files["kquant_folder"], 2)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert (
+        "tensor_parallel_size 2 gives each rank 128 columns of 'blk.0.attn_output.weight' "
+        "(Q5_K), not whole 256-weight blocks" in message
+    )
+    with pytest.raises(GGUFError, match="splits at columns 0:128, not on its 256-weight blocks"):
+        GGUFFile(files["kquant"]).read_columns("model.layers.0.self_attn.o_proj.weight", 0, 128)
