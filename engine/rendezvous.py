@@ -8,11 +8,11 @@ store has no authentication of its own, so every rank reads and writes it throug
 `PrefixStore` whose prefix is derived from the deployment secret and the store's
 address (`common/wire_auth.py:rendezvous_prefix`): a peer without the secret can name
 no key the group uses, so it can neither read gloo's or NCCL's addresses nor plant
-its own. The driver also leaves a proof of the secret in the store in clear
-(`wire_auth.rendezvous_proof`, a key of its own that reveals nothing of the prefix),
-which a rank compares with its own before it joins: a rank started with another secret
-fails at once, naming the secret, instead of meeting no peer until the rendezvous
-times out. Each rank points gloo (`GLOO_SOCKET_IFNAME`) and NCCL's sockets
+its own. The driver also sets a key behind that prefix (`PROOF_KEY`) before any rank
+starts, which a rank looks for before it joins: a rank started with another secret
+finds none behind its own prefix and fails at once, naming the secret, instead of
+meeting no peer until the rendezvous times out; a stranger who cannot name the key
+cannot make a rank with the right secret fail this check by overwriting it. Each rank points gloo (`GLOO_SOCKET_IFNAME`) and NCCL's sockets
 (`NCCL_SOCKET_IFNAME`) at the interface that holds the store's host before it joins,
 unless the operator named one. What stays unauthenticated (gloo's and NCCL's data
 connections, the store's port to anyone who reaches the interface) is in
@@ -22,7 +22,6 @@ connections, the store's port to anyone who reaches the interface) is in
 from __future__ import annotations
 
 import fcntl
-import hmac
 import os
 import socket
 import struct
@@ -37,12 +36,11 @@ from pdserve.common.wire_auth import (
     deployment_secret,
     ensure_secret,
     rendezvous_prefix,
-    rendezvous_proof,
 )
 
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 _BACKLOG = 128
-PROOF_KEY = "pdserve/secret-proof"  # outside the prefix: a rank reads it before it has one
+PROOF_KEY = "secret-proof"  # behind the group's prefix: its presence proves the secret
 
 
 class Rendezvous:
@@ -73,7 +71,8 @@ class Rendezvous:
         # took that number in between (another store's, in a test session).
         listener.detach()
         self.address = f"{host}:{port}"
-        self._store.set(PROOF_KEY, rendezvous_proof(deployment_secret(), self.address))
+        prefix = rendezvous_prefix(deployment_secret(), self.address)
+        dist.PrefixStore(prefix, self._store).set(PROOF_KEY, b"1")
 
 
 def join_store(master: str, timeout_s: float) -> dist.Store:
@@ -81,16 +80,15 @@ def join_store(master: str, timeout_s: float) -> dist.Store:
     prefix only holders of the deployment secret can name."""
     host, port = master.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-    secret = deployment_secret()
-    check_proof(store, rendezvous_proof(secret, master), master)
-    return dist.PrefixStore(rendezvous_prefix(secret, master), store)
+    group = dist.PrefixStore(rendezvous_prefix(deployment_secret(), master), store)
+    check_proof(group, master)
+    return group
 
 
-def check_proof(store: dist.Store, expected: str, master: str) -> None:
-    """SecretError unless the driver's proof in the store is the one this rank's secret
-    makes (the driver writes it before any rank starts, so it is never waited for)."""
-    found = store.get(PROOF_KEY) if store.check([PROOF_KEY]) else b""
-    if not hmac.compare_digest(found, expected.encode()):
+def check_proof(group: dist.Store, master: str) -> None:
+    """SecretError unless the driver's proof is behind this rank's prefix (the driver
+    sets it before any rank starts, so it is never waited for)."""
+    if not group.check([PROOF_KEY]):
         raise SecretError(
             f"the deployment secret ({SECRET_ENV} or {SECRET_FILE_ENV}) of this rank differs "
             f"from its worker group's driver's (rendezvous {master}): start every rank "

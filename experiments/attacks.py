@@ -20,12 +20,15 @@ What each port gets (`Attacker.attack`), a few frames per port:
   channel: frames are authenticated, not encrypted); what it captured is replayed
   elsewhere, since the only receiver of its channel (the gateway's SUB) listens on no
   port;
-- ZMQ PULL (tasks, outputs) and ROUTER (a worker group's ranks, KV control): junk single
-  frames, a 3-part and an empty message, frames of 8 MiB and 70 MiB, the captured
-  messages replayed as they were and a captured pair in reverse order; to a ROUTER
-  through DEALERs named like ranks ("0", "1", "2", "driver") and like no rank ("99");
-  nothing sent to a PULL or a ROUTER comes back, so neither channel can be captured
-  from outside;
+- ZMQ PULL (tasks, outputs, the `zmq` KV transport's data) and ROUTER (a worker
+  group's ranks, KV control): junk single frames, a 3-part and an empty message, the
+  captured messages replayed as they were and a captured pair in reverse order, and for
+  each channel such a socket may receive, a message one byte past that channel's limit
+  (`frame_seal.Channel.max_frame_bytes`, read from the code: `RECEIVERS`), smallest
+  first (a channel with a smaller limit refuses a larger frame in ZMQ, which disconnects
+  the sender); to a ROUTER through DEALERs named like ranks ("0", "1", "2", "driver")
+  and like no rank ("99"); nothing sent to a PULL or a ROUTER comes back, so neither
+  channel can be captured from outside;
 - raw TCP and HTTP: garbage bytes, a ZMTP greeting cut short, and a burst of random
   bytes; the admin API is asked without a key and with a tenant's key (`probe_admin`).
 
@@ -50,16 +53,29 @@ from urllib.parse import urlsplit
 import httpx
 import zmq
 
+from pdserve.common.frame_seal import (
+    KV_CONTROL,
+    MAX_HEADER_BYTES,
+    OUTPUTS,
+    RANKS,
+    TASKS,
+    Channel,
+)
+from pdserve.kvtransfer.zmq_transport import CHUNK_HEADER, KV_DATA
+
 ACTOR_TITLE = re.compile(rb"^ray::(Instance|ColocatedInstance|TensorParallelRank)\b")
 LISTEN = "0A"  # /proc/net/tcp's state column
 ZMTP_SIGNATURE = b"\xff" + bytes(8) + b"\x7f"
 ZMTP_GREETING = ZMTP_SIGNATURE + b"\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
-# 8 MiB: past KV control's limit (ZMQ cuts it there), read and dropped elsewhere;
-# 70 MiB: past every channel's limit and ZMQ's cut (`zmq.MAXMSGSIZE`).
-OVERSIZED = (8 << 20, 70 << 20)
+# The channels a stranger may reach through each kind of socket, by the socket type
+# its peer sees: each gets a message one byte past its limit.
+RECEIVERS: dict[str, tuple[Channel, ...]] = {
+    "zmq PULL": (TASKS, OUTPUTS, KV_DATA),
+    "zmq ROUTER": (RANKS, KV_CONTROL),
+}
 RANK_NAMES = (b"0", b"1", b"2", b"driver", b"99")
 PROBE_TIMEOUT_S = 2.0
-LINGER_MS = 3000  # long enough for a 70 MiB frame to leave on a loaded machine
+LINGER_MS = 3000  # long enough for a 64 MiB frame to leave on a loaded machine
 CAPTURE_S = 15.0  # how long the SUBs listen for frames to replay, at most
 
 
@@ -349,8 +365,8 @@ class Attacker:
                 pair = self.captured[:2]
                 for message in reversed(pair):
                     self._send(first, outcome, "captured pair reordered", message)
-            for size in OVERSIZED:
-                self._send(first, outcome, f"{size >> 20} MiB frame", [bytes(size)])
+            for what, message in oversized_messages(RECEIVERS[outcome.kind]).items():
+                self._send(first, outcome, what, message)
         finally:
             for sender in senders:
                 sender.close()  # lingers: what was queued leaves first
@@ -384,6 +400,27 @@ class Attacker:
                 outcome.notes.append(f"{what}: {exc}")
                 continue
             outcome.sent.append(what)
+
+
+def oversized_message(channel: Channel) -> list[bytes]:
+    """A message one byte past `channel`'s limit, in the shape its receiver takes, so
+    that its size is what the receiver refuses: one frame (the seal's header and the
+    payload), or for KV data a seal, a chunk's header and its bytes."""
+    if channel is KV_DATA:
+        header = bytes(CHUNK_HEADER.size)
+        return [bytes(MAX_HEADER_BYTES), header, bytes(channel.max_frame_bytes + 1 - len(header))]
+    return [bytes(channel.max_frame_bytes + MAX_HEADER_BYTES + 1)]
+
+
+def oversized_messages(channels: tuple[Channel, ...]) -> dict[str, list[bytes]]:
+    """What's past each channel's limit, smallest first; one message for channels whose
+    messages would be alike (the tasks' and the outputs')."""
+    found: dict[tuple[int, ...], tuple[list[str], list[bytes]]] = {}
+    for channel in sorted(channels, key=lambda c: c.max_frame_bytes):
+        message = oversized_message(channel)
+        names, _ = found.setdefault(tuple(len(part) for part in message), ([], message))
+        names.append(channel.name)
+    return {f"{'/'.join(names)} limit + 1 byte": message for names, message in found.values()}
 
 
 def probe_admin(base_url: str, tenant_key: str | None) -> dict[str, int]:

@@ -80,6 +80,30 @@ def test_a_rank_with_another_secret_fails_at_once_naming_the_secret(monkeypatch)
     assert time.monotonic() - started < 1.0  # not the rendezvous timeout
 
 
+def test_a_stranger_who_overwrites_a_proof_makes_no_rank_fail(monkeypatch) -> None:
+    """The proof sits behind the group's prefix: where a stranger can write (the names
+    it can make up), nothing a rank checks changes."""
+    monkeypatch.setenv(SECRET_ENV, "the driver's secret")
+    rendezvous = Rendezvous("127.0.0.1", timeout_s=5.0)
+    host, port = rendezvous.address.rsplit(":", 1)
+    stranger = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+    for name in ("pdserve/secret-proof", "secret-proof", "pdserve/rendezvous-proof"):
+        stranger.set(name, b"not the driver's proof")
+    join_store(rendezvous.address, timeout_s=5.0)  # the driver's secret: it joins
+
+
+def test_the_store_lists_every_key_to_a_stranger() -> None:
+    """torch's TCPStore answers `list_keys` to any client, so the prefix hides the
+    group's keys only from a stranger that guesses; docs/security.md ("Not protected")
+    says so, and changes when this fails."""
+    rendezvous = Rendezvous("127.0.0.1", timeout_s=5.0)
+    join_store(rendezvous.address, timeout_s=5.0).set("gloo/rank0", b"10.0.0.1:4242")
+    host, port = rendezvous.address.rsplit(":", 1)
+    stranger = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+    [gloo_key] = [k for k in stranger.list_keys() if k.endswith("gloo/rank0")]
+    assert stranger.get(gloo_key) == b"10.0.0.1:4242"
+
+
 class Channel:
     """A rank's end of its channel to the driver, recording what the rank sends."""
 
