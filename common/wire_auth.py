@@ -94,6 +94,6 @@ def salt_key(secret: bytes) -> bytes:
 
 def rendezvous_prefix(secret: bytes, address: str) -> str:
     """The prefix of every key of the worker group whose store is at `address`: only a
-    holder of the secret can name one (`engine/rendezvous.py`)."""
+    holder of the secret can make one up (`engine/rendezvous.py`)."""
     key = derive_key(secret, RENDEZVOUS_KEY)
     return hmac.new(key, address.encode(), hashlib.sha256).hexdigest() + "/"

@@ -6,17 +6,17 @@ port the system picks, handed to the store as a listening descriptor, so the sto
 never listens on another interface and no port is found free and bound later. The
 store has no authentication of its own, so every rank reads and writes it through a
 `PrefixStore` whose prefix is derived from the deployment secret and the store's
-address (`common/wire_auth.py:rendezvous_prefix`): a peer without the secret can name
-no key the group uses, so it can neither read gloo's or NCCL's addresses nor plant
-its own. The driver also sets a key behind that prefix (`PROOF_KEY`) before any rank
-starts, which a rank looks for before it joins: a rank started with another secret
-finds none behind its own prefix and fails at once, naming the secret, instead of
-meeting no peer until the rendezvous times out; a stranger who cannot name the key
-cannot make a rank with the right secret fail this check by overwriting it. Each rank points gloo (`GLOO_SOCKET_IFNAME`) and NCCL's sockets
-(`NCCL_SOCKET_IFNAME`) at the interface that holds the store's host before it joins,
-unless the operator named one. What stays unauthenticated (gloo's and NCCL's data
-connections, the store's port to anyone who reaches the interface) is in
-`docs/security.md`.
+address (`common/wire_auth.py:rendezvous_prefix`): a peer without the secret cannot
+make up a key the group uses (but the store lists its keys to any client, so one that
+asks finds them: `docs/security.md`). The driver also sets a key behind that prefix
+(`PROOF_KEY`) before any rank starts, which a rank looks for before it joins: a rank
+started with another secret finds none behind its own prefix and fails at once,
+naming the secret, instead of meeting no peer until the rendezvous times out; a value
+a stranger writes over it changes nothing. Each rank points gloo (`GLOO_SOCKET_IFNAME`)
+and NCCL's sockets (`NCCL_SOCKET_IFNAME`) at the interface that holds the store's host
+before it joins, unless the operator named one. What stays unauthenticated (the
+store's keys and port to anyone who reaches the interface, gloo's and NCCL's data
+connections) is in `docs/security.md`.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Rendezvous:
         listener.detach()
         self.address = f"{host}:{port}"
         prefix = rendezvous_prefix(deployment_secret(), self.address)
-        dist.PrefixStore(prefix, self._store).set(PROOF_KEY, b"1")
+        dist.PrefixStore(prefix, self._store).set(PROOF_KEY, "1")
 
 
 def join_store(master: str, timeout_s: float) -> dist.Store:
