@@ -32,6 +32,7 @@ SECRET_FILE_ENV = "PDSERVE_DEPLOYMENT_SECRET_FILE"
 FRAME_KEY = "pdserve frame key v1"  # what each derived key is for (HKDF's `info`)
 SALT_KEY = "pdserve cache salt key v1"
 RENDEZVOUS_KEY = "pdserve rendezvous key v1"
+RENDEZVOUS_VALUE_KEY = "pdserve rendezvous value key v1"
 
 
 class SecretError(RuntimeError):
@@ -97,3 +98,8 @@ def rendezvous_prefix(secret: bytes, address: str) -> str:
     holder of the secret can make one up (`engine/rendezvous.py`)."""
     key = derive_key(secret, RENDEZVOUS_KEY)
     return hmac.new(key, address.encode(), hashlib.sha256).hexdigest() + "/"
+
+
+def rendezvous_value_key(secret: bytes) -> bytes:
+    """The key every value in a worker group's store is sealed under (`engine/rendezvous.py`)."""
+    return derive_key(secret, RENDEZVOUS_VALUE_KEY)
