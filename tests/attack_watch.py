@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from experiments import attacks
+from experiments import attack_ports, attacks
 from experiments.chaos_harness import Load, Probe, Shape, counters, wait_for
 from experiments.serving import ServeProcess
 
@@ -125,7 +125,7 @@ class Attacked:
 
 
 def attack_under_load(
-    server: ServeProcess, ports: list[attacks.Port], shapes: list[Shape], concurrency: int = 3
+    server: ServeProcess, ports: list[attack_ports.Port], shapes: list[Shape], concurrency: int = 3
 ) -> Attacked:
     """Every port in `ports` attacked while `concurrency` streams run, until a stream
     sent after the attack ended and every stream did."""

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from experiments import attacks
+from experiments import attack_ports, attacks
 from experiments.chaos_harness import GREEDY, Shape, counters
 from experiments.serving import API_KEY, ServeProcess, served
 from tests.attack_watch import (
@@ -72,14 +72,14 @@ def test_junk_to_a_rank_process_is_counted_in_metrics(server, ray_cluster) -> No
         if a["class_name"] == "TensorParallelRank" and a["state"] == "ALIVE"
         and a["repr_name"] == "decode-0-rank-1"
     ]  # fmt: skip
-    listening = attacks.listening_sockets()
+    listening = attack_ports.listening_sockets()
     ports = [
-        attacks.Port(rank1["pid"], "rank 1", *listening[inode])
-        for inode in attacks.socket_inodes(rank1["pid"])
+        attack_ports.Port(rank1["pid"], "rank 1", *listening[inode])
+        for inode in attack_ports.socket_inodes(rank1["pid"])
         if inode in listening
     ]
     routers = [
-        p for p, k in zip(ports, attacks.identify_all(ports), strict=True) if k == "zmq ROUTER"
+        p for p, k in zip(ports, attack_ports.identify_all(ports), strict=True) if k == "zmq ROUTER"
     ]
     assert len(routers) == 1, ports  # its KV control socket
     before = drops(server)
@@ -101,7 +101,7 @@ def test_junk_to_a_rank_process_is_counted_in_metrics(server, ray_cluster) -> No
 
 
 def test_every_port_attacked_under_load(server, ray_cluster) -> None:
-    ports = attacks.deployment_ports(server.base_url, ray_cluster)
+    ports = attack_ports.deployment_ports(server.base_url, ray_cluster)
     lives_before, counters_before = instances(server), counters(server)
     drops_before, oversized_before = drops(server), oversized(server)
     attacked = attack_under_load(server, ports, SHAPES)

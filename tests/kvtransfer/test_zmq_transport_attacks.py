@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from experiments import attacks
+from experiments import attack_ports
 from experiments.chaos_harness import GREEDY, Shape, counters
 from experiments.serving import LOCAL, ServeProcess, served
 from tests.attack_watch import (
@@ -50,7 +50,7 @@ def kv_bytes(server: ServeProcess) -> float:
 
 
 def test_the_kv_data_sockets_attacked_while_kv_moves(server) -> None:
-    ports = attacks.deployment_ports(server.base_url)
+    ports = attack_ports.deployment_ports(server.base_url)
     lives_before, counters_before = instances(server), counters(server)
     drops_before, oversized_before = drops(server), oversized(server)
     moved_before = kv_bytes(server)
