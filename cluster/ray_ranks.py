@@ -298,7 +298,10 @@ class RayRankGroup:
         identity, frame = message
         name = identity.decode(errors="replace")
         if not name.isdigit() or int(name) >= len(self.actors):
-            self.sealer.refuse(frame_drops.IDENTITY, f"a peer named {name!r}")
+            # Sized first, as every frame is: one past the limit counts as `oversized`.
+            too_large = self.sealer.too_large(len(frame))
+            reason = frame_drops.OVERSIZED if too_large else frame_drops.IDENTITY
+            self.sealer.refuse(reason, f"a peer named {name!r}")
             return []
         opened = self.sealer.open(frame, f"rank {name}", sender=name)
         return [] if opened is None else [(int(name), opened.payload)]

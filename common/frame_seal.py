@@ -135,7 +135,7 @@ class Sealer:
     ) -> Opened | None:
         """The sender and payload of a frame that passes every check; None otherwise
         (counted, and logged now and then). `sender`: the name the frame must carry."""
-        if len(frame) > self.channel.max_frame_bytes + MAX_HEADER_BYTES:
+        if self.too_large(len(frame)):
             self._drop(frame_drops.OVERSIZED, origin)
             return None
         header = _parse(frame)
@@ -145,6 +145,12 @@ class Sealer:
         payload = frame[header.size :]
         name = self.open_parts(frame[: header.size], payload, origin=origin, sender=sender)
         return None if name is None else Opened(name, payload)
+
+    def too_large(self, frame_bytes: int) -> bool:
+        """Whether a one-frame message of `frame_bytes` (seal included) is past the
+        channel's limit: a receiver that refuses a frame before it opens it (an unknown
+        peer) asks this first, so such a frame counts as `oversized` whoever sent it."""
+        return frame_bytes > self.channel.max_frame_bytes + MAX_HEADER_BYTES
 
     def open_parts(
         self,

@@ -32,7 +32,7 @@ SECRET_FILE_ENV = "PDSERVE_DEPLOYMENT_SECRET_FILE"
 FRAME_KEY = "pdserve frame key v1"  # what each derived key is for (HKDF's `info`)
 SALT_KEY = "pdserve cache salt key v1"
 RENDEZVOUS_KEY = "pdserve rendezvous key v1"
-RENDEZVOUS_PROOF_KEY = "pdserve rendezvous proof v1"
+RENDEZVOUS_VALUE_KEY = "pdserve rendezvous value key v1"
 
 
 class SecretError(RuntimeError):
@@ -95,14 +95,11 @@ def salt_key(secret: bytes) -> bytes:
 
 def rendezvous_prefix(secret: bytes, address: str) -> str:
     """The prefix of every key of the worker group whose store is at `address`: only a
-    holder of the secret can name one (`engine/rendezvous.py`)."""
+    holder of the secret can make one up (`engine/rendezvous.py`)."""
     key = derive_key(secret, RENDEZVOUS_KEY)
     return hmac.new(key, address.encode(), hashlib.sha256).hexdigest() + "/"
 
 
-def rendezvous_proof(secret: bytes, address: str) -> str:
-    """What the driver of the worker group whose store is at `address` leaves in the
-    store in clear, for a rank to compare with its own before it joins: a rank with
-    another secret fails at once. A key of its own: it reveals nothing of the prefix."""
-    key = derive_key(secret, RENDEZVOUS_PROOF_KEY)
-    return hmac.new(key, address.encode(), hashlib.sha256).hexdigest()
+def rendezvous_value_key(secret: bytes) -> bytes:
+    """The key every value in a worker group's store is sealed under (`engine/rendezvous.py`)."""
+    return derive_key(secret, RENDEZVOUS_VALUE_KEY)

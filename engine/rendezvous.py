@@ -6,22 +6,26 @@ port the system picks, handed to the store as a listening descriptor, so the sto
 never listens on another interface and no port is found free and bound later. The
 store has no authentication of its own, so every rank reads and writes it through a
 `PrefixStore` whose prefix is derived from the deployment secret and the store's
-address (`common/wire_auth.py:rendezvous_prefix`): a peer without the secret can name
-no key the group uses, so it can neither read gloo's or NCCL's addresses nor plant
-its own. The driver also leaves a proof of the secret in the store in clear
-(`wire_auth.rendezvous_proof`, a key of its own that reveals nothing of the prefix),
-which a rank compares with its own before it joins: a rank started with another secret
-fails at once, naming the secret, instead of meeting no peer until the rendezvous
-times out. Each rank points gloo (`GLOO_SOCKET_IFNAME`) and NCCL's sockets
-(`NCCL_SOCKET_IFNAME`) at the interface that holds the store's host before it joins,
-unless the operator named one. What stays unauthenticated (gloo's and NCCL's data
-connections, the store's port to anyone who reaches the interface) is in
-`docs/security.md`.
+address (`common/wire_auth.py:rendezvous_prefix`): a peer without the secret cannot
+make up a key the group uses. The store lists its keys to any client, though, so every
+value also carries an HMAC over its key and itself (`SealedStore`): a stranger who
+lists and reads the keys (gloo's and NCCL's addresses) cannot put a value of its own
+where a rank reads one; one that fails its seal ends the rank's join, naming it. The
+driver also sets a key behind that prefix (`PROOF_KEY`) before any rank starts, which a
+rank looks for before it joins: a rank started with another secret finds none behind
+its own prefix and fails at once, naming the secret, instead of meeting no peer until
+the rendezvous times out; a value a stranger writes over it changes nothing. Each rank
+points gloo (`GLOO_SOCKET_IFNAME`) and NCCL's sockets (`NCCL_SOCKET_IFNAME`) at the
+interface that holds the store's host before it joins, unless the operator named one.
+What stays unauthenticated (the store's port and key names to anyone who reaches the
+interface, who can also delete or spoil keys; gloo's and NCCL's data
+connections) is in `docs/security.md`.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import hmac
 import os
 import socket
@@ -37,12 +41,13 @@ from pdserve.common.wire_auth import (
     deployment_secret,
     ensure_secret,
     rendezvous_prefix,
-    rendezvous_proof,
+    rendezvous_value_key,
 )
 
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 _BACKLOG = 128
-PROOF_KEY = "pdserve/secret-proof"  # outside the prefix: a rank reads it before it has one
+_TAG_BYTES = 32  # HMAC-SHA256, in front of every value
+PROOF_KEY = "secret-proof"  # behind the group's prefix: its presence proves the secret
 
 
 class Rendezvous:
@@ -73,7 +78,7 @@ class Rendezvous:
         # took that number in between (another store's, in a test session).
         listener.detach()
         self.address = f"{host}:{port}"
-        self._store.set(PROOF_KEY, rendezvous_proof(deployment_secret(), self.address))
+        group_store(self._store, deployment_secret(), self.address).set(PROOF_KEY, "1")
 
 
 def join_store(master: str, timeout_s: float) -> dist.Store:
@@ -81,16 +86,79 @@ def join_store(master: str, timeout_s: float) -> dist.Store:
     prefix only holders of the deployment secret can name."""
     host, port = master.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-    secret = deployment_secret()
-    check_proof(store, rendezvous_proof(secret, master), master)
-    return dist.PrefixStore(rendezvous_prefix(secret, master), store)
+    group = group_store(store, deployment_secret(), master)
+    check_proof(group, master)
+    return group
 
 
-def check_proof(store: dist.Store, expected: str, master: str) -> None:
-    """SecretError unless the driver's proof in the store is the one this rank's secret
-    makes (the driver writes it before any rank starts, so it is never waited for)."""
-    found = store.get(PROOF_KEY) if store.check([PROOF_KEY]) else b""
-    if not hmac.compare_digest(found, expected.encode()):
+def group_store(store: dist.Store, secret: bytes, master: str) -> SealedStore:
+    """The group's keys in `store` (at `master`): behind the prefix, every value sealed."""
+    return SealedStore(dist.PrefixStore(rendezvous_prefix(secret, master), store), secret, master)
+
+
+class StoreValueForged(RuntimeError):
+    """A value in the group's store that its seal does not match."""
+
+
+class SealedStore(dist.Store):
+    """A store whose values each carry HMAC-SHA256 (`wire_auth.rendezvous_value_key`)
+    over their key and themselves. Only `set` and `get` carry values a rank trusts
+    (gloo and NCCL exchange their addresses through them); a counter (`add`) and
+    presence (`check`, `wait`) pass through. Another call (`compare_set`, ...) is not
+    served, so nothing reaches the store unsealed."""
+
+    def __init__(self, inner: dist.Store, secret: bytes, master: str) -> None:
+        super().__init__()
+        self._inner = inner
+        self._key = rendezvous_value_key(secret)
+        self._master = master
+
+    def _tag(self, key: str, value: bytes) -> bytes:
+        name = key.encode()
+        message = len(name).to_bytes(4, "little") + name + value
+        return hmac.new(self._key, message, hashlib.sha256).digest()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self._inner.set(key, self._tag(key, data) + data)  # type: ignore[arg-type]
+
+    def get(self, key: str) -> bytes:
+        raw = self._inner.get(key)
+        tag, value = raw[:_TAG_BYTES], raw[_TAG_BYTES:]
+        if not hmac.compare_digest(tag, self._tag(key, value)):
+            raise StoreValueForged(
+                f"the value of {key!r} in the worker group's store (rendezvous "
+                f"{self._master}) fails its seal: a process without the deployment secret "
+                "wrote it; keep the group's ports to the cluster's nodes"
+            )
+        return value
+
+    def add(self, key: str, value: int) -> int:
+        return self._inner.add(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        if timeout is None:
+            self._inner.wait(keys)
+        else:
+            self._inner.wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._inner.set_timeout(timeout)
+
+
+def check_proof(group: dist.Store, master: str) -> None:
+    """SecretError unless the driver's proof is behind this rank's prefix (the driver
+    sets it before any rank starts, so it is never waited for)."""
+    if not group.check([PROOF_KEY]):
         raise SecretError(
             f"the deployment secret ({SECRET_ENV} or {SECRET_FILE_ENV}) of this rank differs "
             f"from its worker group's driver's (rendezvous {master}): start every rank "

@@ -24,8 +24,8 @@ from pdserve.common.frame_seal import Channel, Sealer
 from pdserve.kvtransfer.transport import TransferOp, Transport
 
 _CHUNK = 4 << 20
-_HEADER = struct.Struct("<QQ")  # tag, byte offset
-KV_DATA = Channel("kv_data", _CHUNK + _HEADER.size)
+CHUNK_HEADER = struct.Struct("<QQ")  # tag, byte offset: the part between the seal and the bytes
+KV_DATA = Channel("kv_data", _CHUNK + CHUNK_HEADER.size)
 
 
 class _SendOp(TransferOp):
@@ -99,7 +99,7 @@ class ZmqTransport(Transport):
         socket, trackers = self._outbox(peer), []
         for offset in range(0, max(view.nbytes, 1), _CHUNK):
             chunk = view[offset : offset + _CHUNK]
-            header = _HEADER.pack(tag, offset)
+            header = CHUNK_HEADER.pack(tag, offset)
             data = chunk.data
             frames: list[bytes | memoryview] = [self._sealer.seal_parts(header, data), header, data]
             tracker = socket.send_multipart(frames, copy=False, track=True)
@@ -126,7 +126,7 @@ class ZmqTransport(Transport):
     def progress(self) -> None:
         while self._inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames = self._inbox.recv_multipart(zmq.NOBLOCK, copy=False)
-            if len(frames) != 3 or len(frames[1].bytes) != _HEADER.size:
+            if len(frames) != 3 or len(frames[1].bytes) != CHUNK_HEADER.size:
                 self._opener.refuse(frame_drops.MALFORMED, "the KV data socket")
                 continue
             head, header, payload = frames
@@ -137,7 +137,7 @@ class ZmqTransport(Transport):
                 is None
             ):
                 continue
-            tag, offset = _HEADER.unpack(header.bytes)
+            tag, offset = CHUNK_HEADER.unpack(header.bytes)
             op = self._recvs.get(tag)
             if op is None:
                 continue  # a cancelled transfer's data

@@ -10,19 +10,23 @@ processes included (they reach the driver with the ranks' step results)."""
 
 from __future__ import annotations
 
-import re
-import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 
-import httpx
 import pytest
 import zmq
 
-from experiments import attacks
-from experiments.chaos_harness import GREEDY, Load, Shape, counters, wait_for
+from experiments import attack_ports, attacks
+from experiments.chaos_harness import GREEDY, Shape, counters
 from experiments.serving import API_KEY, ServeProcess, served
+from tests.attack_watch import (
+    assert_unharmed,
+    attack_under_load,
+    drops,
+    grown,
+    instances,
+    oversized,
+)
 from tests.cluster.conftest import RAY_ENV, ray_list
 
 pytest.importorskip("ray")
@@ -52,79 +56,12 @@ UNCOUNTED = {
     "UCX's listeners and Ray's gRPC servers carry no sealed frames",
     "http": "the HTTP API: garbage gets HTTP errors, keys guard /admin (checked below)",
 }
-DROPS_LINE = re.compile(r'^pdserve:dropped_frames_total\{channel="([^"]+)",[^}]*\} (\S+)$', re.M)
-HEALTH_LIMIT_S = 1.0
 
 
 @pytest.fixture(scope="module")
 def server(ray_cluster: str) -> Iterator[ServeProcess]:
     with served(*ARGS, "--ray-address", ray_cluster, env=RAY_ENV, stop_timeout_s=60) as process:
         yield process
-
-
-def drops(server: ServeProcess) -> dict[str, float]:
-    """`pdserve:dropped_frames_total` by channel (summed over reasons)."""
-    found: dict[str, float] = {}
-    for channel, value in DROPS_LINE.findall(server.get("/metrics").text):
-        found[channel] = found.get(channel, 0.0) + float(value)
-    return found
-
-
-def grown(server: ServeProcess, before: dict[str, float], channels: set[str]) -> set[str]:
-    """The channels whose drops grew, once all of `channels` did (or 20 s passed)."""
-    deadline = time.monotonic() + 20
-    while True:
-        now = drops(server)
-        up = {c for c, n in now.items() if n > before.get(c, 0.0)}
-        if channels <= up or time.monotonic() > deadline:
-            return up
-        time.sleep(0.3)
-
-
-class HealthPoller:
-    """Asks `/health` every 0.2 s on a thread: the slowest answer, and any that failed."""
-
-    def __init__(self, server: ServeProcess) -> None:
-        self.slowest_s = 0.0
-        self.failures: list[str] = []
-        self.polls = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, args=(server,), daemon=True)
-        self._thread.start()
-
-    def _poll(self, server: ServeProcess) -> None:
-        with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=10) as c:
-            while not self._stop.is_set():
-                began = time.monotonic()
-                try:
-                    status = c.get("/health").status_code
-                except httpx.HTTPError as exc:
-                    status, error = 0, f"{type(exc).__name__}: {exc}"
-                else:
-                    error = f"HTTP {status}"
-                self.slowest_s = max(self.slowest_s, time.monotonic() - began)
-                self.polls += 1
-                if status != 200:
-                    self.failures.append(error)
-                self._stop.wait(0.2)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(15)
-
-
-def text_of(server: ServeProcess) -> Callable[[Shape], str]:
-    def text(shape: Shape) -> str:
-        response = server.post("/v1/completions", json=shape.body(False))
-        response.raise_for_status()
-        return response.json()["choices"][0]["text"]
-
-    return text
-
-
-def instances(server: ServeProcess) -> dict[str, tuple[int, int, bool]]:
-    """Each instance's (pid, epoch, alive)."""
-    return {i: (v["pid"], v["epoch"], v["alive"]) for i, v in server.instances().items()}
 
 
 def test_junk_to_a_rank_process_is_counted_in_metrics(server, ray_cluster) -> None:
@@ -135,14 +72,14 @@ def test_junk_to_a_rank_process_is_counted_in_metrics(server, ray_cluster) -> No
         if a["class_name"] == "TensorParallelRank" and a["state"] == "ALIVE"
         and a["repr_name"] == "decode-0-rank-1"
     ]  # fmt: skip
-    listening = attacks.listening_sockets()
+    listening = attack_ports.listening_sockets()
     ports = [
-        attacks.Port(rank1["pid"], "rank 1", *listening[inode])
-        for inode in attacks.socket_inodes(rank1["pid"])
+        attack_ports.Port(rank1["pid"], "rank 1", *listening[inode])
+        for inode in attack_ports.socket_inodes(rank1["pid"])
         if inode in listening
     ]
     routers = [
-        p for p, k in zip(ports, attacks.identify_all(ports), strict=True) if k == "zmq ROUTER"
+        p for p, k in zip(ports, attack_ports.identify_all(ports), strict=True) if k == "zmq ROUTER"
     ]
     assert len(routers) == 1, ports  # its KV control socket
     before = drops(server)
@@ -164,36 +101,16 @@ def test_junk_to_a_rank_process_is_counted_in_metrics(server, ray_cluster) -> No
 
 
 def test_every_port_attacked_under_load(server, ray_cluster) -> None:
-    with ThreadPoolExecutor(len(SHAPES)) as pool:  # each shape's text, attacks aside
-        expected = dict(
-            zip([s.name for s in SHAPES], pool.map(text_of(server), SHAPES), strict=True)
-        )
-    ports = attacks.deployment_ports(server.base_url, ray_cluster)
-    instances_before, counters_before = instances(server), counters(server)
-    drops_before = drops(server)
-    poller = HealthPoller(server)
-    attacker = attacks.Attacker()
-    try:
-        with Load(server, SHAPES, concurrency=3) as load:
-            wait_for(lambda: any(p.chunks for p in load.probes), 60, "streams under way")
-            began = time.monotonic()
-            try:
-                outcomes = attacker.attack(ports)
-            finally:
-                attacker.close()
-            admin = attacks.probe_admin(server.base_url, API_KEY)
-            attack_s = time.monotonic() - began
-            sent = len(load.probes)
-            wait_for(lambda: any(p.done for p in load.probes[sent:]), 90,
-                     "a stream sent after the attack")  # fmt: skip
-        load.join(120)
-    finally:
-        poller.stop()
-    report = "\n".join(f"{o.port.endpoint} {o.kind} {o.port.owner}: {o.sent} {o.notes}"
-                       for o in outcomes)  # fmt: skip
+    ports = attack_ports.deployment_ports(server.base_url, ray_cluster)
+    lives_before, counters_before = instances(server), counters(server)
+    drops_before, oversized_before = drops(server), oversized(server)
+    attacked = attack_under_load(server, ports, SHAPES)
+    admin = attacks.probe_admin(server.base_url, API_KEY)
+    outcomes, report = attacked.outcomes, attacked.report()
     print(report)
-    print(f"{len(ports)} ports attacked in {attack_s:.1f} s; {len(load.probes)} requests; "
-          f"slowest /health {poller.slowest_s:.3f} s of {poller.polls}")  # fmt: skip
+    print(f"{len(ports)} ports attacked in {attacked.attack_s:.1f} s; "
+          f"{len(attacked.probes)} requests; slowest /health "
+          f"{attacked.slowest_health_s:.3f} s of {attacked.health_polls}")  # fmt: skip
 
     # Every port was found and attacked; what cannot be counted is listed with its reason.
     kinds = {o.kind for o in outcomes}
@@ -203,29 +120,16 @@ def test_every_port_attacked_under_load(server, ray_cluster) -> None:
     # The decode driver's rank channel and the KV control socket of each of the 4 ranks.
     assert len(routers) == 5 and len({o.port.pid for o in routers}) == 5, report
     assert len([o for o in outcomes if o.kind == "zmq PULL"]) == 3, report  # 2 tasks, outputs
-    assert attacker.captured, report  # block events, read by a stranger's SUB
-    # Each attacked ZMQ channel counted its drops.
+    assert attacked.captured, report  # block events, read by a stranger's SUB
+    # Each attacked ZMQ channel counted its drops, and a frame one byte past its limit
+    # as `oversized` (the rank processes' with their next step).
     up = grown(server, drops_before, COUNTED)
     drops_after = drops(server)
     print({c: n - drops_before.get(c, 0.0) for c, n in drops_after.items()})
     assert up >= COUNTED, (drops_before, drops_after)
+    assert grown(server, oversized_before, COUNTED, oversized) >= COUNTED, oversized(server)
 
-    # Nothing failed, nothing was restarted or fenced, /health kept answering.
-    probes = load.probes
-    assert probes and all(p.done and not p.errors for p in probes), [p.errors for p in probes]
-    wrong = [(p.shape.name, p.text) for p in probes if p.text != expected[p.shape.name]]
-    assert not wrong and all(p.finish_reason for p in probes), wrong
-    assert instances(server) == instances_before
-    assert all(alive for _, _, alive in instances_before.values())
-    after = counters(server)
-    for name in ("restarted", "fenced", "rejoined"):
-        assert after[name] == counters_before[name], (name, after)
-    assert not poller.failures and poller.slowest_s < HEALTH_LIMIT_S, (
-        poller.slowest_s,
-        poller.failures[:3],
-    )
-    assert poller.polls > 10
-
+    assert_unharmed(server, attacked, lives_before, counters_before)
     # The operator routes stay closed to a stranger and to a tenant.
     for route, status in admin.items():
         assert status == (401 if "(none key)" in route else 403), admin

@@ -16,7 +16,7 @@ pytest.importorskip("ray")
 from pdserve.cluster.ray_ranks import RayRankGroup, RayRanks, SealedChannel  # noqa: E402
 from pdserve.common import frame_drops  # noqa: E402
 from pdserve.common.frame_drops import DROPS  # noqa: E402
-from pdserve.common.frame_seal import RANKS, Sealer  # noqa: E402
+from pdserve.common.frame_seal import MAX_HEADER_BYTES, RANKS, Sealer  # noqa: E402
 
 
 @pytest.fixture
@@ -94,6 +94,20 @@ def test_a_malformed_message_is_dropped_not_raised(group) -> None:
     assert group.open([b"0", b"a", b"b"]) == []
     assert group.open([b"0"]) == []
     assert drops_since(before) == {("ranks", frame_drops.MALFORMED): 2}
+
+
+def test_a_frame_past_the_limit_counts_as_oversized_whoever_sends_it(group) -> None:
+    """A peer named like no rank is refused before its frame is opened, but a frame past
+    the channel's limit is counted as what it is."""
+    before = DROPS.totals()
+    past_limit = bytes(RANKS.max_frame_bytes + MAX_HEADER_BYTES + 1)
+    assert group.open([b"99", past_limit]) == []
+    assert group.open([b"0", past_limit]) == []
+    assert group.open([b"99", past_limit[:-1]]) == []  # at the limit: refused for its name
+    assert drops_since(before) == {
+        ("ranks", frame_drops.OVERSIZED): 2,
+        ("ranks", frame_drops.IDENTITY): 1,
+    }
 
 
 def test_a_rank_whose_driver_has_another_secret_ends_naming_it() -> None:

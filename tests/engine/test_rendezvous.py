@@ -5,18 +5,26 @@ with another secret fails before it joins, naming the secret."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import time
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from pdserve.common.wire_auth import SECRET_ENV, SecretError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.ranks import RankJob
-from pdserve.engine.rendezvous import Rendezvous, bind_collectives, interface_of, join_store
+from pdserve.engine.rendezvous import (
+    Rendezvous,
+    StoreValueForged,
+    bind_collectives,
+    interface_of,
+    join_store,
+)
 from pdserve.engine.worker_group import _FAILED, run_rank
 
 
@@ -78,6 +86,60 @@ def test_a_rank_with_another_secret_fails_at_once_naming_the_secret(monkeypatch)
     with pytest.raises(SecretError, match=f"deployment secret \\({SECRET_ENV}"):
         join_store(rendezvous.address, timeout_s=5.0)
     assert time.monotonic() - started < 1.0  # not the rendezvous timeout
+
+
+def test_a_stranger_who_overwrites_a_proof_makes_no_rank_fail(monkeypatch) -> None:
+    """The proof sits behind the group's prefix: where a stranger can write (the names
+    it can make up), nothing a rank checks changes."""
+    monkeypatch.setenv(SECRET_ENV, "the driver's secret")
+    rendezvous = Rendezvous("127.0.0.1", timeout_s=5.0)
+    host, port = rendezvous.address.rsplit(":", 1)
+    stranger = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+    for name in ("pdserve/secret-proof", "secret-proof", "pdserve/rendezvous-proof"):
+        stranger.set(name, b"not the driver's proof")
+    join_store(rendezvous.address, timeout_s=5.0)  # the driver's secret: it joins
+
+
+def test_a_stranger_who_lists_the_keys_plants_no_value_a_rank_reads() -> None:
+    """torch's TCPStore answers `list_keys` to any client (docs/security.md, "Not
+    protected", says so and changes when this fails): a stranger finds the group's keys
+    and reads their values, but a value it writes fails its seal where a rank reads it."""
+    rendezvous = Rendezvous("127.0.0.1", timeout_s=5.0)
+    rank = join_store(rendezvous.address, timeout_s=5.0)
+    rank.set("gloo/rank0", b"10.0.0.1:4242")
+    host, port = rendezvous.address.rsplit(":", 1)
+    stranger = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+    [gloo_key] = [k for k in stranger.list_keys() if k.endswith("gloo/rank0")]
+    assert stranger.get(gloo_key).endswith(b"10.0.0.1:4242")
+    sealed_elsewhere = stranger.get([k for k in stranger.list_keys() if k != gloo_key][0])
+    for planted in (b"the stranger's address", sealed_elsewhere):  # new, or another key's
+        stranger.set(gloo_key, planted)
+        with pytest.raises(StoreValueForged, match="'gloo/rank0' .* fails its seal"):
+            rank.get("gloo/rank0")
+
+
+def test_gloo_joins_through_the_sealed_store(monkeypatch) -> None:
+    """gloo exchanges its addresses through the sealed store (set, get, wait), and a
+    collective runs over what it read."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", interface_of("127.0.0.1"))
+    rendezvous = Rendezvous("127.0.0.1", timeout_s=20.0)
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(2) as pool:
+        sums = pool.starmap(_all_reduce, [(rendezvous.address, rank) for rank in (0, 1)])
+    assert sums == [3.0, 3.0]
+
+
+def _all_reduce(master: str, rank: int) -> float:
+    dist.init_process_group(
+        "gloo", store=join_store(master, 20.0), rank=rank, world_size=2,
+        timeout=timedelta(seconds=20),
+    )  # fmt: skip
+    try:
+        total = torch.tensor([rank + 1.0])
+        dist.all_reduce(total)
+        return float(total.item())
+    finally:
+        dist.destroy_process_group()
 
 
 class Channel:
