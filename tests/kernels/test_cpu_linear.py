@@ -4,8 +4,9 @@ product of the same values, and each row's output independent of the other rows 
 the call.
 
 The grid walks row counts through every micro-kernel shape (1-4 rows and their
-remainders), weight rows through partial 12-row units and tiles, and K through the
-16-wide vector loop with and without a scalar tail.
+remainders), weight rows through partial units, tiles and weight blocks (12 and 24 rows
+for the two paths), and K through the vector loops with and without a tail (down to one
+bf16 pair, and odd K past several 32-wide steps).
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ GRID = [
     (32, 960, 576, BF16, 2),  # SmolLM2 fused QKV at decode batch 32
     (64, 50, 5, None, 2),  # K below one vector
     (200, 70, 576, BF16, 2),  # a prefill chunk: more rows than one block of x
+    (6, 16, 32, torch.float16, 1),  # a float16 bias; 4 + 2 rows
+    (11, 129, 2, torch.float32, 2),  # K of one pair; weight rows one past a 128-row block
+    (19, 530, 576, BF16, 2),  # 4 x 4 + 3 rows; weight rows over several L2 blocks
+    (9, 70, 1537, None, 1),  # 2 x 4 + 1 rows; an odd K past 48 vector steps
 ]
 
 

@@ -1,0 +1,93 @@
+"""The bf16 dot-product linear kernel of several builds side by side, calls interleaved.
+
+    python -m experiments.cpu_linear_ab BUILD.so [BUILD.so ...] [--rows 1 32 2048]
+        [--repeats 5] [--torch]
+
+Each BUILD.so is a library from the kernel cache (`~/.cache/pdserve/cpu_kernels/`, one
+per source hash: an earlier checkout's build stays there). Per row count, every build
+runs one pass over SmolLM2-135M's four projections of all 30 layers (bf16 weights, cold
+as in a step) and its LM head (49152 x 576), on one thread; `--torch` adds torch's
+native bf16 matmul (oneDNN, x rounded to bf16). The builds take turns pass by pass and
+each reports its fastest pass in this thread's CPU ms: on a shared machine the minimum
+of interleaved runs compares builds far more steadily than medians of separate runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from experiments.cpu_linear import LAYERS, SHAPES
+from pdserve.kernels import cpu_ops
+from pdserve.kernels.cpu_build import BuiltLibrary
+
+HEAD = (49152, 576)
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def fastest(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Each call's fastest run in thread CPU ms, the calls taking turns."""
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.thread_time()
+            call()
+            best[name] = min(best[name], (time.thread_time() - start) * 1e3)
+    return best
+
+
+def layers_pass(linear: Linear, weights: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]):
+    def run() -> None:
+        for layer in weights:
+            for w in layer:
+                linear(xs[w.shape[1]], w)
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("builds", nargs="+", type=Path)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 32, 128, 512, 2048])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--torch", action="store_true", help="add torch's native bf16 matmul")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    linears: dict[str, Linear] = {}
+    for p in args.builds:
+        kernels = cpu_ops.CpuKernels(BuiltLibrary(p, fresh=False))
+        if not kernels.bf16_dot_available:
+            raise SystemExit(f"{p}: no bf16 dot products in this build or on this CPU")
+        linears[p.name] = kernels.linear
+    gen = torch.Generator().manual_seed(0)
+    weights = [
+        [torch.randn(n, k, generator=gen).bfloat16() for n, k in SHAPES] for _ in range(LAYERS)
+    ]
+    head = torch.randn(*HEAD, generator=gen).bfloat16()
+    names = list(linears) + (["torch"] if args.torch else [])
+    print(f"fastest of {args.repeats}, thread CPU ms; columns: " + ", ".join(names))
+    for rows in args.rows:
+        xs = {k: torch.randn(rows, k, generator=gen) for _, k in SHAPES}
+        xb = {k: x.bfloat16() for k, x in xs.items()}
+        passes: dict[str, Callable[[], object]] = {
+            n: layers_pass(f, weights, xs) for n, f in linears.items()
+        }
+        heads: dict[str, Callable[[], object]] = {
+            n: partial(f, xs[576], head) for n, f in linears.items()
+        }
+        if args.torch:
+            passes["torch"] = layers_pass(torch.nn.functional.linear, weights, xb)
+            heads["torch"] = partial(torch.nn.functional.linear, xb[576], head)
+        for what, calls in (("layers", passes), ("LM head", heads)):
+            best = fastest(calls, args.repeats)
+            cells = " ".join(f"{best[n]:9.2f}" for n in names)
+            print(f"{rows:6d} rows, {what:8s}{cells}")
+
+
+if __name__ == "__main__":
+    main()
