@@ -15,7 +15,7 @@ thread per instance. A pool never grows past its `--max-pool-size`.
 
 A switch moves an instance between pools in place (`gateway/role_switch.py`): `fit`
 says whether its configuration suits the other pool (TP and PP sizes, model, dtype,
-quantization, device, block size, the pool's Ray resources, the pool's size cap);
+quantization, KV cache dtype, device, block size, the pool's Ray resources, the pool's size cap);
 `claim` lets one change of an instance (a drain or a switch) run at a time; `move`
 makes the supervisor keep it, and restart it, in the new pool.
 """
@@ -41,6 +41,7 @@ FITTING = (
     "pipeline_parallel_size",
     "dtype",
     "quantization",
+    "kv_cache_dtype",
     "device",
     "block_size",
 )

@@ -34,6 +34,7 @@ from pdserve.engine.embedded import embedded_model_path
 from pdserve.engine.executor import RankConnector
 from pdserve.engine.grammar import GrammarBook
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
+from pdserve.engine.kv_scales import read_kv_scales, set_kv_scales
 from pdserve.engine.loader import load_model
 from pdserve.engine.models.packed import weight_format
 from pdserve.engine.parallel import TensorParallel, check_tp_size
@@ -127,12 +128,18 @@ class ModelWorker:
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
+        model_dtype = str(self.dtype).removeprefix("torch.")
+        kv_dtype = config.kv_dtype_name(model_dtype)
+        scales = None
+        if kv_dtype != model_dtype:  # an FP8 cache: its per-layer scales
+            scales = read_kv_scales(self.model_path, mc.num_hidden_layers)
+            set_kv_scales(self.model.layers, scales)
         shape = KVCacheShape(
             num_layers=stage.num_layers,  # a stage's cache holds only its layers
             num_kv_heads=mc.num_key_value_heads // self.tp.size,
             head_dim=mc.head_dim,
             block_size=config.block_size,
-            dtype=self.dtype,
+            dtype=getattr(torch, kv_dtype),
         )
         num_blocks = self._num_blocks(shape, free_before_load)
         if stage.enabled:  # block ids are shared by the stages: the smallest pool bounds them
@@ -166,6 +173,8 @@ class ModelWorker:
             model_layers=mc.num_hidden_layers,
             pipeline_stage=stage.stage,
             pipeline_parallel_size=stage.size,
+            k_scales=scales.k if scales is not None else [],
+            v_scales=scales.v if scales is not None else [],
         )
         addresses = []
         if self.connector is not None:
@@ -182,6 +191,7 @@ class ModelWorker:
             weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
             load_peak_memory_bytes=max(0, _peak_resident_bytes() - rss_before),
             weight_format=weight_format(self.model),
+            dtype=model_dtype,
         )
 
     def _check_split(self, mc: ModelConfig) -> None:

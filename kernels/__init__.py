@@ -17,7 +17,9 @@
   (`cpu/linear_int8.c`, bound in `cpu_quantized.py`: int8 rows widened in registers, times
   one scale per group of inputs), and the GGUF block formats Q8_0, Q4_0 and Q4_1 kept packed
   with their scales (`cpu/linear_gguf.c`, bound there too; `gguf_blocks.py`
-  their sizes, dequantization and reference). `cpu_kernels_status()` says which
+  their sizes, dequantization and reference). A KV cache may hold FP8 (e4m3 or e5m2,
+  one scale per layer's keys and values): the write quantizes, attention widens
+  through float16 bits (`cpu/common.h`). `cpu_kernels_status()` says which
   implementation is active.
 - Plain-torch references of the same signatures (`reference.py`), and the dispatch
   between them (`dispatch.py`, `ops.py`, `attention.py`).
@@ -27,6 +29,7 @@ from pdserve.kernels.attention import (
     AttentionMetadata,
     attend_cached,
     decode_attention,
+    kv_scale_args,
     paged_attention,
     prefill_attention,
     rotary_write_kv_cache,
@@ -47,6 +50,7 @@ __all__ = [
     "attend_cached",
     "cpu_kernels_status",
     "decode_attention",
+    "kv_scale_args",
     "linear",
     "linear_gguf",
     "linear_int8",
