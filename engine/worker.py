@@ -167,7 +167,7 @@ class ModelWorker:
             num_kv_heads=shape.num_kv_heads,
             head_dim=shape.head_dim,
             block_size=shape.block_size,
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=kv_dtype,
             num_blocks=self.kv_cache.num_blocks,
             first_layer=stage.layer_start,
             model_layers=mc.num_hidden_layers,
