@@ -285,18 +285,17 @@ class LlamaForCausalLM(nn.Module):
 
     def holds(self, name: str) -> bool:
         """Whether this stage reads the tensor at all (other stages' layers, and the
-        embedding, norm and head where they do not live, stay unread in the file)."""
+        embedding, norm and head where they do not live, stay unread in the file); an FP8
+        KV cache's scales are engine/kv_scales.py's."""
         if name.startswith("model.layers."):
-            return self.stage.holds_layer(int(name.split(".")[2]))
+            return self.stage.holds_layer(int(name.split(".")[2])) and not is_kv_scale(name)
         if name == "model.embed_tokens.weight":
             return self.embed is not None
         if name == "model.norm.weight":
             return self.norm is not None
         if name == "lm_head.weight":
             return self.lm_head is not None
-        # An FP8 KV cache's scales are engine/kv_scales.py's; anything else: load_weights
-        # decides (ignored or refused).
-        return not is_kv_scale(name)
+        return True  # anything else: load_weights decides (ignored or refused)
 
     def shard_of(self, name: str) -> tuple[int, int, int] | None:
         """The part of a Hugging Face tensor this rank holds: (dim, start, stop), or None
