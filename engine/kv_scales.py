@@ -55,7 +55,7 @@ def read_kv_scales(folder: str | Path, num_layers: int) -> KVScales:
 
 def _scale(name: str, tensor: torch.Tensor) -> float:
     if tensor.numel() != 1:
-        raise CheckpointError(f"{name}: a per-tensor KV scale holds one value, not {tensor.numel()}")
+        raise CheckpointError(f"{name}: a per-tensor KV scale is one value, not {tensor.numel()}")
     value = float(tensor.float().reshape(()))
     if not 0.0 < value < float("inf"):
         raise CheckpointError(f"{name}: a KV scale must be positive and finite, got {value}")

@@ -70,7 +70,8 @@ def paged_attention(
     v_scale: float = 1.0,
 ) -> Tensor:
     """Store this step's keys/values, then attend: [num_tokens, num_heads, head_dim]."""
-    write_kv_cache(key, value, kv_cache, meta.slot_mapping, **kv_scale_args(kv_cache, k_scale, v_scale))
+    scales = kv_scale_args(kv_cache, k_scale, v_scale)
+    write_kv_cache(key, value, kv_cache, meta.slot_mapping, **scales)
     return attend_cached(query, kv_cache, meta, scale, k_scale=k_scale, v_scale=v_scale)
 
 

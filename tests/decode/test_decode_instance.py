@@ -48,8 +48,9 @@ def instances(gateway) -> Iterator[dict[str, Running]]:
 def fp8_instances(gateway) -> Iterator[dict[str, Running]]:
     engine = EngineConfig(**ENGINE, kv_cache_dtype="fp8")
     running = {
-        role: Running(StepLoop(spec(gateway, f"{role[0]}8", role, engine=engine,
-                                    kv_transfer=LIMITS)))  # fmt: skip
+        role: Running(
+            StepLoop(spec(gateway, f"{role[0]}8", role, engine=engine, kv_transfer=LIMITS))
+        )  # fmt: skip
         for role in ("prefill", "decode")
     }
     yield running

@@ -51,10 +51,10 @@ def test_compatibility_names_every_difference():
 def test_an_fp8_layout_carries_its_scales_and_a_mismatch_is_one_line():
     from pdserve.engine.step_plan import KVGeometry
 
-    geometry = KVGeometry(4, 8, 64, 16, "float8_e4m3fn", num_blocks=10, k_scales=[1.0, 2.0, 1.0, 1.0],
-                          v_scales=[1.0] * 4)  # fmt: skip
+    scales = [1.0, 2.0, 1.0, 1.0]
+    geometry = KVGeometry(4, 8, 64, 16, "float8_e4m3fn", 10, k_scales=scales, v_scales=[1.0] * 4)
     fp8 = layout_of(geometry)
-    assert (fp8.dtype, fp8.k_scales, fp8.v_scales) == ("float8_e4m3fn", [1.0, 2.0, 1.0, 1.0], [1.0] * 4)
+    assert (fp8.dtype, fp8.k_scales, fp8.v_scales) == ("float8_e4m3fn", scales, [1.0] * 4)
     assert fp8.bytes_per_block * 2 == LAYOUT.bytes_per_block  # half of bfloat16's
     assert geometry.bytes_per_token(2) == 2 * 4 * 16 * 64  # two ranks of 8 heads, 1 byte each
     with pytest.raises(KVLayoutMismatch) as info:  # prefill fp8, decode auto
