@@ -15,8 +15,8 @@ thread per instance. A pool never grows past its `--max-pool-size`.
 
 A switch moves an instance between pools in place (`gateway/role_switch.py`): `fit`
 says whether its configuration suits the other pool (TP and PP sizes, model, dtype,
-quantization, device, block size, the pool's Ray resources, the pool's size cap); `move`
-makes the supervisor keep it, and restart it, in the new pool.
+quantization, KV cache dtype, device, block size, the pool's Ray resources, the pool's size
+cap); `move` makes the supervisor keep it, and restart it, in the new pool.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ FITTING = (
     "pipeline_parallel_size",
     "dtype",
     "quantization",
+    "kv_cache_dtype",
     "device",
     "block_size",
 )

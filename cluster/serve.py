@@ -202,10 +202,12 @@ def instance_summary(info: InstanceInfo) -> str:
     weights = f", weights {info.weight_bytes / 2**20:.0f} MiB" if info.weight_bytes else ""
     if weights and info.quantization:
         weights += f" ({info.quantization})"
+    kv = f" ({info.kv_cache_dtype}, {info.kv_bytes_per_token} bytes/token)"
     return (
         f"pdserve: {info.address.instance_id}: {model}, {info.dtype or '?'} on "
         f"{info.device or '?'}{weights}, {info.num_blocks} KV blocks x {info.block_size} = "
-        f"{info.num_blocks * info.block_size} tokens, {fit} requests of "
+        f"{info.num_blocks * info.block_size} tokens{kv if info.kv_cache_dtype else ''}, "
+        f"{fit} requests of "
         f"{info.max_model_len} tokens (max_model_len) fit at once"
         + (f"; kernels: {info.kernels}" if info.kernels else "")
     )

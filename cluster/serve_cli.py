@@ -11,6 +11,7 @@ from pdserve.cluster.exposure import ExposureError, check_exposure
 from pdserve.cluster.help_format import DefaultsHelpFormatter
 from pdserve.cluster.ops_flags import add_debug_flags, add_observability_flags
 from pdserve.cluster.placement import DEVICES
+from pdserve.engine.config import KV_CACHE_DTYPES
 from pdserve.gateway.routing import DEFAULT_POLICY, POLICIES
 from pdserve.gateway.structured import StructuredOutputsConfig, check_structured_outputs_config
 from pdserve.gateway.tool_parsers import PARSERS
@@ -159,6 +160,13 @@ def _add_precision_flags(model: argparse._ArgumentGroup) -> None:
         metavar="METHOD",
         help="quantize the weights at load: int8 (the decoder layers' matrices as int8 with "
         "one scale per 16 inputs, CPU; docs/quantization.md) (default: none)",
+    )
+    model.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="the KV cache's dtype: auto (the model's), or FP8, one byte an element with "
+        "one scale per layer's keys and values (fp8 = fp8_e4m3; CPU; docs/quantization.md)",
     )
 
 

@@ -318,9 +318,12 @@ class InstanceInfo(msgspec.Struct, frozen=True):
     # Which attention/fused-op implementation runs (C kernels, Triton or the torch
     # references, and why), so operators see a missing fast path at startup.
     kernels: str = ""
-    # What the startup summary names: the KV cache's dtype and the engine's device.
+    # What the startup summary names: the model's dtype and the engine's device.
     dtype: str = ""
     device: str = ""
+    # The KV cache's dtype (e.g. float8_e4m3fn) and its bytes per token, every rank's.
+    kv_cache_dtype: str = ""
+    kv_bytes_per_token: int = 0
     # Bytes of the weights a rank holds, and how they are quantized ("" for none).
     weight_bytes: int = 0
     quantization: str = ""

@@ -15,7 +15,8 @@ processes with a pipe each by default); which GPU each rank uses: `devices.py`.
 
 Also here: the model definitions (`models/`), checkpoints and loading (`checkpoint.py`,
 `loader.py`, `safetensors_reader.py`; a checkpoint's own `quantization_config` is
-refused by name), weight-only int8 applied at load (`models/int8.py`: `--quantization
+refused by name; an FP8 KV cache's per-layer scales: `kv_scales.py`), weight-only int8
+applied at load (`models/int8.py`: `--quantization
 int8`, each decoder layer's matrices int8 with one scale per group of 16 inputs,
 quantized as their tensors are read), the embedded model (`embedded.py`), where a
 model's files are (`model_source.py`: a folder, a GGUF file, or a Hugging Face id from

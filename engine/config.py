@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16", "float16")
 # Weight quantizations applied at load to a 16/32-bit checkpoint (vLLM's spelling).
 QUANTIZATIONS = ("int8",)
+# The KV cache's dtype (vLLM's spelling): auto the model's dtype; fp8 is fp8_e4m3.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+_FP8_TORCH_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 GiB = 1 << 30
 
 
@@ -35,6 +38,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # None: weights in `dtype`; "int8": the decoder layers' matrices as int8 with one scale
     # per group of 16 inputs, quantized at load (engine/models/int8.py; CPU only).
     quantization: str | None = None
+    # auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte an element, with one
+    # k_scale and one v_scale per layer (the checkpoint's, else 1; CPU only).
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -63,6 +69,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         self._check_quantization()
+        self._check_kv_cache_dtype()
         for name in (
             "block_size",
             "max_num_seqs",
@@ -93,6 +100,22 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 f"quantization {self.quantization} runs on CPU (its C kernels); "
                 f"it is not built for device {self.device}"
             )
+
+    def _check_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype != "auto" and self.device != "cpu":
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype} runs on CPU (its C kernels); the CUDA "
+                f"kernels have no FP8 KV cache (device {self.device}): use auto there"
+            )
+
+    def kv_dtype_name(self, model_dtype: str) -> str:
+        """The KV cache's torch dtype name for a model computing in `model_dtype`."""
+        return _FP8_TORCH_NAMES.get(self.kv_cache_dtype, model_dtype)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -76,7 +76,8 @@ class SafetensorsReader:
         return out
 
     def _read_into(self, out: torch.Tensor, offset: int) -> torch.Tensor:
-        view = out.view(torch.uint8).numpy().data.cast("B")
+        # reshape: a 0-d tensor (a per-tensor scale) as one element, no copy
+        view = out.reshape(-1).view(torch.uint8).numpy().data.cast("B")
         done = 0
         while done < len(view):
             got = os.preadv(self._fd, [view[done:]], offset + done)

@@ -27,7 +27,7 @@ class KVGeometry(msgspec.Struct, frozen=True):
     num_kv_heads: int  # on this rank
     head_dim: int
     block_size: int
-    dtype: str  # float32 | bfloat16 | float16
+    dtype: str  # float32 | bfloat16 | float16 | float8_e4m3fn | float8_e5m2
     num_blocks: int
     # Pipeline parallel: this rank's stage holds layers [first_layer, first_layer +
     # num_layers) of the model's model_layers (0: num_layers, no pipeline).
@@ -35,6 +35,16 @@ class KVGeometry(msgspec.Struct, frozen=True):
     model_layers: int = 0
     pipeline_stage: int = 0
     pipeline_parallel_size: int = 1
+    # An FP8 cache's k_scale and v_scale of every model layer (empty for 16/32 bits).
+    k_scales: list[float] = []
+    v_scales: list[float] = []
+
+    def bytes_per_token(self, tp_size: int) -> int:
+        """KV bytes of one token on the whole instance (`tp_size` ranks of this one's
+        heads, every stage's layers): keys and values."""
+        itemsize = 1 if self.dtype.startswith("float8") else 4 if self.dtype == "float32" else 2
+        layers = self.model_layers or self.num_layers
+        return 2 * layers * self.num_kv_heads * tp_size * self.head_dim * itemsize
 
 
 class WorkerInfo(msgspec.Struct, frozen=True):
@@ -55,6 +65,8 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     load_peak_memory_bytes: int = 0
     # How the matrices are held when not in the serving dtype, e.g. "GGUF Q4_1".
     weight_format: str = ""
+    # The dtype the model computes in (the KV cache's is `kv.dtype`).
+    dtype: str = ""
 
 
 class NewRequest(msgspec.Struct, array_like=True):

@@ -34,6 +34,7 @@ from pdserve.engine.embedded import embedded_model_path
 from pdserve.engine.executor import RankConnector
 from pdserve.engine.grammar import GrammarBook
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
+from pdserve.engine.kv_scales import KVScales, read_kv_scales, set_kv_scales
 from pdserve.engine.loader import load_model
 from pdserve.engine.models.packed import weight_format
 from pdserve.engine.parallel import TensorParallel, check_tp_size
@@ -127,13 +128,8 @@ class ModelWorker:
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
-        shape = KVCacheShape(
-            num_layers=stage.num_layers,  # a stage's cache holds only its layers
-            num_kv_heads=mc.num_key_value_heads // self.tp.size,
-            head_dim=mc.head_dim,
-            block_size=config.block_size,
-            dtype=self.dtype,
-        )
+        model_dtype = str(self.dtype).removeprefix("torch.")
+        shape, scales = self._kv_shape(mc, stage, model_dtype)
         num_blocks = self._num_blocks(shape, free_before_load)
         if stage.enabled:  # block ids are shared by the stages: the smallest pool bounds them
             num_blocks = stage.agree_min(num_blocks, self.device)
@@ -160,12 +156,14 @@ class ModelWorker:
             num_kv_heads=shape.num_kv_heads,
             head_dim=shape.head_dim,
             block_size=shape.block_size,
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=str(shape.dtype).removeprefix("torch."),
             num_blocks=self.kv_cache.num_blocks,
             first_layer=stage.layer_start,
             model_layers=mc.num_hidden_layers,
             pipeline_stage=stage.stage,
             pipeline_parallel_size=stage.size,
+            k_scales=scales.k if scales is not None else [],
+            v_scales=scales.v if scales is not None else [],
         )
         addresses = []
         if self.connector is not None:
@@ -182,7 +180,27 @@ class ModelWorker:
             weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
             load_peak_memory_bytes=max(0, _peak_resident_bytes() - rss_before),
             weight_format=weight_format(self.model),
+            dtype=model_dtype,
         )
+
+    def _kv_shape(
+        self, mc: ModelConfig, stage: PipelineStage, model_dtype: str
+    ) -> tuple[KVCacheShape, KVScales | None]:
+        """This rank's KV cache in the model's dtype or FP8; an FP8 cache's layers get
+        their scales (the checkpoint's, else 1)."""
+        kv_dtype = self.config.kv_dtype_name(model_dtype)
+        scales = None
+        if kv_dtype != model_dtype:
+            scales = read_kv_scales(self.model_path, mc.num_hidden_layers)
+            set_kv_scales(self.model.layers, scales)
+        shape = KVCacheShape(
+            num_layers=stage.num_layers,  # a stage's cache holds only its layers
+            num_kv_heads=mc.num_key_value_heads // self.tp.size,
+            head_dim=mc.head_dim,
+            block_size=self.config.block_size,
+            dtype=getattr(torch, kv_dtype),
+        )
+        return shape, scales
 
     def _check_split(self, mc: ModelConfig) -> None:
         """The model's shapes split this rank's way (an int8 split keeps groups whole)."""

@@ -6,6 +6,9 @@ rules need no per-deployment editing.
   gauge at 0 would read as an SLO every request misses);
 - `pdserve:max_num_seqs{role, instance}`: each instance's running seats
   (`--max-num-seqs`), as the instance reported them when it registered;
+- `pdserve:kv_cache_bytes_per_token{role, instance, kv_cache_dtype}`: the KV bytes one
+  token takes on each instance (all its ranks), labelled by the cache's dtype
+  (`--kv-cache-dtype`), as the instance reported them when it registered;
 - `pdserve:pool_size{role}` and `pdserve:pool_instances_up{role}`: the instances a
   pool should have (planned at start, or set by `/admin/pools/{role}/scale`; drained
   ones leave it) and those of them loaded and heard from, read at each scrape.
@@ -74,6 +77,12 @@ class DeploymentSeries:
             "Requests the instance runs at once (--max-num-seqs)",
             ("role", "instance"),
         )
+        self.kv_bytes_per_token = Gauge(
+            PREFIX + "kv_cache_bytes_per_token",
+            "KV cache bytes one token takes on the instance, all its ranks (--kv-cache-dtype)",
+            ("role", "instance", "kv_cache_dtype"),
+            registry=registry,
+        )
         self.ttft_slo: Gauge | None = None
 
     def set_ttft_slo(self, seconds: float) -> None:
@@ -86,6 +95,9 @@ class DeploymentSeries:
 
     def set_max_num_seqs(self, role: str, instance: str, seats: int) -> None:
         self.max_num_seqs.labels(role, instance).set(seats)
+
+    def set_kv_cache(self, role: str, instance: str, dtype: str, bytes_per_token: int) -> None:
+        self.kv_bytes_per_token.labels(role, instance, dtype).set(bytes_per_token)
 
     def watch_pools(self, read: PoolReader) -> None:
         """`read`: each pool's size and live instances now (called at every scrape)."""

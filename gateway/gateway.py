@@ -198,6 +198,13 @@ class Gateway:
         self.metrics.deployment.set_max_num_seqs(
             info.address.role, info.address.instance_id, info.max_num_seqs
         )
+        if info.kv_cache_dtype:
+            self.metrics.deployment.set_kv_cache(
+                info.address.role,
+                info.address.instance_id,
+                info.kv_cache_dtype,
+                info.kv_bytes_per_token,
+            )
 
     def instance_lost(self, instance_id: str, reason: str) -> None:
         self.dispatcher.instance_lost(instance_id, reason)

@@ -127,8 +127,12 @@ class StepLoop:
             generation_defaults=dict(engine.info.generation_defaults),
             pid=os.getpid(),
             kernels=engine.kernels_status(),
-            dtype=engine.info.kv.dtype,
+            dtype=engine.info.dtype or engine.info.kv.dtype,
             device=self.engine_config.device,
+            kv_cache_dtype=engine.info.kv.dtype,
+            kv_bytes_per_token=engine.info.kv.bytes_per_token(
+                self.engine_config.tensor_parallel_size
+            ),
             weight_bytes=engine.info.weight_bytes,
             quantization=self.engine_config.quantization or engine.info.weight_format,
             epoch=self.io.epoch,

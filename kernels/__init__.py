@@ -18,7 +18,9 @@
   one scale per group of inputs), and the GGUF block formats Q8_0, Q4_0, Q4_1 and the
   K-quants Q4_K, Q5_K, Q6_K kept packed with their scales (`cpu/linear_gguf.c`,
   `cpu/linear_kquant.c`, bound there too; `gguf_blocks.py` their sizes, dequantization
-  and reference, `gguf_kquants.py` the K-quants' dequantization). `cpu_kernels_status()` says which
+  and reference, `gguf_kquants.py` the K-quants' dequantization). A KV cache may hold
+  FP8 (e4m3 or e5m2, one scale per layer's keys and values): the write quantizes,
+  attention widens through float16 bits (`cpu/common.h`). `cpu_kernels_status()` says which
   implementation is active.
 - Plain-torch references of the same signatures (`reference.py`), and the dispatch
   between them (`dispatch.py`, `ops.py`, `attention.py`).
@@ -28,6 +30,7 @@ from pdserve.kernels.attention import (
     AttentionMetadata,
     attend_cached,
     decode_attention,
+    kv_scale_args,
     paged_attention,
     prefill_attention,
     rotary_write_kv_cache,
@@ -48,6 +51,7 @@ __all__ = [
     "attend_cached",
     "cpu_kernels_status",
     "decode_attention",
+    "kv_scale_args",
     "linear",
     "linear_gguf",
     "linear_int8",

@@ -50,6 +50,14 @@ prefill_attention = dispatch.dispatched(reference.prefill_attention_ref)
 rotary_write_kv_cache = dispatch.dispatched(reference.rotary_write_kv_cache_ref, like=1)
 
 
+def kv_scale_args(kv_cache: Tensor, k_scale: float, v_scale: float) -> dict[str, float]:
+    """The keyword arguments that pass a layer's KV scales to the cache ops: none for a
+    16/32-bit cache (whose ops, the CUDA ones included, take no scale)."""
+    if not reference.is_fp8(kv_cache):
+        return {}
+    return {"k_scale": k_scale, "v_scale": v_scale}
+
+
 def paged_attention(
     query: Tensor,
     key: Tensor,
@@ -57,20 +65,40 @@ def paged_attention(
     kv_cache: Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
     """Store this step's keys/values, then attend: [num_tokens, num_heads, head_dim]."""
-    write_kv_cache(key, value, kv_cache, meta.slot_mapping)
-    return attend_cached(query, kv_cache, meta, scale)
+    scales = kv_scale_args(kv_cache, k_scale, v_scale)
+    write_kv_cache(key, value, kv_cache, meta.slot_mapping, **scales)
+    return attend_cached(query, kv_cache, meta, scale, k_scale=k_scale, v_scale=v_scale)
 
 
-def attend_cached(query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+def attend_cached(
+    query: Tensor,
+    kv_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> Tensor:
     """Attention of the step's queries over the cache, which already holds the step's
     keys/values (`paged_attention` after its write): [num_tokens, num_heads, head_dim]."""
     out = torch.empty_like(query)
     nd = meta.num_decode_seqs
+    scales = kv_scale_args(kv_cache, k_scale, v_scale)
     if nd == meta.num_seqs == query.shape[0]:  # decodes only: no views to cut
         decode_attention(
-            query, kv_cache, meta.block_tables, meta.context_lens, scale, meta.sliding_window, out
+            query,
+            kv_cache,
+            meta.block_tables,
+            meta.context_lens,
+            scale,
+            meta.sliding_window,
+            out,
+            **scales,
         )
         return out
     if nd:
@@ -82,6 +110,7 @@ def attend_cached(query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scal
             scale,
             meta.sliding_window,
             out[:nd],
+            **scales,
         )
     if nd < meta.num_seqs:
         starts = meta.query_start_loc[nd:] - nd
@@ -94,5 +123,6 @@ def attend_cached(query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scal
             scale,
             meta.sliding_window,
             out[nd:],
+            **scales,
         )
     return out

@@ -15,6 +15,8 @@ from pdserve.kernels.shapes import check_kv_layout
 Tensor = torch.Tensor
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# A KV cache may also hold FP8 (kernels/cpu/common.h: DT_E4M3, DT_E5M2).
+CACHE_DTYPES = {**DTYPES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 _INDEX = {torch.int32: 0, torch.int64: 1}
 _ERRORS = {
     -1: "slot_mapping[{i}] points past the KV cache's last block",
@@ -90,8 +92,24 @@ def cache_fields(kv_cache: Tensor, head_dim: int) -> tuple[int, ...]:
         raise ValueError("kv_cache must be contiguous along head_dim (the KV layout contract)")
     if not kv_cache.is_cpu:
         raise ValueError(f"kv_cache must be on the CPU, got {kv_cache.device}")
-    code = dtype_code("kv_cache", kv_cache)
+    code = CACHE_DTYPES.get(kv_cache.dtype)
+    if code is None:
+        raise TypeError(
+            f"kv_cache must be float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, "
+            f"got {kv_cache.dtype}"
+        )
     return shape[0], shape[2], shape[3], kv_cache.data_ptr(), code, c[0], c[1], c[2], c[3]
+
+
+def kv_scale_fields(kv_cache: Tensor, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """The per-tensor scales an FP8 cache is written and read with; a 16/32-bit cache
+    has none, so a scale other than 1 there is a caller's mistake, not ignored."""
+    if kv_cache.element_size() == 1:
+        if not (k_scale > 0 and v_scale > 0):  # also refuses NaN
+            raise ValueError(f"k_scale and v_scale must be positive, got {k_scale}, {v_scale}")
+    elif k_scale != 1.0 or v_scale != 1.0:
+        raise ValueError(f"k_scale/v_scale apply to an FP8 KV cache, not {kv_cache.dtype}")
+    return float(k_scale), float(v_scale)
 
 
 def row_count(x: Tensor) -> int:

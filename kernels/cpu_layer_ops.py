@@ -11,7 +11,14 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels import reference
-from pdserve.kernels.cpu_fields import as_rows, cache_fields, dtype_code, index_code, row_count
+from pdserve.kernels.cpu_fields import (
+    as_rows,
+    cache_fields,
+    dtype_code,
+    index_code,
+    kv_scale_fields,
+    row_count,
+)
 from pdserve.kernels.cpu_ops import CpuKernels
 from pdserve.kernels.shapes import check_heads
 
@@ -34,6 +41,9 @@ class CpuLayerOps:
         kv_cache: Tensor,
         slot_mapping: Tensor,
         num_heads: int,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> Tensor:
         """`reference.rotary_write_kv_cache_ref`: the rotated query comes back, the rotated
         keys and the values go to their slots; qkv's rows may be strided."""
@@ -63,6 +73,7 @@ class CpuLayerOps:
             *(slot_mapping.data_ptr(), index_code("slot_mapping", slot_mapping)),
             *(num_tokens, num_heads, cache[1], d, cache[2], cache[0]),
             torch.get_num_threads(),
+            *kv_scale_fields(kv_cache, k_scale, v_scale),
         )
         return query
 

@@ -33,6 +33,7 @@ from pdserve.kernels.cpu_fields import (
     cache_fields,
     dtype_code,
     index_code,
+    kv_scale_fields,
     linear_io,
     row_count,
     shaped_like,
@@ -47,12 +48,14 @@ Tensor = torch.Tensor
 # struct's (kernels/cpu/*.c), checked against its size at load time. One packed
 # argument keeps a call at a few microseconds, where 35 ctypes arguments cost ~15.
 _CALLS = {
-    # key, value, cache, slots (pointer, dtype code, strides each), then shapes, threads.
-    "write": ("pd_write_kv_cache", struct.Struct("<26q")),
-    # query, cache, tables, lens, out, then shapes; scale; window, threads (pd_attention_call).
-    "decode": ("pd_decode_attention", struct.Struct("<30qd3q")),
+    # key, value, cache, slots (pointer, dtype code, strides each), then shapes, threads;
+    # k_scale, v_scale.
+    "write": ("pd_write_kv_cache", struct.Struct("<25q2dq")),
+    # query, cache, tables, lens, out, then shapes; scale; window, threads; k_scale,
+    # v_scale (pd_attention_call).
+    "decode": ("pd_decode_attention", struct.Struct("<30qd2q2dq")),
     # query_start_loc, num_tokens, then a decode call's fields.
-    "prefill": ("pd_prefill_attention", struct.Struct("<4q30qd3q")),
+    "prefill": ("pd_prefill_attention", struct.Struct("<4q30qd2q2dq")),
     # x, its row stride, weight, its dtype, its row stride, bias, bias dtype, y, its row
     # stride, then m, n, k, bf16 dot products (0/1), threads.
     "linear": ("pd_linear", struct.Struct("<15q")),
@@ -63,8 +66,8 @@ _CALLS = {
     # dtype, y, its row stride, then m, n, k, threads (kernels/cpu/linear_gguf.c).
     "linear_gguf": ("pd_linear_gguf", struct.Struct("<14q")),
     # qkv, positions, cos/sin (and its rows), q_out, cache, slots (pointer, dtype code,
-    # strides each), then shapes, threads.
-    "rotary": ("pd_rotary_write_kv_cache", struct.Struct("<30q")),
+    # strides each), then shapes, threads; k_scale, v_scale.
+    "rotary": ("pd_rotary_write_kv_cache", struct.Struct("<29q2dq")),
     # x, residual, weight, out, residual out (pointer and row stride each, the weight's
     # pointer only), rows, n, threads; eps.
     "norm": ("pd_rms_norm", struct.Struct("<12qdq")),
@@ -100,7 +103,16 @@ class CpuKernels:
         linear = "bf16 dot-product" if self.bf16_dot else "float32"
         return f"C kernels ({self.build_info}; {linear} bf16 linear; {self.path.name})"
 
-    def write_kv_cache(self, key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tensor) -> None:
+    def write_kv_cache(
+        self,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        slots: Tensor,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
         shape = key.shape
         cache = cache_fields(kv_cache, shape[-1])
         if len(shape) != 3 or shape[1] != cache[1] or value.shape != shape:
@@ -119,6 +131,7 @@ class CpuKernels:
             *cache[3:],
             *(slots.data_ptr(), index_code("slot_mapping", slots), slots.stride(0)),
             *(shape[0], cache[1], cache[2], shape[2], cache[0], torch.get_num_threads()),
+            *kv_scale_fields(kv_cache, k_scale, v_scale),
         )
 
     def decode_attention(
@@ -130,6 +143,9 @@ class CpuKernels:
         scale: float,
         sliding_window: int | None = None,
         out: Tensor | None = None,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> Tensor:
         if out is None:
             out = torch.empty_like(query)
@@ -137,7 +153,10 @@ class CpuKernels:
         if num_seqs == 0:
             return out
         fields = _attention_fields(query, kv_cache, block_tables, context_lens, out, num_seqs)
-        self.decode_call.run(*fields, scale, window_field(sliding_window), torch.get_num_threads())
+        self.decode_call.run(
+            *(*fields, scale, window_field(sliding_window), torch.get_num_threads()),
+            *kv_scale_fields(kv_cache, k_scale, v_scale),
+        )
         return out
 
     def prefill_attention(
@@ -150,6 +169,9 @@ class CpuKernels:
         scale: float,
         sliding_window: int | None = None,
         out: Tensor | None = None,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> Tensor:
         if out is None:
             out = torch.empty_like(query)
@@ -173,6 +195,7 @@ class CpuKernels:
             ),
             *fields,
             *(scale, window_field(sliding_window), torch.get_num_threads()),
+            *kv_scale_fields(kv_cache, k_scale, v_scale),
         )
         return out
 

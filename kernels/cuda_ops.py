@@ -142,15 +142,26 @@ def _writing_out(op: Callable[..., None], reference_fn: Callable[P, Tensor]) -> 
     signature of the op's reference, `out` allocated like the query (the first argument)
     where the caller gives none."""
     signature = inspect.signature(reference_fn)
-    arity = len(signature.parameters)
+    # The keyword-only parameters (an FP8 cache's scales) have no CUDA kernel: the
+    # engine refuses an FP8 KV cache on CUDA at startup, and a call naming them here
+    # fails rather than having them ignored.
+    positional = [
+        p.name for p in signature.parameters.values() if p.kind != inspect.Parameter.KEYWORD_ONLY
+    ]
+    arity = len(positional)
 
     @functools.wraps(reference_fn)
     def call(*args: P.args, **kwargs: P.kwargs) -> Tensor:
         values: tuple[Any, ...] = args
         if kwargs or len(args) != arity:  # the engine's calls pass every argument in order
+            extra = sorted(set(kwargs) - set(positional))
+            if extra:
+                raise NotImplementedError(
+                    f"{', '.join(extra)}: the CUDA kernels have no FP8 KV cache"
+                )
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
-            values = tuple(bound.arguments.values())
+            values = tuple(bound.arguments[name] for name in positional)
         *inputs, out = values
         if out is None:
             out = torch.empty_like(inputs[0])

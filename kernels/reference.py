@@ -12,6 +12,11 @@ Token slots: slot = block_id * block_size + offset_in_block; a negative slot is 
 Block tables: block_tables[s, i] is the i-th block of sequence s; entries past
 ceil(context_len / block_size) are ignored and may hold any valid block id.
 Sliding window W: the query at position p sees keys at positions p - W < j <= p.
+
+FP8 KV cache (float8_e4m3fn or float8_e5m2): one k_scale and one v_scale per layer, as
+vLLM has them. A key is stored as fp8(key / k_scale), rounded to nearest even and
+saturated at the format's largest finite value (never inf/NaN), and read as
+float32(fp8) * k_scale; values likewise with v_scale. A 16/32-bit cache takes no scale.
 """
 
 from __future__ import annotations
@@ -22,24 +27,66 @@ from pdserve.kernels.shapes import int8_group_size
 
 Tensor = torch.Tensor
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-def write_kv_cache_ref(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Scatter key/value [num_tokens, num_kv_heads, head_dim] into their slots."""
+
+def is_fp8(kv_cache: Tensor) -> bool:
+    return kv_cache.dtype in FP8_DTYPES
+
+
+def to_fp8(x: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
+    """x / scale in the FP8 dtype: nearest even, saturated at the largest finite value
+    (torch's own conversion gives NaN or inf past it)."""
+    largest = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-largest, largest).to(dtype)
+
+
+def _cache_values(x: Tensor, kv_cache: Tensor, scale: float) -> Tensor:
+    """x as the cache stores it."""
+    return to_fp8(x, scale, kv_cache.dtype) if is_fp8(kv_cache) else x.to(kv_cache.dtype)
+
+
+def _read(kv: Tensor, scale: float) -> Tensor:
+    """Cached keys or values in float32 (an FP8 cache's times its scale)."""
+    return kv.float() * scale if kv.dtype in FP8_DTYPES else kv.float()
+
+
+def write_kv_cache_ref(
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Scatter key/value [num_tokens, num_kv_heads, head_dim] into their slots (an FP8
+    cache's as fp8(x / scale))."""
     block_size = kv_cache.shape[3]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping - blocks * block_size
-    kv_cache[blocks, 0, :, offsets, :] = key.to(kv_cache.dtype)
-    kv_cache[blocks, 1, :, offsets, :] = value.to(kv_cache.dtype)
+    # FP8 through its bytes: indexed writes need no FP8 support of their own.
+    target = kv_cache.view(torch.uint8) if is_fp8(kv_cache) else kv_cache
+    keys, values = _cache_values(key, kv_cache, k_scale), _cache_values(value, kv_cache, v_scale)
+    target[blocks, 0, :, offsets, :] = keys.view(target.dtype)
+    target[blocks, 1, :, offsets, :] = values.view(target.dtype)
+
+
+def _blocks(kv_cache: Tensor, ids: Tensor) -> Tensor:
+    """kv_cache[ids] (an FP8 cache's gathered through its bytes)."""
+    if is_fp8(kv_cache):
+        return kv_cache.view(torch.uint8)[ids].view(kv_cache.dtype)
+    return kv_cache[ids]
 
 
 def _gather_kv(kv_cache: Tensor, block_table: Tensor, num_tokens: int) -> tuple[Tensor, Tensor]:
     """Keys and values of one sequence as [num_kv_heads, num_tokens, head_dim]."""
     block_size = kv_cache.shape[3]
     num_blocks = -(-num_tokens // block_size)
-    blocks = kv_cache[block_table[:num_blocks].long()]  # [nb, 2, kvh, bs, d]
+    blocks = _blocks(kv_cache, block_table[:num_blocks].long())  # [nb, 2, kvh, bs, d]
     kvh, d = blocks.shape[2], blocks.shape[4]
     kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, kvh, num_blocks * block_size, d)
     return kv[0, :, :num_tokens], kv[1, :, :num_tokens]
@@ -62,6 +109,9 @@ def decode_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     out: Tensor | None = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
     """One query token per sequence: query [num_seqs, num_heads, head_dim].
 
@@ -79,11 +129,11 @@ def decode_attention_ref(
     max_len = int(lens.max())
     num_blocks = -(-max_len // block_size)
     # Gather every sequence's blocks at once: [S, nb, 2, kvh, bs, d] -> [S, 2, kvh, nb*bs, d].
-    blocks = kv_cache[block_tables[:, :num_blocks].long()]
+    blocks = _blocks(kv_cache, block_tables[:, :num_blocks].long())
     kv = blocks.permute(0, 2, 3, 1, 4, 5).reshape(
         num_seqs, 2, num_kv_heads, num_blocks * block_size, head_dim
     )
-    keys, values = kv[:, 0].float(), kv[:, 1].float()
+    keys, values = _read(kv[:, 0], k_scale), _read(kv[:, 1], v_scale)
     q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [S, kvh, g, L]
     positions = torch.arange(num_blocks * block_size, device=query.device)
@@ -107,6 +157,9 @@ def prefill_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     out: Tensor | None = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
     """Ragged causal attention of new tokens over the cached prefix plus themselves.
 
@@ -127,8 +180,8 @@ def prefill_attention_ref(
         if q_len == 0:
             continue
         keys, values = _gather_kv(kv_cache, block_tables[s], context_len)
-        keys = keys.float().repeat_interleave(group, dim=0)  # [h, L, d]
-        values = values.float().repeat_interleave(group, dim=0)
+        keys = _read(keys, k_scale).repeat_interleave(group, dim=0)  # [h, L, d]
+        values = _read(values, v_scale).repeat_interleave(group, dim=0)
         q = query[q_start:q_end].float().transpose(0, 1)  # [h, q, d]
         scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [h, q, L]
         q_pos = torch.arange(context_len - q_len, context_len, device=query.device)
@@ -191,13 +244,16 @@ def rotary_write_kv_cache_ref(
     kv_cache: Tensor,
     slot_mapping: Tensor,
     num_heads: int,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
     """Rotary embedding of the query and key heads of a fused QKV projection's output,
     then the rotated keys and the values written to their slots (`write_kv_cache_ref`);
     returns the rotated query [T, num_heads, head_dim] in qkv's dtype."""
     query, key, value = split_qkv(qkv, num_heads, kv_cache)
     query, key = rotary_embedding_ref(positions, query, key, cos_sin_cache)
-    write_kv_cache_ref(key, value, kv_cache, slot_mapping)
+    write_kv_cache_ref(key, value, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     return query
 
 

@@ -54,6 +54,8 @@ def layout_of(shape: KVShape, tp_size: int = 1) -> KVLayout:
         head_dim=shape.head_dim,
         dtype=dtype,
         pipeline_parallel_size=getattr(shape, "pipeline_parallel_size", 1),
+        k_scales=list(getattr(shape, "k_scales", [])),
+        v_scales=list(getattr(shape, "v_scales", [])),
     )
 
 
@@ -75,11 +77,15 @@ def check_compatible(local: KVLayout, remote: KVLayout, remote_name: str) -> Non
         "dtype",
         "pipeline_parallel_size",
     )
-    diffs = [
-        f"{name} {getattr(remote, name)} there vs {getattr(local, name)} here"
-        for name in fields
-        if getattr(local, name) != getattr(remote, name)
-    ]
+    diffs = []
+    for name in fields:
+        ours, theirs = getattr(local, name), getattr(remote, name)
+        if ours != theirs:
+            hint = " (--kv-cache-dtype must be the same on both)" if name == "dtype" else ""
+            diffs.append(f"{name} {theirs} there vs {ours} here{hint}")
+    for name in ("k_scales", "v_scales"):  # blocks are read with the writer's scales
+        if local.dtype == remote.dtype and getattr(local, name) != getattr(remote, name):
+            diffs.append(f"{name} differ (an FP8 KV cache's scales of another checkpoint)")
     if diffs:
         raise KVLayoutMismatch(f"KV layout mismatch with {remote_name}: " + "; ".join(diffs))
 

@@ -41,9 +41,13 @@ class KVLayout(msgspec.Struct, frozen=True):
     num_layers: int  # all stages together
     num_kv_heads: int  # all ranks together
     head_dim: int
-    dtype: str  # "bfloat16", "float32", ...
+    dtype: str  # "bfloat16", "float32", "float8_e4m3fn", ...
     # Both sides must use the same stages: stage s's layers move to stage s.
     pipeline_parallel_size: int = 1
+    # An FP8 cache's k_scale and v_scale of every layer: blocks written with one side's
+    # scales are read with the other's, so both must agree (empty for 16/32 bits).
+    k_scales: list[float] = []
+    v_scales: list[float] = []
 
     @property
     def itemsize(self) -> int:

@@ -38,7 +38,10 @@ DTYPE_BYTES = {
 INT4_GROUP_SIZE = 128
 INT4_METADATA_BYTES_PER_GROUP = 4.0  # FP16 scale + FP16 zero point
 INT8_METADATA_BYTES_PER_GROUP = 4.0  # one FP32 scale (engine/models/int8.py)
-KV_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half", "fp8", "int8")
+KV_DTYPES = (
+    *("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half"),
+    *("fp8", "fp8_e4m3", "fp8_e5m2", "int8"),  # `pdserve serve --kv-cache-dtype` has the fp8s
+)
 
 RUNTIME_GIB = (0.5, 1.0)  # CUDA context, allocator slack
 NCCL_GIB = (0.25, 0.5)  # only with tensor parallelism

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.kv_scales import is_kv_scale
 from pdserve.engine.models.int8 import Int8Linears
 from pdserve.engine.models.packed import project
 from pdserve.engine.models.rope import cos_sin_cache
@@ -70,6 +71,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.layer_index = layer_index
         self.qkv_scales = self.o_scales = None  # per-group scales of int8 weights (int8.py)
+        # An FP8 KV cache's k_scale and v_scale (engine/kv_scales.py); none for 16/32 bits.
+        self.kv_scales: dict[str, float] = {}
 
     def forward(
         self,
@@ -81,11 +84,12 @@ class Attention(nn.Module):
     ) -> Tensor:
         n = hidden.shape[0]
         qkv = project(hidden, self.qkv_weight, self.qkv_bias, self.qkv_scales)
+        kv_scales = self.kv_scales
         if self.q_norm is None:  # rotary and the KV write in one op, straight from qkv
             q = rotary_write_kv_cache(
-                positions, qkv, cos_sin, kv_cache, meta.slot_mapping, self.num_heads
+                positions, qkv, cos_sin, kv_cache, meta.slot_mapping, self.num_heads, **kv_scales
             )
-            attn = attend_cached(q, kv_cache, meta, self.scale)
+            attn = attend_cached(q, kv_cache, meta, self.scale, **kv_scales)
         else:
             attn = self._attend_normed(positions, qkv, kv_cache, meta, cos_sin)
         attn = attn.reshape(n, self.q_size)
@@ -105,7 +109,7 @@ class Attention(nn.Module):
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         q, k = rotary_embedding(positions, self.q_norm(q), self.k_norm(k), cos_sin)
-        return paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return paged_attention(q, k, v, kv_cache, meta, self.scale, **self.kv_scales)
 
 
 class MLP(nn.Module):
@@ -281,9 +285,10 @@ class LlamaForCausalLM(nn.Module):
 
     def holds(self, name: str) -> bool:
         """Whether this stage reads the tensor at all (other stages' layers, and the
-        embedding, norm and head where they do not live, stay unread in the file)."""
+        embedding, norm and head where they do not live, stay unread in the file); an FP8
+        KV cache's scales are engine/kv_scales.py's."""
         if name.startswith("model.layers."):
-            return self.stage.holds_layer(int(name.split(".")[2]))
+            return self.stage.holds_layer(int(name.split(".")[2])) and not is_kv_scale(name)
         if name == "model.embed_tokens.weight":
             return self.embed is not None
         if name == "model.norm.weight":

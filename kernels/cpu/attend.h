@@ -240,12 +240,12 @@ ALWAYS_INLINE void begin_row(const attention_args *A, int64_t token, int head, f
     *l = 0.0f;
 }
 
-/* Output row (token, head): the accumulator over the softmax sum (zeros where no key
- * was seen). */
+/* Output row (token, head): the accumulator over the softmax sum, times the values'
+ * read scale (zeros where no key was seen). */
 ALWAYS_INLINE void end_row(const attention_args *A, int64_t token, int head, const float *acc,
                            float l) {
     store_row(A->out.data, A->out.dt, token * A->out.s0 + head * A->out.s1, A->out.s2,
-              A->head_dim, acc, l > 0.0f ? 1.0f / l : 0.0f);
+              A->head_dim, acc, l > 0.0f ? A->vmul / l : 0.0f);
 }
 
 /* The (cache dtype, head_dim) specialisations each kernel compiles its loop for: head_dim
@@ -256,12 +256,18 @@ ALWAYS_INLINE void end_row(const attention_args *A, int64_t token, int head, con
     MAKE(p##_f32_d64, DT_F32, 64) MAKE(p##_f32_d128, DT_F32, 128) MAKE(p##_f32_any, DT_F32, 0) \
     MAKE(p##_bf16_d64, DT_BF16, 64) MAKE(p##_bf16_d128, DT_BF16, 128)                          \
     MAKE(p##_bf16_any, DT_BF16, 0) MAKE(p##_f16_d64, DT_F16, 64)                               \
-    MAKE(p##_f16_d128, DT_F16, 128) MAKE(p##_f16_any, DT_F16, 0)
+    MAKE(p##_f16_d128, DT_F16, 128) MAKE(p##_f16_any, DT_F16, 0)                               \
+    MAKE(p##_e4m3_d64, DT_E4M3, 64) MAKE(p##_e4m3_d128, DT_E4M3, 128)                          \
+    MAKE(p##_e4m3_any, DT_E4M3, 0) MAKE(p##_e5m2_d64, DT_E5M2, 64)                             \
+    MAKE(p##_e5m2_d128, DT_E5M2, 128) MAKE(p##_e5m2_any, DT_E5M2, 0)
 #define SPECIALISATIONS(p)                                                                     \
     {                                                                                          \
         {p##_f32_d64, p##_f32_d128, p##_f32_any}, {p##_bf16_d64, p##_bf16_d128, p##_bf16_any}, \
             {p##_f16_d64, p##_f16_d128, p##_f16_any},                                          \
+            {p##_e4m3_d64, p##_e4m3_d128, p##_e4m3_any},                                       \
+            {p##_e5m2_d64, p##_e5m2_d128, p##_e5m2_any},                                       \
     }
+#define NUM_CACHE_DTYPES 5
 
 static inline int specialisation_of(int head_dim) {
     return head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2;

@@ -17,7 +17,9 @@ typedef struct {
     pd_tensor3 out;
     int64_t num_seqs, num_heads, num_kv_heads, block_size, head_dim, num_blocks, table_width;
     double scale;
-    int64_t window, num_threads, bad;
+    int64_t window, num_threads;
+    double k_scale, v_scale; /* an FP8 cache's per-tensor scales (1 for the others) */
+    int64_t bad;
 } pd_attention_call;
 
 /* The same, typed, with what the attention loops derive from it. */
@@ -37,10 +39,17 @@ typedef struct {
     int dp; /* head_dim padded to the kernel's vector step */
     int tile_tokens, rows_pad; /* prefill's query tiles */
     int64_t window;
-    float qmul; /* scale * log2(e): scores in base 2 */
+    float qmul; /* scale * log2(e) * the keys' read scale: scores in base 2 */
+    float vmul; /* the values' read scale, applied to each output row */
 } attention_args;
 
+/* An FP8 cache's keys and values read as fp8_to_float_raw; their scales (with the
+ * 2^8 of e4m3) fold into the query's multiplier and each output row's, so the loops
+ * widen FP8 with one conversion and no multiply (1 for 16/32-bit caches). */
 static inline attention_args attention_args_of(const pd_attention_call *c, int dp) {
+    const int fp8 = c->c_dt >= DT_E4M3;
+    const float kmul = fp8 ? (float)c->k_scale * fp8_read_scale((int)c->c_dt) : 1.0f;
+    const float vmul = fp8 ? (float)c->v_scale * fp8_read_scale((int)c->c_dt) : 1.0f;
     return (attention_args){
         .q = tensor3_of(&c->q), .cache = PTR(c->cache), .c_dt = (int)c->c_dt, .c_sb = c->c_sb,
         .c_skv = c->c_skv, .c_sh = c->c_sh, .c_st = c->c_st, .tables = PTR(c->tables),
@@ -49,7 +58,7 @@ static inline attention_args attention_args_of(const pd_attention_call *c, int d
         .num_kv_heads = (int)c->num_kv_heads,
         .block_size = (int)c->block_size, .head_dim = (int)c->head_dim,
         .group = (int)(c->num_heads / c->num_kv_heads), .dp = dp, .window = c->window,
-        .qmul = (float)c->scale * LOG2_E};
+        .qmul = (float)c->scale * LOG2_E * kmul, .vmul = vmul};
 }
 
 /* A call as its threads see it: items handed out from one queue, each run by `run` with

@@ -30,7 +30,8 @@
 #define PTR(x) ((void *)(intptr_t)(x))
 #define LOG2_E 1.4426950408889634f
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+/* The FP8 codes are KV-cache dtypes only (the kernels' caches, never their inputs). */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_E4M3 = 3, DT_E5M2 = 4 };
 enum { IX_I32 = 0, IX_I64 = 1 };
 
 /* Error codes; the offending index goes to *bad. */
@@ -69,7 +70,7 @@ static inline tensor3 tensor3_of(const pd_tensor3 *t) {
     return (tensor3){PTR(t->data), (int)t->dt, t->s0, t->s1, t->s2};
 }
 
-static inline size_t dtype_size(int dt) { return dt == DT_F32 ? 4 : 2; }
+static inline size_t dtype_size(int dt) { return dt == DT_F32 ? 4 : dt >= DT_E4M3 ? 1 : 2; }
 
 static inline int64_t load_index(const void *base, int ix, int64_t i) {
     return ix == IX_I64 ? ((const int64_t *)base)[i] : (int64_t)((const int32_t *)base)[i];
@@ -144,8 +145,47 @@ static inline uint16_t float_to_f16(float f) {
 #endif
 }
 
+
+/* ---- FP8 (KV cache) ----
+ * An FP8 byte widens through float16 bits: e5m2 is float16's top byte as it stands, and
+ * e4m3 (bias 7) moved into float16's fields (bias 15) reads 2^-8 of its value, subnormals
+ * included. So every FP8 read is one float16 conversion; the attention kernels fold the
+ * 2^8 (`fp8_read_scale`) into the per-tensor scale they already apply. */
+static inline uint16_t fp8_as_f16_bits(uint8_t b, int dt) {
+    if (dt == DT_E5M2) return (uint16_t)((uint16_t)b << 8);
+    return (uint16_t)(((uint16_t)(b & 0x80u) << 8) | ((uint16_t)(b & 0x7fu) << 7));
+}
+
+/* What an FP8 read through fp8_as_f16_bits must be multiplied by. */
+static inline float fp8_read_scale(int dt) { return dt == DT_E4M3 ? 256.0f : 1.0f; }
+
+/* x rounded to nearest even into e4m3fn / e5m2, saturating at the largest finite value
+ * (448 / 57344; infinities too); NaN stays NaN. */
+static inline uint8_t float_to_fp8(float x, int dt) {
+    const int man = dt == DT_E4M3 ? 3 : 2, bias = dt == DT_E4M3 ? 7 : 15;
+    const float largest = dt == DT_E4M3 ? 448.0f : 57344.0f;
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    if (x != x) return sign | 0x7fu;
+    float a = fabsf(x);
+    if (a > largest) a = largest;
+    if (a < ldexpf(1.0f, 1 - bias)) /* subnormal: whole steps of 2^(1 - bias - man) */
+        return sign | (uint8_t)lrintf(a * ldexpf(1.0f, bias - 1 + man));
+    memcpy(&u, &a, 4);
+    u += (1u << (22 - man)) - 1u + ((u >> (23 - man)) & 1u);
+    u >>= 23 - man;
+    return sign | (uint8_t)(u - ((uint32_t)(127 - bias) << man));
+}
+
+/* An FP8 cache element as its float16-bits reading (2^-8 of the value for e4m3). */
+static inline float fp8_to_float_raw(uint8_t b, int dt) { return f16_to_float(fp8_as_f16_bits(b, dt)); }
+
+/* An FP8 element reads as fp8_to_float_raw (the caller applies fp8_read_scale); storing
+ * into FP8 is `store_kv_row`'s, with its scale. */
 static inline float load_scalar(const void *base, int dt, int64_t i) {
     if (dt == DT_F32) return ((const float *)base)[i];
+    if (dt >= DT_E4M3) return fp8_to_float_raw(((const uint8_t *)base)[i], dt);
     if (dt == DT_BF16) return bf16_to_float(((const uint16_t *)base)[i]);
     return f16_to_float(((const uint16_t *)base)[i]);
 }
@@ -217,9 +257,30 @@ ALWAYS_INLINE v8f v8_load_f16(const uint16_t *p) {
 #endif
 }
 
-/* Eight elements of a cache row in fp32; dt is a compile-time constant at every use. */
+/* Eight FP8 bytes as their float16-bits reading (see fp8_as_f16_bits). */
+ALWAYS_INLINE v8f v8_load_fp8(const uint8_t *p, const int dt) {
+#if defined(__AVX2__) && defined(__F16C__)
+    __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i h;
+    if (dt == DT_E5M2) {
+        h = _mm_slli_epi16(w, 8);
+    } else {
+        __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+        h = _mm_or_si128(sign, _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7));
+    }
+    return (v8f)_mm256_cvtph_ps(h);
+#else
+    v8f r;
+    for (int k = 0; k < 8; k++) r[k] = fp8_to_float_raw(p[k], dt);
+    return r;
+#endif
+}
+
+/* Eight elements of a cache row in fp32 (FP8: their raw reading, see load_scalar); dt
+ * is a compile-time constant at every use. */
 ALWAYS_INLINE v8f v8_load_as(const void *base, int dt, int64_t i) {
     if (dt == DT_F32) return v8_load((const float *)base + i);
+    if (dt >= DT_E4M3) return v8_load_fp8((const uint8_t *)base + i, dt);
     if (dt == DT_BF16) return v8_load_bf16((const uint16_t *)base + i);
     return v8_load_f16((const uint16_t *)base + i);
 }
@@ -388,6 +449,7 @@ typedef struct {
     const void *slots;
     int slot_ix;
     int64_t slot_stride;
+    float k_scale, v_scale; /* FP8 caches: stored = fp8(x / scale); 1 for the others */
 } kv_slots;
 
 static inline int64_t kv_slot(const kv_slots *C, int64_t token) {
@@ -402,6 +464,18 @@ static inline int kv_slot_outside(const kv_slots *C, int64_t slot, int64_t num_b
 /* Element offset of kv head h's key row at `slot`; its value row lies C->skv further. */
 static inline int64_t kv_key_row(const kv_slots *C, int64_t slot, int h) {
     return (slot / C->block_size) * C->sb + (slot % C->block_size) * C->st + h * C->sh;
+}
+
+/* src [n] float32 into a cache row at element off (contiguous), in the cache's dtype;
+ * into FP8 as fp8(x / scale). */
+static inline void store_kv_row(const kv_slots *C, int64_t off, int n, const float *src,
+                                float scale) {
+    if (C->dt >= DT_E4M3) {
+        uint8_t *p = (uint8_t *)C->base + off;
+        for (int i = 0; i < n; i++) p[i] = float_to_fp8(src[i] / scale, C->dt);
+    } else {
+        for (int i = 0; i < n; i++) store_scalar(C->base, C->dt, off + i, src[i]);
+    }
 }
 
 /* Work items handed out in order from a shared counter: dynamic scheduling without

@@ -31,7 +31,7 @@ typedef void (*attend_fn)(const attention_args *, int64_t, int, int64_t, int64_t
                           float *, float *, float *, float *);
 
 static attend_fn attend_variant(int dt, int head_dim) {
-    static const attend_fn table[3][3] = SPECIALISATIONS(attend);
+    static const attend_fn table[NUM_CACHE_DTYPES][3] = SPECIALISATIONS(attend);
     return table[dt][specialisation_of(head_dim)];
 }
 

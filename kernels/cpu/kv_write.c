@@ -2,12 +2,19 @@
  *
  * key/value [num_tokens, num_kv_heads, head_dim] (any strides); cache block-major
  * [num_blocks, 2, num_kv_heads, block_size, head_dim] addressed through its strides.
- * A negative slot is padding and writes nothing.
+ * A negative slot is padding and writes nothing. Into an FP8 cache each element goes
+ * as fp8(x / scale), the layer's k_scale or v_scale (common.h: float_to_fp8).
  */
 #include "common.h"
 
 ALWAYS_INLINE void copy_row(const void *src, int src_dt, int64_t off, int64_t stride, void *dst,
-                            int dst_dt, int d) {
+                            int dst_dt, int d, float scale) {
+    if (dst_dt >= DT_E4M3) {
+        for (int k = 0; k < d; k++)
+            ((uint8_t *)dst)[k] = float_to_fp8(load_scalar(src, src_dt, off + k * stride) / scale,
+                                               dst_dt);
+        return;
+    }
     if (src_dt == dst_dt && stride == 1) {
         size_t es = dtype_size(dst_dt);
         memcpy(dst, (const char *)src + off * es, (size_t)d * es);
@@ -31,9 +38,9 @@ static void write_tokens(const write_args *A, int64_t t0, int64_t t1) {
         for (int h = 0; h < A->num_kv_heads; h++) {
             char *k = (char *)C->base + kv_key_row(C, slot, h) * es;
             copy_row(A->key.data, A->key.dt, t * A->key.s0 + h * A->key.s1, A->key.s2, k, C->dt,
-                     A->head_dim);
+                     A->head_dim, C->k_scale);
             copy_row(A->value.data, A->value.dt, t * A->value.s0 + h * A->value.s1, A->value.s2,
-                     k + C->skv * es, C->dt, A->head_dim);
+                     k + C->skv * es, C->dt, A->head_dim, C->v_scale);
         }
     }
 }
@@ -59,6 +66,7 @@ typedef struct {
     int64_t cache, cache_dt, c_sb, c_skv, c_sh, c_st;
     int64_t slots, slot_ix, slot_stride;
     int64_t num_tokens, num_kv_heads, block_size, head_dim, num_blocks, num_threads;
+    double k_scale, v_scale;
     int64_t bad;
 } pd_write_call;
 
@@ -68,7 +76,7 @@ int pd_write_kv_cache(pd_write_call *c) {
     write_args A = {.key = tensor3_of(&c->key), .value = tensor3_of(&c->value),
                     .cache = {PTR(c->cache), (int)c->cache_dt, c->c_sb, c->c_skv, c->c_sh,
                               c->c_st, (int)c->block_size, PTR(c->slots), (int)c->slot_ix,
-                              c->slot_stride},
+                              c->slot_stride, (float)c->k_scale, (float)c->v_scale},
                     .num_kv_heads = (int)c->num_kv_heads, .head_dim = (int)c->head_dim};
     return write_kv_cache(&A, c->num_tokens, c->num_blocks, (int)c->num_threads, &c->bad);
 }

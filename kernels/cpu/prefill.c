@@ -104,7 +104,7 @@ SPECIALISE(PREFILL_VARIANT, prefill)
 typedef void (*prefill_fn)(const attention_args *, const prefill_item *, const tile_scratch *);
 
 static prefill_fn prefill_variant(int dt, int head_dim) {
-    static const prefill_fn table[3][3] = SPECIALISATIONS(prefill);
+    static const prefill_fn table[NUM_CACHE_DTYPES][3] = SPECIALISATIONS(prefill);
     return table[dt][specialisation_of(head_dim)];
 }
 

@@ -13,7 +13,8 @@
  *   out[:half] = x1 * c - x2 * s,   out[half:] = x2 * c + x1 * s,
  * each product rounded to float32 before the sum (the build forbids contraction), so a
  * float32 model gets the reference's values bit for bit. A rotated value is rounded to
- * qkv's dtype (the reference returns it in the input dtype), then to the cache's.
+ * qkv's dtype (the reference returns it in the input dtype), then to the cache's (an
+ * FP8 cache's as fp8(x / scale), the layer's k_scale or v_scale).
  * Every token's output depends on that token alone.
  */
 #include "common.h"
@@ -106,9 +107,14 @@ static void rotate_token(const rotary_args *A, int64_t t) {
         load_floats(A->qkv, A->qkv_dt, row + k_col + (int64_t)h * d, d, x);
         rotate(x, cs, cs + half, half, y);
         round_as(A->qkv_dt, d, y);
-        store_floats(C->base, C->dt, key_row, d, y);
         load_floats(A->qkv, A->qkv_dt, row + v_col + (int64_t)h * d, d, x);
-        store_floats(C->base, C->dt, key_row + C->skv, d, x);
+        if (C->dt >= DT_E4M3) {
+            store_kv_row(C, key_row, d, y, C->k_scale);
+            store_kv_row(C, key_row + C->skv, d, x, C->v_scale);
+        } else {
+            store_floats(C->base, C->dt, key_row, d, y);
+            store_floats(C->base, C->dt, key_row + C->skv, d, x);
+        }
     }
 }
 
@@ -141,6 +147,7 @@ typedef struct {
     int64_t cache, cache_dt, c_sb, c_skv, c_sh, c_st;
     int64_t slots, slot_ix;
     int64_t num_tokens, num_heads, num_kv_heads, head_dim, block_size, num_blocks, num_threads;
+    double k_scale, v_scale;
     int64_t bad;
 } pd_rotary_call;
 
@@ -152,7 +159,8 @@ int pd_rotary_write_kv_cache(pd_rotary_call *c) {
                      PTR(c->cos_sin), (int)c->cs_dt, c->cs_rs, PTR(c->q_out), (int)c->q_dt,
                      c->q_st, c->q_sh, c->q_sd,
                      {PTR(c->cache), (int)c->cache_dt, c->c_sb, c->c_skv, c->c_sh, c->c_st,
-                      (int)c->block_size, PTR(c->slots), (int)c->slot_ix, 1},
+                      (int)c->block_size, PTR(c->slots), (int)c->slot_ix, 1, (float)c->k_scale,
+                      (float)c->v_scale},
                      (int)c->num_heads, (int)c->num_kv_heads, (int)c->head_dim};
     return rotary_write(&A, c->num_tokens, c->num_blocks, c->max_position, (int)c->num_threads,
                         &c->bad);

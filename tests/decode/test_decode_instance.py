@@ -2,7 +2,8 @@
 prefix cache lacks, continuous batching, aborts) and handcrafted ones that cannot be
 served (another KV layout, an unreachable prefill instance under each failure policy,
 a handoff voided by an abort before it arrived); a request migrated here with its output
-so far, whose aborted pull still held its id."""
+so far, whose aborted pull still held its id; FP8 KV blocks handed off between two FP8
+instances, and refused by a 16-bit one."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import pytest
 
 from pdserve.common.messages import AbortTask, GenerateTask
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
 from pdserve.instance.loop import StepLoop
 from pdserve.kvtransfer import KVHandoff, KVSource
-from tests.prefill.instances import Gateway, Running, reference_tokens, spec, until
+from tests.prefill.instances import ENGINE, Gateway, Running, reference_tokens, spec, until
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +38,20 @@ def instances(gateway) -> Iterator[dict[str, Running]]:
                 spec(gateway, "d-fail", "decode", kv_transfer={**LIMITS, "failure_policy": "fail"})
             )
         ),
+    }
+    yield running
+    for instance in running.values():
+        instance.stop()
+
+
+@pytest.fixture(scope="module")
+def fp8_instances(gateway) -> Iterator[dict[str, Running]]:
+    engine = EngineConfig(**ENGINE, kv_cache_dtype="fp8")
+    running = {
+        role: Running(
+            StepLoop(spec(gateway, f"{role[0]}8", role, engine=engine, kv_transfer=LIMITS))
+        )  # fmt: skip
+        for role in ("prefill", "decode")
     }
     yield running
     for instance in running.values():
@@ -193,3 +209,41 @@ def test_a_migrated_request_waits_for_its_aborted_pull_then_goes_on(gateway, ins
     assert [t for r in got for t in r.delta.new_token_ids] == expected[2:]
     assert min(r.delta.output_index for r in got) == 2
     assert gateway.idle_books(decode).block_owners == {}
+
+
+def _fp8_reference(prompt: list[int], max_tokens: int) -> list[int]:
+    from pdserve.engine.core import EngineCore
+
+    engine = EngineCore(**ENGINE, kv_cache_dtype="fp8")
+    request = engine.make_request("ref", prompt, SamplingParams(max_tokens=max_tokens,
+                                                                 temperature=0))  # fmt: skip
+    engine.add_request(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return list(request.output_token_ids)
+
+
+def test_fp8_blocks_are_handed_off_and_a_16_bit_decode_refuses_them(
+    gateway, instances, fp8_instances
+) -> None:
+    prefill, decode = fp8_instances["prefill"].runtime, fp8_instances["decode"].runtime
+    layout = decode.role.link.layout
+    wide = instances["decode"].runtime.role.link.layout
+    assert layout.dtype == "float8_e4m3fn" and layout.k_scales == [1.0] * layout.num_layers
+    assert layout.bytes_per_block * 4 == wide.bytes_per_block  # of float32's (bf16's: half)
+    gateway.generate(prefill, "fp8", PROMPT, max_tokens=4, decode=decode)
+    gateway.wait_finished("fp8")
+    assert gateway.tokens("fp8") == _fp8_reference(PROMPT, 4)
+    moved = 3 * layout.bytes_per_block  # 40 prompt tokens: 3 blocks
+    until(lambda: gateway.counter("d8", "kv_transfer_bytes_total") == moved, what="bytes")
+    assert gateway.counter("d8", "prompt_tokens_computed_total") == 0
+    print(f"FP8 handoff of {len(PROMPT)} prompt tokens: {moved} bytes "
+          f"(float32 cache: {3 * wide.bytes_per_block})")  # fmt: skip
+    gateway.generate(prefill, "mixed", PROMPT[:20], max_tokens=4,
+                     decode=instances["decode"].runtime)  # fmt: skip
+    error = gateway.wait_finished("mixed")[-1]  # after the first token, from p8
+    assert error.delta.finish_reason == "error"
+    assert (
+        "KV layout mismatch with prefill instance p8: dtype float8_e4m3fn there vs float32 "
+        "here (--kv-cache-dtype must be the same on both)"
+    ) in error.delta.error

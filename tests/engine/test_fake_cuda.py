@@ -198,3 +198,23 @@ def test_step_inputs_are_staged_on_the_device(monkeypatch, checkpoint) -> None:
         assert after.device == CUDA, name
         assert (after.shape, after.dtype) == (before.shape, before.dtype), name
     assert staged.sampling_requests == host.sampling_requests
+
+
+def test_an_fp8_kv_cache_is_refused_on_cuda_in_one_line(monkeypatch, checkpoint) -> None:
+    """The CUDA kernels have no FP8 KV cache: refused where the settings are made, before
+    any weight loads, and an FP8 scale handed to a CUDA attention op fails, not ignored."""
+    with fake_cuda(monkeypatch):
+        with pytest.raises(ValueError) as refused:
+            EngineConfig(model=checkpoint, device="cuda", kv_cache_dtype="fp8_e5m2")
+        assert str(refused.value) == (
+            "kv_cache_dtype fp8_e5m2 runs on CPU (its C kernels); the CUDA kernels have no "
+            "FP8 KV cache (device cuda): use auto there"
+        )
+        from pdserve.kernels import decode_attention
+
+        query = torch.empty(1, 4, 16, device=CUDA)
+        cache = torch.empty(2, 2, 2, BS, 16, device=CUDA)
+        tables = torch.zeros(1, 1, dtype=torch.int32, device=CUDA)
+        lens = torch.ones(1, dtype=torch.int32, device=CUDA)
+        with pytest.raises(NotImplementedError, match="k_scale: the CUDA kernels have no FP8"):
+            decode_attention(query, cache, tables, lens, 0.25, k_scale=2.0)

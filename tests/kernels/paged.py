@@ -79,11 +79,14 @@ def make_paged_batch(
     gen: torch.Generator,
     spare_blocks: int = 3,
     extra_width: int = 1,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> PagedBatch:
     """Each sequence's tokens scattered over random blocks of a NaN-poisoned cache.
 
     The block table is `extra_width` entries wider than the longest sequence needs;
     entries past a sequence's own blocks point at random blocks (others' or unused).
+    An FP8 cache is written with the scales given.
     """
     needed = [-(-n // block_size) for n in context_lens]
     num_blocks = sum(needed) + spare_blocks
@@ -101,7 +104,8 @@ def make_paged_batch(
         )
         key = torch.randn(n, num_kv_heads, head_dim, generator=gen)
         value = torch.randn(n, num_kv_heads, head_dim, generator=gen)
-        write_kv_cache_ref(key, value, kv_cache, slots)
+        scales = {"k_scale": k_scale, "v_scale": v_scale} if dtype.itemsize == 1 else {}
+        write_kv_cache_ref(key, value, kv_cache, slots, **scales)
         filler = torch.randint(0, num_blocks, (width - nb,), generator=gen).tolist()
         tables.append(blocks + filler)
     return PagedBatch(

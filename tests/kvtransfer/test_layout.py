@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -45,6 +46,27 @@ def test_compatibility_names_every_difference():
     assert "head_dim 128 there vs 64 here" in message
     assert "dtype float16 there vs bfloat16 here" in message
     check_compatible(LAYOUT, LAYOUT, "itself")
+
+
+def test_an_fp8_layout_carries_its_scales_and_a_mismatch_is_one_line():
+    from pdserve.engine.step_plan import KVGeometry
+
+    scales = [1.0, 2.0, 1.0, 1.0]
+    geometry = KVGeometry(4, 8, 64, 16, "float8_e4m3fn", 10, k_scales=scales, v_scales=[1.0] * 4)
+    fp8 = layout_of(geometry)
+    assert (fp8.dtype, fp8.k_scales, fp8.v_scales) == ("float8_e4m3fn", scales, [1.0] * 4)
+    assert fp8.bytes_per_block * 2 == LAYOUT.bytes_per_block  # half of bfloat16's
+    assert geometry.bytes_per_token(2) == 2 * 4 * 16 * 64  # two ranks of 8 heads, 1 byte each
+    with pytest.raises(KVLayoutMismatch) as info:  # prefill fp8, decode auto
+        check_compatible(LAYOUT, fp8, "prefill instance p0")
+    assert str(info.value) == (
+        "KV layout mismatch with prefill instance p0: dtype float8_e4m3fn there vs bfloat16 "
+        "here (--kv-cache-dtype must be the same on both)"
+    )
+    rescaled = KVLayout(**{**msgspec.structs.asdict(fp8), "k_scales": [1.0] * 4})
+    with pytest.raises(KVLayoutMismatch, match="k_scales differ .an FP8 KV cache's scales"):
+        check_compatible(fp8, rescaled, "prefill instance p0")
+    check_compatible(fp8, layout_of(geometry), "itself")
 
 
 def test_tp_split_must_divide_heads():
