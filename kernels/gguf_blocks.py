@@ -3,9 +3,9 @@ and the reference of the packed linear layer. Blocks of 32 weights (ggml's Q8_0,
 Q4_1, Q5_0, Q5_1) are decoded here, super-blocks of 256 (Q4_K, Q5_K, Q6_K) in `gguf_kquants.py`.
 
 A packed matrix is a uint8 tensor [N, K / block * block bytes]: each row its blocks as
-the GGUF file stores them, each block its float16 scale (and Q4_1's and Q5_1's float16 minimum,
-Q5's fifth bits, a K-quant's sub-block scales) beside its values. Rows and whole blocks of columns slice
-without unpacking.
+the GGUF file stores them, each block its float16 scale (and Q4_1's and Q5_1's float16
+minimum, Q5_0's and Q5_1's fifth bits, a K-quant's sub-block scales) beside its values.
+Rows and whole blocks of columns slice without unpacking.
 """
 
 from __future__ import annotations

@@ -107,9 +107,7 @@ def test_greedy_tokens_are_those_of_the_same_model_in_float32(kquant_llm, plain_
     assert len({t for tokens in packed for t in tokens}) > 3  # not one repeated token
 
 
-def test_q5_rows_beside_k_quants_give_the_tokens_of_the_same_model_in_float32(
-    q5_llm, q5_plain_llm
-):
+def test_q5_rows_beside_k_quants_give_the_tokens_of_the_same_model_in_float32(q5_llm, q5_plain_llm):
     packed, plain = _greedy(q5_llm), _greedy(q5_plain_llm)
     assert packed == plain
     assert len({t for tokens in packed for t in tokens}) > 3

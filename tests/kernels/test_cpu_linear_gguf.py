@@ -1,5 +1,5 @@
-"""The GGUF block linear layer in C (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 kept packed) against its plain-torch
-reference and, bit for bit, against the float32 C linear layer over the same weights
+"""The GGUF block linear layer in C (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 kept packed) against its
+plain-torch reference and, bit for bit, against the float32 C linear layer over the same weights
 dequantized, on this CPU's build and on the AVX2 build (`PDSERVE_CPU_ISA=avx2`, in a child
 process); each row's output independent of the other rows of the call; the torch
 dequantization against the `gguf` package's.
