@@ -30,9 +30,9 @@ MIX = {
     "token_embd.weight": Q.Q6_K,
 }
 # Rows of 128 columns are not whole super-blocks: llama.cpp's fallbacks hold them, Q5_0
-# (for Q4_K) and Q5_1 (for Q5_K); the down projection's 256 columns stay K-quants, Q6_K in
+# (for Q4_K) and Q5_1 (for Q5_K); the down projection's 512 columns stay K-quants, Q6_K in
 # one layer and Q4_K in the other, as a Q4_K_M file varies them.
-Q5_HIDDEN, Q5_INTER = 128, 256
+Q5_HIDDEN, Q5_INTER = 128, 512
 Q5_MIX = {
     "attn_v.weight": Q.Q5_1,
     "ffn_down.weight": Q.Q6_K,
@@ -59,6 +59,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
         "kquant": kquant,
         "kquant_folder": prepare_gguf(kquant, cache=cache),
         "plain_folder": prepare_gguf(plain, cache=cache),
+        "q5": q5,
         "q5_folder": prepare_gguf(q5, cache=cache),
         "q5_plain_folder": prepare_gguf(q5_plain, cache=cache),
     }
@@ -120,6 +121,25 @@ def test_q5_rows_beside_k_quants_give_the_tokens_of_the_same_model_in_float32(q5
     assert set(q5_llm.engine.info.weight_format.removeprefix("GGUF ").split("/")) == {
         "Q5_0", "Q5_1", "Q4_K", "Q6_K"
     }  # fmt: skip
+
+
+def test_q5_weight_bytes_and_tp2_slices_are_whole_32_weight_blocks(files, q5_llm):
+    """The reported bytes are the file's blocks; 2 ranks of the Q5_0 output projection's
+    128 columns: 64 a rank, two 22-byte blocks of each row; 16 columns are refused."""
+    file = GGUFFile(files["q5"])
+    packed = sum(t.nbytes for name, t in file.tensors.items() if name.startswith("model.layers.")
+                 and len(t.shape) == 2)  # fmt: skip
+    vectors = sum(t.shape[0] for t in file.tensors.values() if len(t.shape) == 1)
+    assert q5_llm.engine.info.weight_bytes == packed + 4 * (VOCAB * Q5_HIDDEN + vectors)
+    check_tp_blocks(files["q5_folder"], 2)
+    config = _tiny_config(files["q5"])
+    whole = load_gguf_model(files["q5"], config).layers[1].attn.o_weight.segments()
+    for r in range(2):
+        rank = load_gguf_model(files["q5"], config, TensorParallel(r, 2))
+        ((o, qtype),) = rank.layers[1].attn.o_weight.segments()
+        assert qtype == Q.Q5_0 and torch.equal(o, whole[0][0][:, r * 44 : (r + 1) * 44])
+    with pytest.raises(GGUFError, match="splits at columns 16:32, not on its 32-weight blocks"):
+        file.read_columns("model.layers.0.self_attn.o_proj.weight", 16, 32)
 
 
 def test_the_matrices_stay_packed_and_the_weight_bytes_are_the_files(files, kquant_llm):
