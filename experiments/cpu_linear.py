@@ -84,7 +84,7 @@ def random_blocks(qtype: int, n: int, k: int, gen: torch.Generator) -> torch.Ten
     """Packed rows of random values whose float16 scales (and minimums) are small."""
     _, block, size = gguf_blocks.PACKED_TYPES[qtype]
     blocks = torch.randint(0, 256, (n, k // block, size), generator=gen, dtype=torch.uint8)
-    halves = {14: (208,), 3: (0, 2), 12: (0, 2), 13: (0, 2)}.get(qtype, (0,))
+    halves = {14: (208,), 3: (0, 2), 7: (0, 2), 12: (0, 2), 13: (0, 2)}.get(qtype, (0,))
     for at in halves:
         scale = torch.randn(n, k // block, 1, generator=gen) * 1e-3
         blocks[..., at : at + 2] = scale.half().view(torch.uint8)

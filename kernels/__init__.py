@@ -15,7 +15,7 @@
   torch's order so float32 values stay the reference's; the linear layer at every row
   count (`cpu/linear.c`, `cpu/linear_bf16.c`), and its weight-only int8 form
   (`cpu/linear_int8.c`, bound in `cpu_quantized.py`: int8 rows widened in registers, times
-  one scale per group of inputs), and the GGUF block formats Q8_0, Q4_0, Q4_1 and the
+  one scale per group of inputs), and the GGUF block formats Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the
   K-quants Q4_K, Q5_K, Q6_K kept packed with their scales (`cpu/linear_gguf.c`,
   `cpu/linear_kquant.c`, bound there too; `gguf_blocks.py` their sizes, dequantization
   and reference, `gguf_kquants.py` the K-quants' dequantization). A KV cache may hold

@@ -51,9 +51,9 @@ class CpuQuantizedLinear:
     def linear_gguf(
         self, x: Tensor, weight: Tensor, qtype: int, bias: Tensor | None = None
     ) -> Tensor:
-        """`gguf_blocks.linear_gguf_ref`: a weight of GGUF blocks (Q8_0, Q4_0, Q4_1) or
-        K-quant super-blocks (Q4_K, Q5_K, Q6_K), each decoded to float32 weights in
-        registers as ggml dequantizes it."""
+        """`gguf_blocks.linear_gguf_ref`: a weight of GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0,
+        Q5_1) or K-quant super-blocks (Q4_K, Q5_K, Q6_K), each decoded to float32 weights
+        in registers as ggml dequantizes it."""
         rows = _c_rows(x, weight)
         if not rows:
             return gguf_blocks.linear_gguf_ref(x, weight, qtype, bias)

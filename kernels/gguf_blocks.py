@@ -1,11 +1,11 @@
 """GGUF's block-quantized weight formats in plain torch: their sizes, their dequantization
 and the reference of the packed linear layer. Blocks of 32 weights (ggml's Q8_0, Q4_0,
-Q4_1) are decoded here, super-blocks of 256 (Q4_K, Q5_K, Q6_K) in `gguf_kquants.py`.
+Q4_1, Q5_0, Q5_1) are decoded here, super-blocks of 256 (Q4_K, Q5_K, Q6_K) in `gguf_kquants.py`.
 
 A packed matrix is a uint8 tensor [N, K / block * block bytes]: each row its blocks as
-the GGUF file stores them, each block its float16 scale (and Q4_1's float16 minimum, a
-K-quant's sub-block scales) beside its values. Rows and whole blocks of columns slice
-without unpacking.
+the GGUF file stores them, each block its float16 scale (and Q4_1's and Q5_1's float16
+minimum, Q5_0's and Q5_1's fifth bits, a K-quant's sub-block scales) beside its values.
+Rows and whole blocks of columns slice without unpacking.
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ from pdserve.kernels.gguf_kquants import KQUANT_TYPES, SUPER_BLOCK, dequantize_k
 
 Tensor = torch.Tensor
 
-BLOCK = 32  # weights per block of Q8_0, Q4_0, Q4_1
+BLOCK = 32  # weights per block of Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
 # ggml type number → (name, weights per block, bytes per block).
 PACKED_TYPES = {
     8: ("Q8_0", BLOCK, 34),
     2: ("Q4_0", BLOCK, 18),
     3: ("Q4_1", BLOCK, 20),
+    6: ("Q5_0", BLOCK, 22),
+    7: ("Q5_1", BLOCK, 24),
     **{q: (name, SUPER_BLOCK, size) for q, (name, size) in KQUANT_TYPES.items()},
 }
 SERVED = ", ".join(name for name, _, _ in PACKED_TYPES.values())
@@ -50,8 +52,8 @@ def columns_of(qtype: int, packed_row_bytes: int) -> int:
 
 def dequantize_rows(packed: Tensor, qtype: int) -> Tensor:
     """float32 [N, K] of a packed uint8 [N, K / block * block bytes], rounded as ggml's
-    dequantization: d * q (Q8_0), d * (q - 8) (Q4_0), d * q + m (Q4_1), and the
-    K-quants' (`gguf_kquants.dequantize_kquant_rows`)."""
+    dequantization: d * q (Q8_0), d * (q - 8) (Q4_0), d * q + m (Q4_1), d * (q - 16)
+    (Q5_0), d * q + m (Q5_1), and the K-quants' (`gguf_kquants.dequantize_kquant_rows`)."""
     if qtype not in PACKED_TYPES:
         raise ValueError(f"{type_name(qtype)} is not a packed type (served: {SERVED})")
     if qtype in KQUANT_TYPES:
@@ -63,11 +65,17 @@ def dequantize_rows(packed: Tensor, qtype: int) -> Tensor:
     if qtype == 8:
         q = blocks[..., 2:].contiguous().view(torch.int8).float()
         return (q * d).reshape(n, -1)
-    raw = blocks[..., 4:] if qtype == 3 else blocks[..., 2:]
+    minimum = qtype in (3, 7)  # Q4_1, Q5_1: a float16 minimum after d
+    start = 4 if minimum else 2
+    raw = blocks[..., start + 4 :] if qtype in (6, 7) else blocks[..., start:]
     # Weight j < 16 is the low nibble of byte j, weight 16 + j its high nibble.
     q = torch.cat((raw & 0x0F, raw >> 4), dim=-1).to(torch.int32)
-    if qtype == 2:
-        return ((q - 8).float() * d).reshape(n, -1)
+    if qtype in (6, 7):  # Q5: bit j of the 4 bytes after the scales is weight j's fifth
+        high = blocks[..., start : start + 4].to(torch.int32)
+        bits = (high[..., :, None] >> torch.arange(8, dtype=torch.int32)) & 1
+        q = q | bits.flatten(-2) << 4
+    if not minimum:
+        return ((q - (8 if qtype == 2 else 16)).float() * d).reshape(n, -1)
     m = blocks[..., 2:4].contiguous().view(torch.float16).float()
     return (q.float() * d + m).reshape(n, -1)
 

@@ -13,6 +13,6 @@ rotary_embedding = dispatch.dispatched(reference.rotary_embedding_ref, like=1)
 linear = dispatch.dispatched(reference.linear_ref)
 # Weight-only int8: an int8 weight with one float32 scale per group of inputs of a row.
 linear_int8 = dispatch.dispatched(reference.linear_int8_ref)
-# GGUF blocks (Q8_0, Q4_0, Q4_1; K-quants Q4_K, Q5_K, Q6_K) kept packed with their
+# GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; K-quants Q4_K, Q5_K, Q6_K) kept packed with their
 # scales (kernels/gguf_blocks.py).
 linear_gguf = dispatch.dispatched(gguf_blocks.linear_gguf_ref)

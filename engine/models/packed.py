@@ -1,4 +1,4 @@
-"""Decoder-layer matrices held as GGUF blocks (Q8_0, Q4_0, Q4_1, K-quants), packed with scales.
+"""Decoder-layer matrices held as GGUF blocks (Q8_0, Q4_*, Q5_*, K-quants), packed with scales.
 
 A fused matrix of the model (QKV, gate/up) is made of several GGUF tensors, which a file
 may store in different types; a `PackedMatrix` holds them as segments of consecutive rows,

@@ -1,16 +1,19 @@
 /* GGUF block-quantized linear layer: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), for W kept
- * in the GGUF file's own blocks (ggml's Q8_0, Q4_0 and Q4_1 here, the K-quants' micro-
+ * in the GGUF file's own blocks (ggml's Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 here, the K-quants' micro-
  * kernels in linear_kquant.c) and float32 x and y.
  *
  * A weight row is K / 32 blocks of 32 weights, each block its scale beside its values:
  *   Q8_0: f16 d, 32 int8 q             w = d * q          (34 bytes)
  *   Q4_0: f16 d, 16 bytes of nibbles   w = d * (q - 8)    (18 bytes)
  *   Q4_1: f16 d, f16 m, 16 bytes       w = d * q + m      (20 bytes)
- * with weight j < 16 in the low nibble of byte j and weight 16 + j in its high nibble.
+ *   Q5_0: f16 d, 4 bytes qh, 16 bytes  w = d * (q - 16)   (22 bytes)
+ *   Q5_1: f16 d, f16 m, qh, 16 bytes   w = d * q + m      (24 bytes)
+ * with weight j < 16 in the low nibble of byte j and weight 16 + j in its high nibble,
+ * and for Q5 weight j's fifth bit bit j of qh (a little-endian 32-bit word).
  * The blocks stay packed in memory (at decode sizes the layer is bound by streaming
  * them) and a block becomes 32 float32 weights in registers, rounded exactly as ggml
- * (and `kernels.gguf_blocks.dequantize_rows`) dequantize them: a multiply, then for Q4_1
- * an add, never fused.
+ * (and `kernels.gguf_blocks.dequantize_rows`) dequantize them: a multiply (exact: a
+ * float16 times at most 5 bits), then for Q4_1 and Q5_1 an add, never fused.
  *
  * Invariance and arithmetic: as linear.c's float32 path, to the bit. y[m, n] is one
  * 8-lane accumulator over K (lane j sums k = j mod 8 in increasing order, one FMA per 8
@@ -27,7 +30,7 @@
  */
 #include "linear.h"
 
-enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8 };
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8 };
 
 #define QK 32    /* weights per block */
 #define UNIT_N 24 /* weight rows per work unit: every C divides it */
@@ -40,8 +43,22 @@ enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8 };
 #define COLS(R) ((R) == 1 ? 8 : (R) == 2 ? 4 : (R) == 3 ? 3 : 2)
 #endif
 
-ALWAYS_INLINE int block_bytes(const int T) {
-    return T == GGML_Q8_0 ? 34 : T == GGML_Q4_1 ? 20 : 18;
+/* Types with a float16 minimum after d, and with 4 bytes of fifth bits after the scales. */
+ALWAYS_INLINE int has_min(const int T) { return T == GGML_Q4_1 || T == GGML_Q5_1; }
+ALWAYS_INLINE int has_high(const int T) { return T == GGML_Q5_0 || T == GGML_Q5_1; }
+
+/* Where the values (Q8_0's 32 bytes, the others' 16 bytes of nibbles) start. */
+ALWAYS_INLINE int values_at(const int T) { return 2 + 2 * has_min(T) + 4 * has_high(T); }
+
+ALWAYS_INLINE int block_bytes(const int T) { return values_at(T) + (T == GGML_Q8_0 ? 32 : 16); }
+
+/* The offset subtracted from q: Q4_0's 8, Q5_0's 16, none with a minimum. */
+ALWAYS_INLINE int q_offset(const int T) { return T == GGML_Q4_0 ? 8 : T == GGML_Q5_0 ? 16 : 0; }
+
+ALWAYS_INLINE uint32_t high_bits(const uint8_t *b, const int T) {
+    uint32_t qh;
+    memcpy(&qh, b + 2 + 2 * has_min(T), 4);
+    return qh;
 }
 
 ALWAYS_INLINE float half_at(const uint8_t *p) {
@@ -66,17 +83,23 @@ ALWAYS_INLINE void decode_block(const uint8_t *b, v8f *w, const int T) {
         v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
         v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
     } else {
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(b + (T == GGML_Q4_1 ? 4 : 2)));
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(b + values_at(T)));
         const __m128i nib = _mm_set1_epi8(0x0f);
         __m512i i0 = _mm512_cvtepu8_epi32(_mm_and_si128(raw, nib));
         __m512i i1 = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), nib));
-        if (T == GGML_Q4_0) {
-            i0 = _mm512_sub_epi32(i0, _mm512_set1_epi32(8));
-            i1 = _mm512_sub_epi32(i1, _mm512_set1_epi32(8));
+        if (has_high(T)) { /* 16 where the weight's bit of qh is set: one mask a half */
+            const uint32_t qh = high_bits(b, T);
+            const __m512i sixteen = _mm512_set1_epi32(16);
+            i0 = _mm512_mask_or_epi32(i0, (__mmask16)(qh & 0xffff), i0, sixteen);
+            i1 = _mm512_mask_or_epi32(i1, (__mmask16)(qh >> 16), i1, sixteen);
+        }
+        if (q_offset(T)) {
+            i0 = _mm512_sub_epi32(i0, _mm512_set1_epi32(q_offset(T)));
+            i1 = _mm512_sub_epi32(i1, _mm512_set1_epi32(q_offset(T)));
         }
         v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(i0), d);
         v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(i1), d);
-        if (T == GGML_Q4_1) {
+        if (has_min(T)) {
             const __m512 m = _mm512_set1_ps(half_at(b + 2));
             v0 = _mm512_add_ps(v0, m);
             v1 = _mm512_add_ps(v1, m);
@@ -93,7 +116,7 @@ ALWAYS_INLINE void decode_block(const uint8_t *b, v8f *w, const int T) {
         for (int j = 0; j < 4; j++)
             i[j] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j)));
     } else {
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(b + (T == GGML_Q4_1 ? 4 : 2)));
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(b + values_at(T)));
         const __m128i nib = _mm_set1_epi8(0x0f);
         const __m128i lo = _mm_and_si128(raw, nib);
         const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nib);
@@ -101,25 +124,36 @@ ALWAYS_INLINE void decode_block(const uint8_t *b, v8f *w, const int T) {
         i[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
         i[2] = _mm256_cvtepu8_epi32(hi);
         i[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+        if (has_high(T)) { /* lane l of vector j: bit 8j + l of qh, moved to bit 4 */
+            const __m256i qh = _mm256_set1_epi32((int)high_bits(b, T));
+            const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            for (int j = 0; j < 4; j++) {
+                const __m256i shift = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * j));
+                const __m256i bit =
+                    _mm256_and_si256(_mm256_srlv_epi32(qh, shift), _mm256_set1_epi32(1));
+                i[j] = _mm256_or_si256(i[j], _mm256_slli_epi32(bit, 4));
+            }
+        }
     }
-    const __m256 m = T == GGML_Q4_1 ? _mm256_set1_ps(half_at(b + 2)) : _mm256_setzero_ps();
+    const __m256 m = has_min(T) ? _mm256_set1_ps(half_at(b + 2)) : _mm256_setzero_ps();
     for (int j = 0; j < 4; j++) {
-        if (T == GGML_Q4_0) i[j] = _mm256_sub_epi32(i[j], _mm256_set1_epi32(8));
+        if (q_offset(T)) i[j] = _mm256_sub_epi32(i[j], _mm256_set1_epi32(q_offset(T)));
         __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(i[j]), d);
-        if (T == GGML_Q4_1) v = _mm256_add_ps(v, m);
+        if (has_min(T)) v = _mm256_add_ps(v, m);
         w[j] = (v8f)v;
     }
 }
 #else /* any other CPU: the same roundings, one weight at a time */
 ALWAYS_INLINE void decode_block(const uint8_t *b, v8f *w, const int T) {
-    const float d = half_at(b), m = T == GGML_Q4_1 ? half_at(b + 2) : 0.0f;
-    const uint8_t *q = b + (T == GGML_Q4_1 ? 4 : 2);
+    const float d = half_at(b), m = has_min(T) ? half_at(b + 2) : 0.0f;
+    const uint32_t qh = has_high(T) ? high_bits(b, T) : 0;
+    const uint8_t *q = b + values_at(T);
     for (int j = 0; j < QK; j++) {
         float v;
         if (T == GGML_Q8_0) v = (float)(int8_t)q[j] * d;
         else {
-            const int nibble = j < 16 ? q[j] & 15 : q[j - 16] >> 4;
-            v = T == GGML_Q4_0 ? (float)(nibble - 8) * d : (float)nibble * d + m;
+            const int nibble = (j < 16 ? q[j] & 15 : q[j - 16] >> 4) | (int)(qh >> j & 1) << 4;
+            v = has_min(T) ? (float)nibble * d + m : (float)(nibble - q_offset(T)) * d;
         }
         w[j / 8][j % 8] = v;
     }
@@ -166,6 +200,8 @@ ALWAYS_INLINE void tile(const gguf_args *A, int64_t m0, int64_t n, const int R, 
 LINEAR_ROWS_FN(rows_q8_0, gguf_args, tile, COLS, GGML_Q8_0)
 LINEAR_ROWS_FN(rows_q4_0, gguf_args, tile, COLS, GGML_Q4_0)
 LINEAR_ROWS_FN(rows_q4_1, gguf_args, tile, COLS, GGML_Q4_1)
+LINEAR_ROWS_FN(rows_q5_0, gguf_args, tile, COLS, GGML_Q5_0)
+LINEAR_ROWS_FN(rows_q5_1, gguf_args, tile, COLS, GGML_Q5_1)
 
 /* The call's arguments as one struct of 8-byte fields (kernels/cpu_quantized.py packs it). */
 typedef struct {
@@ -179,6 +215,7 @@ int64_t pd_linear_gguf_call_size(void) { return sizeof(pd_linear_gguf_call); }
 static void block_shape(int64_t type, int *weights, int *bytes) {
     static const struct { int64_t type; int weights, bytes; } shapes[] = {
         {GGML_Q8_0, QK, 34}, {GGML_Q4_0, QK, 18}, {GGML_Q4_1, QK, 20},
+        {GGML_Q5_0, QK, 22}, {GGML_Q5_1, QK, 24},
         {12, 256, 144}, {13, 256, 176}, {14, 256, 210}, /* Q4_K, Q5_K, Q6_K */
     };
     *weights = *bytes = 0;
@@ -194,6 +231,8 @@ int pd_linear_gguf(pd_linear_gguf_call *c) {
     linear_rows_fn rows = c->type == GGML_Q8_0   ? rows_q8_0
                           : c->type == GGML_Q4_0 ? rows_q4_0
                           : c->type == GGML_Q4_1 ? rows_q4_1
+                          : c->type == GGML_Q5_0 ? rows_q5_0
+                          : c->type == GGML_Q5_1 ? rows_q5_1
                                                  : linear_kquant_rows(c->type);
     if (!rows || !block || k % block || k <= 0 || c->w_rs < k / block * bytes)
         return PD_UNSUPPORTED;

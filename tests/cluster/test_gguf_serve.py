@@ -35,12 +35,12 @@ def test_a_gguf_file_is_served_from_the_folder_of_its_metadata(tmp_path: Path) -
 
 
 def test_an_unserved_type_is_refused_before_anything_starts(tmp_path: Path) -> None:
-    path = write_tiny_gguf(tmp_path / "q5.gguf", GGMLQuantizationType.Q8_0,
-                           {"attn_k.weight": GGMLQuantizationType.Q5_1})  # fmt: skip
+    path = write_tiny_gguf(tmp_path / "mxfp4.gguf", GGMLQuantizationType.Q8_0,
+                           {"attn_k.weight": GGMLQuantizationType.MXFP4})  # fmt: skip
     with pytest.raises(ServeError) as refused:
         plan_of(str(path))
     message = str(refused.value)
-    assert "tensor 'blk.0.attn_k.weight' is Q5_1, which pdserve does not serve" in message
+    assert "tensor 'blk.0.attn_k.weight' is MXFP4, which pdserve does not serve" in message
     assert message.startswith("--model ") and "\n" not in message
 
 

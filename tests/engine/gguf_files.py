@@ -49,7 +49,8 @@ def write_tiny_gguf(
     dequantized: bool = False,
 ) -> Path:
     """A 2-layer llama (hidden 64, 4 heads of 16, 2 KV heads, MLP 128, vocabulary 96; or
-    `hidden`, `inter`) with its matrices in `qtype` (or `types[gguf name]`, the embedding
+    `hidden`, `inter`) with its matrices in `qtype` (or `types[name]`, the name a layer's
+    "blk.1.ffn_down.weight" or every layer's "ffn_down.weight", the embedding
     "token_embd.weight": Q8_0 unless named), norms F32. `dequantized`: every matrix written
     as F32 holding the values of its blocks (the same model, unquantized)."""
     rng = np.random.default_rng(0)
@@ -88,7 +89,7 @@ def write_tiny_gguf(
             continue
         kind = GGMLQuantizationType.Q8_0 if name == "token_embd.weight" else qtype
         key = name.split(".", 2)[-1] if name.startswith("blk.") else name
-        kind = (types or {}).get(key, kind)
+        kind = (types or {}).get(name, (types or {}).get(key, kind))
         blocks = quantized(array, kind)
         if dequantized:
             writer.add_tensor(name, dequantize(blocks, kind))

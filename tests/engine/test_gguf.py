@@ -220,13 +220,13 @@ def test_the_whole_tiny_model_computes_its_dequantized_weights(tmp_path):
 
 
 def test_an_unserved_tensor_type_is_refused_in_one_line_naming_it(tmp_path):
-    path = write_tiny_gguf(tmp_path / "q5.gguf", GGMLQuantizationType.Q4_0,
-                           {"ffn_down.weight": GGMLQuantizationType.Q5_0})  # fmt: skip
+    path = write_tiny_gguf(tmp_path / "mxfp4.gguf", GGMLQuantizationType.Q4_0,
+                           {"ffn_down.weight": GGMLQuantizationType.MXFP4})  # fmt: skip
     with pytest.raises(GGUFError) as refused:
         prepare_gguf(path, cache=tmp_path / "cache")
     message = str(refused.value)
     assert "\n" not in message
-    assert "tensor 'blk.0.ffn_down.weight' is Q5_0, which pdserve does not serve" in message
+    assert "tensor 'blk.0.ffn_down.weight' is MXFP4, which pdserve does not serve" in message
     assert not any((tmp_path / "cache").rglob("config.json"))  # nothing half-written
 
 

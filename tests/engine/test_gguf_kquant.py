@@ -1,7 +1,9 @@
 """GGUF files of K-quants served in their own super-blocks: a tiny llama whose tensors mix
 Q4_K, Q5_K, Q6_K and Q8_0 (as a Q4_K_M file does) gives the greedy tokens of the same model
 written in float32, its matrices stay packed, its reported weight bytes and format are the
-file's, and the tensor-parallel slice rule holds whole 256-weight super-blocks."""
+file's, and the tensor-parallel slice rule holds whole 256-weight super-blocks. So does a
+file whose rows are not whole super-blocks, kept in the 32-weight types Q5_0 and Q5_1 (as
+SmolLM2's Q4_K_M and Q5_K_M files keep their 576-column matrices) beside K-quants."""
 
 from __future__ import annotations
 
@@ -27,6 +29,15 @@ MIX = {
     "ffn_down.weight": Q.Q6_K,
     "token_embd.weight": Q.Q6_K,
 }
+# Rows of 128 columns are not whole super-blocks: llama.cpp's fallbacks hold them, Q5_0
+# (for Q4_K) and Q5_1 (for Q5_K); the down projection's 512 columns stay K-quants, Q6_K in
+# one layer and Q4_K in the other, as a Q4_K_M file varies them.
+Q5_HIDDEN, Q5_INTER = 128, 512
+Q5_MIX = {
+    "attn_v.weight": Q.Q5_1,
+    "ffn_down.weight": Q.Q6_K,
+    "blk.1.ffn_down.weight": Q.Q4_K,
+}
 PROMPTS = [[5, 17, 40, 3, 88], [60, 61, 62], [94, 95, 12, 30, 31, 7, 2, 9]]
 
 
@@ -39,11 +50,18 @@ def files(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("kquant")
     kquant = _write(folder / "tiny.Q4_K_M.gguf", MIX)
     plain = _write(folder / "tiny.F32.gguf", MIX, dequantized=True)
+    q5 = write_tiny_gguf(folder / "tiny.Q5_0.gguf", Q.Q5_0, Q5_MIX, Q5_HIDDEN, Q5_INTER)
+    q5_plain = write_tiny_gguf(
+        folder / "tiny.Q5_0.F32.gguf", Q.Q5_0, Q5_MIX, Q5_HIDDEN, Q5_INTER, dequantized=True
+    )
     cache = folder / "cache"
     return {
         "kquant": kquant,
         "kquant_folder": prepare_gguf(kquant, cache=cache),
         "plain_folder": prepare_gguf(plain, cache=cache),
+        "q5": q5,
+        "q5_folder": prepare_gguf(q5, cache=cache),
+        "q5_plain_folder": prepare_gguf(q5_plain, cache=cache),
     }
 
 
@@ -66,6 +84,16 @@ def plain_llm(files):
     return _llm(files["plain_folder"])
 
 
+@pytest.fixture(scope="module")
+def q5_llm(files):
+    return _llm(files["q5_folder"])
+
+
+@pytest.fixture(scope="module")
+def q5_plain_llm(files):
+    return _llm(files["q5_plain_folder"])
+
+
 def _greedy(llm) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
@@ -78,6 +106,40 @@ def test_greedy_tokens_are_those_of_the_same_model_in_float32(kquant_llm, plain_
     packed, plain = _greedy(kquant_llm), _greedy(plain_llm)
     assert packed == plain
     assert len({t for tokens in packed for t in tokens}) > 3  # not one repeated token
+
+
+def test_q5_rows_beside_k_quants_give_the_tokens_of_the_same_model_in_float32(q5_llm, q5_plain_llm):
+    packed, plain = _greedy(q5_llm), _greedy(q5_plain_llm)
+    assert packed == plain
+    assert len({t for tokens in packed for t in tokens}) > 3
+    model = q5_llm.engine.executor.worker.model
+    downs = [["Q6_K"], ["Q4_K"]]
+    for layer, down in zip(model.layers, downs, strict=True):
+        formats = [m.format_names() for m in (layer.attn.qkv_weight, layer.attn.o_weight,
+                   layer.mlp.gate_up_weight, layer.mlp.down_weight)]  # fmt: skip
+        assert formats == [["Q5_0", "Q5_1"], ["Q5_0"], ["Q5_0"], down]
+    assert set(q5_llm.engine.info.weight_format.removeprefix("GGUF ").split("/")) == {
+        "Q5_0", "Q5_1", "Q4_K", "Q6_K"
+    }  # fmt: skip
+
+
+def test_q5_weight_bytes_and_tp2_slices_are_whole_32_weight_blocks(files, q5_llm):
+    """The reported bytes are the file's blocks; 2 ranks of the Q5_0 output projection's
+    128 columns: 64 a rank, two 22-byte blocks of each row; 16 columns are refused."""
+    file = GGUFFile(files["q5"])
+    packed = sum(t.nbytes for name, t in file.tensors.items() if name.startswith("model.layers.")
+                 and len(t.shape) == 2)  # fmt: skip
+    vectors = sum(t.shape[0] for t in file.tensors.values() if len(t.shape) == 1)
+    assert q5_llm.engine.info.weight_bytes == packed + 4 * (VOCAB * Q5_HIDDEN + vectors)
+    check_tp_blocks(files["q5_folder"], 2)
+    config = _tiny_config(files["q5"])
+    whole = load_gguf_model(files["q5"], config).layers[1].attn.o_weight.segments()
+    for r in range(2):
+        rank = load_gguf_model(files["q5"], config, TensorParallel(r, 2))
+        ((o, qtype),) = rank.layers[1].attn.o_weight.segments()
+        assert qtype == Q.Q5_0 and torch.equal(o, whole[0][0][:, r * 44 : (r + 1) * 44])
+    with pytest.raises(GGUFError, match="splits at columns 16:32, not on its 32-weight blocks"):
+        file.read_columns("model.layers.0.self_attn.o_proj.weight", 16, 32)
 
 
 def test_the_matrices_stay_packed_and_the_weight_bytes_are_the_files(files, kquant_llm):

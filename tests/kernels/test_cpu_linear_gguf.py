@@ -1,5 +1,5 @@
-"""The GGUF block linear layer in C (Q8_0, Q4_0, Q4_1 kept packed) against its plain-torch
-reference and, bit for bit, against the float32 C linear layer over the same weights
+"""The GGUF block linear layer in C (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 kept packed) against its
+plain-torch reference and, bit for bit, against the float32 C linear layer over the same weights
 dequantized, on this CPU's build and on the AVX2 build (`PDSERVE_CPU_ISA=avx2`, in a child
 process); each row's output independent of the other rows of the call; the torch
 dequantization against the `gguf` package's.
@@ -22,7 +22,8 @@ from tests.kernels.linear_checks import (
     cpu_has,
 )
 
-TYPES = [2, 3, 8]  # ggml numbers: Q4_0, Q4_1, Q8_0 (the K-quants: test_cpu_linear_kquant.py)
+# ggml numbers: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (the K-quants: test_cpu_linear_kquant.py)
+TYPES = [2, 3, 6, 7, 8]
 # (rows, weight rows, k, bias, threads): every micro-kernel shape and its remainders,
 # partial units and tiles, SmolLM2's widths, and a block of x rows past the first.
 GRID = [
@@ -41,13 +42,13 @@ GRID = [
 
 
 def packed_weight(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
-    """Random blocks with finite float16 scales (and Q4_1 minimums)."""
+    """Random blocks with finite float16 scales (and Q4_1/Q5_1 minimums)."""
     gen = torch.Generator().manual_seed(seed)
     size = PACKED_TYPES[qtype][2]
     blocks = torch.randint(0, 256, (n, k // 32, size), generator=gen, dtype=torch.uint8)
     scales = (torch.randn(n, k // 32, 1, generator=gen) * 0.02).half().view(torch.uint8)
     blocks[..., 0:2] = scales
-    if qtype == 3:
+    if qtype in (3, 7):
         blocks[..., 2:4] = (
             (torch.randn(n, k // 32, 1, generator=gen) * 0.1).half().view(torch.uint8)
         )
