@@ -128,9 +128,11 @@ def test_the_folder_carries_the_files_tokenizer_template_and_config(gguf_llm):
 
 
 def test_loading_a_q4_file_peaks_below_twice_its_size(tmp_path):
-    """A fresh process: the resident high-water mark while the model loads, against 2x the
-    file (no KV cache here). bfloat16 (`auto` on this machine): below 2x. A float32 table
-    alone is 1.15x this file (its Q8_0 embedding expanded 3.8x): float32 below 2.25x."""
+    """A fresh process: the resident high-water mark while the model loads (no KV cache
+    here). bfloat16 (`auto` on this machine): below 2x the file. Either dtype: at most half
+    the file above the model's own tensor bytes, so no transient copy of the table (1.15x
+    the file in float32) or of the packed layers fits; the rest is allocator and library
+    pages, which differ between machines."""
     code = (
         "import json, sys, torch\n"
         "from pdserve.engine import embedded\n"
@@ -141,18 +143,23 @@ def test_loading_a_q4_file_peaks_below_twice_its_size(tmp_path):
         "folder = prepare_gguf(embedded.gguf_path()); mc = load_model_config(folder)\n"
         "before = _resident_bytes()\n"
         "model = load_model(folder, mc, getattr(torch, sys.argv[1]))\n"
-        "print(json.dumps({'peak': _peak_resident_bytes() - before}))\n"
+        "tensors = [*model.parameters(), *model.buffers()]\n"
+        "own = sum(t.numel() * t.element_size() for t in tensors)\n"
+        "print(json.dumps({'peak': _peak_resident_bytes() - before, 'own': own}))\n"
     )
     size = embedded.gguf_path().stat().st_size
-    for dtype, bound in (("bfloat16", 2.0), ("float32", 2.25)):
+    for dtype in ("bfloat16", "float32"):
         child = subprocess.run(
             [sys.executable, "-c", code, dtype], capture_output=True, text=True, timeout=300
         )
         assert child.returncode == 0, child.stderr[-2000:]
-        peak = json.loads(child.stdout.strip().splitlines()[-1])["peak"]
-        _log.warning("loading %s as %s: peak %.0f MiB, file %.0f MiB", embedded.GGUF_FILE_NAME,
-                     dtype, peak / 2**20, size / 2**20)  # fmt: skip
-        assert 0 < peak < bound * size, (dtype, peak, size)
+        got = json.loads(child.stdout.strip().splitlines()[-1])
+        peak, own = got["peak"], got["own"]
+        mib = [round(b / 2**20) for b in (peak, own, size)]
+        _log.warning("loading as %s: peak, tensors, file (MiB): %s", dtype, mib)
+        assert 0 < peak < own + size // 2, (dtype, peak, own, size)
+        if dtype == "bfloat16":
+            assert peak < 2 * size, (peak, size)
 
 
 def load_gguf_model(path, config: ModelConfig, tp: TensorParallel | None = None):
