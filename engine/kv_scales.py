@@ -8,7 +8,6 @@ fp8 * k_scale (`kernels/reference.py`). A 16/32-bit cache takes no scale.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +18,8 @@ from torch import nn
 from pdserve.engine.checkpoint import CheckpointError
 from pdserve.engine.checkpoint_weights import weight_files
 from pdserve.engine.gguf_prepare import gguf_source
+from pdserve.engine.models.llama import KV_SCALE_NAME
 from pdserve.engine.safetensors_reader import SafetensorsReader
-
-_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
 class KVScales(msgspec.Struct, frozen=True):
@@ -29,10 +27,6 @@ class KVScales(msgspec.Struct, frozen=True):
 
     k: list[float]
     v: list[float]
-
-
-def is_kv_scale(name: str) -> bool:
-    return _NAME.match(name) is not None
 
 
 def read_kv_scales(folder: str | Path, num_layers: int) -> KVScales:
@@ -43,7 +37,7 @@ def read_kv_scales(folder: str | Path, num_layers: int) -> KVScales:
         return KVScales(k, v)
     found: dict[Path, list[tuple[str, int, str]]] = {}
     for name, path in weight_files(folder).items():
-        match = _NAME.match(name)
+        match = KV_SCALE_NAME.match(name)
         if match is not None and int(match.group(1)) < num_layers:
             found.setdefault(path, []).append((name, int(match.group(1)), match.group(2)))
     for path, names in found.items():

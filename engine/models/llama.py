@@ -7,6 +7,7 @@ into single matmuls because on CPU every op costs fixed overhead per layer.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from typing import cast
 
@@ -14,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.kv_scales import is_kv_scale
 from pdserve.engine.models.int8 import Int8Linears
 from pdserve.engine.models.packed import project
 from pdserve.engine.models.rope import cos_sin_cache
@@ -29,6 +29,10 @@ from pdserve.kernels import (
     rotary_embedding,
     rotary_write_kv_cache,
 )
+
+# An FP8 KV cache's per-layer scales as vLLM stores them: not a weight of this module
+# (engine/kv_scales.py reads them into `kv_scales`).
+KV_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 Tensor = torch.Tensor
 
@@ -288,7 +292,7 @@ class LlamaForCausalLM(nn.Module):
         embedding, norm and head where they do not live, stay unread in the file); an FP8
         KV cache's scales are engine/kv_scales.py's."""
         if name.startswith("model.layers."):
-            return self.stage.holds_layer(int(name.split(".")[2])) and not is_kv_scale(name)
+            return self.stage.holds_layer(int(name.split(".")[2])) and not KV_SCALE_NAME.match(name)
         if name == "model.embed_tokens.weight":
             return self.embed is not None
         if name == "model.norm.weight":
