@@ -30,8 +30,7 @@ from pdserve.kernels import (
     rotary_write_kv_cache,
 )
 
-# An FP8 KV cache's per-layer scales as vLLM stores them: not a weight of this module
-# (engine/kv_scales.py reads them into `kv_scales`).
+# An FP8 KV cache's per-layer scales (vLLM's names), read by engine/kv_scales.py.
 KV_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 Tensor = torch.Tensor
@@ -75,8 +74,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.layer_index = layer_index
         self.qkv_scales = self.o_scales = None  # per-group scales of int8 weights (int8.py)
-        # An FP8 KV cache's k_scale and v_scale (engine/kv_scales.py); none for 16/32 bits.
-        self.kv_scales: dict[str, float] = {}
+        self.kv_scales: dict[str, float] = {}  # an FP8 cache's k/v scales (kv_scales.py)
 
     def forward(
         self,
@@ -288,9 +286,8 @@ class LlamaForCausalLM(nn.Module):
                 yield p + "mlp.down_proj.bias", (h,)
 
     def holds(self, name: str) -> bool:
-        """Whether this stage reads the tensor at all (other stages' layers, and the
-        embedding, norm and head where they do not live, stay unread in the file); an FP8
-        KV cache's scales are engine/kv_scales.py's."""
+        """Whether this stage reads the tensor at all (other stages' layers, the embedding,
+        norm and head where they do not live, and FP8 KV scales stay unread here)."""
         if name.startswith("model.layers."):
             return self.stage.holds_layer(int(name.split(".")[2])) and not KV_SCALE_NAME.match(name)
         if name == "model.embed_tokens.weight":
