@@ -12,6 +12,12 @@
  * row's arithmetic independent of the others and of how many there are; register
  * blocks (QK_TOKENS keys per pass of q.k, PV_CHUNKS dims per pass of P.V, wider where
  * AVX-512 gives 32 registers) share loads between chains, never change one.
+ *
+ * A bf16 cache on a build and CPU with AVX512-BF16 (the linear layer's check; not with
+ * PDSERVE_CPU_ISA=avx2) has variants of its own (DT_BF16_DOT): begin_row rounds the
+ * scaled query row to bf16 once, and each score is one 8-lane `vdpbf16ps` chain over the
+ * dims in pairs, 16 a step, reduced by v8_sum8 as before; the softmax and P.V stay in
+ * float32. Decode and prefill both take it, so the invariant holds there too.
  */
 #ifndef PDSERVE_CPU_ATTEND_H
 #define PDSERVE_CPU_ATTEND_H
