@@ -66,8 +66,10 @@ ALWAYS_INLINE void score_block_dot(const char *kr, int64_t row, int d, int dp, c
     for (int c = 0; c < d16; c += 16) {
         __m256bh kv[QK_TOKENS];
 #pragma GCC unroll 4
-        for (int t = 0; t < TB; t++)
-            kv[t] = (__m256bh)_mm256_loadu_si256((const __m256i *)((const uint16_t *)(kr + t * row) + c));
+        for (int t = 0; t < TB; t++) {
+            const uint16_t *k = (const uint16_t *)(kr + t * row) + c;
+            kv[t] = (__m256bh)_mm256_loadu_si256((const __m256i *)k);
+        }
 #pragma GCC unroll 4
         for (int i = 0; i < G; i++) {
             const __m256bh qv = (__m256bh)_mm256_loadu_si256((const __m256i *)(q + 2 * i * dp + c));
