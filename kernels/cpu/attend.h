@@ -12,6 +12,12 @@
  * row's arithmetic independent of the others and of how many there are; register
  * blocks (QK_TOKENS keys per pass of q.k, PV_CHUNKS dims per pass of P.V, wider where
  * AVX-512 gives 32 registers) share loads between chains, never change one.
+ *
+ * A bf16 cache on a build and CPU with AVX512-BF16 (the linear layer's check; not with
+ * PDSERVE_CPU_ISA=avx2) has variants of its own (DT_BF16_DOT): begin_row rounds the
+ * scaled query row to bf16 once, and each score is one 8-lane `vdpbf16ps` chain over the
+ * dims in pairs, 16 a step, reduced by v8_sum8 as before; the softmax and P.V stay in
+ * float32. Decode and prefill both take it, so the invariant holds there too.
  */
 #ifndef PDSERVE_CPU_ATTEND_H
 #define PDSERVE_CPU_ATTEND_H
@@ -38,12 +44,70 @@
 #define PV_CHUNKS(G) ((G) == 1 ? 8 : (G) == 2 ? 4 : 2)
 #endif
 
+/* The dtype a variant's cache holds (DT_BF16_DOT reads as bf16). */
+ALWAYS_INLINE int cache_dtype(const int dt) { return dt == DT_BF16_DOT ? DT_BF16 : dt; }
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+/* score_block for DT_BF16_DOT: the query row holds bf16 (begin_row packs it) and every
+ * score is one 8-lane `vdpbf16ps` chain over 16 dims a step (lane j sums the pairs 2j,
+ * 2j + 1, in increasing dims; a tail step masks the keys past d to zero and the query
+ * is zero there), whatever TB is. */
+ALWAYS_INLINE void score_block_dot(const char *kr, int64_t row, int d, int dp, const float *qf,
+                                   v8f *dots, const int G, const int TB) {
+    const int d16 = d & ~15;
+    const uint16_t *q = (const uint16_t *)qf; /* row i at q + 2 * i * dp */
+    __asm__("" : "+r"(q));                   /* as in score_block */
+    __m256 dot[MAX_CHUNK][QK_TOKENS];
+#pragma GCC unroll 4
+    for (int i = 0; i < G; i++)
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; t++) dot[i][t] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int c = 0; c < d16; c += 16) {
+        __m256bh kv[QK_TOKENS];
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; t++) {
+            const uint16_t *k = (const uint16_t *)(kr + t * row) + c;
+            kv[t] = (__m256bh)_mm256_loadu_si256((const __m256i *)k);
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < G; i++) {
+            const __m256bh qv = (__m256bh)_mm256_loadu_si256((const __m256i *)(q + 2 * i * dp + c));
+#pragma GCC unroll 4
+            for (int t = 0; t < TB; t++) dot[i][t] = _mm256_dpbf16_ps(dot[i][t], qv, kv[t]);
+        }
+    }
+    if (d16 < d) {
+        const __mmask16 keep = (__mmask16)((1u << (d - d16)) - 1);
+        for (int t = 0; t < TB; t++) {
+            const __m256bh kv = (__m256bh)_mm256_maskz_loadu_epi16(
+                keep, (const uint16_t *)(kr + t * row) + d16);
+            for (int i = 0; i < G; i++) {
+                const __m256bh qv =
+                    (__m256bh)_mm256_loadu_si256((const __m256i *)(q + 2 * i * dp + d16));
+                dot[i][t] = _mm256_dpbf16_ps(dot[i][t], qv, kv);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < G; i++)
+#pragma GCC unroll 4
+        for (int t = 0; t < TB; t++) dots[i * 8 + t] = (v8f)dot[i][t];
+}
+#endif
+
 /* q.k of G heads and TB consecutive tokens from kr: dots[i * 8 + t] for each head i and
  * token t of the block. Every score is the same 8-lane FMA chain over the dims in
  * increasing order whatever TB is (the block only shares the loads), so a token's score
  * does not depend on which block it fell in. */
 ALWAYS_INLINE void score_block(const char *kr, int64_t row, int d, int dp, const float *qf,
                                v8f *dots, const int G, const int TB, const int dt) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    if (dt == DT_BF16_DOT) {
+        score_block_dot(kr, row, d, dp, qf, dots, G, TB);
+        return;
+    }
+#endif
     const int d8 = d & ~7;
     /* An opaque copy of the query pointer: the compiler would otherwise hoist every
      * query vector of the tile out of the callers' loop over tokens, keeping G x d / 8
@@ -59,7 +123,7 @@ ALWAYS_INLINE void score_block(const char *kr, int64_t row, int d, int dp, const
     for (int c = 0; c < d8; c += 8) {
         v8f kv[QK_TOKENS];
 #pragma GCC unroll 4
-        for (int t = 0; t < TB; t++) kv[t] = v8_load_as(kr + t * row, dt, c);
+        for (int t = 0; t < TB; t++) kv[t] = v8_load_as(kr + t * row, cache_dtype(dt), c);
 #pragma GCC unroll 4
         for (int i = 0; i < G; i++) {
             const v8f qv = v8_load(q + i * dp + c);
@@ -69,7 +133,7 @@ ALWAYS_INLINE void score_block(const char *kr, int64_t row, int d, int dp, const
     }
     for (int c = d8; c < d; c++)
         for (int t = 0; t < TB; t++) {
-            float kc = load_scalar(kr + t * row, dt, c);
+            float kc = load_scalar(kr + t * row, cache_dtype(dt), c);
             for (int i = 0; i < G; i++) dot[i][t][0] += q[i * dp + c] * kc;
         }
 #pragma GCC unroll 4
@@ -143,7 +207,7 @@ ALWAYS_INLINE void attend_tokens(const char *kr, const char *vr, int64_t row, in
             for (int i = 0; i < G; i++) p[i] = v8_splat(sc[i * SCORE_TILE + t]);
 #pragma GCC unroll 8
             for (int u = 0; u < CH; u++) {
-                v8f vv = v8_load_as(v, dt, c0 + 8 * u);
+                v8f vv = v8_load_as(v, cache_dtype(dt), c0 + 8 * u);
 #pragma GCC unroll 4
                 for (int i = 0; i < G; i++) o[i][u] = v8_fma(p[i], vv, o[i][u]);
             }
@@ -158,7 +222,7 @@ ALWAYS_INLINE void attend_tokens(const char *kr, const char *vr, int64_t row, in
 #pragma GCC unroll 4
         for (int i = 0; i < G; i++) o[i] = v8_load(acc + i * dp + c0) * v8_splat(corr[i]);
         for (int t = 0; t < n; t++) {
-            v8f vv = v8_load_as(vr + t * row, dt, c0);
+            v8f vv = v8_load_as(vr + t * row, cache_dtype(dt), c0);
 #pragma GCC unroll 4
             for (int i = 0; i < G; i++) o[i] = v8_fma(v8_splat(sc[i * SCORE_TILE + t]), vv, o[i]);
         }
@@ -169,7 +233,7 @@ ALWAYS_INLINE void attend_tokens(const char *kr, const char *vr, int64_t row, in
         for (int i = 0; i < G; i++) {
             float o = acc[i * dp + c] * corr[i];
             for (int t = 0; t < n; t++)
-                o += sc[i * SCORE_TILE + t] * load_scalar(vr + t * row, dt, c);
+                o += sc[i * SCORE_TILE + t] * load_scalar(vr + t * row, cache_dtype(dt), c);
             acc[i * dp + c] = o;
         }
     }
@@ -196,7 +260,7 @@ ALWAYS_INLINE void attend_range(const attention_args *A, int64_t s, int h, int64
     /* With D constant, dp (== D, a multiple of 8) is too: row offsets fold into
      * addressing modes instead of occupying registers. */
     const int d = D ? D : A->head_dim, dp = D ? D : A->dp, bs = A->block_size, group = A->group;
-    const int64_t es = (int64_t)dtype_size(dt), row = A->c_st * es;
+    const int64_t es = (int64_t)dtype_size(cache_dtype(dt)), row = A->c_st * es;
     const int row_bytes = d * (int)es;
     v8f dots[MAX_CHUNK * 8];
     const int64_t first = a / bs, last = (b - 1) / bs;
@@ -235,6 +299,12 @@ ALWAYS_INLINE void begin_row(const attention_args *A, int64_t token, int head, f
                              float *acc, float *m, float *l) {
     load_row(A->q.data, A->q.dt, token * A->q.s0 + head * A->q.s1, A->q.s2, A->head_dim, A->dp,
              A->qmul, qf);
+    if (A->kernel_dt == DT_BF16_DOT) { /* bf16 in place, zero to the next 16 dims */
+        uint16_t *qh = (uint16_t *)qf;
+        const int d = A->head_dim, d16 = (d + 15) & ~15;
+        for (int c = 0; c < d; c++) qh[c] = float_to_bf16(qf[c]);
+        for (int c = d; c < d16; c++) qh[c] = 0;
+    }
     memset(acc, 0, sizeof(float) * A->dp);
     *m = -INFINITY;
     *l = 0.0f;
@@ -259,15 +329,18 @@ ALWAYS_INLINE void end_row(const attention_args *A, int64_t token, int head, con
     MAKE(p##_f16_d128, DT_F16, 128) MAKE(p##_f16_any, DT_F16, 0)                               \
     MAKE(p##_e4m3_d64, DT_E4M3, 64) MAKE(p##_e4m3_d128, DT_E4M3, 128)                          \
     MAKE(p##_e4m3_any, DT_E4M3, 0) MAKE(p##_e5m2_d64, DT_E5M2, 64)                             \
-    MAKE(p##_e5m2_d128, DT_E5M2, 128) MAKE(p##_e5m2_any, DT_E5M2, 0)
+    MAKE(p##_e5m2_d128, DT_E5M2, 128) MAKE(p##_e5m2_any, DT_E5M2, 0)                          \
+    MAKE(p##_dot_d64, DT_BF16_DOT, 64) MAKE(p##_dot_d128, DT_BF16_DOT, 128)                    \
+    MAKE(p##_dot_any, DT_BF16_DOT, 0)
 #define SPECIALISATIONS(p)                                                                     \
     {                                                                                          \
         {p##_f32_d64, p##_f32_d128, p##_f32_any}, {p##_bf16_d64, p##_bf16_d128, p##_bf16_any}, \
             {p##_f16_d64, p##_f16_d128, p##_f16_any},                                          \
             {p##_e4m3_d64, p##_e4m3_d128, p##_e4m3_any},                                       \
             {p##_e5m2_d64, p##_e5m2_d128, p##_e5m2_any},                                       \
+            {p##_dot_d64, p##_dot_d128, p##_dot_any},                                          \
     }
-#define NUM_CACHE_DTYPES 5
+#define NUM_CACHE_DTYPES 6
 
 static inline int specialisation_of(int head_dim) {
     return head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2;

@@ -7,6 +7,12 @@
 
 #include "common.h"
 
+/* A bf16 cache whose scores take bf16 dot products (attend.h): the kernels' variant
+ * tables give it a row of its own, after the cache dtypes. */
+#define DT_BF16_DOT 5
+
+__attribute__((visibility("hidden"))) int linear_bf16_dot_available(void);
+
 /* A decode call's arguments, and the tail of a prefill call's: one struct of 8-byte
  * fields, packed by kernels/cpu_ops.py. The last receives the index of a bad input. */
 typedef struct {
@@ -27,6 +33,7 @@ typedef struct {
     tensor3 q; /* [tokens, heads, head_dim] */
     const char *cache;
     int c_dt;
+    int kernel_dt; /* the variant row: c_dt, or DT_BF16_DOT */
     int64_t c_sb, c_skv, c_sh, c_st;
     const void *tables;
     int t_ix;
@@ -50,8 +57,12 @@ static inline attention_args attention_args_of(const pd_attention_call *c, int d
     const int fp8 = c->c_dt >= DT_E4M3;
     const float kmul = fp8 ? (float)c->k_scale * fp8_read_scale((int)c->c_dt) : 1.0f;
     const float vmul = fp8 ? (float)c->v_scale * fp8_read_scale((int)c->c_dt) : 1.0f;
+    /* bf16 keys against a bf16-rounded query where this build and CPU have AVX512-BF16,
+     * as the linear layer decides (PDSERVE_CPU_ISA=avx2 builds without it). */
+    const int dot = c->c_dt == DT_BF16 && linear_bf16_dot_available();
     return (attention_args){
-        .q = tensor3_of(&c->q), .cache = PTR(c->cache), .c_dt = (int)c->c_dt, .c_sb = c->c_sb,
+        .q = tensor3_of(&c->q), .cache = PTR(c->cache), .c_dt = (int)c->c_dt,
+        .kernel_dt = dot ? DT_BF16_DOT : (int)c->c_dt, .c_sb = c->c_sb,
         .c_skv = c->c_skv, .c_sh = c->c_sh, .c_st = c->c_st, .tables = PTR(c->tables),
         .t_ix = (int)c->t_ix, .t_ss = c->t_ss, .t_sb = c->t_sb, .lens = PTR(c->lens),
         .l_ix = (int)c->l_ix, .l_s = c->l_s, .out = tensor3_of(&c->out),

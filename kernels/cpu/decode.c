@@ -46,7 +46,7 @@ static void decode_item(const attention_job *J, int64_t it, float *scratch) {
     int64_t a = A->window > 0 && len > A->window ? len - A->window : 0;
     for (int i = 0; i < group; i++)
         begin_row(A, s, h * group + i, qf + i * dp, acc + i * dp, m + i, l + i);
-    if (a < len) attend_variant(A->c_dt, A->head_dim)(A, s, h, a, len, qf, m, l, acc, sc);
+    if (a < len) attend_variant(A->kernel_dt, A->head_dim)(A, s, h, a, len, qf, m, l, acc, sc);
     for (int i = 0; i < group; i++) end_row(A, s, h * group + i, acc + i * dp, l[i]);
 }
 

@@ -49,7 +49,7 @@ ALWAYS_INLINE void attend_rows(const char *kr, const char *vr, int64_t row, int 
 ALWAYS_INLINE void attend_causal(const attention_args *A, const prefill_item *it,
                                  const tile_scratch *w, const int dt, const int D) {
     const int d = D ? D : A->head_dim, dp = D ? D : A->dp, bs = A->block_size, g = A->group;
-    const int64_t es = (int64_t)dtype_size(dt), row = A->c_st * es;
+    const int64_t es = (int64_t)dtype_size(cache_dtype(dt)), row = A->c_st * es;
     const int64_t pos0 = it->pos0, tokens = it->tokens, last = pos0 + tokens - 1;
     v8f dots[MAX_CHUNK * 8];
     for (int64_t blk = 0; blk * bs <= last; blk++) {
@@ -117,7 +117,7 @@ static void prefill_run(const attention_job *J, int64_t i, float *scratch) {
     w.m = w.acc + rows * dp;
     w.l = w.m + rows;
     w.sc = w.l + rows;
-    prefill_variant(A->c_dt, A->head_dim)(A, (const prefill_item *)J->items + i, &w);
+    prefill_variant(A->kernel_dt, A->head_dim)(A, (const prefill_item *)J->items + i, &w);
 }
 
 static int64_t item_cost(const prefill_item *it) {

@@ -328,3 +328,22 @@ def test_bad_inputs_get_one_line_errors(kernels):
         )
     with pytest.raises(ValueError, match=r"slot_mapping\[1\]"):
         kernels.write_kv_cache(q[:, :2], q[:, :2], cache, torch.tensor([3, 64]))
+
+
+def test_bf16_cache_scores_take_the_query_rounded_to_bf16(kernels):
+    """Where the CPU has bf16 dot products, a bf16 cache's scores use the scaled query
+    rounded to bf16 once: a float32 query then matches the reference given that rounded
+    query to float32 tolerance (against the unrounded query it is ~5e-3 off). head_dim 72 takes the
+    masked tail step."""
+    if not kernels.bf16_dot_available:
+        pytest.skip("this build or CPU has no AVX512-BF16")
+    gen = torch.Generator().manual_seed(17)
+    heads, kv_heads, d, bs, scale = 6, 2, 72, 16, 0.125
+    lens = [1, 33, 70]
+    batch = make_paged_batch(lens, kv_heads, d, bs, BF16, gen)
+    query = torch.randn(len(lens), heads, d, generator=gen) * 3
+    log2e = torch.tensor(1.4426950408889634)  # the kernels' base-2 softmax multiplier
+    rounded = (query * (torch.tensor(scale) * log2e)).to(BF16).float() / log2e
+    tables, lens_t = batch.block_tables, batch.context_lens
+    out = kernels.decode_attention(query, batch.kv_cache, tables, lens_t, scale)
+    assert_matches(out, decode_attention_ref(rounded, batch.kv_cache, tables, lens_t, 1.0), F32)
