@@ -15,30 +15,19 @@ of interleaved runs compares builds far more steadily than medians of separate r
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from experiments.cpu_attention_ab import fastest
 from experiments.cpu_linear import LAYERS, SHAPES
 from pdserve.kernels import cpu_ops
 from pdserve.kernels.cpu_build import BuiltLibrary
 
 HEAD = (49152, 576)
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def fastest(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Each call's fastest run in thread CPU ms, the calls taking turns."""
-    best = dict.fromkeys(calls, float("inf"))
-    for _ in range(repeats):
-        for name, call in calls.items():
-            start = time.thread_time()
-            call()
-            best[name] = min(best[name], (time.thread_time() - start) * 1e3)
-    return best
 
 
 def layers_pass(linear: Linear, weights: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]):
@@ -85,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
             heads["torch"] = partial(torch.nn.functional.linear, xb[576], head)
         for what, calls in (("layers", passes), ("LM head", heads)):
             best = fastest(calls, args.repeats)
-            cells = " ".join(f"{best[n]:9.2f}" for n in names)
+            cells = " ".join(f"{best[n] * 1e3:9.2f}" for n in names)
             print(f"{rows:6d} rows, {what:8s}{cells}")
 
 

@@ -87,6 +87,42 @@ typedef struct {
     int k;
 } gguf_args;
 
+/* The GGUF tiles' largest shape: rows of x by weight rows. */
+#define GGUF_MAX_R 4
+#define GGUF_MAX_C 12
+
+/* A block's float16 scale (or minimum) at p, as float. */
+ALWAYS_INLINE float gguf_half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return f16_to_float(h);
+}
+
+#if defined(__AVX512F__)
+/* 16 decoded weights as two vectors of 8, in order. */
+ALWAYS_INLINE void gguf_split16(__m512 v, v8f *lo, v8f *hi) {
+    *lo = (v8f)_mm512_castps512_ps256(v);
+    *hi = (v8f)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+#endif
+
+/* A tile's R x C accumulators, zeroed. */
+ALWAYS_INLINE void gguf_tile_zero(v8f acc[][GGUF_MAX_C], const int R, const int C) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 12
+        for (int c = 0; c < C; c++) acc[r][c] = v8_splat(0.0f);
+}
+
+/* The tile's outputs (y from linear_y, first weight row n): each accumulator's sum. */
+ALWAYS_INLINE void gguf_tile_put(const gguf_args *A, float *y, int64_t n,
+                                 v8f acc[][GGUF_MAX_C], const int R, const int C) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 12
+        for (int c = 0; c < C; c++) linear_put(&A->out, y, r, c, n, v8_hsum(acc[r][c]));
+}
+
 /* The K-quant micro-kernels over gguf_args for ggml type `type` (Q4_K, Q5_K, Q6_K); NULL
  * for another type. */
 __attribute__((visibility("hidden"))) linear_rows_fn linear_kquant_rows(int64_t type);

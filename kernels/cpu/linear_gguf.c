@@ -34,8 +34,6 @@ enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8
 
 #define QK 32    /* weights per block */
 #define UNIT_N 24 /* weight rows per work unit: every C divides it */
-#define MAX_R 4
-#define MAX_C 12
 #define X_BLOCK_BYTES (192 << 10)
 #if defined(__AVX512F__)
 #define COLS(R) ((R) == 1 ? 12 : (R) == 2 ? 8 : (R) == 3 ? 6 : 4)
@@ -61,21 +59,10 @@ ALWAYS_INLINE uint32_t high_bits(const uint8_t *b, const int T) {
     return qh;
 }
 
-ALWAYS_INLINE float half_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return f16_to_float(h);
-}
-
 #if defined(__AVX512F__)
-ALWAYS_INLINE void split16(__m512 v, v8f *lo, v8f *hi) {
-    *lo = (v8f)_mm512_castps512_ps256(v);
-    *hi = (v8f)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-}
-
 /* The block's 32 weights as 4 vectors of 8, in order. */
 ALWAYS_INLINE void decode_block(const uint8_t *b, v8f *w, const int T) {
-    const __m512 d = _mm512_set1_ps(half_at(b));
+    const __m512 d = _mm512_set1_ps(gguf_half(b));
     __m512 v0, v1;
     if (T == GGML_Q8_0) {
         const __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2));
@@ -100,17 +87,17 @@ ALWAYS_INLINE void decode_block(const uint8_t *b, v8f *w, const int T) {
         v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(i0), d);
         v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(i1), d);
         if (has_min(T)) {
-            const __m512 m = _mm512_set1_ps(half_at(b + 2));
+            const __m512 m = _mm512_set1_ps(gguf_half(b + 2));
             v0 = _mm512_add_ps(v0, m);
             v1 = _mm512_add_ps(v1, m);
         }
     }
-    split16(v0, &w[0], &w[1]);
-    split16(v1, &w[2], &w[3]);
+    gguf_split16(v0, &w[0], &w[1]);
+    gguf_split16(v1, &w[2], &w[3]);
 }
 #elif defined(__AVX2__)
 ALWAYS_INLINE void decode_block(const uint8_t *b, v8f *w, const int T) {
-    const __m256 d = _mm256_set1_ps(half_at(b));
+    const __m256 d = _mm256_set1_ps(gguf_half(b));
     __m256i i[4];
     if (T == GGML_Q8_0) {
         for (int j = 0; j < 4; j++)
@@ -135,7 +122,7 @@ ALWAYS_INLINE void decode_block(const uint8_t *b, v8f *w, const int T) {
             }
         }
     }
-    const __m256 m = has_min(T) ? _mm256_set1_ps(half_at(b + 2)) : _mm256_setzero_ps();
+    const __m256 m = has_min(T) ? _mm256_set1_ps(gguf_half(b + 2)) : _mm256_setzero_ps();
     for (int j = 0; j < 4; j++) {
         if (q_offset(T)) i[j] = _mm256_sub_epi32(i[j], _mm256_set1_epi32(q_offset(T)));
         __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(i[j]), d);
@@ -145,7 +132,7 @@ ALWAYS_INLINE void decode_block(const uint8_t *b, v8f *w, const int T) {
 }
 #else /* any other CPU: the same roundings, one weight at a time */
 ALWAYS_INLINE void decode_block(const uint8_t *b, v8f *w, const int T) {
-    const float d = half_at(b), m = has_min(T) ? half_at(b + 2) : 0.0f;
+    const float d = gguf_half(b), m = has_min(T) ? gguf_half(b + 2) : 0.0f;
     const uint32_t qh = has_high(T) ? high_bits(b, T) : 0;
     const uint8_t *q = b + values_at(T);
     for (int j = 0; j < QK; j++) {
@@ -168,11 +155,8 @@ ALWAYS_INLINE void tile(const gguf_args *A, int64_t m0, int64_t n, const int R, 
     float *y = linear_y(&A->out, m0, n);
     const int blocks = A->k / QK, BB = block_bytes(T);
     const int64_t rs = A->w_rs, xs = A->x_rs;
-    v8f acc[MAX_R][MAX_C];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 12
-        for (int c = 0; c < C; c++) acc[r][c] = v8_splat(0.0f);
+    v8f acc[GGUF_MAX_R][GGUF_MAX_C];
+    gguf_tile_zero(acc, R, C);
     for (int kb = 0; kb < blocks; kb++) {
         const int k = kb * QK;
 #pragma GCC unroll 12
@@ -191,10 +175,7 @@ ALWAYS_INLINE void tile(const gguf_args *A, int64_t m0, int64_t n, const int R, 
             }
         }
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 12
-        for (int c = 0; c < C; c++) linear_put(&A->out, y, r, c, n, v8_hsum(acc[r][c]));
+    gguf_tile_put(A, y, n, acc, R, C);
 }
 
 LINEAR_ROWS_FN(rows_q8_0, gguf_args, tile, COLS, GGML_Q8_0)

@@ -30,8 +30,6 @@
 enum { GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
 
 #define QK_K 256 /* weights per super-block */
-#define MAX_R 4
-#define MAX_C 12
 #if defined(__AVX512F__)
 #define COLS(R) ((R) == 1 ? 12 : (R) == 2 ? 8 : (R) == 3 ? 6 : 4)
 #else
@@ -42,21 +40,15 @@ ALWAYS_INLINE int super_bytes(const int T) {
     return T == GGML_Q4_K ? 144 : T == GGML_Q5_K ? 176 : 210;
 }
 
-ALWAYS_INLINE float half_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return f16_to_float(h);
-}
-
 /* The super-block's float32 scales: a[s] = d * sc[s] and m[s] = dmin * mn[s] for the 8
  * sub-blocks (Q4_K, Q5_K); a[i] = d * sc[i] for the 16 of Q6_K. */
 ALWAYS_INLINE void super_scales(const uint8_t *b, float *a, float *m, const int T) {
     if (T == GGML_Q6_K) {
-        const float d = half_at(b + 208);
+        const float d = gguf_half(b + 208);
         for (int i = 0; i < 16; i++) a[i] = d * (float)(int8_t)b[192 + i];
         return;
     }
-    const float d = half_at(b), dmin = half_at(b + 2);
+    const float d = gguf_half(b), dmin = gguf_half(b + 2);
     const uint8_t *p = b + 4;
     /* Sub-blocks 0-3: the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7: a nibble
      * of bytes 8-11 below the top 2 bits of those bytes. */
@@ -94,11 +86,6 @@ ALWAYS_INLINE __m256i chunk_q(const uint8_t *b, const int s, const int T) {
 #endif
 
 #if defined(__AVX512F__)
-ALWAYS_INLINE void split16(__m512 v, v8f *lo, v8f *hi) {
-    *lo = (v8f)_mm512_castps512_ps256(v);
-    *hi = (v8f)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-}
-
 /* 16 values as weights: a * (q - 32) (Q6_K) or a * q - m. */
 ALWAYS_INLINE __m512 scale16(__m128i q8, float a, float m, const int T) {
     const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q8));
@@ -112,8 +99,8 @@ ALWAYS_INLINE void decode_chunk(const uint8_t *b, const int s, const float *a, c
     const __m256i q = chunk_q(b, s, T);
     const float a0 = T == GGML_Q6_K ? a[2 * s] : a[s], a1 = T == GGML_Q6_K ? a[2 * s + 1] : a[s];
     const float m0 = T == GGML_Q6_K ? 0.0f : m[s];
-    split16(scale16(_mm256_castsi256_si128(q), a0, m0, T), &w[0], &w[1]);
-    split16(scale16(_mm256_extracti128_si256(q, 1), a1, m0, T), &w[2], &w[3]);
+    gguf_split16(scale16(_mm256_castsi256_si128(q), a0, m0, T), &w[0], &w[1]);
+    gguf_split16(scale16(_mm256_extracti128_si256(q, 1), a1, m0, T), &w[2], &w[3]);
 }
 #elif defined(__AVX2__)
 ALWAYS_INLINE void decode_chunk(const uint8_t *b, const int s, const float *a, const float *m,
@@ -162,14 +149,11 @@ ALWAYS_INLINE void tile(const gguf_args *A, int64_t m0, int64_t n, const int R, 
     float *y = linear_y(&A->out, m0, n);
     const int supers = A->k / QK_K, BB = super_bytes(T);
     const int64_t rs = A->w_rs, xs = A->x_rs;
-    v8f acc[MAX_R][MAX_C];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 12
-        for (int c = 0; c < C; c++) acc[r][c] = v8_splat(0.0f);
+    v8f acc[GGUF_MAX_R][GGUF_MAX_C];
+    gguf_tile_zero(acc, R, C);
     for (int sb = 0; sb < supers; sb++) {
         const uint8_t *blocks = w + (int64_t)sb * BB;
-        float a[MAX_C][16], m[MAX_C][8];
+        float a[GGUF_MAX_C][16], m[GGUF_MAX_C][8];
 #pragma GCC unroll 12
         for (int c = 0; c < C; c++) super_scales(blocks + c * rs, a[c], m[c], T);
         /* Chunks outer, weight rows inner (as linear_gguf.c's blocks): the unrolled body
@@ -194,10 +178,7 @@ ALWAYS_INLINE void tile(const gguf_args *A, int64_t m0, int64_t n, const int R, 
             }
         }
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 12
-        for (int c = 0; c < C; c++) linear_put(&A->out, y, r, c, n, v8_hsum(acc[r][c]));
+    gguf_tile_put(A, y, n, acc, R, C);
 }
 
 LINEAR_ROWS_FN(rows_q4_k, gguf_args, tile, COLS, GGML_Q4_K)

@@ -19,15 +19,8 @@ import zmq
 from experiments import attack_ports, attacks
 from experiments.chaos_harness import GREEDY, Shape, counters
 from experiments.serving import API_KEY, ServeProcess, served
-from tests.attack_watch import (
-    assert_unharmed,
-    attack_under_load,
-    drops,
-    grown,
-    instances,
-    oversized,
-)
 from tests.cluster.conftest import RAY_ENV, ray_list
+from tests.experiments import attack_watch
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -82,7 +75,7 @@ def test_junk_to_a_rank_process_is_counted_in_metrics(server, ray_cluster) -> No
         p for p, k in zip(ports, attack_ports.identify_all(ports), strict=True) if k == "zmq ROUTER"
     ]
     assert len(routers) == 1, ports  # its KV control socket
-    before = drops(server)
+    before = attack_watch.drops(server)
     context = zmq.Context()
     try:
         dealer = context.socket(zmq.DEALER)
@@ -93,18 +86,18 @@ def test_junk_to_a_rank_process_is_counted_in_metrics(server, ray_cluster) -> No
         dealer.close()
     finally:
         context.term()
-    assert "kv_control" in grown(server, before, {"kv_control"})
+    assert "kv_control" in attack_watch.grown(server, before, {"kv_control"})
     deadline = time.monotonic() + 10
-    while drops(server).get("kv_control", 0.0) < before.get("kv_control", 0.0) + 3:
-        assert time.monotonic() < deadline, drops(server)
+    while attack_watch.drops(server).get("kv_control", 0.0) < before.get("kv_control", 0.0) + 3:
+        assert time.monotonic() < deadline, attack_watch.drops(server)
         time.sleep(0.3)
 
 
 def test_every_port_attacked_under_load(server, ray_cluster) -> None:
     ports = attack_ports.deployment_ports(server.base_url, ray_cluster)
-    lives_before, counters_before = instances(server), counters(server)
-    drops_before, oversized_before = drops(server), oversized(server)
-    attacked = attack_under_load(server, ports, SHAPES)
+    lives_before, counters_before = attack_watch.instances(server), counters(server)
+    drops_before, oversized_before = attack_watch.drops(server), attack_watch.oversized(server)
+    attacked = attack_watch.attack_under_load(server, ports, SHAPES)
     admin = attacks.probe_admin(server.base_url, API_KEY)
     outcomes, report = attacked.outcomes, attacked.report()
     print(report)
@@ -123,13 +116,15 @@ def test_every_port_attacked_under_load(server, ray_cluster) -> None:
     assert attacked.captured, report  # block events, read by a stranger's SUB
     # Each attacked ZMQ channel counted its drops, and a frame one byte past its limit
     # as `oversized` (the rank processes' with their next step).
-    up = grown(server, drops_before, COUNTED)
-    drops_after = drops(server)
+    up = attack_watch.grown(server, drops_before, COUNTED)
+    drops_after = attack_watch.drops(server)
     print({c: n - drops_before.get(c, 0.0) for c, n in drops_after.items()})
     assert up >= COUNTED, (drops_before, drops_after)
-    assert grown(server, oversized_before, COUNTED, oversized) >= COUNTED, oversized(server)
+    assert (
+        attack_watch.grown(server, oversized_before, COUNTED, attack_watch.oversized) >= COUNTED
+    ), attack_watch.oversized(server)
 
-    assert_unharmed(server, attacked, lives_before, counters_before)
+    attack_watch.assert_unharmed(server, attacked, lives_before, counters_before)
     # The operator routes stay closed to a stranger and to a tenant.
     for route, status in admin.items():
         assert status == (401 if "(none key)" in route else 403), admin

@@ -13,7 +13,7 @@ from pdserve.common.sampling_params import SamplingParams
 from pdserve.engine.checkpoint import CheckpointError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_scales import read_kv_scales
-from tests.engine.test_int8 import NEAR_TIE, PROMPTS, _tiny_checkpoint
+from tests.engine.test_int8 import _tiny_checkpoint, assert_greedy_agrees_but_at_near_ties
 
 
 def _llm(kv_cache_dtype: str):
@@ -51,23 +51,7 @@ def test_greedy_tokens_stay_with_the_16_bit_caches_but_at_near_ties(sixteen_bit,
     at top-2 gaps of about 0.09 (2 of 4 prompts, token 4 of 12): a divergence must be
     to the baseline's second choice within int8's near-tie bound, and before it the
     chosen tokens' log-probabilities agree within 0.3 (0.21 seen)."""
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
-    wide = [o.outputs[0] for o in sixteen_bit.generate(PROMPTS, params)]
-    narrow = [o.outputs[0] for o in fp8.generate(PROMPTS, params)]
-    agree = 0
-    for a, b in zip(wide, narrow, strict=True):
-        pairs = zip(a.token_ids, b.token_ids, strict=True)
-        diverge = next((i for i, (x, y) in enumerate(pairs) if x != y), None)
-        same = len(a.token_ids) if diverge is None else diverge
-        for i in range(same):
-            assert abs(a.logprobs[i].top_logprobs[0] - b.logprobs[i].top_logprobs[0]) < 0.3
-        if diverge is None:
-            agree += 1
-            continue
-        top = a.logprobs[diverge]
-        assert b.token_ids[diverge] in top.top_ids, (diverge, top)
-        assert top.top_logprobs[0] - top.top_logprobs[1] < NEAR_TIE, (diverge, top)
-    assert agree >= len(PROMPTS) // 2
+    assert_greedy_agrees_but_at_near_ties(sixteen_bit, fp8, logprob_gap=0.3)
 
 
 def test_a_checkpoints_kv_scales_are_read_and_set_on_its_layers(tmp_path):

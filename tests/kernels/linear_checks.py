@@ -1,6 +1,6 @@
 """What the tests of the C linear layers (float, int8, GGUF) check alike: a row's output
-independent of the rest of the call, the dispatch to the C binding and back, and the
-AVX2 build run in a child process."""
+independent of the rest of the call, the dispatch to the C binding and back, the AVX2
+build run in a child process, and the packed GGUF layers' grid cases."""
 
 from __future__ import annotations
 
@@ -73,3 +73,62 @@ def avx2_child_result(code: str) -> dict[str, Any]:
     result = json.loads(run_avx2_child(code)[-1])
     assert result["info"].startswith("AVX2+FMA")
     return result
+
+
+def packed_case(
+    packed_weight: Callable[[int, int, int, int], torch.Tensor],
+    qtype: int,
+    m: int,
+    n: int,
+    k: int,
+    bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A GGUF grid case's x [m, k], packed weight [n, k's blocks] and optional bias [n],
+    seeded by the case (the weight by `packed_weight(qtype, n, k, seed)`)."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    return x, packed_weight(qtype, n, k, m + n + k + qtype), b
+
+
+def assert_packed_is_float32_linear(
+    kernels: Any, op: Any, x: torch.Tensor, w: torch.Tensor, qtype: int, b: torch.Tensor | None
+) -> None:
+    """`op.linear_gguf` is bit for bit the float32 C linear layer over the dequantized
+    weights (a GGUF model's numbers are its float copy's), and close to the reference."""
+    from pdserve.kernels.gguf_blocks import dequantize_rows, linear_gguf_ref
+
+    y = op.linear_gguf(x, w, qtype, b)
+    assert y.shape == (x.shape[0], w.shape[0]) and y.dtype == torch.float32
+    assert torch.equal(y, kernels.linear(x, dequantize_rows(w, qtype), b))
+    k = x.shape[1]
+    torch.testing.assert_close(y, linear_gguf_ref(x, w, qtype, b), atol=1e-4 * k**0.5, rtol=1e-4)
+
+
+def assert_avx2_packed_grid(module: str, alone: tuple[int, int, int, int]) -> None:
+    """Under the AVX2 build (a child process: the build is per process), every case of
+    `module`'s GRID over its TYPES is bit for bit the float32 linear layer of the
+    dequantized weights, and the last 3 rows of the `alone` = (qtype, rows, weight rows, k)
+    case alone give what the whole call gives."""
+    qtype, m, n, k = alone
+    code = (
+        "import json, torch\n"
+        "from pdserve.kernels import cpu_ops\n"
+        "from pdserve.kernels.cpu_quantized import CpuQuantizedLinear\n"
+        "from pdserve.kernels.gguf_blocks import dequantize_rows\n"
+        f"from {module} import GRID, TYPES, case_tensors\n"
+        "k = cpu_ops.load(); op = CpuQuantizedLinear(k)\n"
+        "equal = []\n"
+        "for q in TYPES:\n"
+        "    for m, n, kk, b, t in GRID:\n"
+        "        torch.set_num_threads(t)\n"
+        "        x, w, bias = case_tensors(q, m, n, kk, b)\n"
+        "        y = op.linear_gguf(x, w, q, bias)\n"
+        "        equal.append(torch.equal(y, k.linear(x, dequantize_rows(w, q), bias)))\n"
+        f"x, w, bias = case_tensors({qtype}, {m}, {n}, {k}, False)\n"
+        f"alone = torch.equal(op.linear_gguf(x[-3:], w, {qtype}), "
+        f"op.linear_gguf(x, w, {qtype})[-3:])\n"
+        "print(json.dumps({'info': k.build_info, 'equal': equal, 'alone': alone}))\n"
+    )
+    result = avx2_child_result(code)
+    assert result["alone"] and all(result["equal"]), result["equal"]

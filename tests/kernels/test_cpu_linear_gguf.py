@@ -7,6 +7,8 @@ dequantization against the `gguf` package's.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -16,10 +18,12 @@ from pdserve.kernels import gguf_blocks
 from pdserve.kernels.cpu_quantized import CpuQuantizedLinear
 from pdserve.kernels.gguf_blocks import PACKED_TYPES, dequantize_rows, linear_gguf_ref
 from tests.kernels.linear_checks import (
+    assert_avx2_packed_grid,
     assert_dispatches_to,
+    assert_packed_is_float32_linear,
     assert_rows_independent,
-    avx2_child_result,
     cpu_has,
+    packed_case,
 )
 
 # ggml numbers: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (the K-quants: test_cpu_linear_kquant.py)
@@ -55,11 +59,7 @@ def packed_weight(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
     return blocks.reshape(n, -1)
 
 
-def case_tensors(qtype: int, m: int, n: int, k: int, bias: bool):
-    gen = torch.Generator().manual_seed(m * 1000 + n + k)
-    x = torch.randn(m, k, generator=gen)
-    b = torch.randn(n, generator=gen) if bias else None
-    return x, packed_weight(qtype, n, k, m + n + k + qtype), b
+case_tensors = functools.partial(packed_case, packed_weight)
 
 
 @pytest.fixture(scope="module")
@@ -91,11 +91,8 @@ def test_packed_linear_is_the_float32_linear_of_its_dequantized_weights(
     m, n, k, bias, num_threads = case
     threads(num_threads)
     x, w, b = case_tensors(qtype, m, n, k, bias)
-    y = op.linear_gguf(x, w, qtype, b)
-    assert y.shape == (m, n) and y.dtype == torch.float32
     # Bit for bit the float32 path's arithmetic: a GGUF model's numbers are its float copy's.
-    assert torch.equal(y, kernels.linear(x, dequantize_rows(w, qtype), b))
-    torch.testing.assert_close(y, linear_gguf_ref(x, w, qtype, b), atol=1e-4 * k**0.5, rtol=1e-4)
+    assert_packed_is_float32_linear(kernels, op, x, w, qtype, b)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=gguf_blocks.type_name)
@@ -138,23 +135,4 @@ def test_dispatch_sends_cpu_packed_linear_to_the_c_kernel(kernels):
 def test_the_avx2_build_is_the_float32_linear_of_the_dequantized_weights():
     """PDSERVE_CPU_ISA=avx2 (a child process: the build is per process) decodes 8 weights
     at a time; the same grid, bit for bit the float32 path, rows independent as well."""
-    code = (
-        "import json, torch\n"
-        "from pdserve.kernels import cpu_ops\n"
-        "from pdserve.kernels.cpu_quantized import CpuQuantizedLinear\n"
-        "from pdserve.kernels.gguf_blocks import dequantize_rows\n"
-        "from tests.kernels.test_cpu_linear_gguf import GRID, TYPES, case_tensors\n"
-        "k = cpu_ops.load(); op = CpuQuantizedLinear(k)\n"
-        "equal = []\n"
-        "for q in TYPES:\n"
-        "    for m, n, kk, b, t in GRID:\n"
-        "        torch.set_num_threads(t)\n"
-        "        x, w, bias = case_tensors(q, m, n, kk, b)\n"
-        "        y = op.linear_gguf(x, w, q, bias)\n"
-        "        equal.append(torch.equal(y, k.linear(x, dequantize_rows(w, q), bias)))\n"
-        "x, w, bias = case_tensors(3, 300, 130, 576, False)\n"
-        "alone = torch.equal(op.linear_gguf(x[-3:], w, 3), op.linear_gguf(x, w, 3)[-3:])\n"
-        "print(json.dumps({'info': k.build_info, 'equal': equal, 'alone': alone}))\n"
-    )
-    result = avx2_child_result(code)
-    assert result["alone"] and all(result["equal"]), result["equal"]
+    assert_avx2_packed_grid("tests.kernels.test_cpu_linear_gguf", (3, 300, 130, 576))

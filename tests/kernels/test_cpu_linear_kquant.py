@@ -7,6 +7,8 @@ torch dequantization against the `gguf` package's, and the tests' quantizer agai
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -14,12 +16,14 @@ import torch
 from pdserve.engine import gguf_file
 from pdserve.kernels import gguf_blocks
 from pdserve.kernels.cpu_quantized import CpuQuantizedLinear
-from pdserve.kernels.gguf_blocks import PACKED_TYPES, dequantize_rows, linear_gguf_ref
+from pdserve.kernels.gguf_blocks import PACKED_TYPES, dequantize_rows
 from pdserve.kernels.gguf_kquants import KQUANT_TYPES
 from tests.kernels.linear_checks import (
+    assert_avx2_packed_grid,
+    assert_packed_is_float32_linear,
     assert_rows_independent,
-    avx2_child_result,
     cpu_has,
+    packed_case,
 )
 
 TYPES = sorted(KQUANT_TYPES)  # ggml numbers: Q4_K, Q5_K, Q6_K
@@ -56,11 +60,7 @@ def packed_weight(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
     return blocks.reshape(n, -1)
 
 
-def case_tensors(qtype: int, m: int, n: int, k: int, bias: bool):
-    gen = torch.Generator().manual_seed(m * 1000 + n + k)
-    x = torch.randn(m, k, generator=gen)
-    b = torch.randn(n, generator=gen) if bias else None
-    return x, packed_weight(qtype, n, k, m + n + k + qtype), b
+case_tensors = functools.partial(packed_case, packed_weight)
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +111,8 @@ def test_packed_linear_is_the_float32_linear_of_its_dequantized_weights(
     m, n, k, bias, num_threads = case
     threads(num_threads)
     x, w, b = case_tensors(qtype, m, n, k, bias)
-    y = op.linear_gguf(x, w, qtype, b)
-    assert y.shape == (m, n) and y.dtype == torch.float32
-    # Bit for bit the float32 path's arithmetic: a K-quant model's numbers are its float copy's.
-    assert torch.equal(y, kernels.linear(x, dequantize_rows(w, qtype), b))
-    torch.testing.assert_close(y, linear_gguf_ref(x, w, qtype, b), atol=1e-4 * k**0.5, rtol=1e-4)
+    # Bit for bit the float32 path's arithmetic: a GGUF model's numbers are its float copy's.
+    assert_packed_is_float32_linear(kernels, op, x, w, qtype, b)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=gguf_blocks.type_name)
@@ -135,23 +132,4 @@ def test_a_k_off_the_super_blocks_gets_a_one_line_error(op):
 def test_the_avx2_build_is_the_float32_linear_of_the_dequantized_weights():
     """PDSERVE_CPU_ISA=avx2 (a child process: the build is per process) decodes 8 weights
     at a time; the same grid, bit for bit the float32 path, rows independent as well."""
-    code = (
-        "import json, torch\n"
-        "from pdserve.kernels import cpu_ops\n"
-        "from pdserve.kernels.cpu_quantized import CpuQuantizedLinear\n"
-        "from pdserve.kernels.gguf_blocks import dequantize_rows\n"
-        "from tests.kernels.test_cpu_linear_kquant import GRID, TYPES, case_tensors\n"
-        "k = cpu_ops.load(); op = CpuQuantizedLinear(k)\n"
-        "equal = []\n"
-        "for q in TYPES:\n"
-        "    for m, n, kk, b, t in GRID:\n"
-        "        torch.set_num_threads(t)\n"
-        "        x, w, bias = case_tensors(q, m, n, kk, b)\n"
-        "        y = op.linear_gguf(x, w, q, bias)\n"
-        "        equal.append(torch.equal(y, k.linear(x, dequantize_rows(w, q), bias)))\n"
-        "x, w, bias = case_tensors(14, 300, 50, 512, False)\n"
-        "alone = torch.equal(op.linear_gguf(x[-3:], w, 14), op.linear_gguf(x, w, 14)[-3:])\n"
-        "print(json.dumps({'info': k.build_info, 'equal': equal, 'alone': alone}))\n"
-    )
-    result = avx2_child_result(code)
-    assert result["alone"] and all(result["equal"]), result["equal"]
+    assert_avx2_packed_grid("tests.kernels.test_cpu_linear_kquant", (14, 300, 50, 512))

@@ -16,14 +16,7 @@ import pytest
 from experiments import attack_ports
 from experiments.chaos_harness import GREEDY, Shape, counters
 from experiments.serving import LOCAL, ServeProcess, served
-from tests.attack_watch import (
-    assert_unharmed,
-    attack_under_load,
-    drops,
-    grown,
-    instances,
-    oversized,
-)
+from tests.experiments import attack_watch
 
 pytestmark = pytest.mark.slow
 
@@ -51,10 +44,10 @@ def kv_bytes(server: ServeProcess) -> float:
 
 def test_the_kv_data_sockets_attacked_while_kv_moves(server) -> None:
     ports = attack_ports.deployment_ports(server.base_url)
-    lives_before, counters_before = instances(server), counters(server)
-    drops_before, oversized_before = drops(server), oversized(server)
+    lives_before, counters_before = attack_watch.instances(server), counters(server)
+    drops_before, oversized_before = attack_watch.drops(server), attack_watch.oversized(server)
     moved_before = kv_bytes(server)
-    attacked = attack_under_load(server, ports, SHAPES)
+    attacked = attack_watch.attack_under_load(server, ports, SHAPES)
     report = attacked.report()
     print(report)
     print(f"{len(ports)} ports attacked in {attacked.attack_s:.1f} s; "
@@ -63,10 +56,14 @@ def test_the_kv_data_sockets_attacked_while_kv_moves(server) -> None:
     # The tasks of both instances, the gateway's outputs, each instance's KV data.
     pulls = [o for o in attacked.outcomes if o.kind == "zmq PULL"]
     assert len(pulls) == 5 and all("kv_data limit + 1 byte" in o.sent for o in pulls), report
-    assert "kv_data" in grown(server, drops_before, {"kv_data"}), drops(server)
-    assert "kv_data" in grown(server, oversized_before, {"kv_data"}, oversized), oversized(server)
+    assert "kv_data" in attack_watch.grown(server, drops_before, {"kv_data"}), attack_watch.drops(
+        server
+    )
+    assert "kv_data" in attack_watch.grown(
+        server, oversized_before, {"kv_data"}, attack_watch.oversized
+    ), attack_watch.oversized(server)
 
-    assert_unharmed(server, attacked, lives_before, counters_before)
+    attack_watch.assert_unharmed(server, attacked, lives_before, counters_before)
     after = counters(server)
     for name in ("kv_failures", "recomputed", "lease_expiries"):
         assert after[name] == counters_before[name], (name, after)
