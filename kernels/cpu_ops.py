@@ -101,7 +101,12 @@ class CpuKernels:
 
     def describe(self) -> str:
         linear = "bf16 dot-product" if self.bf16_dot else "float32"
-        return f"C kernels ({self.build_info}; {linear} bf16 linear; {self.path.name})"
+        # Attention takes bf16 dot products wherever the CPU has them (attention.h).
+        scores = "bf16 dot-product" if self.bf16_dot_available else "float32"
+        return (
+            f"C kernels ({self.build_info}; {linear} bf16 linear; {scores} bf16-cache scores; "
+            f"{self.path.name})"
+        )
 
     def write_kv_cache(
         self,
