@@ -15,9 +15,11 @@ client, and fits the same models:
   gap is one as well): contexts that vary, so the fit can tell the cost of attention
   from the cost of a sequence.
 - decode: B requests per decode instance (the gateway spreads them evenly) sent at
-  once with answers of `decode_output_len` tokens; their median gap between tokens,
-  first gaps left out, is one decode step of batch B whose contexts average the prompt
-  plus half the answer.
+  once with answers of `decode_output_len` tokens. Each request's mean gap between
+  tokens, first gaps left out, is one decode step of batch B whose contexts average the
+  prompt plus half the answer; the probe takes the median over its requests. A mean
+  within a request, not a median of gaps, because a stall in delivery (a busy client or
+  server thread) bunches tokens without changing their sum: short gaps after a long one.
 - handoff (disaggregated): the first gap of each single prefill request less one
   decode step of batch 1 is the time from the prefill step's end to the KV being ready
   on an idle decode instance; fitted as a fixed cost plus a cost per prompt token.
@@ -108,8 +110,13 @@ async def probe_prefill(base_url: str, tokenizer: ServerTokenizer, plan: ProbePl
     return records
 
 
+def steady_step_s(itls: list[list[float]]) -> float:
+    """One decode step from requests' gaps: the median over requests of their mean steady gap."""
+    return float(np.median([np.mean(gaps[FIRST_STEADY_GAP:]) for gaps in itls]))
+
+
 async def probe_decode(base_url: str, tokenizer: ServerTokenizer, plan: ProbePlan) -> list[dict]:
-    """(batch, mean context, median steady gap) per batch size."""
+    """(batch, mean context, steady step time) per batch size."""
     records = []
     for index, batch in enumerate(plan.decode_batches):
         count = batch * plan.decode_instances
@@ -126,7 +133,7 @@ async def probe_decode(base_url: str, tokenizer: ServerTokenizer, plan: ProbePla
             {
                 "batch": batch,
                 "mean_context": mean_context,
-                "median_gap_s": float(np.median(gaps)),
+                "step_s": steady_step_s(result["itls"]),
                 "p90_gap_s": float(np.percentile(gaps, 90)),
             }
         )
@@ -147,7 +154,7 @@ def fit_from_probes(prefill: list[dict], decode: list[dict], plan: ProbePlan) ->
         {
             "batch_tokens": r["batch"],
             "attention_pairs": int(round(r["batch"] * r["mean_context"])),
-            "seconds": r["median_gap_s"],
+            "seconds": r["step_s"],
         }
         for r in decode
     ]

@@ -13,7 +13,12 @@ from experiments.machine_load import CpuAccount, wait_for_quiet
 from pdserve.bench.arrivals import arrival_offsets
 from pdserve.planner.sim.compare import Tolerances, compare, format_table, tally, workload_of
 from pdserve.planner.sim.latency import StepLatencyModel, prefill_pairs
-from pdserve.planner.sim.server_calibration import ProbePlan, calibrate_server_sync, fit_from_probes
+from pdserve.planner.sim.server_calibration import (
+    ProbePlan,
+    calibrate_server_sync,
+    fit_from_probes,
+    steady_step_s,
+)
 from pdserve.planner.sim.simulator import ClusterConfig, Workload, simulate
 
 
@@ -65,7 +70,7 @@ def probe_records(prefill: StepLatencyModel, decode: StepLatencyModel, handoff_s
     ]
     context = 64 + 13
     decode_records = [
-        {"batch": b, "mean_context": context, "median_gap_s": decode.predict(b, b * context)}
+        {"batch": b, "mean_context": context, "step_s": decode.predict(b, b * context)}
         for b in plan.decode_batches
     ]
     return plan, prefill_records, decode_records
@@ -90,6 +95,15 @@ def test_probe_records_fit_the_models_and_the_handoff() -> None:
     data = fit_from_probes(prefill_records, decode_records, colocated)
     assert data["handoff"] == {"base_s": 0.0, "per_token_s": 0.0}
     assert len(data["decode"]) == len(plan.decode_batches) + 2 * len(prefill_records)
+
+
+def test_a_stall_in_delivery_does_not_shorten_the_step() -> None:
+    # Steps of 20 ms; a stall delivers three tokens at once after 80 ms (a median of the
+    # steady gaps would say 0 ms).
+    bunched = [0.5, 0.02, 0.02, 0.08, 0.0, 0.0, 0.0]
+    steady = [0.5, 0.02] + [0.02] * 5
+    assert steady_step_s([bunched]) == pytest.approx(0.02)
+    assert steady_step_s([bunched, bunched, steady]) == pytest.approx(0.02)
 
 
 def test_probes_must_fit_one_prefill_step() -> None:
