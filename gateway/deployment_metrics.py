@@ -84,6 +84,9 @@ class DeploymentSeries:
             registry=registry,
         )
         self.ttft_slo: Gauge | None = None
+        # What each instance's series were set to, so a role switch can move them.
+        self._seats: dict[str, tuple[str, int]] = {}
+        self._kv: dict[str, tuple[str, str, int]] = {}
 
     def set_ttft_slo(self, seconds: float) -> None:
         """Registered only once known, so a deployment without an SLO exports none."""
@@ -94,10 +97,21 @@ class DeploymentSeries:
         self.ttft_slo.set(seconds)
 
     def set_max_num_seqs(self, role: str, instance: str, seats: int) -> None:
+        self._seats[instance] = (role, seats)
         self.max_num_seqs.labels(role, instance).set(seats)
 
     def set_kv_cache(self, role: str, instance: str, dtype: str, bytes_per_token: int) -> None:
+        self._kv[instance] = (role, dtype, bytes_per_token)
         self.kv_bytes_per_token.labels(role, instance, dtype).set(bytes_per_token)
+
+    def move_instance(self, new: str, instance: str) -> None:
+        """The instance switched role: its settings show under the new role only."""
+        if (seats := self._seats.get(instance)) is not None:
+            self.max_num_seqs.remove(seats[0], instance)
+            self.set_max_num_seqs(new, instance, seats[1])
+        if (kv := self._kv.get(instance)) is not None:
+            self.kv_bytes_per_token.remove(kv[0], instance, kv[1])
+            self.set_kv_cache(new, instance, kv[1], kv[2])
 
     def watch_pools(self, read: PoolReader) -> None:
         """`read`: each pool's size and live instances now (called at every scrape)."""

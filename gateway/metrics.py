@@ -297,6 +297,7 @@ class GatewayMetrics:
         with contextlib.suppress(KeyError):
             self.gauges["instance_up"].remove(old, instance_id)
         self.add_instance(new, instance_id)
+        self.deployment.move_instance(new, instance_id)
 
     def mark_down(self, role: str, instance_id: str) -> None:
         """A dead instance's load gauges go at once (a stale `num_requests_running` would

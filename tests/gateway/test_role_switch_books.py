@@ -51,3 +51,17 @@ def test_metrics_show_one_role_per_instance_and_count_switches() -> None:
     assert "pdserve:role_switch_seconds_count 1.0" in text
     metrics.roles.forget("decode-1")  # drained and stopped
     assert "pdserve:instance_role{" not in metrics.render().decode()
+
+
+def test_an_instances_settings_move_with_it_to_its_new_role() -> None:
+    metrics = GatewayMetrics()
+    metrics.add_instance("decode", "decode-1")
+    metrics.deployment.set_max_num_seqs("decode", "decode-1", 8)
+    metrics.deployment.set_kv_cache("decode", "decode-1", "float8_e4m3fn", 1024)
+    metrics.move_instance("decode", "prefill", "decode-1")
+    text = metrics.render().decode()
+    assert 'pdserve:max_num_seqs{instance="decode-1",role="prefill"} 8.0' in text
+    assert 'pdserve:max_num_seqs{instance="decode-1",role="decode"}' not in text
+    moved = 'pdserve:kv_cache_bytes_per_token{instance="decode-1",kv_cache_dtype="float8_e4m3fn",'
+    assert moved + 'role="prefill"} 1024.0' in text
+    assert moved + 'role="decode"}' not in text
