@@ -111,6 +111,7 @@ class InstanceIO:
         self._task_ready = threading.Event()
         self._stopping = threading.Event()
         self._decoder = msgspec.msgpack.Decoder(task_type)
+        self._left: msgspec.msgpack.Decoder | None = None  # the tasks of the role it left
         self._encoder = msgspec.msgpack.Encoder()
         self.latest_stats: InstanceStats | None = None  # set by the step loop, read here
         # Switched by the step loop, read here: outputs' epoch and the tasks taken.
@@ -151,8 +152,9 @@ class InstanceIO:
     def change_role(self, role: str, task_type: Any) -> None:
         """The instance serves as `role` from now on: outputs and heartbeats say so, and
         the task socket decodes that role's tasks (each a single assignment, which the
-        I/O thread sees whole)."""
-        self._decoder = msgspec.msgpack.Decoder(task_type)
+        I/O thread sees whole). A peer's message still in flight for the role it left
+        (a handoff) decodes with that role's types, to be counted as stale."""
+        self._decoder, self._left = msgspec.msgpack.Decoder(task_type), self._decoder
         self.address = InstanceAddress(self.address.instance_id, role, self.address.task_address)
 
     def send_output(self, output: InstanceOutput) -> None:
@@ -246,8 +248,7 @@ class InstanceIO:
             try:
                 task = self._decoder.decode(opened.payload)
             except msgspec.DecodeError as exc:
-                self._task_opener.refuse(frame_drops.UNDECODABLE, opened.sender)
-                logger.warning("%s: dropping a malformed task: %s", self.address.instance_id, exc)
+                self._refuse_undecoded(opened.payload, opened.sender, exc)
                 continue
             # A peer's message (a handoff) names no epoch of this instance: its own
             # sender's epoch is the role's to check.
@@ -257,6 +258,19 @@ class InstanceIO:
                 continue
             self._tasks.append(Received(task, time.monotonic()))
         self._task_ready.set()
+
+    def _refuse_undecoded(self, payload: bytes, sender: str, exc: Exception) -> None:
+        """Counted stale if it is a task of the role this instance left, else malformed."""
+        try:
+            left = self._left.decode(payload) if self._left is not None else None
+        except msgspec.DecodeError:
+            left = None
+        if left is not None:
+            what = f"a {type(left).__name__} for the role it left"
+            self._task_opener.refuse(frame_drops.STALE_EPOCH, f"{sender} ({what})")
+            return
+        self._task_opener.refuse(frame_drops.UNDECODABLE, sender)
+        logger.warning("%s: dropping a malformed task: %s", self.address.instance_id, exc)
 
     def _forward_outbox(self) -> None:
         while True:

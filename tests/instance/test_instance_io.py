@@ -202,3 +202,22 @@ def test_a_task_for_another_epoch_of_the_instance_is_dropped_and_counted(gateway
     finally:
         push.close(linger=0)
         instance.close()
+
+
+def test_a_late_message_for_the_role_it_left_counts_as_stale(gateway) -> None:
+    instance = InstanceIO("i-5", "decode", gateway[1], task_type=Task | Ping)
+    instance.start()
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    before = DROPS.totals().get(("tasks", "stale_epoch"), 0)
+    undecodable = DROPS.totals().get(("tasks", "undecodable"), 0)
+    try:
+        instance.change_role("prefill", Task)
+        push.connect(instance.address.task_address)
+        push.send(SEAL.seal(ENCODER.encode(Ping("a peer's message of the decode life"))))
+        push.send(SEAL.seal(ENCODER.encode(AbortTask(["r1"]))))
+        assert [r.task for r in take(instance, 1, timeout_s=2.0)] == [AbortTask(["r1"])]
+        assert DROPS.totals()[("tasks", "stale_epoch")] == before + 1
+        assert DROPS.totals().get(("tasks", "undecodable"), 0) == undecodable
+    finally:
+        push.close(linger=0)
+        instance.close()
