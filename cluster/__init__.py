@@ -14,7 +14,8 @@
   `--mode colocated`, `ColocatedInstance`, with the pools' custom resources; a
   tensor-parallel instance's ranks as `TensorParallelRank` actors in its placement
   groups, `ray_ranks.py`; the secret handed to actors as a file on their node,
-  `secret_file.py`) and the Ray-free local launcher
+  `secret_file.py`, in the actors' `runtime_env` with Ray's worker niceness at 0,
+  `actor_env.py`) and the Ray-free local launcher
   (`local_launcher.py`: processes titled `pdserve::DecodeInstance decode-0`);
 - `supervisor.py`: restarts an instance whose process exited and kills a fenced one;
   `ray_watch.py`: the Ray launcher's actors after the launch (the death watch over

@@ -2,8 +2,9 @@
 with `--ray-address`), each asking for its share of the CPUs (and of a GPU: Ray then
 sets the actor's CUDA_VISIBLE_DEVICES) and the custom resources of its pool
 (`--prefill-resources` ...), which pin pools to nodes. The deployment secret reaches
-every actor as a private file on its node (`cluster/secret_file.py`): its `runtime_env`,
-which Ray's state API shows, names only the file.
+every actor as a private file on its node (`cluster/secret_file.py`): its `runtime_env`
+(`cluster/actor_env.py`), which Ray's state API shows, names only the file, and sets
+Ray's worker niceness to 0 (engine steps do not yield to the gateway).
 
 Readiness: every actor's `load()` is awaited, with progress while weights load. Health:
 each actor's long-running `run()` call finishes only if the step loop ends or the actor
@@ -19,6 +20,7 @@ import contextlib
 
 import msgspec
 
+from pdserve.cluster.actor_env import engine_runtime_env
 from pdserve.cluster.launcher import (
     STOP_GRACE_S,
     ExitCallback,
@@ -31,7 +33,6 @@ from pdserve.cluster.ray_actors import actor_class as actor_class_of
 from pdserve.cluster.ray_cluster import join, one_line, ray_module
 from pdserve.cluster.ray_ranks import driver_options, reserve_rank_groups
 from pdserve.cluster.ray_watch import ActorWatch
-from pdserve.cluster.secret_file import secret_runtime_env
 from pdserve.common.messages import InstanceInfo
 from pdserve.instance.spec import InstanceSpec
 
@@ -72,7 +73,7 @@ class RayLauncher(Launcher):
         self.connect()
         loads = {}
         # The secret's file, never the secret: `ray list actors --detail` shows this.
-        runtime_env = secret_runtime_env()
+        runtime_env = engine_runtime_env()
         for spec in specs:
             try:
                 actor = self.create_actor(spec, runtime_env)
@@ -97,7 +98,7 @@ class RayLauncher(Launcher):
     def create_actor(self, spec: InstanceSpec, runtime_env: dict | None = None) -> InstanceHandle:
         """The instance's actor, named after it (ValueError: the name is taken)."""
         if runtime_env is None:
-            runtime_env = secret_runtime_env()
+            runtime_env = engine_runtime_env()
         actor_class = self._ray().remote(actor_class_of(spec))
         return actor_class.options(
             name=spec.instance_id,

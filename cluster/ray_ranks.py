@@ -36,10 +36,10 @@ import threading
 import msgspec
 import zmq
 
+from pdserve.cluster.actor_env import engine_runtime_env
 from pdserve.cluster.addresses import LOOPBACK, node_host
 from pdserve.cluster.launcher import LaunchError
 from pdserve.cluster.ray_cluster import one_line, ray_module
-from pdserve.cluster.secret_file import secret_runtime_env
 from pdserve.common import frame_drops
 from pdserve.common.frame_seal import RANKS, Sealer
 from pdserve.common.wire_auth import SECRET_ENV
@@ -206,7 +206,7 @@ class RayRanks:
                 max_restarts=0,
                 max_concurrency=2,  # serve() holds one thread; pid() takes the other
                 # The secret's file, never the secret: Ray's state API shows this.
-                runtime_env=secret_runtime_env(),
+                runtime_env=engine_runtime_env(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement, placement_group_bundle_index=index
                 ),

@@ -49,6 +49,8 @@ def test_serves_through_ray_actors(server, ray_cluster) -> None:
     assert mine[0]["pid"] == pid
     title = subprocess.run(["ps", "-o", "args=", "-p", str(pid)], capture_output=True, text=True)
     assert "ray::ColocatedInstance" in title.stdout
+    # Not Ray's worker niceness (15): the gateway and the client would preempt its steps.
+    assert os.getpriority(os.PRIO_PROCESS, pid) == 0
     server.assert_blocks_free_or_cached()
 
 
