@@ -6,12 +6,17 @@ is in `/health` and `/metrics`); only a colocated instance without KV transfer
 (`--mode colocated`) keeps its role for life and says so.
 
 The step loop is imported inside the actor, so the driver (the gateway process) never
-loads torch. Ray runs the methods on a small thread pool: `run()` holds one thread for
-the step loop while `stop()` and `ping()` use the others.
+loads torch. Ray runs the methods on a small thread pool: `run()` holds one thread
+while `stop()` and `ping()` use the others. The weights load and the steps run on one
+engine thread of the actor's own: each thread that starts OpenMP work gets a team of
+its own, and once a process holds more team threads than cores, libgomp's idle threads
+sleep almost at once instead of spinning, so every parallel region waits for a wake-up
+(measured: 29 ms a token against 20 ms at batch 1, two threads on two cores).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import msgspec
@@ -44,14 +49,15 @@ class _InstanceActor:
         # reserved (unused by an instance of one rank).
         ranks = RayRanks(spec.host, spec.instance_id, spec.engine.pipeline_parallel_size)
         self.loop = StepLoop(spec, ranks=ranks)
+        self.engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
     def load(self) -> bytes:
         """Loads the weights; returns the InstanceInfo as JSON."""
-        return msgspec.json.encode(self.loop.load())
+        return msgspec.json.encode(self.engine.submit(self.loop.load).result())
 
     def run(self) -> str | None:
         """Returns when the loop ends: None after `stop()`, else why it ended."""
-        return self.loop.run()
+        return self.engine.submit(self.loop.run).result()
 
     def stop(self) -> None:
         self.loop.stop()
