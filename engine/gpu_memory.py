@@ -7,11 +7,21 @@ batch (`max_num_batched_tokens` prompt tokens, logits and sampler work for
 (CUDA context growth, cuBLAS workspaces), measured since before the weights loaded.
 The rest is the KV cache, bounded by what the device still has free. CUDA graphs take
 their (small) pool from the headroom left by `utilization` < 1.
+
+The memory outside torch can only be read device-wide (free memory), so instances that
+share a GPU size their caches in turn (`sizing_turn`): otherwise another instance's
+weights and cache, allocated while this one loads, would count as this one's.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,6 +64,31 @@ def kv_cache_bytes(profile: MemoryProfile, utilization: float) -> int:
             "--max-num-batched-tokens"
         )
     return available
+
+
+def physical_gpu(device: torch.device) -> str:
+    """The GPU behind `device` as every process names it: its entry in
+    CUDA_VISIBLE_DEVICES (an index or a UUID), else its index."""
+    index = device.index or 0
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    visible = [v for v in visible if v]
+    return visible[index] if index < len(visible) else str(index)
+
+
+def sizing_lock_path(device: torch.device) -> Path:
+    return Path(tempfile.gettempdir()) / f"pdserve-gpu-{physical_gpu(device)}.sizing.lock"
+
+
+@contextmanager
+def sizing_turn(device: torch.device) -> Iterator[None]:
+    """This GPU's turn to load, profile and allocate a KV cache, one process at a time
+    (an flock: a process that dies mid-turn releases it)."""
+    with open(sizing_lock_path(device), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def free_device_memory(device: torch.device) -> int:

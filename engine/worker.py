@@ -10,6 +10,7 @@ the step runs and reports its finished and failed transfers after.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from concurrent.futures import Future
@@ -121,19 +122,23 @@ class ModelWorker:
         self.dtype = config.torch_dtype(mc.torch_dtype)
         self.device = torch.device(config.device)
         on_cuda = self.device.type == "cuda"
-        free_before_load = gpu_memory.free_device_memory(self.device) if on_cuda else 0
-        self.model = load_model(
-            self.model_path, mc, self.dtype, self.device, self.tp, stage, config.quantization
-        )
-        self.max_model_len = min(
-            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
-        )
         model_dtype = str(self.dtype).removeprefix("torch.")
-        shape, scales = self._kv_shape(mc, stage, model_dtype)
-        num_blocks = self._num_blocks(shape, free_before_load)
+        with gpu_memory.sizing_turn(self.device) if on_cuda else contextlib.nullcontext():
+            free_before_load = gpu_memory.free_device_memory(self.device) if on_cuda else 0
+            self.model = load_model(
+                self.model_path, mc, self.dtype, self.device, self.tp, stage, config.quantization
+            )
+            self.max_model_len = min(
+                config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+            )
+            shape, scales = self._kv_shape(mc, stage, model_dtype)
+            num_blocks = self._num_blocks(shape, free_before_load)
+            if not stage.enabled:
+                self.kv_cache = KVCache(shape, num_blocks, self.device)
         if stage.enabled:  # block ids are shared by the stages: the smallest pool bounds them
+            # (agreed outside the turn: another stage may wait for this GPU's turn)
             num_blocks = stage.agree_min(num_blocks, self.device)
-        self.kv_cache = KVCache(shape, num_blocks, self.device)
+            self.kv_cache = KVCache(shape, num_blocks, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
         # Decode graphs are captured here, once the KV cache exists (whole model only: a
         # pipeline stage stages its inputs through the device runner and runs eagerly).
