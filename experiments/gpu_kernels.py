@@ -15,6 +15,7 @@ import torch
 
 from experiments.gpu_outcome import Outcome
 from pdserve.kernels import reference
+from pdserve.kernels.triton_activation import silu_and_mul_triton
 from pdserve.kernels.triton_decode import decode_attention_triton, plan_decode
 from pdserve.kernels.triton_kv_write import write_kv_cache_triton
 from pdserve.kernels.triton_norm import rms_norm_triton
@@ -157,6 +158,12 @@ def check_rms_norm(dtype) -> bool:
     return _report(f"rms_norm {dtype}", got, want, dtype) and ok_res
 
 
+def check_silu_and_mul(dtype) -> bool:
+    gate_up = 4 * torch.randn(33, 2 * 14336, device=DEVICE, dtype=dtype)
+    got, want = silu_and_mul_triton(gate_up), reference.silu_and_mul_ref(gate_up)
+    return _report(f"silu_and_mul {dtype}", got, want, dtype)
+
+
 def check_rotary(dtype) -> bool:
     inv = 1.0 / (500000 ** (torch.arange(0, HEAD_DIM, 2, device=DEVICE).float() / HEAD_DIM))
     angles = torch.outer(torch.arange(8192, device=DEVICE).float(), inv)
@@ -178,6 +185,7 @@ def _cases(dry_run: bool) -> list[Callable[[], bool]]:
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         cases += [lambda d=dtype: check_kv_write(d), lambda d=dtype: check_rms_norm(d)]
         cases.append(lambda d=dtype: check_rotary(d))
+        cases.append(lambda d=dtype: check_silu_and_mul(d))
     if dry_run:
         return cases + [
             lambda: check_decode(4, 2, 32, 16, torch.float32, [1, 15, 16, 17, 70], None),

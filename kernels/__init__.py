@@ -42,7 +42,14 @@ from pdserve.kernels.dispatch import (
     load_triton_kernels,
     triton_unavailable_reason,
 )
-from pdserve.kernels.ops import linear, linear_gguf, linear_int8, rms_norm, rotary_embedding
+from pdserve.kernels.ops import (
+    linear,
+    linear_gguf,
+    linear_int8,
+    rms_norm,
+    rotary_embedding,
+    silu_and_mul,
+)
 
 apply_isa()  # before torch's first vectorised op, which reads the capability once
 
@@ -59,6 +66,7 @@ __all__ = [
     "paged_attention",
     "prefill_attention",
     "rms_norm",
+    "silu_and_mul",
     "rotary_embedding",
     "rotary_write_kv_cache",
     "triton_unavailable_reason",

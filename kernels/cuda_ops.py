@@ -27,6 +27,7 @@ import torch
 
 from pdserve.kernels import (
     reference,
+    triton_activation,
     triton_decode,
     triton_kv_write,
     triton_norm,
@@ -50,6 +51,7 @@ _SCHEMAS = {
     "-> (Tensor, Tensor)",
     "rotary_embedding": "(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache) "
     "-> (Tensor, Tensor)",
+    "silu_and_mul": "(Tensor gate_up) -> Tensor",
 }
 
 
@@ -107,6 +109,14 @@ def _rotary_fake(positions, query, key, cos_sin_cache) -> tuple[Tensor, Tensor]:
     return triton_rotary.rotary_outputs(positions, query, key, cos_sin_cache)
 
 
+def _silu_and_mul_impl(gate_up: Tensor) -> Tensor:
+    return triton_activation.silu_and_mul_triton(gate_up)
+
+
+def _silu_and_mul_fake(gate_up: Tensor) -> Tensor:
+    return triton_activation.silu_and_mul_outputs(gate_up)
+
+
 _IMPLEMENTATIONS: dict[str, tuple[Callable[..., object], Callable[..., object]]] = {
     "write_kv_cache": (_write_kv_cache_impl, _write_kv_cache_fake),
     "decode_attention": (_decode_impl, _decode_fake),
@@ -114,6 +124,7 @@ _IMPLEMENTATIONS: dict[str, tuple[Callable[..., object], Callable[..., object]]]
     "rms_norm": (_rms_norm_impl, _rms_norm_fake),
     "rms_norm_residual": (_rms_norm_residual_impl, _rms_norm_residual_fake),
     "rotary_embedding": (_rotary_impl, _rotary_fake),
+    "silu_and_mul": (_silu_and_mul_impl, _silu_and_mul_fake),
 }
 for _name, (_impl, _fake) in _IMPLEMENTATIONS.items():
     _LIB.define(_name + _SCHEMAS[_name])
@@ -128,6 +139,7 @@ _prefill_op = _ops.prefill_attention.default
 _rms_norm_op = _ops.rms_norm.default
 _rms_norm_residual_op = _ops.rms_norm_residual.default
 _rotary_op = _ops.rotary_embedding.default
+_silu_and_mul_op = _ops.silu_and_mul.default
 
 
 # ---- the entry points dispatch registers: the references' signatures ------------------
@@ -188,3 +200,7 @@ def rotary_embedding(
     positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor
 ) -> tuple[Tensor, Tensor]:
     return _rotary_op(positions, query, key, cos_sin_cache)
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    return _silu_and_mul_op(gate_up)

@@ -30,6 +30,7 @@ _REFERENCE: dict[str, Callable[..., Any]] = {
     "decode_attention": reference.decode_attention_ref,
     "prefill_attention": reference.prefill_attention_ref,
     "rms_norm": reference.rms_norm_ref,
+    "silu_and_mul": reference.silu_and_mul_ref,
     "rotary_embedding": reference.rotary_embedding_ref,
     "rotary_write_kv_cache": reference.rotary_write_kv_cache_ref,
     "linear": reference.linear_ref,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pdserve.kernels import dispatch, gguf_blocks, reference
 
 rms_norm = dispatch.dispatched(reference.rms_norm_ref)
+silu_and_mul = dispatch.dispatched(reference.silu_and_mul_ref)
 # Picked by the query's device, the first float tensor of the call.
 rotary_embedding = dispatch.dispatched(reference.rotary_embedding_ref, like=1)
 # `weight` may be stored in bfloat16 while x is float32 (a bf16 model on CPU), which the

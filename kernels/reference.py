@@ -206,6 +206,12 @@ def rms_norm_ref(
     return normed if residual is None else (normed, residual)
 
 
+def silu_and_mul_ref(gate_up: Tensor) -> Tensor:
+    """The MLP's activation: `silu(gate) * up` of the gate/up projection's two halves."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def rotary_embedding_ref(
     positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor
 ) -> tuple[Tensor, Tensor]:

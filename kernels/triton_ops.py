@@ -39,6 +39,7 @@ TRITON_KERNELS: dict[str, Callable[..., object]] = {
     "rms_norm": cuda_ops.rms_norm,
     "rotary_embedding": cuda_ops.rotary_embedding,
     "rotary_write_kv_cache": rotary_write_kv_cache,
+    "silu_and_mul": cuda_ops.silu_and_mul,
 }
 
 

@@ -12,7 +12,6 @@ from collections.abc import Iterable, Iterator
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.models.int8 import Int8Linears
@@ -28,6 +27,7 @@ from pdserve.kernels import (
     rms_norm,
     rotary_embedding,
     rotary_write_kv_cache,
+    silu_and_mul,
 )
 
 # An FP8 KV cache's per-layer scales (vLLM's names), read by engine/kv_scales.py.
@@ -137,12 +137,10 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = project(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_scales)
-        gate, up = gate_up.split(self.intermediate, dim=-1)
+        hidden = silu_and_mul(gate_up)
         if not self.tp.enabled:
-            return project(F.silu(gate) * up, self.down_weight, self.down_bias, self.down_scales)
-        out = self.tp.all_reduce(
-            project(F.silu(gate) * up, self.down_weight, None, self.down_scales)
-        )
+            return project(hidden, self.down_weight, self.down_bias, self.down_scales)
+        out = self.tp.all_reduce(project(hidden, self.down_weight, None, self.down_scales))
         return out if self.down_bias is None else out + self.down_bias
 
 

@@ -1,11 +1,18 @@
-"""Triton KV-cache write, RMSNorm and rotary embedding against the references."""
+"""Triton KV-cache write, RMSNorm, rotary embedding and SiLU-and-multiply against the
+references."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pdserve.kernels.reference import rms_norm_ref, rotary_embedding_ref, write_kv_cache_ref
+from pdserve.kernels.reference import (
+    rms_norm_ref,
+    rotary_embedding_ref,
+    silu_and_mul_ref,
+    write_kv_cache_ref,
+)
+from pdserve.kernels.triton_activation import silu_and_mul_kernel, silu_and_mul_triton
 from pdserve.kernels.triton_kv_write import write_kv_cache_kernel, write_kv_cache_triton
 from pdserve.kernels.triton_norm import rms_norm_kernel, rms_norm_triton
 from pdserve.kernels.triton_rotary import rotary_embedding_kernel, rotary_embedding_triton
@@ -130,3 +137,30 @@ def test_fused_rotary_and_kv_write_runs_the_two_kernels():
     got = triton_ops.rotary_write_kv_cache(positions, qkv, table, got_cache, slots, heads)
     torch.testing.assert_close(got, want, **TOLERANCE[F32])
     torch.testing.assert_close(got_cache, want_cache, **TOLERANCE[F32])
+
+
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [((5, 2 * 96), F32), ((3, 4, 2 * 64), F16), ((7, 2 * 1536), BF16), ((1, 2 * 1000), F32)],
+)
+def test_silu_and_mul_matches_reference(shape, dtype):
+    require_interpreter(silu_and_mul_kernel)
+    gen = torch.Generator().manual_seed(shape[-1])
+    gate_up = (4 * torch.randn(shape, generator=gen)).to(dtype)
+    got, want = silu_and_mul_triton(gate_up), silu_and_mul_ref(gate_up)
+    assert got.dtype == want.dtype and got.shape == want.shape == (*shape[:-1], shape[-1] // 2)
+    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
+
+
+def test_silu_and_mul_reads_rows_of_a_strided_input():
+    require_interpreter(silu_and_mul_kernel)
+    wide = torch.randn(6, 3 * 64)
+    gate_up = wide[:, :128]  # rows 192 apart, columns contiguous
+    torch.testing.assert_close(
+        silu_and_mul_triton(gate_up), silu_and_mul_ref(gate_up), **TOLERANCE[F32]
+    )
+
+
+def test_silu_and_mul_rejects_an_odd_width():
+    with pytest.raises(ValueError, match="even"):
+        silu_and_mul_triton(torch.randn(2, 7))
