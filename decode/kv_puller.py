@@ -198,7 +198,8 @@ class DecodeKVPuller:
         part.transfer_id = _new_transfer_id(self._by_transfer)
         self._by_transfer[part.transfer_id] = part
         lo, hi = self._heads
-        whole = (part.head_start, part.head_end) == (lo, hi)
+        host = self._rank.memory.is_cuda and not self._rank.transport.moves_device_memory
+        whole = (part.head_start, part.head_end) == (lo, hi) and not host
         block_runs = []
         part.state = "receiving"
         if request.started is None:
@@ -211,7 +212,8 @@ class DecodeKVPuller:
                 if whole:
                     buffer = self._rank.memory.blocks(run.dst_start, run.count)
                 else:
-                    buffer = self._rank.memory.staging(run.count, part.head_end - part.head_start)
+                    width = part.head_end - part.head_start
+                    buffer = self._rank.memory.staging(run.count, width, host)
                     part.stagings.append((buffer, run.dst_start))
                 part.ops.append(self._rank.transport.recv(buffer, tag))
                 block_runs.append(BlockRun(run.src_start, run.count, tag))

@@ -8,9 +8,11 @@ contiguous staging buffer when a TP split makes it partial.
 
 Host memory arrives as a torch CPU tensor or a numpy array and is handled as numpy
 views of the same memory. CUDA tensors stay torch tensors: UCX takes their
-`__cuda_array_interface__` as it is (CUDA IPC / NVLink); that path is shaped here but
-only exercised on a GPU machine. Their copies run on the transfer's stream and are done
-before `gather_runs` and `scatter_runs` return (`device_order.py`).
+`__cuda_array_interface__` as it is (CUDA IPC / NVLink). A transport that moves host
+memory only (zmq) gets CUDA KV through host buffers instead (`host=True`: gathers copy
+the blocks out to pinned host memory, receives land in host staging buffers that the
+scatter copies in). Device copies run on the transfer's stream and are done before
+`gather_runs` and `scatter_runs` return (`device_order.py`).
 """
 
 from __future__ import annotations
@@ -83,37 +85,60 @@ class KVMemory:
         self.check_blocks(start, count)
         return self._bytes[start : start + count]
 
-    def gather(self, start: int, count: int, head_lo: int, head_hi: int) -> Any:
-        """A contiguous copy of local heads [head_lo, head_hi) of the given blocks."""
+    def gather(self, start: int, count: int, head_lo: int, head_hi: int, host: bool = False) -> Any:
+        """A contiguous copy of local heads [head_lo, head_hi) of the given blocks; in
+        host memory (a numpy array) with `host`, wherever the storage is."""
         self.check_blocks(start, count)
         view = self._bytes[start : start + count, :, :, head_lo:head_hi]
-        return view.contiguous() if self.is_cuda else np.ascontiguousarray(view)
+        if not self.is_cuda:
+            return np.ascontiguousarray(view)
+        if not host:
+            return view.contiguous()
+        out = self._pinned(tuple(view.shape))
+        out.copy_(view, non_blocking=True)  # done at `gather_runs`' synchronize
+        return out.numpy()
 
-    def gather_runs(self, runs: list[tuple[int, int]], head_lo: int, head_hi: int) -> list[Any]:
+    def gather_runs(
+        self, runs: list[tuple[int, int]], head_lo: int, head_hi: int, host: bool = False
+    ) -> list[Any]:
         """`gather` of each (start, count) run, done when this returns: UCX reads the
         buffers at once, outside any stream."""
         with self.order.copying():
-            buffers = [self.gather(start, count, head_lo, head_hi) for start, count in runs]
+            buffers = [self.gather(start, count, head_lo, head_hi, host) for start, count in runs]
         self.order.mark_copies().synchronize()
         return buffers
 
-    def staging(self, count: int, num_heads: int) -> Any:
-        """An empty contiguous buffer shaped like `gather` output."""
+    def staging(self, count: int, num_heads: int, host: bool = False) -> Any:
+        """An empty contiguous buffer shaped like `gather` output (in host memory with
+        `host`)."""
         shape = (count, *self._bytes.shape[1:3], num_heads, self._bytes.shape[4])
-        if self.is_cuda:
-            with self.order.copying():  # the stream the scatter out of it runs on
-                return self._bytes.new_empty(shape)
-        return np.empty(shape, dtype=np.uint8)
+        if not self.is_cuda:
+            return np.empty(shape, dtype=np.uint8)
+        if host:
+            return self._pinned(shape).numpy()
+        with self.order.copying():  # the stream the scatter out of it runs on
+            return self._bytes.new_empty(shape)
 
     def scatter(self, staging: Any, start: int, head_lo: int, head_hi: int) -> None:
-        """Copy a staging buffer into local heads [head_lo, head_hi) of the blocks."""
+        """Copy a staging buffer (device or host memory) into local heads
+        [head_lo, head_hi) of the blocks."""
         count = staging.shape[0]
         self.check_blocks(start, count)
         target = self._bytes[start : start + count, :, :, head_lo:head_hi]
-        if self.is_cuda:
-            target.copy_(staging)
-        else:
+        if not self.is_cuda:
             np.copyto(target, staging)
+        elif isinstance(staging, np.ndarray):
+            import torch
+
+            target.copy_(torch.from_numpy(staging))
+        else:
+            target.copy_(staging)
+
+    def _pinned(self, shape: tuple[int, ...]) -> Any:
+        """Page-locked host bytes: copies to and from the device run at full speed."""
+        import torch
+
+        return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
 
     def scatter_runs(self, stagings: list[tuple[Any, int]], head_lo: int, head_hi: int) -> None:
         """`scatter` of each (staging buffer, first block), done when this returns: the

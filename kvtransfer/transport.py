@@ -30,6 +30,9 @@ class TransferOp(abc.ABC):
 
 class Transport(abc.ABC):
     name: str
+    # Whether buffers may be CUDA memory; a host-only transport gets CUDA KV through
+    # host staging buffers (`KVMemory`'s `host=True` paths).
+    moves_device_memory: bool = False
 
     @property
     @abc.abstractmethod

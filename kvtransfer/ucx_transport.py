@@ -171,6 +171,8 @@ class _RecvOp(TransferOp):
 
 
 class UcxTransport(Transport):
+    moves_device_memory = True  # CUDA IPC / NVLink; a UCX built without CUDA fails the send
+
     def __init__(self, listener: bool, host: str, tls: str | None):
         ucx = _ucx()
         from ucxx._lib.arr import Array

@@ -223,7 +223,8 @@ class PrefillKVServer:
         if (peer, pull.transfer_id) in held.serving:
             return  # a duplicate
         lo, hi = self._heads
-        whole = (pull.head_start, pull.head_end) == (lo, hi)
+        host = self._rank.memory.is_cuda and not self._rank.transport.moves_device_memory
+        whole = (pull.head_start, pull.head_end) == (lo, hi) and not host
         ops: list[TransferOp] = []
         serving = _Serving(peer, pull.transfer_id, ops, time.perf_counter())
         held.serving[(peer, pull.transfer_id)] = serving
@@ -236,7 +237,7 @@ class PrefillKVServer:
             else:
                 starts = [(run.src_start, run.count) for run in pull.runs]
                 buffers = self._rank.memory.gather_runs(
-                    starts, pull.head_start - lo, pull.head_end - lo
+                    starts, pull.head_start - lo, pull.head_end - lo, host
                 )
             for run, buffer in zip(pull.runs, buffers, strict=True):
                 ops.append(self._rank.transport.send(peer.hex(), buffer, run.tag))

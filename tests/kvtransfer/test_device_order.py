@@ -35,6 +35,7 @@ from pdserve.kvtransfer.messages import (
 from pdserve.kvtransfer.rank_io import NoPulling, NoServing, RankIO
 from pdserve.kvtransfer.transport import TransferOp
 from pdserve.kvtransfer.worker import KVTransferWorker
+from pdserve.kvtransfer.zmq_transport import _host_view
 from pdserve.prefill.kv_server import PrefillKVServer
 from tests.kvtransfer.fakes import FakePrefill
 from tests.kvtransfer.test_prefill_kv_server import (
@@ -83,9 +84,9 @@ class LoggedMemory(KVMemory):
         super().__init__(storage, LAYOUT, order=RecordingOrder(log), **kwargs)
         self.log = log
 
-    def gather(self, start: int, count: int, head_lo: int, head_hi: int) -> Any:
-        self.log.append(f"gather {start}+{count}")
-        return super().gather(start, count, head_lo, head_hi)
+    def gather(self, start: int, count: int, head_lo: int, head_hi: int, host: bool = False) -> Any:
+        self.log.append(f"gather {start}+{count}" + (" to host" if host else ""))
+        return super().gather(start, count, head_lo, head_hi, host)
 
     def scatter(self, staging: Any, start: int, head_lo: int, head_hi: int) -> None:
         self.log.append(f"scatter {start}+{staging.shape[0]} heads {head_lo}:{head_hi}")
@@ -202,6 +203,135 @@ def test_a_received_head_slice_is_scattered_and_done_before_its_pull_is_reported
     as_bytes = storage.view(np.uint8).reshape(*SHAPE[:4], -1)
     assert (as_bytes[4:6, :, :, 0] == 1).all() and (as_bytes[4:6, :, :, 1] == 2).all()
     assert not as_bytes[:4].any() and not as_bytes[6:].any()
+
+
+class DeviceView:
+    """What a CUDA cache's views are to a transport: not host memory."""
+
+    def __init__(self, host: np.ndarray) -> None:
+        self.host, self.nbytes, self.shape = host, host.nbytes, host.shape
+
+
+class DeviceLikeMemory(LoggedMemory):
+    """KV memory standing for a CUDA cache: a torch tensor taken through `KVMemory`'s
+    CUDA paths (on the host, so values can be read; host buffers are not pinned, which
+    a CPU build cannot do); its block views and device buffers are `DeviceView`s."""
+
+    def __init__(self, storage: torch.Tensor, log: list[str]) -> None:
+        super().__init__(storage, log)
+        self.is_cuda = True
+        self._bytes = torch.from_numpy(self._bytes)  # what the CUDA branch keeps
+
+    def blocks(self, start: int, count: int) -> Any:
+        return DeviceView(super().blocks(start, count).numpy())
+
+    def gather(self, start: int, count: int, head_lo: int, head_hi: int, host: bool = False) -> Any:
+        got = super().gather(start, count, head_lo, head_hi, host)
+        return got if host else DeviceView(got.numpy())
+
+    def staging(self, count: int, num_heads: int, host: bool = False) -> Any:
+        self.log.append(f"staging {count} blocks" + (" in host memory" if host else ""))
+        got = super().staging(count, num_heads, host)
+        return got if host else DeviceView(got.numpy())
+
+    def scatter(self, staging: Any, start: int, head_lo: int, head_hi: int) -> None:
+        assert isinstance(staging, np.ndarray), "a device staging buffer in this test"
+        super().scatter(staging, start, head_lo, head_hi)
+
+    def _pinned(self, shape: tuple[int, ...]) -> Any:
+        return torch.empty(shape, dtype=torch.uint8)
+
+
+class HostOnlyTransport(LoggedTransport):
+    """Refuses device memory as the zmq transport does."""
+
+    moves_device_memory = False
+
+    def send(self, peer: str, buffer: Any, tag: int) -> TransferOp:
+        return super().send(peer, _host_view(buffer), tag)
+
+    def recv(self, buffer: Any, tag: int) -> TransferOp:
+        return super().recv(_host_view(buffer), tag)
+
+
+def _prefill_side(memory: KVMemory, transport: LoggedTransport) -> PrefillKVServer:
+    rank = RankIO(
+        KVTransferConfig(instance_id="p"), LAYOUT, 0, 1, memory, transport, KVTransferStats()
+    )
+    side = PrefillKVServer(rank, RecordingServer(), lambda kind, rid: None)
+    side.hold(HoldSpec("r", [2, 3, 5], "d", 0), now=0.0)
+    side.on_message(PEER, sent(Hello("d", 0, 1, LAYOUT, "ucx", b"addr")), now=0.0)
+    return side
+
+
+def test_a_host_only_transport_sends_a_cuda_cache_through_host_copies() -> None:
+    # Seen on an H200: `--kv-transport zmq` with the KV cache on the GPU failed every
+    # handoff ("the zmq KV transport moves host memory only").
+    log: list[str] = []
+    storage = torch.arange(np.prod(SHAPE), dtype=torch.float32).reshape(SHAPE)
+    transport = HostOnlyTransport(log)
+    side = _prefill_side(DeviceLikeMemory(storage, log), transport)
+    side.on_message(PEER, sent(Pull("r", 7, 0, 2, [BlockRun(2, 2, 1)])), now=0.1)
+    assert log == [
+        "transfer stream",
+        "gather 2+2 to host",
+        "compute stream",
+        "copies marked",
+        "copies synchronized on MainThread",
+        f"UCX send {2 * LAYOUT.bytes_per_block} bytes",
+    ]
+    (op,) = transport.sent
+    assert op.nbytes == 2 * LAYOUT.bytes_per_block
+
+
+def test_a_transport_that_moves_device_memory_gets_the_cache_itself() -> None:
+    log: list[str] = []
+    storage = torch.zeros(SHAPE, dtype=torch.float32)
+    transport = LoggedTransport(log)
+    transport.moves_device_memory = True
+    side = _prefill_side(DeviceLikeMemory(storage, log), transport)
+    side.on_message(PEER, sent(Pull("r", 7, 0, 2, [BlockRun(2, 2, 1)])), now=0.1)
+    assert log == [f"UCX send {2 * LAYOUT.bytes_per_block} bytes"]  # a view: no copy
+
+
+def test_a_host_only_transport_receives_into_host_staging_then_the_cuda_cache() -> None:
+    log: list[str] = []
+    storage = torch.zeros(SHAPE, dtype=torch.float32)
+    transport = HostOnlyTransport(log)
+    rank = RankIO(
+        KVTransferConfig(instance_id="d"), LAYOUT, 0, 1, DeviceLikeMemory(storage, log),
+        transport, KVTransferStats(),
+    )  # fmt: skip
+    prefill = FakePrefill(LAYOUT, "p")
+    context = zmq.Context()
+    puller = DecodeKVPuller(
+        rank, context, lambda kind, rid, why, pull=None: log.append(f"reported {kind}: {why}")
+    )
+    try:
+        source = KVSource("p", [prefill.address], [0], LAYOUT)
+        puller.pull(PullSpec("r", source, [0, 1], [4, 5]), now=0.0)
+        prefill.serve(0.2)  # the handshake
+        _wait_for(lambda: transport.received, "the receive", lambda: puller.receive(0.0))
+        ((op, buffer),) = transport.received
+        buffer[...] = np.full(buffer.shape, 9, np.uint8)  # what the transport wrote
+        op.complete = True
+        puller.poll(now=0.1)
+    finally:
+        puller.close()
+        context.term()
+        prefill.close()
+    assert log == [
+        "staging 2 blocks in host memory",
+        f"UCX recv posted {2 * LAYOUT.bytes_per_block} bytes",
+        "transfer stream",
+        "scatter 4+2 heads 0:2",
+        "compute stream",
+        "copies marked",
+        "copies synchronized on MainThread",
+        "reported finished_recving: ",
+    ]
+    as_bytes = storage.numpy().view(np.uint8).reshape(*SHAPE[:4], -1)
+    assert (as_bytes[4:6] == 9).all() and not as_bytes[:4].any() and not as_bytes[6:].any()
 
 
 class LoggedServing(NoServing):
