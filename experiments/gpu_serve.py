@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,7 @@ import torch
 
 from experiments.gpu_model import model_shape, prompt_text, write_checkpoint
 from experiments.gpu_outcome import Outcome
-from experiments.serving import ServeProcess
+from experiments.serving import ServeProcess, tail
 
 TRANSPORTS = ("ucx", "zmq")
 TOPOLOGY = {
@@ -88,7 +89,8 @@ def complete(server: ServeProcess, prompt: str, max_tokens: int) -> tuple[str, f
             "ignore_eos": True}  # fmt: skip
     began = time.perf_counter()
     response = server.post("/v1/completions", json=body)
-    response.raise_for_status()
+    if response.status_code != 200:
+        raise RuntimeError(f"HTTP {response.status_code} from {server.base_url}: {response.text}")
     return response.json()["choices"][0]["text"], time.perf_counter() - began
 
 
@@ -148,12 +150,19 @@ def start_servers(names: list[str], args: tuple[str, ...]) -> dict[str, ServePro
     for name, future in futures.items():
         try:
             servers[name] = future.result()
-        except RuntimeError as exc:
+        except RuntimeError as exc:  # the whole log tail to the section's log, a line here
+            print(f"--- {name} server did not come up ---\n{exc}", file=sys.stderr)
             errors.append(f"{name} server did not come up: {str(exc).splitlines()[-1]}")
     if errors:
         stop_servers(servers)
         raise RuntimeError("; ".join(errors))
     return servers
+
+
+def print_server_logs(servers: dict[str, ServeProcess]) -> None:
+    """Each server's log tail to the section's log: why a request failed lies there."""
+    for name, server in servers.items():
+        print(f"--- {name} server log ---\n{tail(server.log_path, 120)}", file=sys.stderr)
 
 
 def stop_servers(servers: dict[str, ServeProcess]) -> None:
@@ -188,6 +197,9 @@ def run_section(device: torch.device, dry_run: bool) -> Outcome:
             base = [complete(servers["colocated"], p, max_tokens) for p in texts]
             want = [text for text, _ in base]
             rows = [measure(t, servers[t], texts, want, block_bytes, max_tokens) for t in runnable]
+        except Exception:
+            print_server_logs(servers)
+            raise
         finally:
             stop_servers(servers)
     print_table(rows, 1e3 * statistics.median(s for _, s in base), device.type)

@@ -38,6 +38,7 @@ TRITON_OPS = {
     "pdserve::rms_norm",
     "pdserve::rms_norm_residual",
     "pdserve::rotary_embedding",
+    "pdserve::silu_and_mul",
 }
 
 
@@ -218,3 +219,27 @@ def test_an_fp8_kv_cache_is_refused_on_cuda_in_one_line(monkeypatch, checkpoint)
         lens = torch.ones(1, dtype=torch.int32, device=CUDA)
         with pytest.raises(NotImplementedError, match="k_scale: the CUDA kernels have no FP8"):
             decode_attention(query, cache, tables, lens, 0.25, k_scale=2.0)
+
+
+def test_a_rank_loads_and_sizes_its_cache_in_its_gpus_turn(monkeypatch, checkpoint, tmp_path):
+    """Instances sharing a GPU load and size one at a time (`gpu_memory.sizing_turn`)."""
+    from pdserve.engine import gpu_memory, worker
+    from tests.engine.test_gpu_memory import turn_is_held
+
+    monkeypatch.setattr(gpu_memory.tempfile, "gettempdir", lambda: str(tmp_path))
+    lock = gpu_memory.sizing_lock_path(CUDA)
+    held: dict[str, bool] = {}
+
+    def recording(name: str, make):
+        def record(*args, **kwargs):
+            held[name] = turn_is_held(lock)
+            return make(*args, **kwargs)
+
+        return record
+
+    monkeypatch.setattr(worker, "load_model", recording("weights", worker.load_model))
+    monkeypatch.setattr(worker, "KVCache", recording("kv cache", worker.KVCache))
+    with fake_cuda(monkeypatch):
+        _worker(checkpoint)
+    assert held == {"weights": True, "kv cache": True}
+    assert not turn_is_held(lock)

@@ -107,3 +107,15 @@ def test_gpu_check_reports_no_cuda_in_one_line():
         "gpu_check: no CUDA device available (torch.cuda.is_available() is False); "
         "run it on a GPU machine"
     ]
+
+
+def test_the_step_profile_runs_on_cpu_and_names_the_model_kernels():
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.gpu_profile", "--dry-run-cpu"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "decode step, batch 4, context 48" in done.stdout
+    assert "prefill of 64 tokens" in done.stdout
+    # CPU tensors run the activation's reference, never the CUDA operator.
+    assert "aten::silu" in done.stdout and "pdserve::silu_and_mul" not in done.stdout
