@@ -112,14 +112,16 @@ class LoggedTransport(ManualTransport):
         return op
 
 
+def _rank(instance_id: str, memory: KVMemory, transport: LoggedTransport) -> RankIO:
+    config = KVTransferConfig(instance_id=instance_id)
+    return RankIO(config, LAYOUT, 0, 1, memory, transport, KVTransferStats())
+
+
 def test_a_head_slice_is_gathered_and_done_before_ucx_is_handed_it() -> None:
     log: list[str] = []
     storage = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
     transport = LoggedTransport(log)
-    rank = RankIO(
-        KVTransferConfig(instance_id="p"), LAYOUT, 0, 1, LoggedMemory(storage, log),
-        transport, KVTransferStats(),
-    )  # fmt: skip
+    rank = _rank("p", LoggedMemory(storage, log), transport)
     side = PrefillKVServer(rank, RecordingServer(), lambda kind, rid: None)
     side.hold(HoldSpec("r", [2, 3, 5], "d", 0), now=0.0)
     side.on_message(PEER, sent(Hello("d", 0, 2, LAYOUT, "ucx", b"addr")), now=0.0)
@@ -155,10 +157,7 @@ def test_a_received_head_slice_is_scattered_and_done_before_its_pull_is_reported
     log: list[str] = []
     storage = np.zeros(SHAPE, dtype=np.float32)
     transport = LoggedTransport(log)
-    rank = RankIO(
-        KVTransferConfig(instance_id="d"), LAYOUT, 0, 1, LoggedMemory(storage, log),
-        transport, KVTransferStats(),
-    )  # fmt: skip
+    rank = _rank("d", LoggedMemory(storage, log), transport)
     prefills = [FakePrefill(LAYOUT, "p", tp_rank=r, tp_size=2) for r in (0, 1)]
     context = zmq.Context()
     puller = DecodeKVPuller(
@@ -255,10 +254,7 @@ class HostOnlyTransport(LoggedTransport):
 
 
 def _prefill_side(memory: KVMemory, transport: LoggedTransport) -> PrefillKVServer:
-    rank = RankIO(
-        KVTransferConfig(instance_id="p"), LAYOUT, 0, 1, memory, transport, KVTransferStats()
-    )
-    side = PrefillKVServer(rank, RecordingServer(), lambda kind, rid: None)
+    side = PrefillKVServer(_rank("p", memory, transport), RecordingServer(), lambda k, r: None)
     side.hold(HoldSpec("r", [2, 3, 5], "d", 0), now=0.0)
     side.on_message(PEER, sent(Hello("d", 0, 1, LAYOUT, "ucx", b"addr")), now=0.0)
     return side
@@ -298,10 +294,7 @@ def test_a_host_only_transport_receives_into_host_staging_then_the_cuda_cache() 
     log: list[str] = []
     storage = torch.zeros(SHAPE, dtype=torch.float32)
     transport = HostOnlyTransport(log)
-    rank = RankIO(
-        KVTransferConfig(instance_id="d"), LAYOUT, 0, 1, DeviceLikeMemory(storage, log),
-        transport, KVTransferStats(),
-    )  # fmt: skip
+    rank = _rank("d", DeviceLikeMemory(storage, log), transport)
     prefill = FakePrefill(LAYOUT, "p")
     context = zmq.Context()
     puller = DecodeKVPuller(
