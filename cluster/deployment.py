@@ -280,7 +280,8 @@ def ray_resources(args: argparse.Namespace) -> dict[str, dict[str, float]]:
 # The EngineConfig fields every instance shares that a flag of the same name sets as is
 # (the rest are read from the checkpoint, parsed, or differ per instance).
 SHARED_ENGINE_FLAGS = (
-    *("dtype", "quantization", "kv_cache_dtype", "tokenizer", "generation_config", "seed"),
+    *("dtype", "quantization", "kv_cache_dtype", "calculate_kv_scales", "tokenizer"),
+    *("generation_config", "seed"),
     *("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"),  # scheduling
     *("enable_prefix_caching", "pipeline_parallel_size"),
 )

@@ -41,6 +41,7 @@ FITTING = (
     "dtype",
     "quantization",
     "kv_cache_dtype",
+    "calculate_kv_scales",
     "device",
     "block_size",
 )

@@ -202,7 +202,8 @@ def instance_summary(info: InstanceInfo) -> str:
     weights = f", weights {info.weight_bytes / 2**20:.0f} MiB" if info.weight_bytes else ""
     if weights and info.quantization:
         weights += f" ({info.quantization})"
-    kv = f" ({info.kv_cache_dtype}, {info.kv_bytes_per_token} bytes/token)"
+    scales = f", scales {info.kv_scales}" if info.kv_scales else ""
+    kv = f" ({info.kv_cache_dtype}{scales}, {info.kv_bytes_per_token} bytes/token)"
     return (
         f"pdserve: {info.address.instance_id}: {model}, {info.dtype or '?'} on "
         f"{info.device or '?'}{weights}, {info.num_blocks} KV blocks x {info.block_size} = "

@@ -168,6 +168,12 @@ def _add_precision_flags(model: argparse._ArgumentGroup) -> None:
         help="the KV cache's dtype: auto (the model's), or FP8, one byte an element with "
         "one scale per layer's keys and values (fp8 = fp8_e4m3; CPU; docs/quantization.md)",
     )
+    model.add_argument(
+        "--calculate-kv-scales",
+        action="store_true",
+        help="an FP8 KV cache's scales measured at load on a calibration text, not read "
+        "from the checkpoint (which else gives them, or 1.0); needs --kv-cache-dtype fp8",
+    )
 
 
 def _add_http_flags(http: argparse._ArgumentGroup) -> None:

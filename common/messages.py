@@ -324,6 +324,9 @@ class InstanceInfo(msgspec.Struct, frozen=True):
     # The KV cache's dtype (e.g. float8_e4m3fn) and its bytes per token, every rank's.
     kv_cache_dtype: str = ""
     kv_bytes_per_token: int = 0
+    # Where an FP8 cache's scales come from ("measured at load", "the checkpoint's",
+    # "1.0"); "" for a 16/32-bit cache.
+    kv_scales: str = ""
     # Bytes of the weights a rank holds, and how they are quantized ("" for none).
     weight_bytes: int = 0
     quantization: str = ""

@@ -41,6 +41,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte an element, with one
     # k_scale and one v_scale per layer (the checkpoint's, else 1; CPU only).
     kv_cache_dtype: str = "auto"
+    # An FP8 cache's scales measured at load on a calibration text (engine/kv_calibration.py)
+    # instead of the checkpoint's (vLLM's `calculate_kv_scales`).
+    calculate_kv_scales: bool = False
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -111,6 +114,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype} runs on CPU (its C kernels); the CUDA "
                 f"kernels have no FP8 KV cache (device {self.device}): use auto there"
+            )
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError(
+                "calculate_kv_scales sets an FP8 KV cache's scales: it needs kv_cache_dtype "
+                "fp8, fp8_e4m3 or fp8_e5m2"
+            )
+        if self.calculate_kv_scales and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "calculate_kv_scales runs the whole model on a calibration text; it is not "
+                "built for pipeline stages (pipeline_parallel_size > 1)"
             )
 
     def kv_dtype_name(self, model_dtype: str) -> str:

@@ -11,6 +11,7 @@ the step runs and reports its finished and failed transfers after.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from concurrent.futures import Future
@@ -35,6 +36,7 @@ from pdserve.engine.embedded import embedded_model_path
 from pdserve.engine.executor import RankConnector
 from pdserve.engine.grammar import GrammarBook
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
+from pdserve.engine.kv_calibration import CALIBRATION_TEXT, calculate_kv_scales
 from pdserve.engine.kv_scales import KVScales, read_kv_scales, set_kv_scales
 from pdserve.engine.loader import load_model
 from pdserve.engine.models.packed import weight_format
@@ -52,6 +54,7 @@ from pdserve.engine.step_plan import (
 )
 from pdserve.kernels import dispatch
 from pdserve.scheduler.outputs import ScheduledChunk
+from pdserve.text.tokenizer import Tokenizer
 
 
 def _resident_bytes() -> int:
@@ -194,10 +197,6 @@ class ModelWorker:
         """This rank's KV cache in the model's dtype or FP8; an FP8 cache's layers get
         their scales (the checkpoint's, else 1)."""
         kv_dtype = self.config.kv_dtype_name(model_dtype)
-        scales = None
-        if kv_dtype != model_dtype:
-            scales = read_kv_scales(self.model_path, mc.num_hidden_layers)
-            set_kv_scales(self.model.layers, scales)
         shape = KVCacheShape(
             num_layers=stage.num_layers,  # a stage's cache holds only its layers
             num_kv_heads=mc.num_key_value_heads // self.tp.size,
@@ -205,7 +204,20 @@ class ModelWorker:
             block_size=self.config.block_size,
             dtype=getattr(torch, kv_dtype),
         )
+        scales = None
+        if kv_dtype != model_dtype:
+            if self.config.calculate_kv_scales:
+                scales = self._calculate_kv_scales(dataclasses.replace(shape, dtype=self.dtype))
+            else:
+                scales = read_kv_scales(self.model_path, mc.num_hidden_layers)
+            set_kv_scales(self.model.layers, scales)
         return shape, scales
+
+    def _calculate_kv_scales(self, scratch: KVCacheShape) -> KVScales:
+        tokenizer = Tokenizer.from_folder(self.config.tokenizer or self.model_path)
+        token_ids = tokenizer.encode(CALIBRATION_TEXT)
+        fp8 = getattr(torch, self.config.kv_dtype_name(""))
+        return calculate_kv_scales(self.model, token_ids, scratch, fp8, self.device, self.tp)
 
     def _check_split(self, mc: ModelConfig) -> None:
         """The model's shapes split this rank's way (an int8 split keeps groups whole)."""

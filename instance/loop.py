@@ -41,6 +41,7 @@ from pdserve.common.block_events import BlockCacheSnapshot
 from pdserve.engine.core import EngineCore, default_executor
 from pdserve.engine.executor import Executor
 from pdserve.engine.ranks import RankLauncher, WorkerGroupFailed
+from pdserve.engine.step_plan import KVGeometry
 from pdserve.instance.breaker import StepBreaker
 from pdserve.instance.hooks import TestHooks
 from pdserve.instance.io import InstanceIO
@@ -130,6 +131,7 @@ class StepLoop:
             dtype=engine.info.dtype or engine.info.kv.dtype,
             device=self.engine_config.device,
             kv_cache_dtype=engine.info.kv.dtype,
+            kv_scales=kv_scale_source(engine.info.kv, self.engine_config.calculate_kv_scales),
             kv_bytes_per_token=engine.info.kv.bytes_per_token(
                 self.engine_config.tensor_parallel_size
             ),
@@ -353,3 +355,12 @@ class StepLoop:
         batch = self.require_engine().scheduler.drain_block_events()
         if batch is not None:
             self.io.publish_events(self._encoder.encode(batch))
+
+
+def kv_scale_source(kv: KVGeometry, calculated: bool) -> str:
+    """Where an FP8 cache's scales come from, for the ready line ("" for no FP8 cache)."""
+    if not kv.k_scales:
+        return ""
+    if calculated:
+        return "measured at load"
+    return "1.0" if set(kv.k_scales + kv.v_scales) == {1.0} else "the checkpoint's"

@@ -47,12 +47,13 @@ def test_an_unknown_choice_is_one_line_naming_the_choices() -> None:
     assert "'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'" in line
 
 
-def _info(kv_dtype: str, bytes_per_token: int) -> InstanceInfo:
+def _info(kv_dtype: str, bytes_per_token: int, kv_scales: str = "") -> InstanceInfo:
     address = InstanceAddress("decode-0", "decode", "tcp://127.0.0.1:1")
     return InstanceInfo(
         address, "tcp://127.0.0.1:2", "/models/SmolLM2-135M-Instruct", max_model_len=1024,
         vocab_size=49152, block_size=16, num_blocks=200, max_num_seqs=8, dtype="bfloat16",
         device="cpu", kv_cache_dtype=kv_dtype, kv_bytes_per_token=bytes_per_token,
+        kv_scales=kv_scales,
     )  # fmt: skip
 
 
@@ -69,3 +70,25 @@ def test_the_ready_line_and_metrics_count_the_kv_bytes_per_token() -> None:
         'role="decode"} 11520.0'
     ) in page
     assert 'kv_cache_dtype="bfloat16",role="prefill"} 23040.0' in page
+
+
+def test_the_ready_line_says_where_fp8_scales_come_from() -> None:
+    from pdserve.engine.step_plan import KVGeometry
+    from pdserve.instance.loop import kv_scale_source
+
+    def geometry(k: list[float], v: list[float]) -> KVGeometry:
+        return KVGeometry(2, 1, 8, 16, "float8_e4m3fn", 4, k_scales=k, v_scales=v)
+
+    assert kv_scale_source(geometry([], []), calculated=False) == ""
+    assert kv_scale_source(geometry([1.0, 1.0], [1.0, 1.0]), calculated=False) == "1.0"
+    assert kv_scale_source(geometry([0.5, 1.0], [1.0, 1.0]), False) == "the checkpoint's"
+    assert kv_scale_source(geometry([0.07, 0.06], [0.01, 0.02]), True) == "measured at load"
+    line = instance_summary(_info("float8_e4m3fn", 11520, "measured at load"))
+    assert "(float8_e4m3fn, scales measured at load, 11520 bytes/token)" in line
+
+
+def test_calculated_scales_need_an_fp8_cache_and_join_only_a_pool_that_has_them() -> None:
+    assert plan_of("--kv-cache-dtype", "fp8", "--calculate-kv-scales").engine.calculate_kv_scales
+    assert "calculate_kv_scales" in FITTING
+    with pytest.raises(ServeError, match="needs kv_cache_dtype fp8"):
+        plan_of("--calculate-kv-scales")
