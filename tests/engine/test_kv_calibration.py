@@ -40,3 +40,20 @@ def test_it_needs_an_fp8_cache_and_a_whole_model():
         EngineConfig(calculate_kv_scales=True)
     with pytest.raises(ValueError, match="not built for pipeline stages"):
         EngineConfig(kv_cache_dtype="fp8", calculate_kv_scales=True, pipeline_parallel_size=2)
+
+
+def test_tensor_parallel_ranks_agree_on_the_whole_models_scales():
+    """Each TP rank sees its heads only; the group takes the largest over them, so the
+    scales are the unsplit model's (within float32 summation order)."""
+    args = dict(
+        dtype="float32", kv_cache_dtype="fp8", calculate_kv_scales=True, num_threads=2,
+        num_kv_blocks=64, max_model_len=256,
+    )  # fmt: skip
+    whole = EngineCore(**args).info.kv
+    split_engine = EngineCore(**args, tensor_parallel_size=3)
+    try:
+        split = split_engine.info.kv
+    finally:
+        split_engine.shutdown()
+    for a, b in ((whole.k_scales, split.k_scales), (whole.v_scales, split.v_scales)):
+        assert a == pytest.approx(b, rel=1e-4)
