@@ -11,14 +11,13 @@ from pdserve.cluster.exposure import ExposureError, check_exposure
 from pdserve.cluster.help_format import DefaultsHelpFormatter
 from pdserve.cluster.ops_flags import add_debug_flags, add_observability_flags
 from pdserve.cluster.placement import DEVICES
-from pdserve.engine.config import KV_CACHE_DTYPES
+from pdserve.cluster.precision_flags import add_precision_flags
 from pdserve.gateway.routing import DEFAULT_POLICY, POLICIES
 from pdserve.gateway.structured import StructuredOutputsConfig, check_structured_outputs_config
 from pdserve.gateway.tool_parsers import PARSERS
 from pdserve.kvtransfer.config import FAILURE_POLICIES
 from pdserve.kvtransfer.transport import TRANSPORTS
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 TOOL_CALL_PARSERS = tuple(PARSERS)
 
 
@@ -100,7 +99,7 @@ def _add_model_flags(model: argparse._ArgumentGroup) -> None:
         metavar="NAME",
         help="name(s) clients use for the model (default: --model)",
     )
-    _add_precision_flags(model)
+    add_precision_flags(model)
     model.add_argument(
         "--max-model-len",
         type=int,
@@ -148,32 +147,6 @@ def _structured_outputs_config(text: str) -> StructuredOutputsConfig:
         return check_structured_outputs_config(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _add_precision_flags(model: argparse._ArgumentGroup) -> None:
-    model.add_argument("--dtype", choices=DTYPES, default="auto")
-    # Checked by EngineConfig (one line naming the choices), not by argparse's choices.
-    model.add_argument(
-        "--quantization",
-        "-q",
-        default=None,
-        metavar="METHOD",
-        help="quantize the weights at load: int8 (the decoder layers' matrices as int8 with "
-        "one scale per 16 inputs, CPU; docs/quantization.md) (default: none)",
-    )
-    model.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default="auto",
-        help="the KV cache's dtype: auto (the model's), or FP8, one byte an element with "
-        "one scale per layer's keys and values (fp8 = fp8_e4m3; CPU; docs/quantization.md)",
-    )
-    model.add_argument(
-        "--calculate-kv-scales",
-        action="store_true",
-        help="an FP8 KV cache's scales measured at load on a calibration text, not read "
-        "from the checkpoint (which else gives them, or 1.0); needs --kv-cache-dtype fp8",
-    )
 
 
 def _add_http_flags(http: argparse._ArgumentGroup) -> None:
