@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
-from pdserve.engine.step_inputs import build_step_inputs, contiguous_block_tables
+from pdserve.engine.step_inputs import build_step_inputs, contiguous_block_tables, inputs_on
 
 if TYPE_CHECKING:
     from pdserve.engine.models.llama import LlamaForCausalLM
@@ -119,12 +119,8 @@ def profile_memory(
         shape.block_size,
         getattr(model, "sliding_window", None),
     )
-    meta = inputs.meta
-    meta.slot_mapping = meta.slot_mapping.to(device)
-    meta.block_tables = meta.block_tables.to(device)
-    meta.query_start_loc = meta.query_start_loc.to(device)
-    meta.context_lens = meta.context_lens.to(device)
-    token_ids, positions = inputs.token_ids.to(device), inputs.positions.to(device)
+    inputs = inputs_on(inputs, device)
+    token_ids, positions, meta = inputs.token_ids, inputs.positions, inputs.meta
     torch.cuda.synchronize(device)
     before_step = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
 from pdserve.engine.kv_scales import KVScales
 from pdserve.engine.parallel import TensorParallel
-from pdserve.engine.step_inputs import build_step_inputs, contiguous_block_tables
+from pdserve.engine.step_inputs import build_step_inputs, contiguous_block_tables, inputs_on
 
 HEADROOM = 2.0
 # Prose, a dialogue, code, JSON and digits: the kinds of text the model serves.
@@ -58,12 +58,9 @@ def calculate_kv_scales(
     caller refuses pipeline stages, whose layers see another stage's states)."""
     scratch = KVCache(shape, -(-len(token_ids) // shape.block_size), device)
     tables = contiguous_block_tables(1, scratch.num_blocks)
-    inputs = build_step_inputs([(token_ids, 0)], tables, shape.block_size)
-    meta = inputs.meta
-    for name in ("slot_mapping", "block_tables", "query_start_loc", "context_lens"):
-        setattr(meta, name, getattr(meta, name).to(device))
+    inputs = inputs_on(build_step_inputs([(token_ids, 0)], tables, shape.block_size), device)
     with torch.inference_mode():
-        model(inputs.token_ids.to(device), inputs.positions.to(device), scratch.layers, meta)
+        model(inputs.token_ids, inputs.positions, scratch.layers, inputs.meta)
         # [blocks, layers, 2, heads, block, dim] -> each layer's largest |key|, |value|
         largest = scratch.storage.float().abs().amax(dim=(0, 3, 4, 5))
     if tp.enabled:

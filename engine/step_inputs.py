@@ -10,7 +10,7 @@ chunk samples from its last token.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -28,6 +28,25 @@ class StepInputs:
     positions: Tensor  # [num_tokens] int64
     meta: AttentionMetadata
     logits_indices: Tensor  # [num_samples] int64: rows of the batch whose logits are wanted
+
+
+def inputs_on(inputs: StepInputs, device: torch.device | str) -> StepInputs:
+    """A copy of `inputs` with every tensor on `device` (one-off steps: a memory profile,
+    a calibration prefill; steps the engine runs go through `DeviceRunner.stage`)."""
+    meta = inputs.meta
+    on_device = replace(
+        meta,
+        slot_mapping=meta.slot_mapping.to(device),
+        block_tables=meta.block_tables.to(device),
+        query_start_loc=meta.query_start_loc.to(device),
+        context_lens=meta.context_lens.to(device),
+    )
+    return StepInputs(
+        inputs.token_ids.to(device),
+        inputs.positions.to(device),
+        on_device,
+        inputs.logits_indices.to(device),
+    )
 
 
 def contiguous_block_tables(num_seqs: int, blocks_per_seq: int, first_block: int = 0) -> Tensor:

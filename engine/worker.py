@@ -207,17 +207,21 @@ class ModelWorker:
         scales = None
         if kv_dtype != model_dtype:
             if self.config.calculate_kv_scales:
-                scales = self._calculate_kv_scales(dataclasses.replace(shape, dtype=self.dtype))
+                scales = self._calculate_kv_scales(shape)
             else:
                 scales = read_kv_scales(self.model_path, mc.num_hidden_layers)
             set_kv_scales(self.model.layers, scales)
         return shape, scales
 
-    def _calculate_kv_scales(self, scratch: KVCacheShape) -> KVScales:
+    def _calculate_kv_scales(self, fp8_shape: KVCacheShape) -> KVScales:
+        """Scales for `fp8_shape`'s cache, from a calibration prefill into a scratch cache
+        of the model's own dtype."""
         tokenizer = Tokenizer.from_folder(self.config.tokenizer or self.model_path)
         token_ids = tokenizer.encode(CALIBRATION_TEXT)
-        fp8 = getattr(torch, self.config.kv_dtype_name(""))
-        return calculate_kv_scales(self.model, token_ids, scratch, fp8, self.device, self.tp)
+        scratch = dataclasses.replace(fp8_shape, dtype=self.dtype)
+        return calculate_kv_scales(
+            self.model, token_ids, scratch, fp8_shape.dtype, self.device, self.tp
+        )
 
     def _check_split(self, mc: ModelConfig) -> None:
         """The model's shapes split this rank's way (an int8 split keeps groups whole)."""
