@@ -165,10 +165,7 @@ class DecodeRole:
     def _admit_deferred(self, task: KVHandoff | GenerateTask) -> RequestDelta | None:
         if isinstance(task, KVHandoff):
             return self.take_handoff(task)
-        try:
-            self.admit(task)
-        except ValueError as exc:
-            return error_delta(task.request_id, str(exc), len(task.prompt_token_ids))
+        self.admit(task)
         return None
 
     def _reject(self, handoff: KVHandoff, message: str) -> RequestDelta:
@@ -200,10 +197,7 @@ class DecodeRole:
         return self.link.task_wait_s(self.engine.scheduler, idle_wait_s, busy)
 
     def before_step(self) -> None:
-        for task in self.link.take_admissible(self.id_in_use):
-            delta = self._admit_deferred(task)
-            if delta is not None:
-                self.link.emit(delta)
+        self.link.admit_deferred(self.id_in_use, self._admit_deferred)
         if self.held_pulls is not None:
             self._start_pulls(self.held_pulls.pop_due())
         self._settle(self.link.exchange(self.kv.build_metadata()))
@@ -236,7 +230,7 @@ class DecodeRole:
         self.link.add_metrics(metrics, counters)
 
     def add_stats(self, stats: InstanceStats) -> None:
-        stats.num_kv_transfers_in_flight = self.link.stats.in_flight
+        self.link.add_stats(stats)
         self.pull_outcomes.add_stats(stats)
 
     # ---- pulls ------------------------------------------------------------------------

@@ -15,7 +15,6 @@ from pdserve.common.messages import (
     InstanceStats,
     MetricsDelta,
     RequestDelta,
-    Task,
 )
 from pdserve.engine.core import EngineCore
 
@@ -23,8 +22,6 @@ GRAMMAR_POLL_S = 0.005
 
 
 class ColocatedRole:
-    task_type: Any = Task
-
     def __init__(self, instance_id: str, engine: EngineCore) -> None:
         self.instance_id = instance_id
         self.engine = engine

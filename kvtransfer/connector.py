@@ -3,7 +3,7 @@ beside the rank's KV cache, fed the step's metadata and reporting what finished.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgspec
@@ -38,21 +38,16 @@ class TransferConnectorFactory:
         return TransferConnector(self.config, tp_rank, tp_size, self.serve, self.pull)
 
 
+@dataclass(eq=False)
 class TransferConnector:
     """Starts a `KVTransferWorker` over the rank's KV storage once the cache exists."""
 
-    def __init__(
-        self,
-        config: KVTransferConfig,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        serve: ServingFactory | None = None,
-        pull: PullingFactory | None = None,
-    ) -> None:
-        self.config = config
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.serve, self.pull = serve, pull
-        self.worker: KVTransferWorker | None = None
+    config: KVTransferConfig
+    tp_rank: int = 0
+    tp_size: int = 1
+    serve: ServingFactory | None = None
+    pull: PullingFactory | None = None
+    worker: KVTransferWorker | None = field(default=None, init=False)
 
     def start(self, storage: Any, geometry: Any) -> str:
         """`geometry`: the rank's KV cache shape (block size, layers, kv heads on this

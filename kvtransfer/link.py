@@ -12,7 +12,7 @@ reported once every rank is done with it), and keeps what both roles need around
 - short task waits while a transfer is open, so reports are acted on within
   milliseconds instead of at the next idle timeout;
 - deferred tasks: a request id still in use by an earlier attempt (its blocks out on
-  loan) is admitted once that attempt's transfer has ended;
+  loan) is admitted once that attempt's transfer has ended, or ends in an error delta;
 - deltas made outside a step (a rejected handoff, a failed pull), sent this turn.
 """
 
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.common.messages import MetricsDelta, RequestDelta, error_delta
+from pdserve.common.messages import InstanceStats, MetricsDelta, RequestDelta, error_delta
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connector import RankReport
 from pdserve.kvtransfer.messages import KVConnectorMetadata, KVLayout, TransferReport
@@ -44,6 +44,8 @@ _COUNTERS = {
 }
 
 Exchange = Callable[[KVConnectorMetadata], list[Any]]
+# Takes a task in (ValueError: it cannot run here); may return a delta to send.
+Admit = Callable[[Any], RequestDelta | None]
 
 
 class KVLink:
@@ -157,7 +159,21 @@ class KVLink:
                 self.emit(error_delta(task.request_id, message, len(task.prompt_token_ids)))
         return ready
 
+    def admit_deferred(self, id_in_use: Callable[[str], bool], admit: Admit) -> None:
+        """Admits the deferred tasks whose id came free; what they answer, or the error
+        one could not run with, goes out this turn."""
+        for task in self.take_admissible(id_in_use):
+            try:
+                delta = admit(task)
+            except ValueError as exc:
+                delta = error_delta(task.request_id, str(exc), len(task.prompt_token_ids))
+            if delta is not None:
+                self.emit(delta)
+
     # ---- metrics ----------------------------------------------------------------------
+
+    def add_stats(self, stats: InstanceStats) -> None:
+        stats.num_kv_transfers_in_flight = self.stats.in_flight
 
     def add_metrics(self, metrics: MetricsDelta, role_counters: dict[str, float]) -> None:
         delta = self.stats.since(self._stats_sent)

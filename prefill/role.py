@@ -36,8 +36,6 @@ from pdserve.common.messages import (
     InstanceStats,
     MetricsDelta,
     RequestDelta,
-    Task,
-    error_delta,
 )
 from pdserve.engine.core import EngineCore
 from pdserve.kvtransfer import TransferReport
@@ -50,8 +48,6 @@ SendToInstance = Callable[[InstanceAddress, msgspec.Struct], None]
 
 
 class PrefillRole:
-    task_type: Any = Task
-
     def __init__(
         self,
         instance_id: str,
@@ -117,11 +113,7 @@ class PrefillRole:
         return self.link.task_wait_s(self.engine.scheduler, idle_wait_s, compiling)
 
     def before_step(self) -> None:
-        for task in self.link.take_admissible(self.id_in_use):
-            try:
-                self.admit(task)
-            except ValueError as exc:
-                self.link.emit(error_delta(task.request_id, str(exc), len(task.prompt_token_ids)))
+        self.link.admit_deferred(self.id_in_use, self.admit)
         self._settle(self.link.exchange(self.kv.build_metadata()))
 
     def step(self) -> list[RequestDelta]:
@@ -143,7 +135,7 @@ class PrefillRole:
         self.link.add_metrics(metrics, {})
 
     def add_stats(self, stats: InstanceStats) -> None:
-        stats.num_kv_transfers_in_flight = self.link.stats.in_flight
+        self.link.add_stats(stats)
 
     # ---- handoffs ---------------------------------------------------------------------
 
