@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -60,13 +60,9 @@ def jobs_of(trace: list[TraceRequest]) -> list[Job]:
 
 
 def pool_observation(state: PoolState) -> PoolObservation:
-    return PoolObservation(
-        serving=state.serving,
-        starting=state.starting,
-        queued=state.queued,
-        running=state.running,
-        kv_usage=state.kv_usage,
-    )
+    # The simulator's PoolState mirrors PoolObservation field for field (the planner may
+    # not import the gateway).
+    return PoolObservation(**asdict(state))
 
 
 class SimController:

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pdserve.bench.cli import parse_metadata
-from pdserve.bench.datasets import DatasetSpec, build_samples
+from pdserve.bench.cli import dataset_spec, parse_metadata
+from pdserve.bench.datasets import build_samples
 from pdserve.bench.server_metrics import MetricsWatcher
 from pdserve.bench.tokenizer import ApproximateTokenizer, LocalTokenizer
-from pdserve.cli import main
+from pdserve.cli import build_parser, main
 
 if TYPE_CHECKING:
     from tests.bench.conftest import ScriptedServer
@@ -182,15 +182,13 @@ def test_token_counting_keeps_the_old_tokenizer_modes(scripted_server, tmp_path,
 
 
 def test_prefix_repetition_repeats_prefixes_as_vllm() -> None:
-    spec = DatasetSpec(
-        name="prefix_repetition",
-        num_prompts=12,
-        prefix_repetition_prefix_len=20,
-        prefix_repetition_suffix_len=5,
-        prefix_repetition_num_prefixes=3,
-        prefix_repetition_output_len=7,
-        seed=4,
+    flags = (  # the flag names of `vllm bench serve`, as a drop-in must take them
+        "bench serve --dataset-name prefix_repetition --num-prompts 12 --seed 4"
+        " --prefix-repetition-prefix-len 20 --prefix-repetition-suffix-len 5"
+        " --prefix-repetition-num-prefixes 3 --prefix-repetition-output-len 7"
     )
+    args = build_parser().parse_args(flags.split())
+    spec = dataset_spec(args, args.num_prompts)
     samples = build_samples(spec, ApproximateTokenizer())
     assert len(samples) == 12
     assert all(s.prompt_len == 25 and s.expected_output_len == 7 for s in samples)

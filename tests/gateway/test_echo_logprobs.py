@@ -4,14 +4,17 @@ answer them (what lm-evaluation-harness's `local-completions` reads for loglikel
 
 from __future__ import annotations
 
+from typing import Any
+
 import openai
 import pytest
 
-from experiments.serving import MODEL
+from experiments.serving import MODEL, ServeProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("idle_after_module")]
 
 TEXT = "The capital of France is Paris"
+USAGE_ON_EVERY_CHUNK = {"include_usage": True, "continuous_usage_stats": True}
 
 
 @pytest.fixture(scope="module")
@@ -60,20 +63,14 @@ def test_echo_without_generation_and_without_logprobs(server, ids) -> None:
         client.completions.create(model=MODEL, prompt=TEXT, max_tokens=0)
 
 
+def streamed(server: ServeProcess, **request: Any) -> list[Any]:
+    """Every chunk of a streamed completion of TEXT."""
+    client = server.openai()
+    return list(client.completions.create(model=MODEL, prompt=TEXT, stream=True, **request))
+
+
 def test_echo_streams_with_n(server, ids) -> None:
-    chunks = list(
-        server.openai().completions.create(
-            model=MODEL,
-            prompt=TEXT,
-            echo=True,
-            logprobs=1,
-            max_tokens=3,
-            n=2,
-            seed=5,
-            temperature=0.8,
-            stream=True,
-        )  # fmt: skip
-    )
+    chunks = streamed(server, echo=True, logprobs=1, max_tokens=3, n=2, seed=5, temperature=0.8)
     for index in (0, 1):
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
         text = "".join(c.text for c in mine)
@@ -136,16 +133,7 @@ def test_logit_bias_steers_greedy_output_and_is_checked(server, ids) -> None:
 
 
 def test_continuous_usage_stats_put_usage_on_every_chunk(server) -> None:
-    chunks = list(
-        server.openai().completions.create(
-            model=MODEL,
-            prompt=TEXT,
-            max_tokens=4,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True, "continuous_usage_stats": True},
-        )  # fmt: skip
-    )
+    chunks = streamed(server, max_tokens=4, temperature=0, stream_options=USAGE_ON_EVERY_CHUNK)
     assert all(c.usage is not None for c in chunks)
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts == sorted(counts) and counts[-1] == 4 and counts[0] >= 1
@@ -157,7 +145,7 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(server) -> None:
             messages=[{"role": "user", "content": "Hi"}],
             max_tokens=3,
             stream=True,
-            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            stream_options=USAGE_ON_EVERY_CHUNK,
         )  # fmt: skip
     )
     assert all(c.usage is not None for c in chat) and chat[0].usage.completion_tokens == 0

@@ -25,7 +25,6 @@ from pdserve.kvtransfer.device_order import CudaOrder, HostOrder, order_for
 from pdserve.kvtransfer.kv_memory import KVMemory
 from pdserve.kvtransfer.messages import (
     BlockRun,
-    Hello,
     HoldSpec,
     KVConnectorMetadata,
     KVSource,
@@ -38,12 +37,13 @@ from pdserve.kvtransfer.worker import KVTransferWorker
 from pdserve.kvtransfer.zmq_transport import _host_view
 from pdserve.prefill.kv_server import PrefillKVServer
 from tests.kvtransfer.fakes import FakePrefill
-from tests.kvtransfer.test_prefill_kv_server import (
+from tests.kvtransfer.manual_transport import (
     LAYOUT,
     PEER,
     HeldOp,
     ManualTransport,
     RecordingServer,
+    hello,
     sent,
 )
 
@@ -124,7 +124,7 @@ def test_a_head_slice_is_gathered_and_done_before_ucx_is_handed_it() -> None:
     rank = _rank("p", LoggedMemory(storage, log), transport)
     side = PrefillKVServer(rank, RecordingServer(), lambda kind, rid: None)
     side.hold(HoldSpec("r", [2, 3, 5], "d", 0), now=0.0)
-    side.on_message(PEER, sent(Hello("d", 0, 2, LAYOUT, "ucx", b"addr")), now=0.0)
+    side.on_message(PEER, hello(tp_size=2), now=0.0)
     # A decode rank of TP 2 wants head 0 of this rank's two: a strided slice, gathered.
     side.on_message(PEER, sent(Pull("r", 7, 0, 1, [BlockRun(2, 2, 1), BlockRun(5, 1, 2)])), now=0.1)
     half_block = LAYOUT.bytes_per_block // 2
@@ -256,7 +256,7 @@ class HostOnlyTransport(LoggedTransport):
 def _prefill_side(memory: KVMemory, transport: LoggedTransport) -> PrefillKVServer:
     side = PrefillKVServer(_rank("p", memory, transport), RecordingServer(), lambda k, r: None)
     side.hold(HoldSpec("r", [2, 3, 5], "d", 0), now=0.0)
-    side.on_message(PEER, sent(Hello("d", 0, 1, LAYOUT, "ucx", b"addr")), now=0.0)
+    side.on_message(PEER, hello(), now=0.0)
     return side
 
 

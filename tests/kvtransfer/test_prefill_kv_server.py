@@ -5,103 +5,15 @@ those of any other."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
-
 from pdserve.common.frame_drops import DROPS
-from pdserve.kvtransfer import KVLayout, KVTransferConfig, KVTransferStats
-from pdserve.kvtransfer.kv_memory import KVMemory
-from pdserve.kvtransfer.messages import (
-    Abort,
-    BlockRun,
-    ControlEnvelope,
-    Done,
-    Heartbeat,
-    Hello,
-    HelloReply,
-    HoldSpec,
-    Pull,
-)
-from pdserve.kvtransfer.rank_io import RankIO
-from pdserve.kvtransfer.transport import TransferOp, Transport
-from pdserve.prefill.kv_server import PrefillKVServer
-
-LAYOUT = KVLayout(block_size=4, num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
-PEER = b"decode-rank"
-OTHER = b"another-decode-rank"
-
-
-class HeldOp(TransferOp):
-    def __init__(self, nbytes: int) -> None:
-        super().__init__(nbytes)
-        self.complete = False
-
-    def poll(self) -> bool:
-        self.done = self.complete
-        return self.done
-
-
-class ManualTransport(Transport):
-    name = "ucx"
-
-    def __init__(self) -> None:
-        self.sent: list[HeldOp] = []
-
-    @property
-    def info(self) -> bytes:
-        return b"manual"
-
-    def poll_handles(self) -> list[Any]:
-        return []
-
-    def add_peer(self, peer: str, info: bytes, host: str = "") -> None:
-        pass
-
-    def send(self, peer: str, buffer: Any, tag: int) -> TransferOp:
-        op = HeldOp(buffer.nbytes)
-        self.sent.append(op)
-        return op
-
-    def recv(self, buffer: Any, tag: int) -> TransferOp:
-        raise NotImplementedError
-
-    def cancel_recvs(self, ops: list[TransferOp]) -> None:
-        raise NotImplementedError
-
-    def progress(self) -> None:
-        pass
-
-    def ready_to_block(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        pass
-
-
-def sent(message: Any, epoch: int = 0) -> ControlEnvelope:
-    """A control message as its sender's rank sent it, in `epoch`."""
-    return ControlEnvelope(epoch, message)
-
-
-class RecordingServer:
-    def __init__(self) -> None:
-        self.messages: list[tuple[bytes, Any]] = []
-
-    def send(self, identity: bytes, message: Any, epoch: int) -> None:
-        self.messages.append((identity, message))
+from pdserve.kvtransfer.messages import Abort, BlockRun, Done, Heartbeat, HelloReply, HoldSpec, Pull
+from tests.kvtransfer.manual_transport import LAYOUT, OTHER, PEER, hello, sent, serve
 
 
 def test_done_before_the_sends_complete_still_counts_them_once() -> None:
-    storage = np.zeros((8, 2, 2, 2, 4, 8), dtype=np.float32)
-    transport, server, stats = ManualTransport(), RecordingServer(), KVTransferStats()
-    reports: list[tuple[str, str]] = []
-    rank = RankIO(
-        KVTransferConfig(instance_id="p"), LAYOUT, 0, 1, KVMemory(storage, LAYOUT), transport, stats
-    )
-    side = PrefillKVServer(rank, server, lambda kind, rid: reports.append((kind, rid)))
+    side, transport, server, stats, reports = serve()
     side.hold(HoldSpec("r", [2, 3, 5], "d", 0), now=0.0)
-    side.on_message(PEER, sent(Hello("d", 0, 1, LAYOUT, "ucx", b"addr")), now=0.0)
+    side.on_message(PEER, hello(), now=0.0)
     assert isinstance(server.messages[-1][1], HelloReply) and not server.messages[-1][1].error
     side.on_message(PEER, sent(Pull("r", 7, 0, 2, [BlockRun(2, 2, 1), BlockRun(5, 1, 2)])), now=0.1)
     assert len(transport.sent) == 2 and stats.in_flight == 1
@@ -122,17 +34,12 @@ def test_an_abort_from_the_decode_side_abandons_its_sends_at_once() -> None:
     # This side was paused past the decode side's deadline: the pull and the Abort were
     # both queued. The pull's sends can never complete (their receives were cancelled);
     # the Abort says so, and the blocks go back without waiting for the lease.
-    storage = np.zeros((8, 2, 2, 2, 4, 8), dtype=np.float32)
-    transport, server, stats = ManualTransport(), RecordingServer(), KVTransferStats()
-    reports: list[tuple[str, str]] = []
-    config = KVTransferConfig(instance_id="p", lease_s=30.0)
-    rank = RankIO(config, LAYOUT, 0, 1, KVMemory(storage, LAYOUT), transport, stats)
-    side = PrefillKVServer(rank, server, lambda kind, rid: reports.append((kind, rid)))
+    side, transport, _, stats, reports = serve(lease_s=30.0)
     side.hold(HoldSpec("r", [2, 3], "d", 0), now=0.0)
     side.hold(HoldSpec("other", [5], "d2", 0), now=0.0)
-    side.on_message(PEER, sent(Hello("d", 0, 1, LAYOUT, "ucx", b"addr")), now=0.0)
+    side.on_message(PEER, hello(), now=0.0)
     side.on_message(PEER, sent(Pull("r", 7, 0, 2, [BlockRun(2, 2, 1)])), now=12.0)
-    side.on_message(OTHER, sent(Hello("d2", 0, 1, LAYOUT, "ucx", b"addr2")), now=12.0)
+    side.on_message(OTHER, hello("d2", b"addr2"), now=12.0)
     side.on_message(OTHER, sent(Pull("other", 8, 0, 2, [BlockRun(5, 1, 1)])), now=12.0)
     assert len(transport.sent) == 2 and stats.in_flight == 2
     side.on_message(PEER, sent(Abort("r", "timed out after 10s")), now=12.0)
@@ -156,16 +63,11 @@ def stale_drops() -> int:
 def test_a_hold_hears_only_the_decode_life_it_names() -> None:
     # Held for decode instance d in epoch 3 (the gateway's routing); d in epoch 2 is a
     # life fenced since, that went on before it was killed.
-    storage = np.zeros((8, 2, 2, 2, 4, 8), dtype=np.float32)
-    transport, server, stats = ManualTransport(), RecordingServer(), KVTransferStats()
-    reports: list[tuple[str, str]] = []
-    config = KVTransferConfig(instance_id="p", lease_s=30.0)
-    rank = RankIO(config, LAYOUT, 0, 1, KVMemory(storage, LAYOUT), transport, stats, epoch=5)
-    side = PrefillKVServer(rank, server, lambda kind, rid: reports.append((kind, rid)))
+    side, transport, server, _, reports = serve(epoch=5, lease_s=30.0)
     side.hold(HoldSpec("r", [2, 3], "d", 3), now=0.0)
     stale, before = b"d-fenced", stale_drops()
-    side.on_message(stale, sent(Hello("d", 0, 1, LAYOUT, "ucx", b"old"), 2), now=0.0)
-    side.on_message(PEER, sent(Hello("d", 0, 1, LAYOUT, "ucx", b"new"), 3), now=0.0)
+    side.on_message(stale, hello(info=b"old", epoch=2), now=0.0)
+    side.on_message(PEER, hello(info=b"new", epoch=3), now=0.0)
     assert [m.error for _, m in server.messages] == ["", ""]
     side.on_message(stale, sent(Pull("r", 1, 0, 2, [BlockRun(2, 2, 1)]), 2), now=1.0)
     side.on_message(stale, sent(Abort("r", "its pull failed"), 2), now=1.0)
@@ -184,20 +86,11 @@ def test_a_hold_hears_only_the_decode_life_it_names() -> None:
 
 
 def test_a_stale_lifes_heartbeats_renew_no_lease_and_its_pulls_get_no_reply() -> None:
-    storage = np.zeros((8, 2, 2, 2, 4, 8), dtype=np.float32)
-    transport, server, stats = ManualTransport(), RecordingServer(), KVTransferStats()
-    reports: list[tuple[str, str]] = []
-    config = KVTransferConfig(
-        instance_id="p",
-        lease_s=1.0,
-        heartbeat_interval_s=0.2,
-        transfer_timeout_s=0.5,
-        handshake_timeout_s=0.5,
+    side, transport, server, _, reports = serve(
+        lease_s=1.0, heartbeat_interval_s=0.2, transfer_timeout_s=0.5, handshake_timeout_s=0.5
     )
-    rank = RankIO(config, LAYOUT, 0, 1, KVMemory(storage, LAYOUT), transport, stats)
-    side = PrefillKVServer(rank, server, lambda kind, rid: reports.append((kind, rid)))
     side.hold(HoldSpec("r", [2], "d", 1), now=0.0)
-    side.on_message(PEER, sent(Hello("d", 0, 1, LAYOUT, "ucx", b"addr"), 0), now=0.0)
+    side.on_message(PEER, hello(), now=0.0)
     side.on_message(PEER, sent(Pull("r", 2, 0, 2, [BlockRun(2, 1, 1)]), 0), now=0.1)
     assert transport.sent == [] and len(server.messages) == 1  # the HelloReply only
     for now in (0.5, 0.9, 1.3):  # the previous epoch's heartbeats: the lease runs out
