@@ -23,7 +23,8 @@
   attention widens through float16 bits (`cpu/common.h`). `cpu_kernels_status()` says which
   implementation is active.
 - Plain-torch references of the same signatures (`reference.py`), and the dispatch
-  between them (`dispatch.py`, `ops.py`, `attention.py`).
+  between them (`dispatch.py`, `ops.py`, `attention.py`). The paged-cache ops' signatures
+  are their argument bundles (`op_args.py`), which every implementation takes whole.
 """
 
 from pdserve.kernels.attention import (

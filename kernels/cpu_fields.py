@@ -10,7 +10,7 @@ import struct
 import torch
 
 from pdserve.kernels.cpu_build import BuildError
-from pdserve.kernels.shapes import check_kv_layout
+from pdserve.kernels.shapes import check_kv_layout, check_kv_scales
 
 Tensor = torch.Tensor
 
@@ -102,13 +102,8 @@ def cache_fields(kv_cache: Tensor, head_dim: int) -> tuple[int, ...]:
 
 
 def kv_scale_fields(kv_cache: Tensor, k_scale: float, v_scale: float) -> tuple[float, float]:
-    """The per-tensor scales an FP8 cache is written and read with; a 16/32-bit cache
-    has none, so a scale other than 1 there is a caller's mistake, not ignored."""
-    if kv_cache.element_size() == 1:
-        if not (k_scale > 0 and v_scale > 0):  # also refuses NaN
-            raise ValueError(f"k_scale and v_scale must be positive, got {k_scale}, {v_scale}")
-    elif k_scale != 1.0 or v_scale != 1.0:
-        raise ValueError(f"k_scale/v_scale apply to an FP8 KV cache, not {kv_cache.dtype}")
+    """The scale fields, once `check_kv_scales` accepts them."""
+    check_kv_scales(kv_cache, k_scale, v_scale)
     return float(k_scale), float(v_scale)
 
 

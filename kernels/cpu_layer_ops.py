@@ -20,6 +20,7 @@ from pdserve.kernels.cpu_fields import (
     row_count,
 )
 from pdserve.kernels.cpu_ops import CpuKernels
+from pdserve.kernels.op_args import RotaryWriteKV, unpacks_method
 from pdserve.kernels.shapes import check_heads
 
 Tensor = torch.Tensor
@@ -33,20 +34,12 @@ class CpuLayerOps:
     def __init__(self, kernels: CpuKernels):
         self.kernels = kernels
 
-    def rotary_write_kv_cache(
-        self,
-        positions: Tensor,
-        qkv: Tensor,
-        cos_sin_cache: Tensor,
-        kv_cache: Tensor,
-        slot_mapping: Tensor,
-        num_heads: int,
-        *,
-        k_scale: float = 1.0,
-        v_scale: float = 1.0,
-    ) -> Tensor:
+    @unpacks_method(RotaryWriteKV)
+    def rotary_write_kv_cache(self, op: RotaryWriteKV) -> Tensor:
         """`reference.rotary_write_kv_cache_ref`: the rotated query comes back, the rotated
         keys and the values go to their slots; qkv's rows may be strided."""
+        positions, qkv, cos_sin_cache = op.positions, op.qkv, op.cos_sin_cache
+        kv_cache, slot_mapping, num_heads = op.kv_cache, op.slot_mapping, op.num_heads
         d = kv_cache.shape[-1]
         cache = cache_fields(kv_cache, d)
         num_tokens, width = qkv.shape if qkv.dim() == 2 else (-1, -1)
@@ -73,7 +66,7 @@ class CpuLayerOps:
             *(slot_mapping.data_ptr(), index_code("slot_mapping", slot_mapping)),
             *(num_tokens, num_heads, cache[1], d, cache[2], cache[0]),
             torch.get_num_threads(),
-            *kv_scale_fields(kv_cache, k_scale, v_scale),
+            *kv_scale_fields(kv_cache, op.k_scale, op.v_scale),
         )
         return query
 

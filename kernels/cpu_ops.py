@@ -39,6 +39,14 @@ from pdserve.kernels.cpu_fields import (
     shaped_like,
     window_field,
 )
+from pdserve.kernels.op_args import (
+    Attention,
+    DecodeAttention,
+    PrefillAttention,
+    WriteKV,
+    output,
+    unpacks_method,
+)
 from pdserve.kernels.shapes import check_heads
 
 Tensor = torch.Tensor
@@ -108,16 +116,9 @@ class CpuKernels:
             f"{self.path.name})"
         )
 
-    def write_kv_cache(
-        self,
-        key: Tensor,
-        value: Tensor,
-        kv_cache: Tensor,
-        slots: Tensor,
-        *,
-        k_scale: float = 1.0,
-        v_scale: float = 1.0,
-    ) -> None:
+    @unpacks_method(WriteKV)
+    def write_kv_cache(self, op: WriteKV) -> None:
+        key, value, kv_cache, slots = op.key, op.value, op.kv_cache, op.slot_mapping
         shape = key.shape
         cache = cache_fields(kv_cache, shape[-1])
         if len(shape) != 3 or shape[1] != cache[1] or value.shape != shape:
@@ -136,53 +137,24 @@ class CpuKernels:
             *cache[3:],
             *(slots.data_ptr(), index_code("slot_mapping", slots), slots.stride(0)),
             *(shape[0], cache[1], cache[2], shape[2], cache[0], torch.get_num_threads()),
-            *kv_scale_fields(kv_cache, k_scale, v_scale),
+            *kv_scale_fields(kv_cache, op.k_scale, op.v_scale),
         )
 
-    def decode_attention(
-        self,
-        query: Tensor,
-        kv_cache: Tensor,
-        block_tables: Tensor,
-        context_lens: Tensor,
-        scale: float,
-        sliding_window: int | None = None,
-        out: Tensor | None = None,
-        *,
-        k_scale: float = 1.0,
-        v_scale: float = 1.0,
-    ) -> Tensor:
-        if out is None:
-            out = torch.empty_like(query)
-        num_seqs = _query_shape(query, out)[0]
+    @unpacks_method(DecodeAttention)
+    def decode_attention(self, op: DecodeAttention) -> Tensor:
+        out = output(op)
+        num_seqs = _query_shape(op.query, out)[0]
         if num_seqs == 0:
             return out
-        fields = _attention_fields(query, kv_cache, block_tables, context_lens, out, num_seqs)
-        self.decode_call.run(
-            *(*fields, scale, window_field(sliding_window), torch.get_num_threads()),
-            *kv_scale_fields(kv_cache, k_scale, v_scale),
-        )
+        self.decode_call.run(*_attention_fields(op, out, num_seqs))
         return out
 
-    def prefill_attention(
-        self,
-        query: Tensor,
-        kv_cache: Tensor,
-        block_tables: Tensor,
-        query_start_loc: Tensor,
-        context_lens: Tensor,
-        scale: float,
-        sliding_window: int | None = None,
-        out: Tensor | None = None,
-        *,
-        k_scale: float = 1.0,
-        v_scale: float = 1.0,
-    ) -> Tensor:
-        if out is None:
-            out = torch.empty_like(query)
-        num_tokens = _query_shape(query, out)[0]
-        num_seqs = context_lens.shape[0]
-        starts = query_start_loc
+    @unpacks_method(PrefillAttention)
+    def prefill_attention(self, op: PrefillAttention) -> Tensor:
+        out = output(op)
+        num_tokens = _query_shape(op.query, out)[0]
+        num_seqs = op.context_lens.shape[0]
+        starts = op.query_start_loc
         if starts.dim() != 1 or starts.shape[0] != num_seqs + 1:
             raise ValueError(
                 f"query_start_loc must be [{num_seqs + 1}] (num_seqs + 1), "
@@ -190,17 +162,10 @@ class CpuKernels:
             )
         if num_seqs == 0:
             return out
-        fields = _attention_fields(query, kv_cache, block_tables, context_lens, out, num_seqs)
         self.prefill_call.run(
-            *(
-                starts.data_ptr(),
-                index_code("query_start_loc", starts),
-                starts.stride(0),
-                num_tokens,
-            ),
-            *fields,
-            *(scale, window_field(sliding_window), torch.get_num_threads()),
-            *kv_scale_fields(kv_cache, k_scale, v_scale),
+            *(starts.data_ptr(), index_code("query_start_loc", starts), starts.stride(0)),
+            num_tokens,
+            *_attention_fields(op, out, num_seqs),
         )
         return out
 
@@ -250,20 +215,15 @@ def _table_fields(num_seqs: int, block_tables: Tensor, context_lens: Tensor) -> 
     return (*tables, *lens)
 
 
-def _attention_fields(
-    query: Tensor,
-    kv_cache: Tensor,
-    block_tables: Tensor,
-    context_lens: Tensor,
-    out: Tensor,
-    num_seqs: int,
-) -> tuple[int, ...]:
-    """The tensor and shape fields of a decode call (pd_attention_call in
-    kernels/cpu/attention.h, up to the scale), after checking the inputs."""
+def _attention_fields(op: Attention, out: Tensor, num_seqs: int) -> tuple[float, ...]:
+    """The fields of a decode call (pd_attention_call in kernels/cpu/attention.h), after
+    checking the inputs: the tensors and shapes, then the scale, window, threads and KV
+    scales."""
+    query, kv_cache, block_tables = op.query, op.kv_cache, op.block_tables
     num_heads, d = query.shape[1], query.shape[2]
     cache = cache_fields(kv_cache, d)
     check_heads(num_heads, cache[1])
-    tables = _table_fields(num_seqs, block_tables, context_lens)
+    tables = _table_fields(num_seqs, block_tables, op.context_lens)
     q, o = query.stride(), out.stride()
     return (
         *(query.data_ptr(), dtype_code("query", query), q[0], q[1], q[2]),
@@ -271,6 +231,8 @@ def _attention_fields(
         *tables,
         *(out.data_ptr(), dtype_code("out", out), o[0], o[1], o[2]),
         *(num_seqs, num_heads, cache[1], cache[2], d, cache[0], block_tables.shape[1]),
+        *(op.scale, window_field(op.sliding_window), torch.get_num_threads()),
+        *kv_scale_fields(kv_cache, op.k_scale, op.v_scale),
     )
 
 

@@ -34,6 +34,7 @@ from pdserve.kernels import (
     triton_prefill,
     triton_rotary,
 )
+from pdserve.kernels.op_args import DecodeAttention, PrefillAttention
 
 Tensor = torch.Tensor
 P = ParamSpec("P")
@@ -63,26 +64,21 @@ def _write_kv_cache_fake(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Te
     triton_kv_write.check_kv_write_inputs(key, value, kv_cache, slots)
 
 
-def _decode_impl(query, kv_cache, block_tables, context_lens, scale, window, out) -> None:
-    triton_decode.decode_attention_triton(
-        query, kv_cache, block_tables, context_lens, scale, window, out
-    )
+# The attention schemas list their bundle's fields in order (less an FP8 cache's scales).
+def _decode_impl(*args: Any) -> None:
+    triton_decode.decode_attention_triton(*args)
 
 
-def _decode_fake(query, kv_cache, block_tables, context_lens, scale, window, out) -> None:
-    triton_decode.check_decode_inputs(query, kv_cache, block_tables, context_lens, window, out)
+def _decode_fake(*args: Any) -> None:
+    triton_decode.check_decode_inputs(DecodeAttention(*args))
 
 
-def _prefill_impl(query, kv_cache, block_tables, starts, context_lens, scale, window, out) -> None:
-    triton_prefill.prefill_attention_triton(
-        query, kv_cache, block_tables, starts, context_lens, scale, window, out
-    )
+def _prefill_impl(*args: Any) -> None:
+    triton_prefill.prefill_attention_triton(*args)
 
 
-def _prefill_fake(query, kv_cache, block_tables, starts, context_lens, scale, window, out) -> None:
-    triton_prefill.check_prefill_inputs(
-        query, kv_cache, block_tables, starts, context_lens, window, out
-    )
+def _prefill_fake(*args: Any) -> None:
+    triton_prefill.check_prefill_inputs(PrefillAttention(*args))
 
 
 def _rms_norm_impl(x: Tensor, weight: Tensor, eps: float) -> Tensor:

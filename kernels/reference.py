@@ -1,7 +1,8 @@
 """Plain-torch references of every kernel in `kernels/`.
 
-These define the semantics. The Triton kernels take the same arguments and must
-agree with these within the tolerance of the dtype. On CPU the engine runs these.
+These define the semantics. The Triton kernels take the same arguments (the paged-cache
+ops take theirs as one bundle of `op_args`) and must agree with these within the
+tolerance of the dtype. On CPU the engine runs these.
 
 KV cache layout (one layer): kv_cache[num_blocks, 2, num_kv_heads, block_size, head_dim];
 `kv_cache[b, 0]` holds the keys of block b and `kv_cache[b, 1]` its values. The view
@@ -23,6 +24,14 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.kernels.op_args import (
+    DecodeAttention,
+    PrefillAttention,
+    RotaryWriteKV,
+    WriteKV,
+    output,
+    unpacks,
+)
 from pdserve.kernels.shapes import int8_group_size
 
 Tensor = torch.Tensor
@@ -51,17 +60,11 @@ def _read(kv: Tensor, scale: float) -> Tensor:
     return kv.float() * scale if kv.dtype in FP8_DTYPES else kv.float()
 
 
-def write_kv_cache_ref(
-    key: Tensor,
-    value: Tensor,
-    kv_cache: Tensor,
-    slot_mapping: Tensor,
-    *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> None:
+@unpacks(WriteKV)
+def write_kv_cache_ref(op: WriteKV) -> None:
     """Scatter key/value [num_tokens, num_kv_heads, head_dim] into their slots (an FP8
     cache's as fp8(x / scale))."""
+    key, value, kv_cache, slot_mapping = op.key, op.value, op.kv_cache, op.slot_mapping
     block_size = kv_cache.shape[3]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
@@ -70,7 +73,8 @@ def write_kv_cache_ref(
     offsets = slot_mapping - blocks * block_size
     # FP8 through its bytes: indexed writes need no FP8 support of their own.
     target = kv_cache.view(torch.uint8) if is_fp8(kv_cache) else kv_cache
-    keys, values = _cache_values(key, kv_cache, k_scale), _cache_values(value, kv_cache, v_scale)
+    keys = _cache_values(key, kv_cache, op.k_scale)
+    values = _cache_values(value, kv_cache, op.v_scale)
     target[blocks, 0, :, offsets, :] = keys.view(target.dtype)
     target[blocks, 1, :, offsets, :] = values.view(target.dtype)
 
@@ -101,44 +105,34 @@ def _visible(key_pos: Tensor, query_pos: Tensor, sliding_window: int | None) -> 
     return visible
 
 
-def decode_attention_ref(
-    query: Tensor,
-    kv_cache: Tensor,
-    block_tables: Tensor,
-    context_lens: Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    out: Tensor | None = None,
-    *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> Tensor:
+@unpacks(DecodeAttention)
+def decode_attention_ref(op: DecodeAttention) -> Tensor:
     """One query token per sequence: query [num_seqs, num_heads, head_dim].
 
     The query is the token at position context_lens[s] - 1 and its own key/value
     are already in the cache.
     """
+    query, kv_cache = op.query, op.kv_cache
     num_seqs, num_heads, head_dim = query.shape
-    if out is None:
-        out = torch.empty_like(query)
+    out = output(op)
     if num_seqs == 0:
         return out
     block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[2]
     group = num_heads // num_kv_heads
-    lens = context_lens.long()
+    lens = op.context_lens.long()
     max_len = int(lens.max())
     num_blocks = -(-max_len // block_size)
     # Gather every sequence's blocks at once: [S, nb, 2, kvh, bs, d] -> [S, 2, kvh, nb*bs, d].
-    blocks = _blocks(kv_cache, block_tables[:, :num_blocks].long())
+    blocks = _blocks(kv_cache, op.block_tables[:, :num_blocks].long())
     kv = blocks.permute(0, 2, 3, 1, 4, 5).reshape(
         num_seqs, 2, num_kv_heads, num_blocks * block_size, head_dim
     )
-    keys, values = _read(kv[:, 0], k_scale), _read(kv[:, 1], v_scale)
+    keys, values = _read(kv[:, 0], op.k_scale), _read(kv[:, 1], op.v_scale)
     q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [S, kvh, g, L]
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * op.scale  # [S, kvh, g, L]
     positions = torch.arange(num_blocks * block_size, device=query.device)
     # The query is the token at position len - 1.
-    visible = _visible(positions[None, :], lens[:, None] - 1, sliding_window)
+    visible = _visible(positions[None, :], lens[:, None] - 1, op.sliding_window)
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     # Slots past a sequence's end may hold anything (even NaN); 0 * NaN would leak.
@@ -148,45 +142,31 @@ def decode_attention_ref(
     return out
 
 
-def prefill_attention_ref(
-    query: Tensor,
-    kv_cache: Tensor,
-    block_tables: Tensor,
-    query_start_loc: Tensor,
-    context_lens: Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    out: Tensor | None = None,
-    *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> Tensor:
+@unpacks(PrefillAttention)
+def prefill_attention_ref(op: PrefillAttention) -> Tensor:
     """Ragged causal attention of new tokens over the cached prefix plus themselves.
 
     query [num_tokens, num_heads, head_dim]; sequence s owns query rows
     query_start_loc[s]:query_start_loc[s+1], which are the last tokens of its
     context_lens[s] tokens (all of whose keys/values are already in the cache).
     """
-    num_heads = query.shape[1]
-    if out is None:
-        out = torch.empty_like(query)
-    num_kv_heads = kv_cache.shape[2]
-    group = num_heads // num_kv_heads
-    starts = query_start_loc.tolist()
-    lens = context_lens.tolist()
-    for s, context_len in enumerate(lens):
+    query, kv_cache = op.query, op.kv_cache
+    out = output(op)
+    group = query.shape[1] // kv_cache.shape[2]
+    starts = op.query_start_loc.tolist()
+    for s, context_len in enumerate(op.context_lens.tolist()):
         q_start, q_end = starts[s], starts[s + 1]
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        keys, values = _gather_kv(kv_cache, block_tables[s], context_len)
-        keys = _read(keys, k_scale).repeat_interleave(group, dim=0)  # [h, L, d]
-        values = _read(values, v_scale).repeat_interleave(group, dim=0)
+        keys, values = _gather_kv(kv_cache, op.block_tables[s], context_len)
+        keys = _read(keys, op.k_scale).repeat_interleave(group, dim=0)  # [h, L, d]
+        values = _read(values, op.v_scale).repeat_interleave(group, dim=0)
         q = query[q_start:q_end].float().transpose(0, 1)  # [h, q, d]
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [h, q, L]
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * op.scale  # [h, q, L]
         q_pos = torch.arange(context_len - q_len, context_len, device=query.device)
         k_pos = torch.arange(context_len, device=query.device)
-        visible = _visible(k_pos[None, :], q_pos[:, None], sliding_window)
+        visible = _visible(k_pos[None, :], q_pos[:, None], op.sliding_window)
         scores.masked_fill_(~visible[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.matmul(probs, values).transpose(0, 1).to(out.dtype)
@@ -243,23 +223,16 @@ def split_qkv(qkv: Tensor, num_heads: int, kv_cache: Tensor) -> tuple[Tensor, Te
     return q.view(n, num_heads, d), k.view(n, kv_heads, d), v.view(n, kv_heads, d)
 
 
-def rotary_write_kv_cache_ref(
-    positions: Tensor,
-    qkv: Tensor,
-    cos_sin_cache: Tensor,
-    kv_cache: Tensor,
-    slot_mapping: Tensor,
-    num_heads: int,
-    *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> Tensor:
+@unpacks(RotaryWriteKV)
+def rotary_write_kv_cache_ref(op: RotaryWriteKV) -> Tensor:
     """Rotary embedding of the query and key heads of a fused QKV projection's output,
     then the rotated keys and the values written to their slots (`write_kv_cache_ref`);
     returns the rotated query [T, num_heads, head_dim] in qkv's dtype."""
-    query, key, value = split_qkv(qkv, num_heads, kv_cache)
-    query, key = rotary_embedding_ref(positions, query, key, cos_sin_cache)
-    write_kv_cache_ref(key, value, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    query, key, value = split_qkv(op.qkv, op.num_heads, op.kv_cache)
+    query, key = rotary_embedding_ref(op.positions, query, key, op.cos_sin_cache)
+    write_kv_cache_ref(
+        key, value, op.kv_cache, op.slot_mapping, k_scale=op.k_scale, v_scale=op.v_scale
+    )
     return query
 
 

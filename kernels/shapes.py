@@ -22,6 +22,16 @@ def check_kv_layout(kv_cache: torch.Tensor, num_kv_heads: int | None, head_dim: 
         raise ValueError(f"kv_cache head_dim {kv_cache.shape[4]} != input head_dim {head_dim}")
 
 
+def check_kv_scales(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> None:
+    """The per-tensor scales an FP8 cache is written and read with; a 16/32-bit cache
+    has none, so a scale other than 1 there is a caller's mistake, not ignored."""
+    if kv_cache.element_size() == 1:
+        if not (k_scale > 0 and v_scale > 0):  # also refuses NaN
+            raise ValueError(f"k_scale and v_scale must be positive, got {k_scale}, {v_scale}")
+    elif k_scale != 1.0 or v_scale != 1.0:
+        raise ValueError(f"k_scale/v_scale apply to an FP8 KV cache, not {kv_cache.dtype}")
+
+
 def check_heads(num_heads: int, num_kv_heads: int) -> int:
     """The GQA group size; query heads must split evenly over the kv heads."""
     if num_kv_heads < 1 or num_heads % num_kv_heads:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import triton
 
-from pdserve.kernels.shapes import check_heads, check_kv_layout
+from pdserve.kernels.op_args import Attention, PagedAttention
+from pdserve.kernels.shapes import check_heads, check_kv_layout, check_kv_scales
 
 Tensor = torch.Tensor
 
@@ -113,22 +115,19 @@ def check_attention_query(
     )
 
 
-def check_attention_rest(
-    query: Tensor,
-    block_tables: Tensor,
-    num_seqs: int,
-    sliding_window: int | None,
-    out: Tensor | None,
-) -> Tensor:
-    """Checks the block tables, the window and `out`; returns `out` (allocated if None)."""
+def check_attention_rest(op: Attention, num_seqs: int) -> Tensor:
+    """Checks the block tables, the window, the KV scales (1: these kernels take no FP8
+    cache) and `out`; returns `out` (allocated if None)."""
+    query, block_tables, out = op.query, op.block_tables, op.out
     check_index("block_tables", block_tables)
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(
             f"block_tables must be [num_seqs={num_seqs}, max_blocks], "
             f"got {tuple(block_tables.shape)}"
         )
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if op.sliding_window is not None and op.sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {op.sliding_window}")
+    check_kv_scales(op.kv_cache, op.k_scale, op.v_scale)
     if out is None:
         return torch.empty_like(query)
     if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
@@ -137,3 +136,35 @@ def check_attention_rest(
             f"got {tuple(out.shape)}, {out.dtype}, {out.device}"
         )
     return out
+
+
+def paged_strides(op: PagedAttention, out: Tensor) -> tuple[int, ...]:
+    """What an attention kernel addresses its tensors by, in the order of its stride
+    parameters: the query's, the cache's, the block tables' and out's strides."""
+    return (*op.query.stride(), *op.kv_cache.stride(), *op.block_tables.stride(), *out.stride())
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """What each attention launch picks for its shapes, beyond its own row tile."""
+
+    block_n: int  # key tokens per inner tile
+    num_warps: int
+    num_stages: int
+
+
+def paged_options(
+    op: Attention, shape: AttentionShape, plan: AttentionPlan, upcast: bool
+) -> dict[str, Any]:
+    """The compile-time parameters and launch options the attention kernels share."""
+    return dict(
+        GROUP=shape.group,
+        HEAD_DIM=shape.head_dim,
+        BLOCK_SIZE=shape.block_size,
+        BLOCK_N=plan.block_n,
+        HAS_WINDOW=op.sliding_window is not None,
+        PRECISION=dot_precision(op.kv_cache.dtype, upcast),
+        UPCAST=upcast,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+    )

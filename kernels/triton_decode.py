@@ -25,16 +25,19 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels import triton_flash as flash
+from pdserve.kernels.op_args import DecodeAttention, unpacks
 from pdserve.kernels.triton_common import (
     LOG2_E,
     PROGRAMS_PER_SM,
+    AttentionPlan,
     AttentionShape,
     check_attention_query,
     check_attention_rest,
     check_index,
-    dot_precision,
     next_power_of_2,
     num_sms,
+    paged_options,
+    paged_strides,
     upcast_dot,
 )
 
@@ -45,15 +48,12 @@ MAX_SPLITS = 64
 
 
 @dataclass(frozen=True)
-class DecodePlan:
+class DecodePlan(AttentionPlan):
     """How one decode launch cuts its work."""
 
     block_h: int  # query heads per program (the GQA group, padded for tl.dot)
-    block_n: int  # tokens per inner tile
     num_splits: int  # context partitions per (sequence, kv head)
     partition_size: int  # tokens per partition, a multiple of block_n
-    num_warps: int
-    num_stages: int
 
 
 def plan_decode(
@@ -231,36 +231,23 @@ def merge_partitions_kernel(
     )
 
 
-def check_decode_inputs(
-    query: Tensor,
-    kv_cache: Tensor,
-    block_tables: Tensor,
-    context_lens: Tensor,
-    sliding_window: int | None,
-    out: Tensor | None,
-) -> tuple[AttentionShape, Tensor]:
+def check_decode_inputs(op: DecodeAttention) -> tuple[AttentionShape, Tensor]:
     """What a launch checks (the fake implementation of the op checks the same): the
     sizes, and `out` (allocated if None)."""
+    context_lens = op.context_lens
     shape = check_attention_query(
-        query, kv_cache, "num_seqs", block_tables=block_tables, context_lens=context_lens
+        op.query, op.kv_cache, "num_seqs", block_tables=op.block_tables, context_lens=context_lens
     )
     check_index("context_lens", context_lens)
     if context_lens.shape != (shape.rows,):
         raise ValueError(
             f"context_lens must be [num_seqs={shape.rows}], got {tuple(context_lens.shape)}"
         )
-    return shape, check_attention_rest(query, block_tables, shape.rows, sliding_window, out)
+    return shape, check_attention_rest(op, shape.rows)
 
 
-def decode_attention_triton(
-    query: Tensor,
-    kv_cache: Tensor,
-    block_tables: Tensor,
-    context_lens: Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    out: Tensor | None = None,
-) -> Tensor:
+@unpacks(DecodeAttention)
+def decode_attention_triton(op: DecodeAttention) -> Tensor:
     """Same contract as `reference.decode_attention_ref`.
 
     The split-K partition count follows `block_tables.shape[1]` (its capacity in
@@ -268,48 +255,35 @@ def decode_attention_triton(
     step's longest context (and a fixed width under CUDA graphs). A sequence with
     context_len 0 (a padding row) gets zeros, where the reference gives NaN.
     """
-    shape, out = check_decode_inputs(
-        query, kv_cache, block_tables, context_lens, sliding_window, out
-    )
+    shape, out = check_decode_inputs(op)
     num_seqs, num_heads, head_dim, num_kv_heads, block_size, group = shape
     if num_seqs == 0:
         return out
 
-    max_span = block_tables.shape[1] * block_size
-    if sliding_window is not None:
-        max_span = min(max_span, sliding_window)
+    max_span = op.block_tables.shape[1] * block_size
+    if op.sliding_window is not None:
+        max_span = min(max_span, op.sliding_window)
+    query = op.query
     plan = plan_decode(num_seqs, num_kv_heads, group, head_dim, max_span, num_sms(query))
     partials = DecodePartials.allocate(query, out, plan.num_splits)
-    upcast = upcast_dot(query, kv_cache.dtype)
     decode_attention_kernel[(num_seqs, num_kv_heads, plan.num_splits)](
         query,
-        kv_cache,
-        block_tables,
-        context_lens,
+        op.kv_cache,
+        op.block_tables,
+        op.context_lens,
         out,
         partials.out,
         partials.lse,
-        scale * LOG2_E,
-        sliding_window or 0,
+        op.scale * LOG2_E,
+        op.sliding_window or 0,
         plan.partition_size,
         plan.num_splits,
-        *query.stride(),
-        *kv_cache.stride(),
-        *block_tables.stride(),
-        *out.stride(),
+        *paged_strides(op, out),
         NUM_HEADS=num_heads,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
         BLOCK_H=plan.block_h,
-        BLOCK_N=plan.block_n,
         BLOCK_D=partials.block_d,
-        HAS_WINDOW=sliding_window is not None,
         SPLIT=partials.split,
-        PRECISION=dot_precision(kv_cache.dtype, upcast),
-        UPCAST=upcast,
-        num_warps=plan.num_warps,
-        num_stages=plan.num_stages,
+        **paged_options(op, shape, plan, upcast_dot(query, op.kv_cache.dtype)),
     )
     if partials.split:
         _merge_partitions(partials, out, num_heads)

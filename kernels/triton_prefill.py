@@ -24,14 +24,17 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels import triton_flash as flash
+from pdserve.kernels.op_args import PrefillAttention, unpacks
 from pdserve.kernels.triton_common import (
     LOG2_E,
+    AttentionPlan,
     AttentionShape,
     check_attention_query,
     check_attention_rest,
     check_index,
-    dot_precision,
     next_power_of_2,
+    paged_options,
+    paged_strides,
     upcast_dot,
 )
 
@@ -39,11 +42,8 @@ Tensor = torch.Tensor
 
 
 @dataclass(frozen=True)
-class PrefillPlan:
+class PrefillPlan(AttentionPlan):
     block_m: int  # query rows per program
-    block_n: int  # key tokens per inner tile
-    num_warps: int
-    num_stages: int
 
 
 def plan_prefill(head_dim: int, dtype: torch.dtype) -> PrefillPlan:
@@ -192,58 +192,41 @@ def prefill_attention_kernel(
     )
 
 
-def check_prefill_inputs(
-    query: Tensor,
-    kv_cache: Tensor,
-    block_tables: Tensor,
-    query_start_loc: Tensor,
-    context_lens: Tensor,
-    sliding_window: int | None,
-    out: Tensor | None,
-) -> tuple[AttentionShape, Tensor]:
+def check_prefill_inputs(op: PrefillAttention) -> tuple[AttentionShape, Tensor]:
     """What a launch checks (the fake implementation of the op checks the same): the
     sizes, and `out` (allocated if None)."""
+    starts, context_lens = op.query_start_loc, op.context_lens
     shape = check_attention_query(
-        query,
-        kv_cache,
+        op.query,
+        op.kv_cache,
         "num_tokens",
-        block_tables=block_tables,
-        query_start_loc=query_start_loc,
+        block_tables=op.block_tables,
+        query_start_loc=starts,
         context_lens=context_lens,
     )
-    check_index("query_start_loc", query_start_loc)
+    check_index("query_start_loc", starts)
     check_index("context_lens", context_lens)
     num_seqs = context_lens.shape[0]
-    if context_lens.dim() != 1 or query_start_loc.shape != (num_seqs + 1,):
+    if context_lens.dim() != 1 or starts.shape != (num_seqs + 1,):
         raise ValueError(
             f"query_start_loc must be [num_seqs + 1 = {num_seqs + 1}] for context_lens "
-            f"[num_seqs], got {tuple(query_start_loc.shape)} and {tuple(context_lens.shape)}"
+            f"[num_seqs], got {tuple(starts.shape)} and {tuple(context_lens.shape)}"
         )
-    return shape, check_attention_rest(query, block_tables, num_seqs, sliding_window, out)
+    return shape, check_attention_rest(op, num_seqs)
 
 
-def prefill_attention_triton(
-    query: Tensor,
-    kv_cache: Tensor,
-    block_tables: Tensor,
-    query_start_loc: Tensor,
-    context_lens: Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    out: Tensor | None = None,
-) -> Tensor:
+@unpacks(PrefillAttention)
+def prefill_attention_triton(op: PrefillAttention) -> Tensor:
     """Same contract as `reference.prefill_attention_ref`."""
-    shape, out = check_prefill_inputs(
-        query, kv_cache, block_tables, query_start_loc, context_lens, sliding_window, out
-    )
-    num_tokens, num_heads, head_dim, _, block_size, group = shape
-    num_seqs = context_lens.shape[0]
+    shape, out = check_prefill_inputs(op)
+    num_tokens, num_heads, head_dim, _, _, _ = shape
+    num_seqs = op.context_lens.shape[0]
     if num_seqs == 0 or num_tokens == 0:
         return out
 
-    upcast = upcast_dot(query, kv_cache.dtype)
+    query, starts = op.query, op.query_start_loc
     plan = plan_prefill(head_dim, query.dtype)
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int32)
+    q_lens = (starts[1:] - starts[:-1]).to(torch.int32)
     tiles = torch.div(q_lens + plan.block_m - 1, plan.block_m, rounding_mode="floor")
     tile_start = torch.zeros(num_seqs + 1, dtype=torch.int32, device=query.device)
     torch.cumsum(tiles, 0, dtype=torch.int32, out=tile_start[1:])
@@ -251,30 +234,19 @@ def prefill_attention_triton(
     max_tiles = num_tokens // plan.block_m + num_seqs
     prefill_attention_kernel[(max_tiles, num_heads)](
         query,
-        kv_cache,
-        block_tables,
-        query_start_loc,
-        context_lens,
+        op.kv_cache,
+        op.block_tables,
+        starts,
+        op.context_lens,
         tile_start,
         out,
-        scale * LOG2_E,
-        sliding_window or 0,
+        op.scale * LOG2_E,
+        op.sliding_window or 0,
         num_seqs,
         max(1, num_seqs - 1).bit_length(),
-        *query.stride(),
-        *kv_cache.stride(),
-        *block_tables.stride(),
-        *out.stride(),
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
+        *paged_strides(op, out),
         BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n,
         BLOCK_D=next_power_of_2(head_dim),
-        HAS_WINDOW=sliding_window is not None,
-        PRECISION=dot_precision(kv_cache.dtype, upcast),
-        UPCAST=upcast,
-        num_warps=plan.num_warps,
-        num_stages=plan.num_stages,
+        **paged_options(op, shape, plan, upcast_dot(query, op.kv_cache.dtype)),
     )
     return out
