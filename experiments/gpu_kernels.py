@@ -19,7 +19,7 @@ from pdserve.kernels.triton_activation import silu_and_mul_triton
 from pdserve.kernels.triton_decode import decode_attention_triton, plan_decode
 from pdserve.kernels.triton_kv_write import write_kv_cache_triton
 from pdserve.kernels.triton_norm import rms_norm_triton
-from pdserve.kernels.triton_prefill import prefill_attention_triton
+from pdserve.kernels.triton_prefill import prefill_attention_kernel, prefill_attention_triton
 from pdserve.kernels.triton_rotary import rotary_embedding_triton
 
 Tensor = torch.Tensor
@@ -134,6 +134,27 @@ def check_prefill(heads, kv_heads, d, bs, dtype, seqs, window) -> bool:
     )
 
 
+def compiled_variants(kernel) -> int:
+    """How many specializations of a Triton kernel are compiled for the current device."""
+    caches = kernel.device_caches[torch.cuda.current_device()]
+    return len(caches[0])
+
+
+def check_prefill_compiles_once() -> bool:
+    """Prompts of any length and batches of any size reuse one compiled prefill kernel
+    (a served GPU's first prompts would otherwise each wait for a compile)."""
+    batches = [[(5, 5)], [(40, 40)], [(300, 300)], [(1000, 1000)], [(40, 40), (17, 0)]]
+    batches.append([(33, 33), (16, 16), (2, 2)])
+    check_prefill(32, 8, 128, 16, torch.bfloat16, batches[0], None)
+    before = compiled_variants(prefill_attention_kernel)
+    ok = all([check_prefill(32, 8, 128, 16, torch.bfloat16, b, None) for b in batches[1:]])
+    added = compiled_variants(prefill_attention_kernel) - before
+    print(
+        f"  {'ok' if added == 0 and ok else 'FAIL'}   prefill compiles once: {added} more variants"
+    )
+    return added == 0 and ok
+
+
 def check_kv_write(dtype) -> bool:
     storage = torch.randn(64, 2, 2, KV_HEADS, BLOCK_SIZE, HEAD_DIM, device=DEVICE).to(dtype)
     qkv = torch.randn(100, HEADS + 2 * KV_HEADS, HEAD_DIM, device=DEVICE, dtype=dtype)
@@ -208,6 +229,7 @@ def _cases(dry_run: bool) -> list[Callable[[], bool]]:
         lambda: check_prefill(9, 3, 64, 16, torch.float16, [(1000, 500), (129, 129)], 256),
         lambda: check_prefill(8, 2, 256, 32, torch.bfloat16, [(600, 200), (64, 64)], None),
         lambda: check_prefill(8, 4, 128, 16, torch.float32, [(513, 257)], 100),
+        check_prefill_compiles_once,
     ]
 
 

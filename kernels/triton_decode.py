@@ -87,7 +87,9 @@ def plan_decode(
     )
 
 
-@triton.jit
+# Not specialized on what changes from step to step (see `triton_prefill`): the split
+# plan and the width the block tables are trimmed to.
+@triton.jit(do_not_specialize=["partition_size", "num_splits", "stride_ts"])
 def decode_attention_kernel(
     query_ptr,
     cache_ptr,
@@ -191,7 +193,7 @@ def decode_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def merge_partitions_kernel(
     part_out_ptr,
     part_lse_ptr,

@@ -56,7 +56,11 @@ def plan_prefill(head_dim: int, dtype: torch.dtype) -> PrefillPlan:
     return PrefillPlan(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
-@triton.jit
+# Integers that change from step to step (the batch's sequence count, the width its
+# block tables are trimmed to) are not specialized on: Triton would otherwise compile a
+# variant for 1, for multiples of 16 and for the rest, so a served GPU's first prompts
+# of new lengths would each wait seconds for a compile.
+@triton.jit(do_not_specialize=["num_seqs", "search_steps", "stride_ts"])
 def prefill_attention_kernel(
     query_ptr,
     cache_ptr,
