@@ -60,7 +60,12 @@ def silu_and_mul_triton(gate_up: Tensor) -> Tensor:
     if rows.shape[0] and width:
         grid = (rows.shape[0], triton.cdiv(width, BLOCK))
         silu_and_mul_kernel[grid](
-            rows, out_rows, rows.stride(0), out_rows.stride(0), WIDTH=width, BLOCK=BLOCK,
+            rows,
+            out_rows,
+            rows.stride(0),
+            out_rows.stride(0),
+            WIDTH=width,
+            BLOCK=BLOCK,
             num_warps=4,
-        )  # fmt: skip
+        )
     return out
