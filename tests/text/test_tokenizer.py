@@ -4,18 +4,15 @@ transformers renders them."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from tokenizers import AddedToken, models, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
-from pdserve.engine.embedded import embedded_model_path
 from pdserve.text.tokenizer import Tokenizer, TokenizerError
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.chat_messages import assistant_tool_call
+from tests.repo_python import run_python
 
 # A Qwen2.5-style template: system default, tools as JSON, tool calls and tool responses.
 QWEN_TEMPLATE = """{%- if tools %}
@@ -114,16 +111,7 @@ CONVERSATIONS = [
 
 TOOL_CONVERSATION = [
     {"role": "user", "content": "Weather in Paris?"},
-    {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [
-            {
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
-            }
-        ],
-    },
+    assistant_tool_call("get_weather", {"city": "Paris"}),
     {"role": "tool", "content": '{"temp": 21}'},
     {"role": "tool", "content": '{"sky": "clear"}'},
 ]
@@ -140,19 +128,9 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def embedded() -> Path:
-    return embedded_model_path()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(embedded: Path) -> Tokenizer:
-    return Tokenizer.from_folder(embedded)
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(embedded: Path):
+def hf_tokenizer(embedded_folder: Path):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(embedded))
+    return transformers.AutoTokenizer.from_pretrained(str(embedded_folder))
 
 
 def test_embedded_tokenizer_ids(tokenizer: Tokenizer) -> None:
@@ -321,8 +299,6 @@ def test_modules_import_without_torch() -> None:
         "import pdserve.text.tokenizer, pdserve.text.detokenizer\n"
         "print('ok')"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+    result = run_python("-c", code, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
