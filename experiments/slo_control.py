@@ -2,6 +2,7 @@
 
     python -m experiments.slo_control --simulate --instances 32
     python -m experiments.slo_control --simulate --instances 128
+    python -m experiments.slo_control --real --instances 4 --scale 0.5
 
 `--simulate` replays `experiments/slo_trace.py`'s trace in the elastic simulator
 (`pdserve.planner.sim.elastic`) once per fixed split of the budget and once under
@@ -13,6 +14,12 @@ best fixed split's. The step-latency model is the calibration shipped beside thi
 (`slo_calibration.json`: the step models `experiments.validate_sim` calibrated through a
 1P+1D server of the embedded model on a quiet 2-core machine, as `BENCHMARKS.md` records
 them) unless `--calibration` names another (`pdserve bench calibrate`'s JSON).
+
+`--real` replays the trace against real servers on this machine instead
+(`experiments/slo_real.py`): `--instances` local instances of the embedded model, one
+thread each, once per fixed split and once under `--autoscale slo` (calibrated by
+`slo_calibration_real.json` unless `--calibration` says otherwise), and prints the same
+tables plus the simulator's prediction of the controller run.
 """
 
 from __future__ import annotations
@@ -24,12 +31,15 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.slo_real import real_runs
 from experiments.slo_sim import SimRun, SimSetup, run_controlled, run_fixed
 from experiments.slo_trace import TraceRequest, phase_windows, phased_trace
 from pdserve.gateway.slo_policy import PolicyConfig
 from pdserve.planner.sim.latency import load_calibration
 
 CALIBRATION = Path(__file__).with_name("slo_calibration.json")
+# `--real`'s: step times of one of four one-thread instances time-sharing two cores.
+REAL_CALIBRATION = Path(__file__).with_name("slo_calibration_real.json")
 # The trace's SLOs, fixed with it: a RAG prompt computes in about 8.2 s on the shipped
 # CPU calibration and a lone decode step in about 70 ms.
 TTFT_SLO_MS = 20000.0
@@ -37,6 +47,9 @@ ITL_SLO_MS = 150.0
 # The chat phase's requests/s per instance of the budget: each phase then loads about
 # 75-90% of the budget at its own best split, where one compromise split cannot serve all.
 RATE_PER_INSTANCE = 0.625
+# The same for real servers on this 2-core machine, where the budget's instances share
+# the two cores (time-shared, they step slower than the calibration's lone instance).
+REAL_RATE_PER_INSTANCE = 0.2
 
 
 def percentile(values: np.ndarray, q: float, weights: np.ndarray | None = None) -> float:
@@ -176,9 +189,65 @@ def simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_flags(args: argparse.Namespace) -> list[str]:
+    """What every real run's server shares: the model, threads, cache and lengths."""
+    return [
+        "--launcher", "local", "--threads-per-instance", "1", "--dtype", "bfloat16",
+        "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "2560",
+    ]  # fmt: skip
+
+
+def controller_flags(args: argparse.Namespace) -> list[str]:
+    """What the controller's run adds: its SLOs, calibration and interval."""
+    return [
+        "--autoscale", "slo", "--instance-budget", str(args.instances),
+        "--autoscale-interval-s", str(args.interval), "--ttft-slo-ms", str(TTFT_SLO_MS),
+        "--itl-slo-ms", str(ITL_SLO_MS), "--calibration", str(args.calibration),
+    ]  # fmt: skip
+
+
+def real(args: argparse.Namespace) -> int:
+    rate = args.rate if args.rate is not None else REAL_RATE_PER_INSTANCE * args.instances
+    trace = phased_trace(args.seed, args.scale, rate)
+    args.ttft_slo_ms, args.itl_slo_ms = TTFT_SLO_MS, ITL_SLO_MS
+    print(
+        f"real servers: budget {args.instances} instances, chat rate {rate:.2f} req/s, "
+        f"{len(trace)} requests, SLOs TTFT {TTFT_SLO_MS:.0f} ms / ITL {ITL_SLO_MS:.0f} ms",
+        flush=True,
+    )
+    started = time.monotonic()
+    fixed, (controlled, decisions) = real_runs(
+        args,
+        trace,
+        (serve_flags(args), controller_flags(args)),
+        lambda label, rows: print(format_rows(label, rows), flush=True),
+    )
+    best_label, best_rows = max(fixed, key=lambda item: item[1][-1]["goodput"])
+    moves = [f"{d['run_s']:.0f}s:{d['action']}({d['reason']})" for d in decisions]
+    print("controller's moves: " + " ".join(m for m in moves if "hold" not in m))
+    calibration = load_calibration(str(args.calibration))
+    policy = trace_policy(args.instances, args.interval, args.cooldown_intervals)
+    setup = SimSetup(calibration, policy, switch_delay_s=args.switch_delay)
+    predicted = run_figures(run_controlled(setup, args.instances // 2, trace), args.scale)
+    print(format_rows("the simulator's replay of the controller run", predicted))
+    real_goodput, sim_goodput = controlled[-1]["goodput"], predicted[-1]["goodput"]
+    print(f"simulated / real controller goodput: {sim_goodput / max(real_goodput, 1e-9):.2f}")
+    for row, best in zip(controlled, best_rows, strict=True):
+        ratio = row["goodput"] / best["goodput"] if best["goodput"] > 0 else float("inf")
+        print(f"  {row['phase']:<6} controller / {best_label}: {ratio:.2f}")
+    print(f"real runs took {time.monotonic() - started:.0f} s")
+    ratio = controlled[-1]["goodput"] / max(best_rows[-1]["goodput"], 1e-9)
+    print(f"failed requests: {controlled[-1]['failed']}")
+    print(f"controller goodput / best fixed split: {ratio:.2f}")
+    return 0
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--simulate", action="store_true", help="replay in the simulator")
+    parser.add_argument("--real", action="store_true", help="replay against real servers")
+    parser.add_argument("--kv-cache-memory", default="256MiB", help="per instance (--real)")
+    parser.add_argument("--run-timeout", type=float, default=900.0, help="one real run (s)")
     parser.add_argument("--instances", type=int, default=32, help="the instance budget")
     parser.add_argument("--rate", type=float, default=None, help="chat phase requests/s")
     parser.add_argument("--scale", type=float, default=1.0, help="stretch the phases' lengths")
@@ -187,7 +256,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cooldown-intervals", type=int, default=1)
     parser.add_argument("--persist-intervals", type=int, default=2)
     parser.add_argument("--switch-delay", type=float, default=0.5, help="role switch (s)")
-    parser.add_argument("--calibration", type=Path, default=CALIBRATION)
+    parser.add_argument(
+        "--calibration", type=Path, default=None, help="default: the shipped one of the mode"
+    )
     parser.add_argument(
         "--split-step",
         type=int,
@@ -205,13 +276,21 @@ def main(argv: list[str] | None = None) -> int:
             "slo_control: --instances must be at least 2, --split-step at least 1", file=sys.stderr
         )
         return 2
+    if args.calibration is None:
+        args.calibration = REAL_CALIBRATION if args.real else CALIBRATION
     if args.simulate:
         try:
             return simulate(args)
         except ValueError as exc:
             print(f"slo_control: {exc}", file=sys.stderr)
             return 2
-    print("slo_control: only --simulate is built; the real-system mode is not", file=sys.stderr)
+    if args.real:
+        try:
+            return real(args)
+        except (ValueError, RuntimeError) as exc:
+            print(f"slo_control: {exc}", file=sys.stderr)
+            return 2
+    print("slo_control: say --simulate or --real", file=sys.stderr)
     return 2
 
 
