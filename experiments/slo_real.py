@@ -65,6 +65,10 @@ def tpot(itls: list[float], output_tokens: int) -> float:
     return sum(itls) / (output_tokens - 1) if output_tokens > 1 else 0.0
 
 
+def pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if values.size else float("nan")
+
+
 def score(
     result: dict,
     trace: list[TraceRequest],
@@ -87,9 +91,6 @@ def score(
         ]
         ttft = np.array([result["ttfts"][i] for i in done]) * 1e3
         gaps = np.array([g for i in done for g in result["itls"][i]]) * 1e3
-
-        def pct(values: np.ndarray, q: float) -> float:
-            return float(np.percentile(values, q)) if values.size else float("nan")
 
         rows.append(
             {
