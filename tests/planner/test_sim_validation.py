@@ -113,8 +113,10 @@ def test_probes_must_fit_one_prefill_step() -> None:
 
 @pytest.mark.slow
 def test_calibration_from_a_server_recovers_its_latencies(scripted_server) -> None:
-    # TTFT 150 ms at any prompt length; ITL 20 ms plus 10 ms per other request running.
-    scripted_server.script(ttft_s=0.15, itl_s=0.02, itl_per_active_s=0.01)
+    # TTFT 300 ms at any prompt length; ITL 50 ms plus 25 ms per other request running.
+    # Steps this long keep a late wake-up of a loaded 2-core machine (~10 ms) inside the
+    # tolerance: a prefill probe's decode sample is the mean of two gaps.
+    scripted_server.script(ttft_s=0.3, itl_s=0.05, itl_per_active_s=0.025)
     plan = ProbePlan(
         prefill_lens=(8, 64),
         prefill_repeats=2,
@@ -126,12 +128,12 @@ def test_calibration_from_a_server_recovers_its_latencies(scripted_server) -> No
     prefill = data["fitted"]["prefill_model"]
     decode = StepLatencyModel(**data["fitted"]["decode_model"])
     ttft = prefill["intercept_s"] + 64 * prefill["per_token_s"]
-    assert ttft == pytest.approx(0.15, rel=0.15)
+    assert ttft == pytest.approx(0.3, rel=0.15)
     context = data["probes"]["decode"][0]["mean_context"]
-    assert decode.predict(1, context) == pytest.approx(0.02, rel=0.25)
-    assert decode.predict(4, 4 * context) == pytest.approx(0.05, rel=0.25)
+    assert decode.predict(1, context) == pytest.approx(0.05, rel=0.25)
+    assert decode.predict(4, 4 * context) == pytest.approx(0.125, rel=0.25)
     # The scripted first gap is one ITL: what is left for the handoff is near zero.
-    assert data["handoff"]["base_s"] < 0.01
+    assert data["handoff"]["base_s"] < 0.025
     assert scripted_server.stats()["requests"] == 2 * 2 + 1 + 4
 
 
