@@ -10,6 +10,10 @@ it alike. The types live in `slo_types.py` and are re-exported here.
 
 from __future__ import annotations
 
+import math
+
+import msgspec
+
 from pdserve.gateway.slo_forecast import LoadForecaster
 from pdserve.gateway.slo_split import SplitScore, SplitScorer, feasible_splits
 from pdserve.gateway.slo_types import (
@@ -46,8 +50,9 @@ class SloPolicy:
     switches instances (up to `PolicyConfig.switch_batch()` at once) toward the split
     with the most headroom once that split beats
     the current one by `switch_margin` for `persist_intervals` intervals in a row (a run
-    of moves in one direction waits once; a reversal waits again), and starts or stops
-    instances only to bring the total to the budget.
+    of moves in one direction waits once; a reversal waits again) and the switch is worth
+    what it costs (`weigh_switch`), and starts or stops instances only to bring the total
+    to the budget.
     """
 
     def __init__(self, config: PolicyConfig, calibration: Calibration) -> None:
@@ -104,8 +109,11 @@ class SloPolicy:
             target.prefill - current[0] if direction == "prefill" else target.decode - current[1]
         )
         count = min(short, serving, self.config.switch_batch())
-        self.last_move_at = observation.at
         reason = switch_reason(direction, current_score, self.config.switch_margin)
+        costly = self.weigh_switch(decide, current_score, reason, source, count)
+        if costly is not None:
+            return costly
+        self.last_move_at = observation.at
         return decide.move(
             "switch",
             reason,
@@ -135,6 +143,41 @@ class SloPolicy:
             if since < config.cooldown_intervals * config.interval_s:
                 return "cooldown", f"last move {since:.1f} s ago"
         return None
+
+    def weigh_switch(
+        self,
+        decide: DecisionMaker,
+        current: SplitScore | None,
+        reason: str,
+        source: str,
+        count: int,
+    ) -> Decision | None:
+        """A hold when the switch would cost more than it gains, else None.
+
+        A switch disrupts: a prefill instance leaves its queue to the others, a decode
+        instance hands its running requests back to be recomputed (their TPOT pays). When
+        both SLOs are met with `switch_margin` to spare ("rebalance"), more headroom buys
+        no goodput, so the split stays. A switch out of decode for an SLO at risk must
+        still gain `switch_margin` with the requests it hands back queued for prefill.
+        """
+        if reason == "rebalance":
+            return decide.hold("slos_met", "both SLOs are met: a switch would only disrupt")
+        running = decide.observation.decode.running
+        if source != "decode" or running == 0:
+            return None
+        decode = current_split(decide.observation)[1]
+        handed_back = math.ceil(running * count / max(decode, 1))
+        after = with_queued(decide.observation, handed_back)
+        target = decide.target
+        moved = self.scorer.score(target.prefill, target.decode, decide.load, after)
+        gain = moved.headroom - (current.headroom if current is not None else -math.inf)
+        if gain >= self.config.switch_margin:
+            return None
+        return decide.hold(
+            "within_margin",
+            f"{target.label()} gains {gain:+.2f} with the {handed_back} requests a switch "
+            "hands back queued",
+        )
 
     def forget_wish(self) -> None:
         self.wanted, self.wanted_for = None, 0
@@ -228,13 +271,22 @@ def switch_direction(current: tuple[int, int], target: tuple[int, int]) -> str |
 
 
 def switch_reason(direction: str, current: SplitScore | None, comfortable: float) -> str:
-    """ "ttft_risk" / "itl_risk" when the growing pool's SLO is at risk, else "rebalance"."""
+    """ "ttft_risk" / "itl_risk" when the growing pool's SLO is at risk, else "rebalance"
+    (which the policy holds: `SloPolicy.weigh_switch`)."""
     if current is None:
         return f"{'ttft' if direction == 'prefill' else 'itl'}_risk"
     growing = current.ttft_margin if direction == "prefill" else current.itl_margin
     if growing < comfortable:
         return "ttft_risk" if direction == "prefill" else "itl_risk"
     return "rebalance"
+
+
+def with_queued(observation: Observation, extra: int) -> Observation:
+    """The observation with `extra` more requests queued for prefill."""
+    prefill = msgspec.structs.replace(
+        observation.prefill, queued=observation.prefill.queued + extra
+    )
+    return msgspec.structs.replace(observation, prefill=prefill)
 
 
 def current_label(current: tuple[int, int]) -> str:

@@ -31,6 +31,9 @@ from pdserve.planner.sim.latency import Calibration, prefill_pairs
 
 # Below any margin a finite prediction gets: the worst finite margin is clipped here.
 OVERLOAD_MARGIN = -10.0
+# A band of prompt lengths with at least this share of the requests sets the TTFT: a
+# rarer band's requests can miss it for no more than this share of the goodput.
+MIN_CLASS_SHARE = 0.05
 
 
 class SplitScore(msgspec.Struct, frozen=True):
@@ -117,26 +120,53 @@ class SplitScorer:
 
     def predict_ttft(self, prefill: int, load: Forecast, now: Observation) -> tuple[float, float]:
         slo_s = self.config.ttft_slo_ms / 1e3
-        prompt = max(load.prompt_tokens, 1.0)
-        per_instance = self.prefill_tokens_per_s(prompt)
-        service = prompt / per_instance  # an instance's time per prompt at full steps
-        offered = load.rate * service  # instances' worth of prefill work
+        classes = load.by_class()
+        rate = sum(c.rate for c in classes)
+        weights = [c.rate / rate if rate > 0 else 1.0 / len(classes) for c in classes]
+        # An instance's time per prompt of each band at full steps.
+        services = [
+            max(c.prompt_tokens, 1.0) / self.prefill_tokens_per_s(c.prompt_tokens) for c in classes
+        ]
+        service = sum(w * s for w, s in zip(weights, services, strict=True))
+        offered = rate * service  # instances' worth of prefill work
         if offered >= prefill:
             return math.inf, overload_margin(offered / prefill)
-        # M/G/c (Lee and Longton): the M/M/c wait scaled by (1 + cv^2) / 2 of the
-        # prompts' service times, which a mix of short and long prompts makes large.
-        square = max(load.prompt_tokens_sq, prompt * prompt)
-        variation = square / (prompt * prompt) - 1.0
+        # M/G/c (Lee and Longton): the M/M/c wait scaled by (1 + cv^2) / 2 of the prompts'
+        # service times, which a mix of short and long prompts makes large. Within a band,
+        # a service time varies as its prompt length does.
+        square = sum(
+            w * s * s * max(c.prompt_tokens_sq / max(c.prompt_tokens, 1.0) ** 2, 1.0)
+            for w, s, c in zip(weights, services, classes, strict=True)
+        )
+        variation = square / (service * service) - 1.0
         wait = (1.0 + variation) / 2.0 * erlang_c(prefill, offered) * service / (prefill - offered)
         backlog = now.prefill.queued * service / prefill
-        seconds = self.prompt_seconds(prompt) + wait + backlog
+        # The longest prompts that are not rare: their requests miss the SLO first.
+        own = max(
+            self.prompt_seconds(max(c.prompt_tokens, 1.0))
+            for w, c in zip(weights, classes, strict=True)
+            if w >= MIN_CLASS_SHARE or w == max(weights)
+        )
+        seconds = own + wait + backlog
         return seconds, margin(seconds, slo_s)
 
     def predict_itl(self, decode: int, load: Forecast, now: Observation) -> tuple[float, float]:
         slo_s = self.config.itl_slo_ms / 1e3
         model = self.decode_model
-        context = load.prompt_tokens + load.output_tokens / 2.0
-        tokens_per_s = load.rate * max(load.output_tokens - 1.0, 0.0) / decode
+        classes = load.by_class()
+        # Decode tokens per second, and the mean context a decode step reads per sequence
+        # (weighted by the tokens each band decodes).
+        output_rate = sum(c.rate * max(c.output_tokens - 1.0, 0.0) for c in classes)
+        weighted = sum(
+            c.rate * max(c.output_tokens - 1.0, 0.0) * (c.prompt_tokens + c.output_tokens / 2.0)
+            for c in classes
+        )
+        context = (
+            weighted / output_rate
+            if output_rate > 0
+            else load.prompt_tokens + load.output_tokens / 2.0
+        )
+        tokens_per_s = output_rate / decode
         per_sequence = model.per_token_s + model.per_pair_s * context
         busy = tokens_per_s * per_sequence  # step time spent per second on sequences
         if busy >= 1.0:

@@ -40,6 +40,15 @@ class Observation(msgspec.Struct, frozen=True):
     data_age_s: float = 0.0
 
 
+class LoadClass(msgspec.Struct, frozen=True):
+    """The expected requests of one band of prompt lengths."""
+
+    rate: float  # requests per second
+    prompt_tokens: float  # mean per request
+    output_tokens: float  # mean per request
+    prompt_tokens_sq: float  # mean of the squared prompt lengths
+
+
 class Forecast(msgspec.Struct, frozen=True):
     """The load the policy expects over the next interval."""
 
@@ -49,6 +58,16 @@ class Forecast(msgspec.Struct, frozen=True):
     # Mean of the squared prompt lengths: a mix of short and long prompts queues longer
     # than prompts of its mean length (0: unknown, taken as prompt_tokens squared).
     prompt_tokens_sq: float = 0.0
+    # The same per band of prompt lengths (`slo_forecast.py`): a mix of chat and RAG
+    # prompts costs the prefill pool what each band costs, not what its mean length would.
+    # Empty: one band, the totals above.
+    classes: tuple[LoadClass, ...] = ()
+
+    def by_class(self) -> tuple[LoadClass, ...]:
+        if self.classes:
+            return self.classes
+        square = self.prompt_tokens_sq or self.prompt_tokens**2
+        return (LoadClass(self.rate, self.prompt_tokens, self.output_tokens, square),)
 
 
 class Decision(msgspec.Struct, frozen=True):

@@ -374,6 +374,7 @@ def test_the_snapshot_shows_state_forecast_and_decisions() -> None:
         "prompt_tokens": 100.0,
         "output_tokens": 20.0,
         "prompt_tokens_sq": 0.0,
+        "classes": (),
     }
     (only,) = body["decisions"]
     assert (only["action"], only["reason"], only["age_s"]) == ("hold", "ttft_risk", 1.5)

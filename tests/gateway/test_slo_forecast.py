@@ -48,3 +48,46 @@ def test_the_mix_shows_in_the_second_moment() -> None:
     assert load.prompt_tokens_sq == pytest.approx((100.0**2 + 2000.0**2) / 2)
     with pytest.raises(ValueError, match="positive"):
         forecaster.observe([], 0.0)
+
+
+def test_each_band_of_prompt_lengths_is_its_own_class() -> None:
+    forecaster = LoadForecaster(halflife_s=10.0)
+    forecaster.observe([SHORT] * 6 + [LONG] * 2, 2.0)
+    classes = forecaster.forecast().classes
+    assert [(c.rate, c.prompt_tokens, c.output_tokens) for c in classes] == [
+        pytest.approx((3.0, 100.0, 400.0)),
+        pytest.approx((1.0, 2000.0, 40.0)),
+    ]
+    # A band first seen later starts from nothing: one long prompt is not one a second.
+    forecaster = LoadForecaster(halflife_s=10.0)
+    forecaster.observe([SHORT] * 10, 1.0)
+    forecaster.observe([SHORT] * 10 + [LONG], 1.0)
+    long_class = forecaster.forecast().classes[-1]
+    assert long_class.prompt_tokens == pytest.approx(2000.0)
+    assert long_class.rate == pytest.approx(1.0 - 0.5**0.1)
+
+
+def test_a_band_rising_from_nothing_takes_its_level_in_two_intervals() -> None:
+    forecaster = LoadForecaster(halflife_s=30.0)
+    for _ in range(10):
+        forecaster.observe([SHORT] * 10, 1.0)
+    forecaster.observe([SHORT] * 10 + [LONG] * 6, 1.0)  # a burst: counted at once
+    assert forecaster.forecast().classes[-1].rate == pytest.approx(6.0)
+    forecaster.observe([SHORT] * 10 + [LONG] * 8, 1.0)  # again: the level moved
+    forecaster.observe([SHORT] * 10 + [LONG] * 7, 1.0)
+    # Smoothing alone would still say under one a second after three intervals.
+    assert forecaster.forecast().classes[-1].rate == pytest.approx(7.0, abs=0.1)
+
+
+def test_a_band_that_stops_is_gone_in_two_intervals_and_one_lull_is_noise() -> None:
+    forecaster = LoadForecaster(halflife_s=30.0)
+    for _ in range(10):
+        forecaster.observe([SHORT] * 20 + [LONG] * 2, 1.0)
+    forecaster.observe([SHORT] * 8 + [LONG] * 2, 1.0)  # one lull: smoothed, not believed
+    assert forecaster.forecast().classes[0].rate > 19.0
+    forecaster.observe([SHORT] * 20 + [LONG] * 2, 1.0)
+    forecaster.observe([LONG] * 2, 1.0)
+    forecaster.observe([LONG] * 2, 1.0)
+    load = forecaster.forecast()
+    assert [c.prompt_tokens for c in load.classes] == [pytest.approx(2000.0)]
+    assert load.rate == pytest.approx(2.0)

@@ -84,14 +84,14 @@ def moves(decisions: list[Decision]) -> list[Decision]:
 @pytest.mark.parametrize(
     ("start", "phase", "rate", "role", "reasons", "least"),
     [
-        ((4, 4), RAG, 5.0, "prefill", ("ttft_risk", "on_target"), 6),
-        ((6, 2), CHAT, 8.0, "decode", ("itl_risk", "within_margin"), 4),
+        ((4, 4), RAG, 5.0, "prefill", ("ttft_risk", "slos_met"), 6),
+        ((6, 2), CHAT, 8.0, "decode", ("itl_risk", "slos_met"), 3),
     ],
     ids=["a-rag-burst-grows-prefill", "a-chat-phase-grows-decode"],
 )
 def test_a_phase_grows_the_pool_it_loads(start, phase, rate, role, reasons, least) -> None:
-    """`reasons`: the first move's, and the last hold's once it settles (RAG's target is
-    reached; chat's stops where what is left to gain is within the switch margin)."""
+    """`reasons`: the first move's, and the last hold's once it settles (where both SLOs
+    are met with the switch margin to spare, whatever headroom is left to gain)."""
     pools = ScriptedPools(*start)
     decisions = pools.drive(SloPolicy(config(), CALIBRATION), [arrivals(phase, rate)] * 12)
     switches = moves(decisions)
@@ -204,3 +204,35 @@ def test_settings_that_cannot_work_are_refused() -> None:
         SloPolicy(config(instance_budget=1), CALIBRATION)
     with pytest.raises(ValueError, match="max_decode 1 is below min_decode 2"):
         SloPolicy(config(min_decode=2, max_decode=1), CALIBRATION)
+
+
+def queued_rag(pools: ScriptedPools, policy: SloPolicy, queued: int, running: int) -> Decision:
+    """Two intervals of RAG at 3/s with `queued` prompts waiting and `running` decoding."""
+    for _ in range(2):
+        decision = policy.decide(
+            pools.observe(
+                arrivals(RAG, 3.0),
+                prefill=PoolObservation(pools.prefill, 0, queued, 4, 0.0),
+                decode=PoolObservation(pools.decode, 0, 0, running, 0.1),
+            )
+        )
+        pools.apply(decision)
+    return decision
+
+
+def test_a_split_that_meets_both_slos_stays() -> None:
+    # 7P+1D has more headroom, but 4P+4D meets both SLOs: a switch would only disrupt.
+    met = queued_rag(ScriptedPools(4, 4), SloPolicy(config(), CALIBRATION), 4, running=0)
+    assert (met.action, met.reason, met.target_prefill) == ("hold", "slos_met", 7)
+    assert met.headroom is not None and met.headroom > 0.1
+
+
+def test_a_switch_out_of_decode_counts_the_requests_it_hands_back() -> None:
+    # TTFT at risk: a switch is wanted, and taken while the decode pool is idle.
+    idle = queued_rag(ScriptedPools(4, 4), SloPolicy(config(), CALIBRATION), 5, running=0)
+    assert (idle.action, idle.reason) == ("switch", "ttft_risk")
+    # With 10 RAG requests per decode instance, one switch queues 10 more 2000-token
+    # prompts for prefill: worse than waiting.
+    busy = queued_rag(ScriptedPools(4, 4), SloPolicy(config(), CALIBRATION), 5, running=40)
+    assert (busy.action, busy.reason) == ("hold", "within_margin")
+    assert "10 requests a switch hands back" in busy.detail
