@@ -102,6 +102,18 @@ def run_figures(run: SimRun, scale: float) -> list[dict]:
     return rows
 
 
+def phase_oracle(fixed: list[tuple[list[dict], SimRun]], scale: float) -> tuple[float, str]:
+    """Goodput of the best fixed split in each phase, as if switching at phase boundaries
+    cost nothing, and those splits: a reference for what moving the split can gain. (Each
+    phase's figures are those of a run that served the earlier phases at that split.)"""
+    total, labels = 0.0, []
+    for index, (name, start, end) in enumerate(phase_windows(scale)):
+        rows, run = max(fixed, key=lambda item: item[0][index]["goodput"])
+        total += rows[index]["goodput"] * (end - start)
+        labels.append(f"{name} {run.label}")
+    return total / phase_windows(scale)[-1][2], ", ".join(labels)
+
+
 def format_rows(label: str, rows: list[dict]) -> str:
     lines = [
         f"{label}:",
@@ -184,6 +196,11 @@ def simulate(args: argparse.Namespace) -> int:
     )
     best_goodput = best_rows[-1]["goodput"]
     ratio = controller_rows[-1]["goodput"] / best_goodput if best_goodput > 0 else float("inf")
+    oracle, splits = phase_oracle(fixed, args.scale)
+    print(
+        f"the best fixed split of each phase, switched for free between phases: {oracle:.3f}/s "
+        f"({splits}); controller / that: {controller_rows[-1]['goodput'] / oracle:.2f}"
+    )
     print(f"failed requests: {controller_rows[-1]['failed']}")
     print(f"controller goodput / best fixed split: {ratio:.2f}")
     return 0

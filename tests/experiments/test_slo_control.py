@@ -54,11 +54,25 @@ def test_the_report_ends_with_the_two_lines(setup, trace, capsys, monkeypatch) -
     monkeypatch.setattr(slo_control, "phased_trace", lambda seed, scale, rate: trace)
     assert slo_control.main(["--simulate", "--instances", "4", "--scale", str(SCALE)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-3].startswith("the best fixed split of each phase, switched for free")
     assert lines[-2].startswith("failed requests: ")
     assert lines[-1].startswith("controller goodput / best fixed split: ")
     assert float(lines[-1].rsplit(" ", 1)[1]) > 0
     fixed = run_fixed(setup, 2, 2, trace)
     assert all(j.finish is not None for j in fixed.jobs)
+
+
+def test_the_phase_oracle_takes_each_phase_from_its_best_split() -> None:
+    windows = phase_windows(1.0)
+    lengths = [end - start for _, start, end in windows]
+    # Run A is best in chat, run B in the other phases.
+    a = [{"goodput": g} for g in (10.0, 1.0, 1.0, 1.0)]
+    b = [{"goodput": g} for g in (5.0, 2.0, 3.0, 4.0)]
+    runs = [(a, SimRun("4P+4D", [], [], ())), (b, SimRun("6P+2D", [], [], ()))]  # type: ignore[arg-type]
+    oracle, labels = slo_control.phase_oracle(runs, 1.0)
+    expected = sum(g * t for g, t in zip((10.0, 2.0, 3.0, 4.0), lengths, strict=True))
+    assert oracle == pytest.approx(expected / windows[-1][2])
+    assert labels == "chat 4P+4D, rag 6P+2D, mixed 6P+2D, burst 6P+2D"
 
 
 def test_without_simulate_it_says_what_is_missing(capsys) -> None:
