@@ -197,9 +197,10 @@ def simulate(args: argparse.Namespace) -> int:
     best_goodput = best_rows[-1]["goodput"]
     ratio = controller_rows[-1]["goodput"] / best_goodput if best_goodput > 0 else float("inf")
     oracle, splits = phase_oracle(fixed, args.scale)
+    over = controller_rows[-1]["goodput"] / oracle if oracle > 0 else float("inf")
     print(
         f"the best fixed split of each phase, switched for free between phases: {oracle:.3f}/s "
-        f"({splits}); controller / that: {controller_rows[-1]['goodput'] / oracle:.2f}"
+        f"({splits}); controller / that: {over:.2f}"
     )
     print(f"failed requests: {controller_rows[-1]['failed']}")
     print(f"controller goodput / best fixed split: {ratio:.2f}")

@@ -50,9 +50,10 @@ class SloPolicy:
     switches instances (up to `PolicyConfig.switch_batch()` at once) toward the split
     with the most headroom once that split beats
     the current one by `switch_margin` for `persist_intervals` intervals in a row (a run
-    of moves in one direction waits once; a reversal waits again) and the switch is worth
-    what it costs (`weigh_switch`), and starts or stops instances only to bring the total
-    to the budget.
+    of moves in one direction waits once; a reversal waits again), the growing pool's SLO
+    is at risk (a split meeting both with the margin to spare stays: "slos_met") and the
+    switch is worth what it costs (`weigh_switch`); it starts or stops instances only to
+    bring the total to the budget.
     """
 
     def __init__(self, config: PolicyConfig, calibration: Calibration) -> None:
@@ -86,10 +87,18 @@ class SloPolicy:
         current_score = self.score_current(current, load, observation)
         gain = target.headroom - current_score.headroom if current_score else float("inf")
         direction = switch_direction(current, (target.prefill, target.decode))
-        if direction is None or gain < self.config.switch_margin:
+        margin = self.config.switch_margin
+        reason = switch_reason(direction, current_score, margin) if direction else None
+        if direction is None or gain < margin or reason is None:
             self.forget_wish()
             if sum(current) != budget_total:
                 return self.resize(decide, current)
+            if direction is not None and gain >= margin:
+                # Both SLOs are met with the margin to spare: more headroom buys no
+                # goodput, and a switch disrupts (see `weigh_switch`).
+                return decide.hold(
+                    "slos_met", f"{target.label()} gains {gain:+.2f}, but both SLOs are met"
+                )
             reason = "on_target" if current == (target.prefill, target.decode) else "within_margin"
             return decide.hold(reason, f"{current_label(current)} gains {gain:+.2f} at best")
         if self.wanted != direction:
@@ -109,9 +118,10 @@ class SloPolicy:
             target.prefill - current[0] if direction == "prefill" else target.decode - current[1]
         )
         count = min(short, serving, self.config.switch_batch())
-        reason = switch_reason(direction, current_score, self.config.switch_margin)
-        costly = self.weigh_switch(decide, current_score, reason, source, count)
+        costly = self.weigh_switch(decide, current_score, source)
         if costly is not None:
+            if sum(current) != budget_total:
+                return self.resize(decide, current)
             return costly
         self.last_move_at = observation.at
         return decide.move(
@@ -145,38 +155,31 @@ class SloPolicy:
         return None
 
     def weigh_switch(
-        self,
-        decide: DecisionMaker,
-        current: SplitScore | None,
-        reason: str,
-        source: str,
-        count: int,
+        self, decide: DecisionMaker, current: SplitScore | None, source: str
     ) -> Decision | None:
-        """A hold when the switch would cost more than it gains, else None.
+        """A hold when switching decode instances costs what the target gains, else None.
 
-        A switch disrupts: a prefill instance leaves its queue to the others, a decode
-        instance hands its running requests back to be recomputed (their TPOT pays). When
-        both SLOs are met with `switch_margin` to spare ("rebalance"), more headroom buys
-        no goodput, so the split stays. A switch out of decode for an SLO at risk must
-        still gain `switch_margin` with the requests it hands back queued for prefill.
+        A decode instance leaves by handing its running requests back to be recomputed
+        (their TPOT pays, and the prefill pool computes their prompts again): the target,
+        once reached, must still beat the current split by `switch_margin` with every
+        request its switches hand back queued for prefill and gone from decode.
         """
-        if reason == "rebalance":
-            return decide.hold("slos_met", "both SLOs are met: a switch would only disrupt")
-        running = decide.observation.decode.running
+        observation = decide.observation
+        running = observation.decode.running
         if source != "decode" or running == 0:
             return None
-        decode = current_split(decide.observation)[1]
-        handed_back = math.ceil(running * count / max(decode, 1))
-        after = with_queued(decide.observation, handed_back)
         target = decide.target
+        decode = current_split(observation)[1]
+        handed_back = math.ceil(running * (decode - target.decode) / max(decode, 1))
+        after = handed_over(observation, handed_back)
         moved = self.scorer.score(target.prefill, target.decode, decide.load, after)
         gain = moved.headroom - (current.headroom if current is not None else -math.inf)
         if gain >= self.config.switch_margin:
             return None
         return decide.hold(
             "within_margin",
-            f"{target.label()} gains {gain:+.2f} with the {handed_back} requests a switch "
-            "hands back queued",
+            f"{target.label()} gains {gain:+.2f} with the {handed_back} requests its "
+            "switches hand back queued",
         )
 
     def forget_wish(self) -> None:
@@ -270,23 +273,26 @@ def switch_direction(current: tuple[int, int], target: tuple[int, int]) -> str |
     return None
 
 
-def switch_reason(direction: str, current: SplitScore | None, comfortable: float) -> str:
-    """ "ttft_risk" / "itl_risk" when the growing pool's SLO is at risk, else "rebalance"
-    (which the policy holds: `SloPolicy.weigh_switch`)."""
+def switch_reason(direction: str, current: SplitScore | None, comfortable: float) -> str | None:
+    """ "ttft_risk" / "itl_risk" when the growing pool's SLO margin is under `comfortable`
+    (or the other pool is empty), else None: both SLOs are met."""
     if current is None:
         return f"{'ttft' if direction == 'prefill' else 'itl'}_risk"
     growing = current.ttft_margin if direction == "prefill" else current.itl_margin
     if growing < comfortable:
         return "ttft_risk" if direction == "prefill" else "itl_risk"
-    return "rebalance"
+    return None
 
 
-def with_queued(observation: Observation, extra: int) -> Observation:
-    """The observation with `extra` more requests queued for prefill."""
-    prefill = msgspec.structs.replace(
-        observation.prefill, queued=observation.prefill.queued + extra
+def handed_over(observation: Observation, requests: int) -> Observation:
+    """The observation with `requests` of the decode pool's running requests queued for
+    prefill instead."""
+    prefill, decode = observation.prefill, observation.decode
+    return msgspec.structs.replace(
+        observation,
+        prefill=msgspec.structs.replace(prefill, queued=prefill.queued + requests),
+        decode=msgspec.structs.replace(decode, running=max(decode.running - requests, 0)),
     )
-    return msgspec.structs.replace(observation, prefill=prefill)
 
 
 def current_label(current: tuple[int, int]) -> str:

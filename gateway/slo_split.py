@@ -5,11 +5,13 @@ millisecond's worth of arithmetic per split:
 
 - TTFT: the forecast prompts over p prefill instances, each computing at most
   `max_num_batched_tokens` per step (its throughput from the prefill step model at that
-  batch): a prompt's own compute time, plus an M/G/c queueing wait at that load (the
-  prompt lengths' spread from the forecast's second moment), plus the time to drain
-  what is queued now.
+  batch, per band of prompt lengths): the own compute time of the longest band's
+  prompts (among bands with `MIN_CLASS_SHARE` of the requests), plus an M/G/c queueing
+  wait at that load (the service times' spread from the bands' and each band's second
+  moment), plus the time to drain what is queued now.
 - ITL: the decode concurrency per instance that Little's law gives at the forecast
-  output-token rate, solved against the decode step model (each step gives every
+  output-token rate (the bands' context weighted by the tokens each decodes), solved
+  against the decode step model (each step gives every
   running sequence one token, so the step time is the ITL); the requests running now
   are spread over the split's decode instances and are a floor. The KV usage now,
   spread the same way, guards it: a pool predicted past the limit is at risk.
@@ -31,8 +33,8 @@ from pdserve.planner.sim.latency import Calibration, prefill_pairs
 
 # Below any margin a finite prediction gets: the worst finite margin is clipped here.
 OVERLOAD_MARGIN = -10.0
-# A band of prompt lengths with at least this share of the requests sets the TTFT: a
-# rarer band's requests can miss it for no more than this share of the goodput.
+# A band of prompt lengths with at least this share of the requests sets the TTFT: the
+# requests of a rarer band may miss it (each such band costs at most this share).
 MIN_CLASS_SHARE = 0.05
 
 

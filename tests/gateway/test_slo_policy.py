@@ -231,8 +231,29 @@ def test_a_switch_out_of_decode_counts_the_requests_it_hands_back() -> None:
     # TTFT at risk: a switch is wanted, and taken while the decode pool is idle.
     idle = queued_rag(ScriptedPools(4, 4), SloPolicy(config(), CALIBRATION), 5, running=0)
     assert (idle.action, idle.reason) == ("switch", "ttft_risk")
-    # With 10 RAG requests per decode instance, one switch queues 10 more 2000-token
-    # prompts for prefill: worse than waiting.
+    # With 10 RAG requests per decode instance, reaching 7P+1D hands 30 back to be
+    # prefilled again: worse than waiting.
     busy = queued_rag(ScriptedPools(4, 4), SloPolicy(config(), CALIBRATION), 5, running=40)
     assert (busy.action, busy.reason) == ("hold", "within_margin")
-    assert "10 requests a switch hands back" in busy.detail
+    assert "30 requests its switches hand back" in busy.detail
+
+
+@pytest.mark.parametrize(("start", "action"), [((4, 5), "stop"), ((3, 4), "start")])
+def test_a_held_switch_still_brings_the_total_to_the_budget(start, action) -> None:
+    # RAG wants more prefill, but once both SLOs are met the switch is held: the total
+    # still comes back to the budget.
+    pools = ScriptedPools(*start)
+    policy = SloPolicy(config(), CALIBRATION)
+    decisions = []
+    for _ in range(8):
+        decisions.append(
+            policy.decide(
+                pools.observe(
+                    arrivals(RAG, 3.0), prefill=PoolObservation(pools.prefill, 0, 4, 4, 0.0)
+                )
+            )
+        )
+        pools.apply(decisions[-1])
+    assert action in [d.action for d in decisions]
+    assert pools.prefill + pools.decode == 8
+    assert decisions[-1].reason == "slos_met"
