@@ -1,7 +1,7 @@
 """CPU paged attention: the C kernels beside the torch references, per layer.
 
     python -m experiments.cpu_attention [--threads 1 2] [--repeats 7] [--clock cpu]
-        [--skip-reference]
+        [--skip-reference] [--kv-cache-dtype fp8_e4m3]
 
 Shapes are SmolLM2-135M's (9 query heads over 3 kv heads, head_dim 64, block size 16,
 bfloat16 cache) unless overridden. Decode runs batch 1 and 32 at contexts 256 and 2048;
@@ -12,7 +12,9 @@ layers that the KV data does not sit in the last-level cache between calls (as i
 real step over 30 layers). Prints the median ms per call and, for decode, the
 effective GB/s of KV read (keys + values of every visible token, once). `--clock cpu`
 times the process's CPU seconds (on a shared machine, what the call cost rather than
-what it waited for); `--skip-reference` times the C kernels alone.
+what it waited for); `--skip-reference` times the C kernels alone. `--kv-cache-dtype
+fp8_e4m3` (or `fp8_e5m2`) stores the cache in FP8, as `pdserve serve --kv-cache-dtype`
+does, with the query still in `--dtype` (scales 1.0: the kernels' work is the same).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ Tensor = torch.Tensor
 # Layers cycled through so the KV touched between two uses of a layer exceeds this.
 COLD_BYTES = 192 << 20
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 clock = time.perf_counter
 
 
@@ -38,7 +41,7 @@ def make_cache(
     num_seqs: int, context: int, args: argparse.Namespace, gen: torch.Generator
 ) -> tuple[list[Tensor], Tensor, Tensor]:
     """Per-layer cache views, block tables and context lengths, KV filled at random."""
-    dtype = getattr(torch, args.dtype)
+    dtype = cache_dtype(args)
     bs, kvh, d = args.block_size, args.kv_heads, args.head_dim
     blocks_per_seq = -(-context // bs)
     num_blocks = num_seqs * blocks_per_seq
@@ -49,6 +52,10 @@ def make_cache(
     tables = order.view(num_seqs, blocks_per_seq)
     lens = torch.full((num_seqs,), context, dtype=torch.int32)
     return [storage[:, layer] for layer in range(layers)], tables, lens
+
+
+def cache_dtype(args: argparse.Namespace) -> torch.dtype:
+    return FP8.get(args.kv_cache_dtype) or getattr(torch, args.dtype)
 
 
 def time_calls(fn: Callable[[Tensor], object], caches: list[Tensor], repeats: int) -> float:
@@ -67,9 +74,9 @@ def bench_decode(
     args: argparse.Namespace, impls: dict[str, Callable], num_seqs: int, context: int, gen
 ) -> list[str]:
     caches, tables, lens = make_cache(num_seqs, context, args, gen)
-    dtype = caches[0].dtype
+    dtype = getattr(torch, args.dtype)
     query = torch.randn(num_seqs, args.heads, args.head_dim, generator=gen).to(dtype)
-    kv_bytes = num_seqs * context * 2 * args.kv_heads * args.head_dim * dtype.itemsize
+    kv_bytes = num_seqs * context * 2 * args.kv_heads * args.head_dim * caches[0].itemsize
     scale = args.head_dim**-0.5
     rows = []
     for name, fn in impls.items():
@@ -80,7 +87,7 @@ def bench_decode(
 
 def bench_prefill(args: argparse.Namespace, impls: dict[str, Callable], tokens: int, gen):
     caches, tables, lens = make_cache(1, tokens, args, gen)
-    dtype = caches[0].dtype
+    dtype = getattr(torch, args.dtype)
     query = torch.randn(tokens, args.heads, args.head_dim, generator=gen).to(dtype)
     starts = torch.tensor([0, tokens], dtype=torch.int32)
     scale = args.head_dim**-0.5
@@ -113,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", *FP8], help="auto: --dtype"
+    )
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     parser.add_argument("--skip-reference", action="store_true")
     args = parser.parse_args(argv)
