@@ -27,7 +27,23 @@ typedef struct {
 
 typedef struct {
     float *qf, *acc, *m, *l, *sc;
+    float *kf, *vf; /* an FP8 cache's key and value tile, widened (SCORE_TILE x dp each) */
 } tile_scratch;
+
+/* n cache rows at src (row bytes apart) as their float readings (v8_load_as), dp floats
+ * apart at dst: the values an FP8 variant's loads would give, so rows read from here
+ * with DT_F32 get the same arithmetic. Widened once per tile instead of once for every
+ * MAX_CHUNK rows that pass over it. */
+ALWAYS_INLINE void widen_tile(const char *src, int64_t row, int n, int d, int dp, float *dst,
+                              const int dt) {
+    const int d8 = d & ~7;
+    for (int t = 0; t < n; t++) {
+        const char *r = src + t * row;
+        float *o = dst + (int64_t)t * dp;
+        for (int c = 0; c < d8; c += 8) v8_store(o + c, v8_load_as(r, dt, c));
+        for (int c = d8; c < d; c++) o[c] = load_scalar(r, dt, c);
+    }
+}
 
 /* Rows [r0, r1) of the item (token-major: row = token * group + head) over the n keys
  * at kr / vr, in chunks of MAX_CHUNK. */
@@ -51,6 +67,7 @@ ALWAYS_INLINE void attend_causal(const attention_args *A, const prefill_item *it
     const int d = D ? D : A->head_dim, dp = D ? D : A->dp, bs = A->block_size, g = A->group;
     const int64_t es = (int64_t)dtype_size(cache_dtype(dt)), row = A->c_st * es;
     const int64_t pos0 = it->pos0, tokens = it->tokens, last = pos0 + tokens - 1;
+    const int fp8 = dt == DT_E4M3 || dt == DT_E5M2, rows_dt = fp8 ? DT_F32 : dt; /* widen_tile */
     v8f dots[MAX_CHUNK * 8];
     for (int64_t blk = 0; blk * bs <= last; blk++) {
         int64_t id = load_index(A->tables, A->t_ix, it->seq * A->t_ss + blk * A->t_sb);
@@ -62,15 +79,24 @@ ALWAYS_INLINE void attend_causal(const attention_args *A, const prefill_item *it
             const int64_t j0 = base + t0;
             const int whole = bs - t0 < SCORE_TILE ? bs - t0 : SCORE_TILE;
             const char *kr = kb + t0 * row, *vr = vb + t0 * row;
+            int64_t tile_row = row;
+            if (fp8) {
+                const int n = hi - t0 < SCORE_TILE ? hi - t0 : SCORE_TILE;
+                widen_tile(kr, row, n, d, dp, w->kf, dt);
+                widen_tile(vr, row, n, d, dp, w->vf, dt);
+                kr = (const char *)w->kf, vr = (const char *)w->vf;
+                tile_row = (int64_t)dp * (int64_t)sizeof(float);
+            }
             /* Tokens before `full` end inside the tile: each takes it up to itself. */
             int64_t seen = j0 - pos0 > 0 ? j0 - pos0 : 0;
             int64_t full = j0 + whole - 1 - pos0 > 0 ? j0 + whole - 1 - pos0 : 0;
             if (full > tokens) full = tokens;
             for (int64_t t = seen; t < full; t++)
-                attend_rows(kr, vr, row, (int)(pos0 + t - j0 + 1), d, dp, (int)t * g,
-                            (int)(t + 1) * g, w, dots, dt);
+                attend_rows(kr, vr, tile_row, (int)(pos0 + t - j0 + 1), d, dp, (int)t * g,
+                            (int)(t + 1) * g, w, dots, rows_dt);
             if (full < tokens)
-                attend_rows(kr, vr, row, whole, d, dp, (int)full * g, (int)tokens * g, w, dots, dt);
+                attend_rows(kr, vr, tile_row, whole, d, dp, (int)full * g, (int)tokens * g, w,
+                            dots, rows_dt);
         }
     }
 }
@@ -117,6 +143,8 @@ static void prefill_run(const attention_job *J, int64_t i, float *scratch) {
     w.m = w.acc + rows * dp;
     w.l = w.m + rows;
     w.sc = w.l + rows;
+    w.kf = w.sc + MAX_CHUNK * SCORE_TILE;
+    w.vf = w.kf + SCORE_TILE * dp;
     prefill_variant(A->kernel_dt, A->head_dim)(A, (const prefill_item *)J->items + i, &w);
 }
 
@@ -208,7 +236,8 @@ int pd_prefill_attention(pd_prefill_call *call) {
     if (threads > num_items) threads = (int)num_items;
     const size_t rows = (size_t)A.rows_pad;
     attention_job job = {.A = &A, .items = items, .run = prefill_run, .queue = {0, num_items},
-                         .scratch_floats = rows * A.dp * 2 + 2 * rows + MAX_CHUNK * SCORE_TILE};
+                         .scratch_floats = rows * A.dp * 2 + 2 * rows + MAX_CHUNK * SCORE_TILE +
+                                           2 * SCORE_TILE * (size_t)A.dp};
     rc = run_attention_job(&job, threads);
     free(items);
     return rc;
