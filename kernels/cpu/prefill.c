@@ -3,7 +3,8 @@
  *
  * - A work item is (sequence, tile of query tokens, kv head). Its rows are the tile's
  *   tokens x the GQA group's heads (about ROWS_TARGET rows); each key tile is read once
- *   for all of them and stays in L1 while they pass over it in chunks of MAX_CHUNK rows.
+ *   for all of them and stays in L1 while they pass over it in chunks of MAX_CHUNK rows
+ *   (an FP8 tile is widened to float32 once first, see widen_tile).
  * - Every row gets exactly the decode kernel's arithmetic (attend.h): the keys go block
  *   by block in tiles of SCORE_TILE from each block's start; a row whose position falls
  *   inside a tile takes the tile up to its position, as a decode step at that position
