@@ -68,7 +68,7 @@ ALWAYS_INLINE void attend_causal(const attention_args *A, const prefill_item *it
     const int d = D ? D : A->head_dim, dp = D ? D : A->dp, bs = A->block_size, g = A->group;
     const int64_t es = (int64_t)dtype_size(cache_dtype(dt)), row = A->c_st * es;
     const int64_t pos0 = it->pos0, tokens = it->tokens, last = pos0 + tokens - 1;
-    const int fp8 = dt == DT_E4M3 || dt == DT_E5M2, rows_dt = fp8 ? DT_F32 : dt; /* widen_tile */
+    const int fp8 = cache_dtype(dt) >= DT_E4M3, rows_dt = fp8 ? DT_F32 : dt; /* widen_tile */
     v8f dots[MAX_CHUNK * 8];
     for (int64_t blk = 0; blk * bs <= last; blk++) {
         int64_t id = load_index(A->tables, A->t_ix, it->seq * A->t_ss + blk * A->t_sb);
