@@ -96,7 +96,10 @@ def test_the_handoff_carries_what_decode_needs_and_abort_frees_the_hold(
     generate_to(gateway, prefill.runtime, "held", silent.address, logprobs=2)
     handoff = silent.receive()
     assert handoff is not None, "no handoff reached the decode socket"
-    [first] = gateway.of("held")  # the first token went to the gateway too
+    # The first token went to the gateway too, on its own socket: it may land after the
+    # handoff reached decode.
+    until(lambda: gateway.of("held"), what="the first token at the gateway")
+    [first] = gateway.of("held")
     assert first.instance == "prefill-t" and first.delta.output_index == 0
     assert handoff.request_id == "held" and handoff.prompt_token_ids == PROMPT
     assert handoff.first_token_id == first.delta.new_token_ids[0]
@@ -149,4 +152,4 @@ def test_a_lease_that_runs_out_frees_the_blocks(gateway, pair, silent) -> None:
     assert books.unfinished_request_ids == [] and books.block_owners == {}
     assert time.monotonic() - started >= LEASE["lease_s"] - 1.0  # not before the lease
     until(lambda: gateway.counter("prefill-t", "kv_transfer_lease_expiries_total") == 1,
-          what="the lease expiry counter")  # fmt: skip
+          timeout_s=30.0, what="the lease expiry counter")  # fmt: skip
