@@ -64,7 +64,14 @@ def load_gguf_weights(file: GGUFFile, model: LlamaForCausalLM, dtype: torch.dtyp
                 f"{file.path}: tensor {name!r} has shape {list(found)}, expected {list(shape)}"
             )
     _narrow_tables(model, dtype)
-    GGUFWeights(file, model, compute_dtype(dtype, "cpu")).load()
+    GGUFWeights(file, model, compute_dtype(dtype, "cpu"), packed_dtype(dtype)).load()
+
+
+def packed_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype packed matrices decode their weights to when serving `dtype`: bfloat16
+    when serving bfloat16 (what a bf16 checkpoint of the same weights computes, the bf16
+    dot products' speed), float32 (the exact values) otherwise."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
 def _narrow_tables(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
@@ -84,10 +91,13 @@ def _narrow_tables(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
 class GGUFWeights:
     """Reads one GGUF file into a model: packed matrices, then every other tensor."""
 
-    def __init__(self, file: GGUFFile, model: LlamaForCausalLM, compute: torch.dtype):
+    def __init__(
+        self, file: GGUFFile, model: LlamaForCausalLM, compute: torch.dtype, packed: torch.dtype
+    ):
         self.file = file
         self.model = model
         self.compute = compute
+        self.packed = packed
 
     def load(self) -> None:
         model = self.model
@@ -98,7 +108,7 @@ class GGUFWeights:
                 module = getattr(layer, module_name)
                 segments = [self.read_matrix(f"model.layers.{index}.{key}") for key in keys]
                 delattr(module, f"{prefix}_weight")  # the float parameter, never filled
-                setattr(module, f"{prefix}_weight", PackedMatrix(segments))
+                setattr(module, f"{prefix}_weight", PackedMatrix(segments, self.packed))
         for name, _ in model.expected_weights():
             if name.split(".", 3)[-1] not in MATRIX_KEYS:
                 self.copy_rows(name)

@@ -91,13 +91,13 @@ def random_blocks(qtype: int, n: int, k: int, gen: torch.Generator) -> torch.Ten
     return blocks.reshape(n, -1)
 
 
-def gguf_pass(op: CpuQuantizedLinear, qtype: int, weights, xs):
+def gguf_pass(op: CpuQuantizedLinear, qtype: int, weights, xs, weight_dtype: torch.dtype):
     """A call that runs the packed layer over every layer's projections once."""
 
     def run() -> None:
         for layer in weights:
             for (_, k), w in zip(GGUF_SHAPES, layer, strict=True):
-                op.linear_gguf(xs[k], w, qtype)
+                op.linear_gguf(xs[k], w, qtype, None, weight_dtype)
 
     return run
 
@@ -117,13 +117,25 @@ def gguf_table(kernels: cpu_ops.CpuKernels, names: list[str], args, clock) -> No
         ]
     first = names[0]
     floats = [[gguf_blocks.dequantize_rows(w, qtypes[first]) for w in ws] for ws in weights[first]]
+    halves = [[w.to(torch.bfloat16) for w in ws] for ws in floats]
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    kinds = [(n, d) for n in names for d in args.gguf_weights]
     sizes = [sum(w.numel() for ws in weights[n] for w in ws) / 2**20 for n in names]
     print(f"-- GGUF blocks over {GGUF_SHAPES}, MiB a pass: {[round(s) for s in sizes]}")
-    print("rows, " + ", ".join(f"{n} ms" for n in names) + ", float32 C ms")
+    print(
+        "-- weights decoded to float32 (exact) or bfloat16 (bf16 panels where the CPU has "
+        "bf16 dot products); last columns: the C layer over the dequantized float32 and "
+        "bfloat16 copies of the first type"
+    )
+    print("rows, " + ", ".join(f"{n} {d} ms" for n, d in kinds) + ", float32 C ms, bfloat16 C ms")
     for rows in args.rows:
         xs = {k: torch.randn(rows, k, generator=gen) for _, k in GGUF_SHAPES}
-        ms = [timed(gguf_pass(op, qtypes[n], weights[n], xs), args.repeats, clock) for n in names]
+        ms = [
+            timed(gguf_pass(op, qtypes[n], weights[n], xs, dtypes[d]), args.repeats, clock)
+            for n, d in kinds
+        ]
         ms.append(timed(one_pass(kernels.linear, floats, xs), args.repeats, clock))
+        ms.append(timed(one_pass(kernels.linear, halves, xs), args.repeats, clock))
         print(f"{rows:6d} " + " ".join(f"{v:9.2f}" for v in ms))
 
 
@@ -135,6 +147,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--gguf", nargs="+", default=None, help="GGUF block types to time")
+    parser.add_argument(
+        "--gguf-weights",
+        nargs="+",
+        choices=["float32", "bfloat16"],
+        default=["float32"],
+        help="the dtype the GGUF layer decodes its weights to",
+    )
     args = parser.parse_args(argv)
     clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)

@@ -71,8 +71,9 @@ _CALLS = {
     # dtype, y, its row stride, then m, n, k, threads (kernels/cpu/linear_int8.c).
     "linear_int8": ("pd_linear_int8", struct.Struct("<15q")),
     # x, its row stride, packed weight, its row stride (bytes), ggml type, bias, bias
-    # dtype, y, its row stride, then m, n, k, threads (kernels/cpu/linear_gguf.c).
-    "linear_gguf": ("pd_linear_gguf", struct.Struct("<14q")),
+    # dtype, y, its row stride, then m, n, k, bf16 dot products (0/1), threads
+    # (kernels/cpu/linear_gguf.c).
+    "linear_gguf": ("pd_linear_gguf", struct.Struct("<15q")),
     # qkv, positions, cos/sin (and its rows), q_out, cache, slots (pointer, dtype code,
     # strides each), then shapes, threads; k_scale, v_scale.
     "rotary": ("pd_rotary_write_kv_cache", struct.Struct("<29q2dq")),

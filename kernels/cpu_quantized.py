@@ -49,14 +49,23 @@ class CpuQuantizedLinear:
         return shaped_like(y, x)
 
     def linear_gguf(
-        self, x: Tensor, weight: Tensor, qtype: int, bias: Tensor | None = None
+        self,
+        x: Tensor,
+        weight: Tensor,
+        qtype: int,
+        bias: Tensor | None = None,
+        weight_dtype: torch.dtype = torch.float32,
     ) -> Tensor:
         """`gguf_blocks.linear_gguf_ref`: a weight of GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0,
         Q5_1) or K-quant super-blocks (Q4_K, Q5_K, Q6_K), each decoded to float32 weights
-        in registers as ggml dequantizes it."""
+        in registers as ggml dequantizes it. `weight_dtype` bfloat16 with bf16 dot products
+        on (`CpuKernels.bf16_dot`): the 32-weight block types decode a block of weight
+        rows at a time into a bf16 panel that every row of x meets in bf16 dot products,
+        the numbers of `linear` over a bf16 copy of the dequantized matrix; anything else
+        keeps the float32 weights, which are the exact ones."""
         rows = _c_rows(x, weight)
         if not rows:
-            return gguf_blocks.linear_gguf_ref(x, weight, qtype, bias)
+            return gguf_blocks.linear_gguf_ref(x, weight, qtype, bias, weight_dtype)
         if qtype not in gguf_blocks.PACKED_TYPES:
             raise ValueError(f"linear_gguf: {gguf_blocks.type_name(qtype)} is not a packed type")
         _check_weight_rows("linear_gguf", weight, torch.uint8)
@@ -71,9 +80,18 @@ class CpuQuantizedLinear:
         self.kernels.gguf_call.run(
             *(x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0), qtype),
             *(bias_ptr, bias_dt),
-            *(y.data_ptr(), n, rows, n, k, torch.get_num_threads()),
+            *(y.data_ptr(), n, rows, n, k),
+            *(int(self.bf16_panels(qtype, weight_dtype)), torch.get_num_threads()),
         )
         return shaped_like(y, x)
+
+    def bf16_panels(self, qtype: int, weight_dtype: torch.dtype) -> bool:
+        """Whether `linear_gguf` with this type and weight dtype runs on bf16 panels."""
+        return (
+            weight_dtype == torch.bfloat16
+            and self.kernels.bf16_dot
+            and gguf_blocks.block_weights(qtype) == gguf_blocks.BLOCK
+        )
 
 
 def _c_rows(x: Tensor, weight: Tensor) -> int:

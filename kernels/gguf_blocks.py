@@ -80,9 +80,17 @@ def dequantize_rows(packed: Tensor, qtype: int) -> Tensor:
     return (q.float() * d + m).reshape(n, -1)
 
 
-def linear_gguf_ref(x: Tensor, weight: Tensor, qtype: int, bias: Tensor | None = None) -> Tensor:
+def linear_gguf_ref(
+    x: Tensor,
+    weight: Tensor,
+    qtype: int,
+    bias: Tensor | None = None,
+    weight_dtype: torch.dtype = torch.float32,
+) -> Tensor:
     """x @ W.T (+ bias) in float32 for W packed in GGUF blocks of type `qtype` (uint8
-    [N, K / block * block bytes]): the packed linear layer, W dequantized whole first."""
-    w = dequantize_rows(weight, qtype)
+    [N, K / block * block bytes]): the packed linear layer, W dequantized whole first.
+    `weight_dtype` bfloat16: each weight rounded to bf16 as a bf16 copy of the dequantized
+    matrix holds it, the layer then the bf16 linear layer (`reference.linear_ref`)."""
+    w = dequantize_rows(weight, qtype).to(weight_dtype).float()
     y = torch.nn.functional.linear(x.float(), w)
     return y if bias is None else y + bias.float()

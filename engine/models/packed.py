@@ -22,10 +22,15 @@ PLAIN = -1  # the qtype of a plain segment
 
 
 class PackedMatrix(nn.Module):
-    """Rows of one matrix as segments: (weight, qtype), in row order."""
+    """Rows of one matrix as segments: (weight, qtype), in row order. Packed segments
+    decode their weights to `weight_dtype`: float32 (the exact values) or bfloat16 (the
+    values of a bf16 copy, on the bf16 dot products where the CPU has them)."""
 
-    def __init__(self, segments: list[tuple[Tensor, int]]):
+    def __init__(
+        self, segments: list[tuple[Tensor, int]], weight_dtype: torch.dtype = torch.float32
+    ):
         super().__init__()
+        self.weight_dtype = weight_dtype
         self.qtypes: list[int] = []
         merged: list[tuple[Tensor, int]] = []
         for weight, qtype in segments:
@@ -43,7 +48,10 @@ class PackedMatrix(nn.Module):
         return list(self._segments)
 
     def forward(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        parts = [linear(x, w) if q == PLAIN else linear_gguf(x, w, q) for w, q in self._segments]
+        parts = [
+            linear(x, w) if q == PLAIN else linear_gguf(x, w, q, None, self.weight_dtype)
+            for w, q in self._segments
+        ]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return y if bias is None else y + bias
 

@@ -148,6 +148,7 @@ static void run_blocks(const linear_plan *P, int64_t m0, int64_t m1, int64_t u0,
     for (int64_t b0 = u0; b0 < u1; b0 += P->w_units) {
         const int64_t b1 = b0 + P->w_units < u1 ? b0 + P->w_units : u1;
         const int64_t n0 = b0 * P->unit_n, n1 = b1 * P->unit_n < P->n ? b1 * P->unit_n : P->n;
+        if (P->load) P->load(P->args, n0, n1);
         int64_t m = m0;
         for (; m + 4 <= m1; m += 4) P->rows(P->args, m, n0, n1, 4);
         if (m < m1) P->rows(P->args, m, n0, n1, (int)(m1 - m));

@@ -23,6 +23,22 @@ __attribute__((visibility("hidden"))) void *linear_scratch(size_t bytes);
 /* R rows of x (1 to 4) from row m against weight rows [n0, n1): a path's micro-kernels. */
 typedef void (*linear_rows_fn)(const void *args, int64_t m, int64_t n0, int64_t n1, int R);
 
+/* Weight rows [n0, n1) made ready, on the thread about to run every row block of x
+ * against them: a path that decodes its weights into a panel first. */
+typedef void (*linear_load_fn)(const void *args, int64_t n0, int64_t n1);
+
+/* Decodes weight rows [n0, n1) of `src` into bf16 rows of `kp` elements at dst. */
+typedef void (*linear_bf16_decode_fn)(const void *src, int64_t n0, int64_t n1, uint16_t *dst,
+                                      int kp);
+
+/* y = bf16(x) @ bf16(W)^T (+ bias) for a W that `decode` turns into bf16 rows, a block of
+ * rows at a time into a per-thread panel; the same numbers as linear_bf16_dot over the
+ * decoded matrix. PD_UNSUPPORTED where bf16 dot products are not available. */
+__attribute__((visibility("hidden"))) int linear_bf16_dot_decoded(
+    const float *x, int64_t x_rs, linear_bf16_decode_fn decode, const void *src,
+    const void *bias, int bias_dt, float *y, int64_t y_rs, int64_t m, int64_t n, int64_t k,
+    int num_threads);
+
 /* One call of a path as the shared blocking and threading see it (linear.c's header). */
 typedef struct {
     linear_rows_fn rows;
@@ -31,6 +47,7 @@ typedef struct {
     int64_t unit_n;   /* weight rows per work unit */
     int64_t x_rows;   /* x rows per block (a multiple of 4): linear_block_rows */
     int64_t w_units;  /* weight units per block: linear_block_units */
+    linear_load_fn load; /* NULL: the rows read the weights where they lie */
 } linear_plan;
 
 /* Rows of x per block: as many rows of `row_bytes` (packed) as fit `budget` bytes, in
@@ -76,6 +93,48 @@ ALWAYS_INLINE void linear_put(const linear_out *O, float *y, int r, int c, int64
     y[r * O->y_rs + c] = s;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* The sums of 16 vectors in one vector: out[4q + t] = sum(v[4t + q]). Output i is the
+ * tree (((l0+l8) + (l4+l12)) + ((l2+l10) + (l6+l14))) + (((l1+l9) + ...)) of v[i]'s
+ * lanes, for every i and whatever the other vectors hold. */
+ALWAYS_INLINE __m512 linear_sum16(const __m512 *v) {
+    __m512 s[8], u[4], w[2];
+    for (int i = 0; i < 8; i++) /* lanes i + 8 onto i, two vectors per result */
+        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* lanes i + 4 onto i within each half */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) { /* lanes i + 2 onto i within each 128-bit lane */
+        __m512d a = _mm512_castps_pd(u[2 * i]), b = _mm512_castps_pd(u[2 * i + 1]);
+        w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* x rows rounded to bf16 (to nearest even), each row zero-padded to kp elements. */
+static inline void linear_pack_x_bf16(const float *x, int64_t x_rs, int64_t m, int k, int kp, uint16_t *dst) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *src = x + r * x_rs;
+        uint16_t *out = dst + r * kp;
+        for (int c = 0; c < kp; c += 32) {
+            int left = k - c;
+            __mmask16 lo = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+            __mmask16 hi = left >= 32 ? 0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
+            __m512 a = _mm512_maskz_loadu_ps(lo, src + c);
+            __m512 b = _mm512_maskz_loadu_ps(hi, src + c + 16);
+            _mm512_store_si512(out + c, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        }
+    }
+}
+
+/* Output i of an R x C tile of accumulators (acc[r * C + c]) among the sums of
+ * linear_sum16 over acc (and acc + 16). */
+ALWAYS_INLINE int linear_sum_index(int i) { return (i & ~15) + 4 * (i & 3) + ((i & 15) >> 2); }
+#endif
+
 /* A GGUF linear call as its micro-kernels read it: 32-weight blocks (linear_gguf.c) or
  * 256-weight K-quant super-blocks (linear_kquant.c), w_rs bytes per weight row. */
 typedef struct {
@@ -85,6 +144,7 @@ typedef struct {
     int64_t w_rs;
     linear_out out;
     int k;
+    int64_t type; /* the ggml block type */
 } gguf_args;
 
 /* The GGUF tiles' largest shape: rows of x by weight rows. */

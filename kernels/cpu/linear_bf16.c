@@ -14,7 +14,7 @@
  * - Micro-kernel: R rows of x by C rows of W (R x C in {1x24, 2x12, 3x8, 4x6}: 24
  *   accumulators, the x rows and a weight vector fit the 32 zmm registers). A tile's
  *   outputs are summed sixteen at a time by a transposing tree that adds each output's
- *   lanes in the same order as one vector's fold (sum16), so every tile shape, the
+ *   lanes in the same order as one vector's fold (linear_sum16), so every tile shape, the
  *   tail tiles of one weight row included, gives an output the same sum.
  * - Prefetch and blocking: as linear.c (a thread owns a run of 24-row weight units; a
  *   weight block small enough for L2 is reused by every block of x rows).
@@ -35,33 +35,13 @@ typedef struct {
     int k, kp;
 } dot_args;
 
-/* The sums of 16 vectors in one vector: out[4q + t] = sum(v[4t + q]). Output i is the
- * tree (((l0+l8) + (l4+l12)) + ((l2+l10) + (l6+l14))) + (((l1+l9) + ...)) of v[i]'s
- * lanes, for every i and whatever the other vectors hold. */
-ALWAYS_INLINE __m512 sum16(const __m512 *v) {
-    __m512 s[8], u[4], w[2];
-    for (int i = 0; i < 8; i++) /* lanes i + 8 onto i, two vectors per result */
-        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++) /* lanes i + 4 onto i within each half */
-        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++) { /* lanes i + 2 onto i within each 128-bit lane */
-        __m512d a = _mm512_castps_pd(u[2 * i]), b = _mm512_castps_pd(u[2 * i + 1]);
-        w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-/* R rows of packed x from row m0 times C weight rows from row n: y[r][c] for the tile. */
-ALWAYS_INLINE void dot_tile(const dot_args *A, int64_t m0, int64_t n, const int R, const int C) {
+/* R rows of packed x from row m0 times C weight rows from row n, which lie at w (row
+ * stride rs): y[r][c] for the tile. */
+ALWAYS_INLINE void dot_tile_at(const dot_args *A, int64_t m0, int64_t n, const uint16_t *w,
+                               const int64_t rs, const int R, const int C) {
     const uint16_t *xp = A->xp + m0 * A->kp;
-    const uint16_t *w = A->w + n * A->w_rs;
     float *y = linear_y(&A->out, m0, n);
     const int K = A->k, K32 = K & ~31, KP = A->kp;
-    const int64_t rs = A->w_rs;
     __m512 acc[32]; /* R * C used; the rest stay zero for the sums */
 #pragma GCC unroll 32
     for (int i = 0; i < 32; i++) acc[i] = _mm512_setzero_ps();
@@ -93,39 +73,87 @@ ALWAYS_INLINE void dot_tile(const dot_args *A, int64_t m0, int64_t n, const int 
         }
     }
     float sums[32];
-    _mm512_storeu_ps(sums, sum16(acc));
-    if (R * C > 16) _mm512_storeu_ps(sums + 16, sum16(acc + 16));
+    _mm512_storeu_ps(sums, linear_sum16(acc));
+    if (R * C > 16) _mm512_storeu_ps(sums + 16, linear_sum16(acc + 16));
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 24
         for (int c = 0; c < C; c++) {
             const int i = r * C + c;
-            linear_put(&A->out, y, r, c, n, sums[(i & ~15) + 4 * (i & 3) + ((i & 15) >> 2)]);
+            linear_put(&A->out, y, r, c, n, sums[linear_sum_index(i)]);
         }
+}
+
+/* The tile of a bf16 matrix read in place. */
+ALWAYS_INLINE void dot_tile(const dot_args *A, int64_t m0, int64_t n, const int R, const int C) {
+    dot_tile_at(A, m0, n, A->w + n * A->w_rs, A->w_rs, R, C);
+}
+
+/* The weight rows [n0, n1) a thread last decoded (linear_bf16_dot_decoded), as bf16 rows
+ * of kp elements: its own buffer, grown and never shrunk, beside its packed x. */
+static __thread uint16_t *panel;
+static __thread size_t panel_capacity;
+static __thread int64_t panel_n0;
+
+/* The tile of a decoded matrix, from this thread's panel. */
+ALWAYS_INLINE void panel_tile(const dot_args *A, int64_t m0, int64_t n, const int R, const int C) {
+    dot_tile_at(A, m0, n, panel + (n - panel_n0) * A->kp, A->kp, R, C);
 }
 
 #define DOT_COLS(R) ((R) == 1 ? 24 : (R) == 2 ? 12 : (R) == 3 ? 8 : 6)
 LINEAR_ROWS_FN(dot_rows, dot_args, dot_tile, DOT_COLS)
-
-/* x rows rounded to bf16 (to nearest even), each row zero-padded to kp elements. */
-static void pack_x_bf16(const float *x, int64_t x_rs, int64_t m, int k, int kp, uint16_t *dst) {
-    for (int64_t r = 0; r < m; r++) {
-        const float *src = x + r * x_rs;
-        uint16_t *out = dst + r * kp;
-        for (int c = 0; c < kp; c += 32) {
-            int left = k - c;
-            __mmask16 lo = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-            __mmask16 hi = left >= 32 ? 0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
-            __m512 a = _mm512_maskz_loadu_ps(lo, src + c);
-            __m512 b = _mm512_maskz_loadu_ps(hi, src + c + 16);
-            _mm512_store_si512(out + c, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-        }
-    }
-}
+LINEAR_ROWS_FN(panel_rows, dot_args, panel_tile, DOT_COLS)
 
 int linear_bf16_dot_available(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") != 0;
+}
+
+/* dot_args with the decoder of a matrix that is decoded into panels. */
+typedef struct {
+    dot_args dot;
+    linear_bf16_decode_fn decode;
+    const void *src;
+    int *failed; /* set when a thread could not grow its panel */
+} decoded_args;
+
+static void load_panel(const void *args, int64_t n0, int64_t n1) {
+    const decoded_args *D = args;
+    const size_t bytes = (size_t)((n1 - n0) * D->dot.kp) * sizeof(uint16_t);
+    if (bytes > panel_capacity) {
+        free(panel);
+        panel = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+        panel_capacity = panel ? bytes : 0;
+    }
+    if (!panel) {
+        __atomic_store_n(D->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    D->decode(D->src, n0, n1, panel, D->dot.kp);
+    panel_n0 = n0;
+}
+
+/* panel_rows where this thread has a panel; without one the call fails as a whole. */
+static void panel_rows_if_loaded(const void *args, int64_t m, int64_t n0, int64_t n1, int R) {
+    if (panel) panel_rows(args, m, n0, n1, R);
+}
+
+int linear_bf16_dot_decoded(const float *x, int64_t x_rs, linear_bf16_decode_fn decode,
+                            const void *src, const void *bias, int bias_dt, float *y,
+                            int64_t y_rs, int64_t m, int64_t n, int64_t k, int num_threads) {
+    if (m == 0 || n == 0) return PD_OK;
+    const int kp = (int)((k + 31) & ~(int64_t)31);
+    uint16_t *xp = linear_scratch((size_t)(m * kp) * sizeof(uint16_t));
+    if (!xp) return PD_NO_MEMORY;
+    linear_pack_x_bf16(x, x_rs, m, (int)k, kp, xp);
+    int failed = 0;
+    decoded_args D = {.dot = {.xp = xp, .out = {bias, bias_dt, y, y_rs}, .k = (int)k, .kp = kp},
+                      .decode = decode, .src = src, .failed = &failed};
+    linear_plan P = {.rows = panel_rows_if_loaded, .args = &D, .m = m, .n = n, .unit_n = UNIT_N,
+                     .x_rows = linear_block_rows(X_BLOCK_BYTES, kp * 2),
+                     .w_units = linear_block_units(UNIT_N * kp * 2), .load = load_panel};
+    linear_run(&P, m * n * k, num_threads);
+    return failed ? PD_NO_MEMORY : PD_OK;
 }
 
 int linear_bf16_dot(const float *x, int64_t x_rs, const uint16_t *w, int64_t w_rs,
@@ -135,7 +163,7 @@ int linear_bf16_dot(const float *x, int64_t x_rs, const uint16_t *w, int64_t w_r
     const int kp = (int)((k + 31) & ~(int64_t)31);
     uint16_t *xp = linear_scratch((size_t)(m * kp) * sizeof(uint16_t));
     if (!xp) return PD_NO_MEMORY;
-    pack_x_bf16(x, x_rs, m, (int)k, kp, xp);
+    linear_pack_x_bf16(x, x_rs, m, (int)k, kp, xp);
     dot_args A = {.xp = xp, .w = w, .w_rs = w_rs, .out = {bias, bias_dt, y, y_rs}, .k = (int)k,
                   .kp = kp};
     linear_plan P = {.rows = dot_rows, .args = &A, .m = m, .n = n, .unit_n = UNIT_N,
@@ -146,6 +174,14 @@ int linear_bf16_dot(const float *x, int64_t x_rs, const uint16_t *w, int64_t w_r
 }
 
 #else /* the compiler does not target AVX512-BF16: the float32 path serves every call */
+
+int linear_bf16_dot_decoded(const float *x, int64_t x_rs, linear_bf16_decode_fn decode,
+                            const void *src, const void *bias, int bias_dt, float *y,
+                            int64_t y_rs, int64_t m, int64_t n, int64_t k, int num_threads) {
+    (void)x, (void)x_rs, (void)decode, (void)src, (void)bias, (void)bias_dt, (void)y, (void)y_rs;
+    (void)m, (void)n, (void)k, (void)num_threads;
+    return PD_UNSUPPORTED;
+}
 
 int linear_bf16_dot_available(void) { return 0; }
 

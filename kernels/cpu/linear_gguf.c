@@ -27,6 +27,15 @@
  *   R rows. AVX-512 (32 registers): R x C in {1x12, 2x8, 3x6, 4x4}; AVX2 (16 registers):
  *   {1x8, 2x4, 3x3, 4x2}.
  * - Blocking and threads: linear_run (linear.c), over 24-row weight units.
+ *
+ * A call may ask for bf16 weights instead (`bf16_dot`, where the CPU has AVX512-BF16):
+ * each decoded weight rounded to bf16 (to nearest even), x rounded to bf16, the products
+ * in bf16 dot products. The numbers are then those of linear_bf16.c over a bf16 copy of
+ * the dequantized matrix, to the bit, whatever M. At 4 rows or more a block of weight
+ * rows is decoded once into a per-thread bf16 panel that every row of the x block meets
+ * (linear_bf16_dot_decoded): decoding per tile would cost ~3x the products at 32 rows.
+ * Below 4 rows each block is decoded in registers and met at once (dot_tile here), in
+ * the panel tile's accumulators and order.
  */
 #include "linear.h"
 
@@ -60,8 +69,8 @@ ALWAYS_INLINE uint32_t high_bits(const uint8_t *b, const int T) {
 }
 
 #if defined(__AVX512F__)
-/* The block's 32 weights as 4 vectors of 8, in order. */
-ALWAYS_INLINE void decode_block(const uint8_t *b, v8f *w, const int T) {
+/* The block's 32 weights as two vectors of 16, in order. */
+ALWAYS_INLINE void decode_block16(const uint8_t *b, __m512 *lo, __m512 *hi, const int T) {
     const __m512 d = _mm512_set1_ps(gguf_half(b));
     __m512 v0, v1;
     if (T == GGML_Q8_0) {
@@ -92,6 +101,13 @@ ALWAYS_INLINE void decode_block(const uint8_t *b, v8f *w, const int T) {
             v1 = _mm512_add_ps(v1, m);
         }
     }
+    *lo = v0, *hi = v1;
+}
+
+/* The block's 32 weights as 4 vectors of 8, in order. */
+ALWAYS_INLINE void decode_block(const uint8_t *b, v8f *w, const int T) {
+    __m512 v0, v1;
+    decode_block16(b, &v0, &v1, T);
     gguf_split16(v0, &w[0], &w[1]);
     gguf_split16(v1, &w[2], &w[3]);
 }
@@ -184,10 +200,115 @@ LINEAR_ROWS_FN(rows_q4_1, gguf_args, tile, COLS, GGML_Q4_1)
 LINEAR_ROWS_FN(rows_q5_0, gguf_args, tile, COLS, GGML_Q5_0)
 LINEAR_ROWS_FN(rows_q5_1, gguf_args, tile, COLS, GGML_Q5_1)
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* Weight rows [n0, n1) as bf16 rows of kp (= K) weights at dst: each weight decoded as
+ * above, then rounded to bf16 (to nearest even), the value a bf16 copy of the dequantized
+ * matrix holds. */
+ALWAYS_INLINE void decode_rows_bf16(const gguf_args *A, int64_t n0, int64_t n1, uint16_t *dst,
+                                    int kp, const int T) {
+    const int blocks = A->k / QK, BB = block_bytes(T);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = A->w + n * A->w_rs;
+        uint16_t *out = dst + (n - n0) * kp;
+        for (int kb = 0; kb < blocks; kb++) {
+            __m512 lo, hi;
+            decode_block16(row + (int64_t)kb * BB, &lo, &hi, T);
+            _mm512_store_si512(out + kb * QK, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+}
+
+static void decode_bf16(const void *src, int64_t n0, int64_t n1, uint16_t *dst, int kp) {
+    const gguf_args *A = src;
+    switch (A->type) {
+    case GGML_Q8_0: decode_rows_bf16(A, n0, n1, dst, kp, GGML_Q8_0); break;
+    case GGML_Q4_0: decode_rows_bf16(A, n0, n1, dst, kp, GGML_Q4_0); break;
+    case GGML_Q4_1: decode_rows_bf16(A, n0, n1, dst, kp, GGML_Q4_1); break;
+    case GGML_Q5_0: decode_rows_bf16(A, n0, n1, dst, kp, GGML_Q5_0); break;
+    default: decode_rows_bf16(A, n0, n1, dst, kp, GGML_Q5_1); break;
+    }
+}
+/* gguf_args with x packed to bf16 rows of kp elements (the bf16 path's layout). */
+typedef struct {
+    gguf_args g;
+    const uint16_t *xp;
+    int kp;
+} gguf_dot_args;
+
+/* The panel path's tile (linear_bf16.c) with each block decoded in registers instead of
+ * from a panel: the same products in the same accumulators, so the same numbers, for
+ * calls of fewer than 4 rows, where a panel would be decoded for one use. */
+ALWAYS_INLINE void dot_tile(const gguf_dot_args *A, int64_t m0, int64_t n, const int R,
+                            const int C, const int T) {
+    const uint16_t *xp = A->xp + m0 * A->kp;
+    const uint8_t *w = A->g.w + n * A->g.w_rs;
+    float *y = linear_y(&A->g.out, m0, n);
+    const int blocks = A->g.k / QK, BB = block_bytes(T);
+    const int64_t rs = A->g.w_rs;
+    __m512 acc[32]; /* R * C used; the rest stay zero for the sums */
+#pragma GCC unroll 32
+    for (int i = 0; i < 32; i++) acc[i] = _mm512_setzero_ps();
+    for (int kb = 0; kb < blocks; kb++) {
+        __m512i xv[3];
+#pragma GCC unroll 3
+        for (int r = 0; r < R; r++) xv[r] = _mm512_load_si512(xp + r * A->kp + kb * QK);
+#pragma GCC unroll 12
+        for (int c = 0; c < C; c++) {
+            const uint8_t *block = w + c * rs + (int64_t)kb * BB;
+            if (!(kb & 1)) __builtin_prefetch(block + C * rs, 0, 0);
+            __m512 lo, hi;
+            decode_block16(block, &lo, &hi, T);
+            const __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
+#pragma GCC unroll 3
+            for (int r = 0; r < R; r++)
+                acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], (__m512bh)xv[r], wv);
+        }
+    }
+    float sums[32];
+    _mm512_storeu_ps(sums, linear_sum16(acc));
+    if (R * C > 16) _mm512_storeu_ps(sums + 16, linear_sum16(acc + 16));
+#pragma GCC unroll 3
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 12
+        for (int c = 0; c < C; c++)
+            linear_put(&A->g.out, y, r, c, n, sums[linear_sum_index(r * C + c)]);
+}
+
+#define DOT_COLS(R) ((R) == 1 ? 12 : (R) == 2 ? 8 : 6)
+LINEAR_ROWS_FN(dot_q8_0, gguf_dot_args, dot_tile, DOT_COLS, GGML_Q8_0)
+LINEAR_ROWS_FN(dot_q4_0, gguf_dot_args, dot_tile, DOT_COLS, GGML_Q4_0)
+LINEAR_ROWS_FN(dot_q4_1, gguf_dot_args, dot_tile, DOT_COLS, GGML_Q4_1)
+LINEAR_ROWS_FN(dot_q5_0, gguf_dot_args, dot_tile, DOT_COLS, GGML_Q5_0)
+LINEAR_ROWS_FN(dot_q5_1, gguf_dot_args, dot_tile, DOT_COLS, GGML_Q5_1)
+
+/* y from bf16 dot products for m < 4 rows: blocks decoded in registers. */
+static int dot_few_rows(const gguf_args *G, int64_t m, int64_t n, int num_threads) {
+    const int kp = G->k; /* whole 32-weight blocks: no padding */
+    uint16_t *xp = linear_scratch((size_t)(m * kp) * sizeof(uint16_t));
+    if (!xp) return PD_NO_MEMORY;
+    linear_pack_x_bf16(G->x, G->x_rs, m, G->k, kp, xp);
+    gguf_dot_args A = {.g = *G, .xp = xp, .kp = kp};
+    const int64_t T = G->type;
+    linear_plan P = {.rows = T == GGML_Q8_0   ? dot_q8_0
+                             : T == GGML_Q4_0 ? dot_q4_0
+                             : T == GGML_Q4_1 ? dot_q4_1
+                             : T == GGML_Q5_0 ? dot_q5_0
+                                              : dot_q5_1,
+                     .args = &A, .m = m, .n = n, .unit_n = UNIT_N, .x_rows = 4,
+                     .w_units = linear_block_units(UNIT_N * G->w_rs)};
+    linear_run(&P, m * n * G->k, num_threads);
+    return PD_OK;
+}
+
+#define HAS_DECODE_BF16 1
+#else
+#define HAS_DECODE_BF16 0
+#endif
+
 /* The call's arguments as one struct of 8-byte fields (kernels/cpu_quantized.py packs it). */
 typedef struct {
     int64_t x, x_rs, w, w_rs, type, bias, bias_dt, y, y_rs;
-    int64_t m, n, k, num_threads, bad;
+    int64_t m, n, k, bf16_dot, num_threads, bad;
 } pd_linear_gguf_call;
 
 int64_t pd_linear_gguf_call_size(void) { return sizeof(pd_linear_gguf_call); }
@@ -217,9 +338,18 @@ int pd_linear_gguf(pd_linear_gguf_call *c) {
                                                  : linear_kquant_rows(c->type);
     if (!rows || !block || k % block || k <= 0 || c->w_rs < k / block * bytes)
         return PD_UNSUPPORTED;
+    if (c->bf16_dot && (block != QK || !HAS_DECODE_BF16 || !linear_bf16_dot_available()))
+        return PD_UNSUPPORTED;
     if (m == 0 || n == 0) return PD_OK;
     gguf_args A = {.x = PTR(c->x), .x_rs = c->x_rs, .w = PTR(c->w), .w_rs = c->w_rs,
-                   .out = {PTR(c->bias), (int)c->bias_dt, PTR(c->y), c->y_rs}, .k = (int)k};
+                   .out = {PTR(c->bias), (int)c->bias_dt, PTR(c->y), c->y_rs}, .k = (int)k,
+                   .type = c->type};
+#if HAS_DECODE_BF16
+    if (c->bf16_dot && m < 4) return dot_few_rows(&A, m, n, (int)c->num_threads);
+    if (c->bf16_dot)
+        return linear_bf16_dot_decoded(A.x, A.x_rs, decode_bf16, &A, A.out.bias, A.out.bias_dt,
+                                       A.out.y, A.out.y_rs, m, n, k, (int)c->num_threads);
+#endif
     linear_plan P = {.rows = rows, .args = &A, .m = m, .n = n, .unit_n = UNIT_N,
                      .x_rows = linear_block_rows(X_BLOCK_BYTES, k * 4),
                      .w_units = linear_block_units(UNIT_N * c->w_rs)};

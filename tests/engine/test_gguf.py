@@ -41,6 +41,14 @@ def _llm(model: str | None):
     )
 
 
+@pytest.fixture
+def kernels_bf16_dot():
+    from pdserve.kernels import cpu_ops
+
+    if not cpu_ops.load().bf16_dot:
+        pytest.skip("the C kernels take no bf16 dot products on this CPU")
+
+
 def _worker(llm):
     return llm.engine.executor.worker
 
@@ -94,6 +102,28 @@ def test_greedy_tokens_equal_float32s_but_at_near_ties(float32_llm, gguf_llm):
             bound,
         )
         assert packed[diverge] in row.topk(2).indices.tolist() and gap <= bound, (prompt, diverge)
+
+
+def test_served_in_bfloat16_its_logits_are_its_bf16_folders(kernels_bf16_dot):
+    """In bfloat16 the packed layers decode to bf16 (bf16 dot products): the logits of the
+    file are, bit for bit, those of its float32 conversion served in bfloat16."""
+    from pdserve import LLM
+
+    def bf16(model: str | None):
+        return LLM(
+            model=model,
+            dtype="bfloat16",
+            num_threads=2,
+            kv_cache_memory=32 << 20,
+            max_model_len=512,
+        )
+
+    folder, packed = bf16(None), bf16(str(embedded.gguf_path()))
+    for prompt in PROMPTS[:2]:
+        tokens, logits = _greedy_with_logits(folder, prompt)
+        packed_tokens, packed_logits = _greedy_with_logits(packed, prompt)
+        assert tokens == packed_tokens
+        assert all(torch.equal(a, b) for a, b in zip(logits, packed_logits, strict=True))
 
 
 def test_the_matrices_stay_packed_and_the_table_is_the_serving_dtype(float32_llm, gguf_llm):

@@ -4,7 +4,9 @@ super-blocks (Q4_K, Q5_K, Q6_K: their cases in test_cpu_linear_kquant.py). Again
 plain-torch reference and, bit for bit, against the float32 C linear layer over the same
 weights dequantized, on this CPU's build and on the AVX2 build (`PDSERVE_CPU_ISA=avx2`, in a
 child process); each row's output independent of the other rows of the call; the torch
-dequantization against the `gguf` package's.
+dequantization against the `gguf` package's. Weights decoded to bf16 (bf16 dot products,
+the 32-weight blocks): bit for bit the bf16 linear layer over a bf16 copy of the
+dequantized weights.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pdserve.kernels.cpu_quantized import CpuQuantizedLinear
 from pdserve.kernels.gguf_blocks import PACKED_TYPES, dequantize_rows, linear_gguf_ref
 from tests.kernels import test_cpu_linear_kquant as kquant
 from tests.kernels.linear_checks import (
+    TAIL_ROWS,
     assert_avx2_packed_grid,
     assert_dispatches_to,
     assert_packed_is_float32_linear,
@@ -167,3 +170,59 @@ def test_the_avx2_build_is_the_float32_linear_of_the_dequantized_weights(family)
     """PDSERVE_CPU_ISA=avx2 (a child process: the build is per process) decodes 8 weights
     at a time; the same grid, bit for bit the float32 path, rows independent as well."""
     assert_avx2_packed_grid(family.__name__, family.ALONE)
+
+
+@pytest.fixture
+def bf16_dot(kernels):
+    """The kernels with bf16 dot products on (skipped where the build or CPU has none)."""
+    if not kernels.bf16_dot_available:
+        pytest.skip("this build or CPU has no AVX512-BF16")
+    before = kernels.bf16_dot
+    kernels.bf16_dot = True
+    yield kernels
+    kernels.bf16_dot = before
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=gguf_blocks.type_name)
+@pytest.mark.parametrize("case", GRID, ids=lambda c: case_id(0, *c).split("-", 1)[1])
+def test_bf16_weights_are_the_bf16_linear_of_the_dequantized_weights(
+    bf16_dot, op, threads, qtype, case
+):
+    m, n, k, bias, num_threads = case
+    threads(num_threads)
+    x, w, b = packed_case(packed_weight, qtype, m, n, k, bias)
+    y = op.linear_gguf(x, w, qtype, b, torch.bfloat16)
+    # A GGUF model served in bfloat16 has the numbers of its bf16 copy: fewer than 4 rows
+    # decode blocks in registers, more decode a panel of rows first; both are this.
+    halves = dequantize_rows(w, qtype).to(torch.bfloat16)
+    assert torch.equal(y, bf16_dot.linear(x, halves, b))
+    # The reference with x as the bf16 dot products take it: rounded to bf16.
+    reference = linear_gguf_ref(x.to(torch.bfloat16).float(), w, qtype, b, torch.bfloat16)
+    torch.testing.assert_close(y, reference, atol=1e-4 * k**0.5, rtol=1e-4)
+
+
+def test_bf16_weights_rows_do_not_depend_on_the_other_rows(bf16_dot, op, threads):
+    """Tails of 1-3 rows (blocks decoded in registers) against the panels of the whole."""
+    x, w, b = packed_case(packed_weight, 3, 300, 130, 576, True)
+    assert min(TAIL_ROWS) < 4 < max(TAIL_ROWS)
+    assert_rows_independent(lambda rows: op.linear_gguf(rows, w, 3, b, torch.bfloat16), x, threads)
+
+
+def test_bf16_weights_without_bf16_dot_products_stay_float32(kernels, op):
+    """Off the bf16 dot-product path (and for the K-quants) the weights decode to float32,
+    the exact values: the same numbers as weight dtype float32."""
+    x, w, _ = packed_case(packed_weight, 3, 5, 24, 64, False)
+    q4_k = kquant.packed_weight(12, 8, 512, 3)
+    xk = torch.randn(5, 512)
+    before = kernels.bf16_dot
+    try:
+        kernels.bf16_dot = False
+        assert not op.bf16_panels(3, torch.bfloat16)
+        assert torch.equal(op.linear_gguf(x, w, 3, None, torch.bfloat16), op.linear_gguf(x, w, 3))
+        kernels.bf16_dot = kernels.bf16_dot_available
+        assert not op.bf16_panels(12, torch.bfloat16)
+        assert torch.equal(
+            op.linear_gguf(xk, q4_k, 12, None, torch.bfloat16), op.linear_gguf(xk, q4_k, 12)
+        )
+    finally:
+        kernels.bf16_dot = before
