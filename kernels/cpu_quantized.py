@@ -59,10 +59,11 @@ class CpuQuantizedLinear:
         """`gguf_blocks.linear_gguf_ref`: a weight of GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0,
         Q5_1) or K-quant super-blocks (Q4_K, Q5_K, Q6_K), each decoded to float32 weights
         in registers as ggml dequantizes it. `weight_dtype` bfloat16 with bf16 dot products
-        on (`CpuKernels.bf16_dot`): the 32-weight block types decode a block of weight
-        rows at a time into a bf16 panel that every row of x meets in bf16 dot products,
-        the numbers of `linear` over a bf16 copy of the dequantized matrix; anything else
-        keeps the float32 weights, which are the exact ones."""
+        on (`CpuKernels.bf16_dot`): a block of weight rows at a time decoded into a bf16
+        panel that every row of x meets in bf16 dot products (fewer than 4 rows of
+        32-weight blocks: decoded in registers), the numbers of `linear` over a bf16 copy
+        of the dequantized matrix; without bf16 dot products the float32 weights, the
+        exact ones."""
         rows = _c_rows(x, weight)
         if not rows:
             return gguf_blocks.linear_gguf_ref(x, weight, qtype, bias, weight_dtype)
@@ -81,17 +82,13 @@ class CpuQuantizedLinear:
             *(x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0), qtype),
             *(bias_ptr, bias_dt),
             *(y.data_ptr(), n, rows, n, k),
-            *(int(self.bf16_panels(qtype, weight_dtype)), torch.get_num_threads()),
+            *(int(self.bf16_panels(weight_dtype)), torch.get_num_threads()),
         )
         return shaped_like(y, x)
 
-    def bf16_panels(self, qtype: int, weight_dtype: torch.dtype) -> bool:
-        """Whether `linear_gguf` with this type and weight dtype runs on bf16 panels."""
-        return (
-            weight_dtype == torch.bfloat16
-            and self.kernels.bf16_dot
-            and gguf_blocks.block_weights(qtype) == gguf_blocks.BLOCK
-        )
+    def bf16_panels(self, weight_dtype: torch.dtype) -> bool:
+        """Whether `linear_gguf` with this weight dtype takes bf16 dot products."""
+        return weight_dtype == torch.bfloat16 and self.kernels.bf16_dot
 
 
 def _c_rows(x: Tensor, weight: Tensor) -> int:

@@ -187,6 +187,11 @@ ALWAYS_INLINE void gguf_tile_put(const gguf_args *A, float *y, int64_t n,
  * for another type. */
 __attribute__((visibility("hidden"))) linear_rows_fn linear_kquant_rows(int64_t type);
 
+/* The K-quants' decoders into bf16 rows (linear_bf16_dot_decoded); NULL for another type
+ * or a build without AVX512-BF16. */
+__attribute__((visibility("hidden"))) linear_bf16_decode_fn linear_kquant_decode_bf16(
+    int64_t type);
+
 /* Defines `name`, a linear_rows_fn over `args_t`: R rows of x from row m against weight rows
  * [n0, n1) in tiles of cols(R) weight rows, then those left one a tile, each the
  * always-inline `tile(A, m, n, R, C, ...)` with R and C constants: one specialisation of

@@ -35,7 +35,8 @@
  * rows is decoded once into a per-thread bf16 panel that every row of the x block meets
  * (linear_bf16_dot_decoded): decoding per tile would cost ~3x the products at 32 rows.
  * Below 4 rows each block is decoded in registers and met at once (dot_tile here), in
- * the panel tile's accumulators and order.
+ * the panel tile's accumulators and order. The K-quants decode into panels at every row
+ * count (linear_kquant.c).
  */
 #include "linear.h"
 
@@ -338,18 +339,22 @@ int pd_linear_gguf(pd_linear_gguf_call *c) {
                                                  : linear_kquant_rows(c->type);
     if (!rows || !block || k % block || k <= 0 || c->w_rs < k / block * bytes)
         return PD_UNSUPPORTED;
-    if (c->bf16_dot && (block != QK || !HAS_DECODE_BF16 || !linear_bf16_dot_available()))
-        return PD_UNSUPPORTED;
+#if HAS_DECODE_BF16
+    const linear_bf16_decode_fn decode = block == QK ? decode_bf16 : linear_kquant_decode_bf16(c->type);
+#else
+    const linear_bf16_decode_fn decode = NULL;
+#endif
+    if (c->bf16_dot && (!decode || !linear_bf16_dot_available())) return PD_UNSUPPORTED;
     if (m == 0 || n == 0) return PD_OK;
     gguf_args A = {.x = PTR(c->x), .x_rs = c->x_rs, .w = PTR(c->w), .w_rs = c->w_rs,
                    .out = {PTR(c->bias), (int)c->bias_dt, PTR(c->y), c->y_rs}, .k = (int)k,
                    .type = c->type};
 #if HAS_DECODE_BF16
-    if (c->bf16_dot && m < 4) return dot_few_rows(&A, m, n, (int)c->num_threads);
-    if (c->bf16_dot)
-        return linear_bf16_dot_decoded(A.x, A.x_rs, decode_bf16, &A, A.out.bias, A.out.bias_dt,
-                                       A.out.y, A.out.y_rs, m, n, k, (int)c->num_threads);
+    if (c->bf16_dot && m < 4 && block == QK) return dot_few_rows(&A, m, n, (int)c->num_threads);
 #endif
+    if (c->bf16_dot)
+        return linear_bf16_dot_decoded(A.x, A.x_rs, decode, &A, A.out.bias, A.out.bias_dt,
+                                       A.out.y, A.out.y_rs, m, n, k, (int)c->num_threads);
     linear_plan P = {.rows = rows, .args = &A, .m = m, .n = n, .unit_n = UNIT_N,
                      .x_rows = linear_block_rows(X_BLOCK_BYTES, k * 4),
                      .w_units = linear_block_units(UNIT_N * c->w_rs)};

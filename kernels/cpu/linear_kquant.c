@@ -24,6 +24,9 @@
  *   super-block scales are decoded once, then chunk by chunk (32 weights, 4 vectors) each
  *   row's chunk serves the R rows of x.
  * - Blocking and threads: linear_gguf.c's plan (linear_run over 24-row units).
+ *
+ * bf16 weights (linear_gguf.c's `bf16_dot`): each chunk decoded as above and rounded to
+ * bf16 into a panel of weight rows (linear_bf16_dot_decoded), at every row count.
  */
 #include "linear.h"
 
@@ -184,6 +187,55 @@ ALWAYS_INLINE void tile(const gguf_args *A, int64_t m0, int64_t n, const int R, 
 LINEAR_ROWS_FN(rows_q4_k, gguf_args, tile, COLS, GGML_Q4_K)
 LINEAR_ROWS_FN(rows_q5_k, gguf_args, tile, COLS, GGML_Q5_K)
 LINEAR_ROWS_FN(rows_q6_k, gguf_args, tile, COLS, GGML_Q6_K)
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* Weight rows [n0, n1) as bf16 rows of kp (= K) weights at dst: each chunk decoded as the
+ * tiles decode it, then rounded to bf16 (to nearest even). */
+ALWAYS_INLINE void decode_rows_bf16(const gguf_args *A, int64_t n0, int64_t n1, uint16_t *dst,
+                                    int kp, const int T) {
+    const int supers = A->k / QK_K, BB = super_bytes(T);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = A->w + n * A->w_rs;
+        uint16_t *out = dst + (n - n0) * kp;
+        for (int sb = 0; sb < supers; sb++) {
+            const uint8_t *b = row + (int64_t)sb * BB;
+            float a[16], m[8] = {0};
+            super_scales(b, a, m, T);
+            for (int s = 0; s < 8; s++) {
+                const __m256i q = chunk_q(b, s, T);
+                const float a0 = T == GGML_Q6_K ? a[2 * s] : a[s];
+                const float a1 = T == GGML_Q6_K ? a[2 * s + 1] : a[s];
+                const float m0 = T == GGML_Q6_K ? 0.0f : m[s];
+                const __m512 lo = scale16(_mm256_castsi256_si128(q), a0, m0, T);
+                const __m512 hi = scale16(_mm256_extracti128_si256(q, 1), a1, m0, T);
+                _mm512_store_si512(out + sb * QK_K + 32 * s, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
+        }
+    }
+}
+
+static void decode_q4_k_bf16(const void *src, int64_t n0, int64_t n1, uint16_t *dst, int kp) {
+    decode_rows_bf16(src, n0, n1, dst, kp, GGML_Q4_K);
+}
+static void decode_q5_k_bf16(const void *src, int64_t n0, int64_t n1, uint16_t *dst, int kp) {
+    decode_rows_bf16(src, n0, n1, dst, kp, GGML_Q5_K);
+}
+static void decode_q6_k_bf16(const void *src, int64_t n0, int64_t n1, uint16_t *dst, int kp) {
+    decode_rows_bf16(src, n0, n1, dst, kp, GGML_Q6_K);
+}
+
+linear_bf16_decode_fn linear_kquant_decode_bf16(int64_t type) {
+    return type == GGML_Q4_K   ? decode_q4_k_bf16
+           : type == GGML_Q5_K ? decode_q5_k_bf16
+           : type == GGML_Q6_K ? decode_q6_k_bf16
+                               : NULL;
+}
+#else
+linear_bf16_decode_fn linear_kquant_decode_bf16(int64_t type) {
+    (void)type;
+    return NULL;
+}
+#endif
 
 linear_rows_fn linear_kquant_rows(int64_t type) {
     return type == GGML_Q4_K   ? rows_q4_k
