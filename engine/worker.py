@@ -32,7 +32,7 @@ from pdserve.engine.checkpoint import (
 )
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.device_runner import DeviceRunner
-from pdserve.engine.embedded import embedded_model_path
+from pdserve.engine.embedded import served_model_path
 from pdserve.engine.executor import RankConnector
 from pdserve.engine.grammar import GrammarBook
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
@@ -79,10 +79,15 @@ def _peak_resident_bytes() -> int:
     return 0
 
 
+def default_model_path(config: EngineConfig) -> Path:
+    """The embedded model's files as this configuration serves them (`embedded`)."""
+    return served_model_path(config.device, config.dtype, config.quantization)
+
+
 def model_tokenizer_facts(config: EngineConfig) -> tuple[str, int, list[int]]:
     """What a grammar needs of the model without loading it: the tokenizer's folder, the
     vocabulary size and the end tokens."""
-    model_path = str(config.model or embedded_model_path())
+    model_path = str(config.model or default_model_path(config))
     mc = load_model_config(model_path)
     eos = set(load_generation_config(model_path).eos_token_ids) | set(mc.eos_token_ids)
     return config.tokenizer or model_path, mc.vocab_size, sorted(eos)
@@ -116,7 +121,7 @@ class ModelWorker:
         config = self.config
         rss_before = _resident_bytes()
         torch.set_num_threads(config.resolved_threads())
-        self.model_path = str(config.model or embedded_model_path())
+        self.model_path = str(config.model or default_model_path(config))
         self.model_config = mc = load_model_config(self.model_path)
         self._check_split(mc)
         self.stage = stage = self._stage or PipelineStage.of(mc.num_hidden_layers)
