@@ -240,3 +240,17 @@ def test_prepare_command_prints_the_folder(embedded_folder: Path) -> None:
     assert result.stdout.strip() == str(embedded_folder)
     result = run_python("-m", "pdserve.engine.embedded", timeout=60)
     assert result.returncode == 2
+
+
+def test_cpu_serves_the_gguf_file_by_default_and_the_folder_elsewhere() -> None:
+    from pdserve.engine.gguf_prepare import gguf_source
+
+    packed = embedded.served_model_path("cpu", "auto", None)
+    assert gguf_source(packed) == embedded.gguf_path()
+    for dtype in ("float32", "bfloat16"):
+        assert embedded.served_model_path("cpu", dtype, None) == packed
+    folder = embedded_model_path()
+    assert embedded.served_model_path("cuda", "auto", None) == folder
+    assert embedded.served_model_path("cuda:1", "bfloat16", None) == folder
+    assert embedded.served_model_path("cpu", "float16", None) == folder
+    assert embedded.served_model_path("cpu", "auto", "int8") == folder

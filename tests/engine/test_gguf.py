@@ -55,7 +55,8 @@ def _worker(llm):
 
 @pytest.fixture(scope="module")
 def float32_llm():
-    return _llm(None)
+    """The float32 conversion, named: on CPU the default is the GGUF file itself."""
+    return _llm(str(embedded.embedded_model_path()))
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,8 @@ def test_greedy_tokens_equal_float32s_but_at_near_ties(float32_llm, gguf_llm):
 
 def test_served_in_bfloat16_its_logits_are_its_bf16_folders(kernels_bf16_dot):
     """In bfloat16 the packed layers decode to bf16 (bf16 dot products): the logits of the
-    file are, bit for bit, those of its float32 conversion served in bfloat16."""
+    file (the default model on CPU) are, bit for bit, those of its float32 conversion
+    served in bfloat16."""
     from pdserve import LLM
 
     def bf16(model: str | None):
@@ -118,7 +120,8 @@ def test_served_in_bfloat16_its_logits_are_its_bf16_folders(kernels_bf16_dot):
             max_model_len=512,
         )
 
-    folder, packed = bf16(None), bf16(str(embedded.gguf_path()))
+    folder, packed = bf16(str(embedded.embedded_model_path())), bf16(None)
+    assert (folder.engine.info.weight_format, packed.engine.info.weight_format) == ("", "GGUF Q4_1")
     for prompt in PROMPTS[:2]:
         tokens, logits = _greedy_with_logits(folder, prompt)
         packed_tokens, packed_logits = _greedy_with_logits(packed, prompt)

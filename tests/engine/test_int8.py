@@ -29,11 +29,14 @@ NEAR_TIE = 0.5
 
 
 def _llm(quantization: str | None, dtype: str = "float32"):
+    """The embedded model's float32 conversion (named: on CPU the default is its GGUF
+    file), quantized at load or not."""
     from pdserve import LLM
+    from pdserve.engine.embedded import embedded_model_path
 
     return LLM(
-        dtype=dtype, quantization=quantization, num_threads=2, kv_cache_memory=32 << 20,
-        max_model_len=512,
+        model=str(embedded_model_path()), dtype=dtype, quantization=quantization,
+        num_threads=2, kv_cache_memory=32 << 20, max_model_len=512,
     )  # fmt: skip
 
 
