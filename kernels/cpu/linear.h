@@ -130,9 +130,21 @@ static inline void linear_pack_x_bf16(const float *x, int64_t x_rs, int64_t m, i
     }
 }
 
-/* Output i of an R x C tile of accumulators (acc[r * C + c]) among the sums of
- * linear_sum16 over acc (and acc + 16). */
-ALWAYS_INLINE int linear_sum_index(int i) { return (i & ~15) + 4 * (i & 3) + ((i & 15) >> 2); }
+/* The outputs of an R x C tile of 16-lane accumulators (acc[r * C + c], those past R * C
+ * zero up to 16 or 32), each the sum of its lanes by linear_sum16's tree, plus the bias. */
+ALWAYS_INLINE void linear_put_sums(const linear_out *O, float *y, int64_t n, const __m512 *acc,
+                                   const int R, const int C) {
+    float sums[32];
+    _mm512_storeu_ps(sums, linear_sum16(acc));
+    if (R * C > 16) _mm512_storeu_ps(sums + 16, linear_sum16(acc + 16));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 24
+        for (int c = 0; c < C; c++) {
+            const int i = r * C + c; /* where linear_sum16 put output i */
+            linear_put(O, y, r, c, n, sums[(i & ~15) + 4 * (i & 3) + ((i & 15) >> 2)]);
+        }
+}
 #endif
 
 /* A GGUF linear call as its micro-kernels read it: 32-weight blocks (linear_gguf.c) or

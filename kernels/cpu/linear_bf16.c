@@ -76,16 +76,7 @@ ALWAYS_INLINE void dot_tile_at(const dot_args *A, int64_t m0, int64_t n, const u
             }
         }
     }
-    float sums[32];
-    _mm512_storeu_ps(sums, linear_sum16(acc));
-    if (R * C > 16) _mm512_storeu_ps(sums + 16, linear_sum16(acc + 16));
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 24
-        for (int c = 0; c < C; c++) {
-            const int i = r * C + c;
-            linear_put(&A->out, y, r, c, n, sums[linear_sum_index(i)]);
-        }
+    linear_put_sums(&A->out, y, n, acc, R, C);
 }
 
 /* The tile of a bf16 matrix read in place. */

@@ -265,14 +265,7 @@ ALWAYS_INLINE void dot_tile(const gguf_dot_args *A, int64_t m0, int64_t n, const
                 acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], (__m512bh)xv[r], wv);
         }
     }
-    float sums[32];
-    _mm512_storeu_ps(sums, linear_sum16(acc));
-    if (R * C > 16) _mm512_storeu_ps(sums + 16, linear_sum16(acc + 16));
-#pragma GCC unroll 3
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 12
-        for (int c = 0; c < C; c++)
-            linear_put(&A->g.out, y, r, c, n, sums[linear_sum_index(r * C + c)]);
+    linear_put_sums(&A->g.out, y, n, acc, R, C);
 }
 
 #define DOT_COLS(R) ((R) == 1 ? 12 : (R) == 2 ? 8 : 6)
