@@ -204,6 +204,18 @@ __attribute__((visibility("hidden"))) linear_rows_fn linear_kquant_rows(int64_t 
 __attribute__((visibility("hidden"))) linear_bf16_decode_fn linear_kquant_decode_bf16(
     int64_t type);
 
+/* gguf_args with x packed to bf16 rows of kp elements (the bf16 path's layout): what the
+ * tiles that decode in registers and take bf16 dot products read. */
+typedef struct {
+    gguf_args g;
+    const uint16_t *xp;
+    int kp;
+} gguf_dot_args;
+
+/* The K-quants' register-decoding bf16 micro-kernels over gguf_dot_args (calls of fewer
+ * than 4 rows); NULL for another type or a build without AVX512-BF16. */
+__attribute__((visibility("hidden"))) linear_rows_fn linear_kquant_dot_rows(int64_t type);
+
 /* Defines `name`, a linear_rows_fn over `args_t`: R rows of x from row m against weight rows
  * [n0, n1) in tiles of cols(R) weight rows, then those left one a tile, each the
  * always-inline `tile(A, m, n, R, C, ...)` with R and C constants: one specialisation of

@@ -35,8 +35,7 @@
  * rows is decoded once into a per-thread bf16 panel that every row of the x block meets
  * (linear_bf16_dot_decoded): decoding per tile would cost ~3x the products at 32 rows.
  * Below 4 rows each block is decoded in registers and met at once (dot_tile here), in
- * the panel tile's accumulators and order. The K-quants decode into panels at every row
- * count (linear_kquant.c).
+ * the panel tile's accumulators and order; so do the K-quants' chunks (linear_kquant.c).
  */
 #include "linear.h"
 
@@ -229,13 +228,6 @@ static void decode_bf16(const void *src, int64_t n0, int64_t n1, uint16_t *dst, 
     default: decode_rows_bf16(A, n0, n1, dst, kp, GGML_Q5_1); break;
     }
 }
-/* gguf_args with x packed to bf16 rows of kp elements (the bf16 path's layout). */
-typedef struct {
-    gguf_args g;
-    const uint16_t *xp;
-    int kp;
-} gguf_dot_args;
-
 /* The panel path's tile (linear_bf16.c) with each block decoded in registers instead of
  * from a panel: the same products in the same accumulators, so the same numbers, for
  * calls of fewer than 4 rows, where a panel would be decoded for one use. */
@@ -275,7 +267,8 @@ LINEAR_ROWS_FN(dot_q4_1, gguf_dot_args, dot_tile, DOT_COLS, GGML_Q4_1)
 LINEAR_ROWS_FN(dot_q5_0, gguf_dot_args, dot_tile, DOT_COLS, GGML_Q5_0)
 LINEAR_ROWS_FN(dot_q5_1, gguf_dot_args, dot_tile, DOT_COLS, GGML_Q5_1)
 
-/* y from bf16 dot products for m < 4 rows: blocks decoded in registers. */
+/* y from bf16 dot products for m < 4 rows: blocks (or K-quant chunks) decoded in
+ * registers. */
 static int dot_few_rows(const gguf_args *G, int64_t m, int64_t n, int num_threads) {
     const int kp = G->k; /* whole 32-weight blocks: no padding */
     uint16_t *xp = linear_scratch((size_t)(m * kp) * sizeof(uint16_t));
@@ -287,7 +280,8 @@ static int dot_few_rows(const gguf_args *G, int64_t m, int64_t n, int num_thread
                              : T == GGML_Q4_0 ? dot_q4_0
                              : T == GGML_Q4_1 ? dot_q4_1
                              : T == GGML_Q5_0 ? dot_q5_0
-                                              : dot_q5_1,
+                             : T == GGML_Q5_1 ? dot_q5_1
+                                              : linear_kquant_dot_rows(T),
                      .args = &A, .m = m, .n = n, .unit_n = UNIT_N, .x_rows = 4,
                      .w_units = linear_block_units(UNIT_N * G->w_rs)};
     linear_run(&P, m * n * G->k, num_threads);
@@ -343,7 +337,7 @@ int pd_linear_gguf(pd_linear_gguf_call *c) {
                    .out = {PTR(c->bias), (int)c->bias_dt, PTR(c->y), c->y_rs}, .k = (int)k,
                    .type = c->type};
 #if HAS_DECODE_BF16
-    if (c->bf16_dot && m < 4 && block == QK) return dot_few_rows(&A, m, n, (int)c->num_threads);
+    if (c->bf16_dot && m < 4) return dot_few_rows(&A, m, n, (int)c->num_threads);
 #endif
     if (c->bf16_dot)
         return linear_bf16_dot_decoded(A.x, A.x_rs, decode, &A, A.out.bias, A.out.bias_dt,

@@ -26,7 +26,8 @@
  * - Blocking and threads: linear_gguf.c's plan (linear_run over 24-row units).
  *
  * bf16 weights (linear_gguf.c's `bf16_dot`): each chunk decoded as above and rounded to
- * bf16 into a panel of weight rows (linear_bf16_dot_decoded), at every row count.
+ * bf16, into a panel of weight rows (linear_bf16_dot_decoded) from 4 rows of x up, in
+ * registers below (dot_tile), the same sums either way.
  */
 #include "linear.h"
 
@@ -214,6 +215,60 @@ ALWAYS_INLINE void decode_rows_bf16(const gguf_args *A, int64_t n0, int64_t n1, 
     }
 }
 
+/* The panel tile (linear_bf16.c) with each chunk decoded in registers: the same products
+ * in the same accumulators as the panel rows decode_rows_bf16 writes. */
+ALWAYS_INLINE void dot_tile(const gguf_dot_args *A, int64_t m0, int64_t n, const int R,
+                            const int C, const int T) {
+    const uint16_t *xp = A->xp + m0 * A->kp;
+    const uint8_t *w = A->g.w + n * A->g.w_rs;
+    float *y = linear_y(&A->g.out, m0, n);
+    const int supers = A->g.k / QK_K, BB = super_bytes(T);
+    const int64_t rs = A->g.w_rs;
+    __m512 acc[32]; /* R * C used; the rest stay zero for the sums */
+#pragma GCC unroll 32
+    for (int i = 0; i < 32; i++) acc[i] = _mm512_setzero_ps();
+    for (int sb = 0; sb < supers; sb++) {
+        const uint8_t *blocks = w + (int64_t)sb * BB;
+        float a[GGUF_MAX_C][16], m[GGUF_MAX_C][8];
+#pragma GCC unroll 12
+        for (int c = 0; c < C; c++) super_scales(blocks + c * rs, a[c], m[c], T);
+        for (int s = 0; s < 8; s++) {
+            const int k = sb * QK_K + 32 * s;
+            __m512i xv[3];
+#pragma GCC unroll 3
+            for (int r = 0; r < R; r++) xv[r] = _mm512_load_si512(xp + r * A->kp + k);
+#pragma GCC unroll 12
+            for (int c = 0; c < C; c++) {
+                const uint8_t *block = blocks + c * rs;
+                if (s < 4) __builtin_prefetch(block + C * rs + 64 * s, 0, 0);
+                const __m256i q = chunk_q(block, s, T);
+                const float a0 = T == GGML_Q6_K ? a[c][2 * s] : a[c][s];
+                const float a1 = T == GGML_Q6_K ? a[c][2 * s + 1] : a[c][s];
+                const float m0 = T == GGML_Q6_K ? 0.0f : m[c][s];
+                const __m512 lo = scale16(_mm256_castsi256_si128(q), a0, m0, T);
+                const __m512 hi = scale16(_mm256_extracti128_si256(q, 1), a1, m0, T);
+                const __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
+#pragma GCC unroll 3
+                for (int r = 0; r < R; r++)
+                    acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], (__m512bh)xv[r], wv);
+            }
+        }
+    }
+    linear_put_sums(&A->g.out, y, n, acc, R, C);
+}
+
+#define DOT_COLS(R) ((R) == 1 ? 12 : (R) == 2 ? 8 : 6)
+LINEAR_ROWS_FN(dot_q4_k, gguf_dot_args, dot_tile, DOT_COLS, GGML_Q4_K)
+LINEAR_ROWS_FN(dot_q5_k, gguf_dot_args, dot_tile, DOT_COLS, GGML_Q5_K)
+LINEAR_ROWS_FN(dot_q6_k, gguf_dot_args, dot_tile, DOT_COLS, GGML_Q6_K)
+
+linear_rows_fn linear_kquant_dot_rows(int64_t type) {
+    return type == GGML_Q4_K   ? dot_q4_k
+           : type == GGML_Q5_K ? dot_q5_k
+           : type == GGML_Q6_K ? dot_q6_k
+                               : NULL;
+}
+
 static void decode_q4_k_bf16(const void *src, int64_t n0, int64_t n1, uint16_t *dst, int kp) {
     decode_rows_bf16(src, n0, n1, dst, kp, GGML_Q4_K);
 }
@@ -232,6 +287,11 @@ linear_bf16_decode_fn linear_kquant_decode_bf16(int64_t type) {
 }
 #else
 linear_bf16_decode_fn linear_kquant_decode_bf16(int64_t type) {
+    (void)type;
+    return NULL;
+}
+
+linear_rows_fn linear_kquant_dot_rows(int64_t type) {
     (void)type;
     return NULL;
 }

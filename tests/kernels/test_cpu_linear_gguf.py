@@ -200,11 +200,14 @@ def test_bf16_weights_are_the_bf16_linear_of_the_dequantized_weights(
     torch.testing.assert_close(y, reference, atol=1e-4 * k**0.5, rtol=1e-4)
 
 
-def test_bf16_weights_rows_do_not_depend_on_the_other_rows(bf16_dot, op, threads):
+@pytest.mark.parametrize("qtype", [3, 14], ids=gguf_blocks.type_name)
+def test_bf16_weights_rows_do_not_depend_on_the_other_rows(bf16_dot, op, threads, qtype):
     """Tails of 1-3 rows (blocks decoded in registers) against the panels of the whole."""
-    x, w, b = packed_case(packed_weight, 3, 300, 130, 576, True)
+    x, w, b = packed_case(WEIGHTS[qtype], qtype, *ROWS_ALONE[qtype], True)
     assert min(TAIL_ROWS) < 4 < max(TAIL_ROWS)
-    assert_rows_independent(lambda rows: op.linear_gguf(rows, w, 3, b, torch.bfloat16), x, threads)
+    assert_rows_independent(
+        lambda rows: op.linear_gguf(rows, w, qtype, b, torch.bfloat16), x, threads
+    )
 
 
 def test_bf16_weights_without_bf16_dot_products_stay_float32(kernels, op):
