@@ -110,12 +110,15 @@ class Deployment:
         gpus = available_gpus() if gpus is None else gpus
         names = args.served_model_name or [args.model or MODEL_NAME]
         model_path = local_model(args)
-        tensor_parallel = tensor_parallel_sizes(args, model_path)
-        ranks = {role: tp * args.pipeline_parallel_size for role, tp in tensor_parallel.items()}
         try:
             device = resolve_device(args.device, gpus)
-            if device == "cuda" and model_path is not None and gguf_source(model_path):
-                raise ServeError(f"{args.model}: GGUF weights are served on CPU, not on cuda")
+        except PlacementError as exc:
+            raise ServeError(str(exc)) from None
+        if device == "cuda" and model_path is not None and gguf_source(model_path):
+            raise ServeError(f"{args.model}: GGUF weights are served on CPU, not on cuda")
+        tensor_parallel = tensor_parallel_sizes(args, model_path, device)
+        ranks = {role: tp * args.pipeline_parallel_size for role, tp in tensor_parallel.items()}
+        try:
             if device == "cuda":
                 instances = place_on_gpus(instances, gpus, args.gpu_memory_utilization, ranks)
         except PlacementError as exc:
@@ -198,7 +201,9 @@ def api_keys_of(
     return api_key, api_keys, admin_key
 
 
-def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> dict[str, int]:
+def tensor_parallel_sizes(
+    args: argparse.Namespace, model_path: str | None, device: str
+) -> dict[str, int]:
     """Ranks per stage by role, checked against the model's heads (one rule:
     `common.model_split.check_tp_size`; with int8 weights, `check_int8_groups` too), and
     the pipeline size against its layers (`check_pp_size`)."""
@@ -211,11 +216,13 @@ def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> d
     if set(sizes.values()) == {1} and args.pipeline_parallel_size == 1:
         return sizes
     from pdserve.engine.checkpoint import load_model_config
-    from pdserve.engine.embedded import embedded_model_path
+    from pdserve.engine.embedded import served_model_path
     from pdserve.engine.gguf_prepare import check_tp_blocks
 
+    # With no model, the embedded model's files as its instances will serve them.
+    model = model_path or served_model_path(device, args.dtype, args.quantization)
     try:
-        mc = load_model_config(model_path or embedded_model_path())
+        mc = load_model_config(model)
     except CheckpointError as exc:
         raise ServeError(str(exc)) from None
     try:  # one PP size for every pool: a stage's layers move to the same stage
@@ -239,7 +246,7 @@ def tensor_parallel_sizes(args: argparse.Namespace, model_path: str | None) -> d
             own = getattr(args, f"{role}_tensor_parallel_size", None)
             raise ServeError(f"--{role + '-' if own else ''}tensor-parallel-size: {exc}") from None
         try:  # a GGUF's row-parallel matrices split on whole blocks
-            check_tp_blocks(model_path or embedded_model_path(), size)
+            check_tp_blocks(model, size)
         except CheckpointError as exc:
             raise ServeError(str(exc)) from None
     return sizes

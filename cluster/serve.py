@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 
 import msgspec
 import uvicorn
@@ -38,7 +39,7 @@ from pdserve.common import wire_auth
 from pdserve.common.messages import InstanceInfo
 from pdserve.common.named_values import named_values
 from pdserve.common.wire_auth import SecretError, ensure_secret
-from pdserve.engine.embedded import EmbeddedModelError, embedded_model_path
+from pdserve.engine.embedded import EmbeddedModelError, served_model_path
 from pdserve.gateway.app import create_app
 from pdserve.gateway.gateway import Gateway, GatewayConfig
 from pdserve.instance.spec import InstanceSpec
@@ -63,7 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
         logging.getLogger("pdserve.gateway.requests").setLevel(logging.INFO)
     try:
         deployment = Deployment.from_args(args)
-        model_path = deployment.model_path or str(embedded_model_path())
+        model_path = deployment.model_path or str(default_model(deployment))
         listener = bind_listener(args.host, args.port)
         # Made once here and inherited (environment) by every instance; never argv.
         ensure_secret()
@@ -82,6 +83,13 @@ def run_serve(args: argparse.Namespace) -> int:
     except (LaunchError, TokenizerError) as exc:
         print(f"pdserve serve: error: {exc}", file=sys.stderr)
         return 1
+
+
+def default_model(deployment: Deployment) -> Path:
+    """What an instance serves when no model is given: the embedded model as its engine
+    config serves it best (on CPU its own Q4_1 file, packed: `engine/embedded.py`)."""
+    engine = deployment.engine
+    return served_model_path(engine.device, engine.dtype, engine.quantization)
 
 
 def deployment_secret() -> bytes:
