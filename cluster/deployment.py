@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from pdserve.cluster.autoscale_flags import AutoscaleConfig, autoscale_config
 from pdserve.cluster.ops_flags import check_tracing_flags, detail_modules
+from pdserve.cluster.parallel_sizes import ParallelSizeError, tensor_parallel_sizes
 from pdserve.cluster.placement import (
     PlacementError,
     PlannedInstance,
@@ -23,14 +24,6 @@ from pdserve.cluster.placement import (
     place_on_gpus,
     pool_capacity,
     resolve_device,
-)
-from pdserve.common.model_split import (
-    Int8GroupError,
-    PipelineParallelError,
-    TensorParallelError,
-    check_int8_groups,
-    check_pp_size,
-    check_tp_size,
 )
 from pdserve.common.named_values import named_values
 from pdserve.engine.checkpoint import CheckpointError
@@ -116,7 +109,10 @@ class Deployment:
             raise ServeError(str(exc)) from None
         if device == "cuda" and model_path is not None and gguf_source(model_path):
             raise ServeError(f"{args.model}: GGUF weights are served on CPU, not on cuda")
-        tensor_parallel = tensor_parallel_sizes(args, model_path, device)
+        try:
+            tensor_parallel = tensor_parallel_sizes(args, model_path, device)
+        except ParallelSizeError as exc:
+            raise ServeError(str(exc)) from None
         ranks = {role: tp * args.pipeline_parallel_size for role, tp in tensor_parallel.items()}
         try:
             if device == "cuda":
@@ -199,57 +195,6 @@ def api_keys_of(
     except TenantsError as exc:
         raise ServeError(str(exc)) from None
     return api_key, api_keys, admin_key
-
-
-def tensor_parallel_sizes(
-    args: argparse.Namespace, model_path: str | None, device: str
-) -> dict[str, int]:
-    """Ranks per stage by role, checked against the model's heads (one rule:
-    `common.model_split.check_tp_size`; with int8 weights, `check_int8_groups` too), and
-    the pipeline size against its layers (`check_pp_size`)."""
-    default = args.tensor_parallel_size
-    sizes = {
-        "prefill": args.prefill_tensor_parallel_size or default,
-        "decode": args.decode_tensor_parallel_size or default,
-        "colocated": default,
-    }
-    if set(sizes.values()) == {1} and args.pipeline_parallel_size == 1:
-        return sizes
-    from pdserve.engine.checkpoint import load_model_config
-    from pdserve.engine.embedded import served_model_path
-    from pdserve.engine.gguf_prepare import check_tp_blocks
-
-    # With no model, the embedded model's files as its instances will serve them.
-    model = model_path or served_model_path(device, args.dtype, args.quantization)
-    try:
-        mc = load_model_config(model)
-    except CheckpointError as exc:
-        raise ServeError(str(exc)) from None
-    try:  # one PP size for every pool: a stage's layers move to the same stage
-        check_pp_size(args.pipeline_parallel_size, mc.num_hidden_layers)
-    except PipelineParallelError as exc:
-        raise ServeError(f"--pipeline-parallel-size: {exc}") from None
-    for role, size in sizes.items():
-        try:
-            check_tp_size(
-                size, mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size
-            )
-            if args.quantization == "int8":  # each rank's slice holds whole scale groups
-                check_int8_groups(
-                    size,
-                    mc.hidden_size,
-                    mc.num_attention_heads * mc.head_dim,
-                    mc.intermediate_size,
-                )
-        except (TensorParallelError, Int8GroupError) as exc:
-            # Name the flag that set the size: the role's own when given, else the shared one.
-            own = getattr(args, f"{role}_tensor_parallel_size", None)
-            raise ServeError(f"--{role + '-' if own else ''}tensor-parallel-size: {exc}") from None
-        try:  # a GGUF's row-parallel matrices split on whole blocks
-            check_tp_blocks(model, size)
-        except CheckpointError as exc:
-            raise ServeError(str(exc)) from None
-    return sizes
 
 
 def ray_resources(args: argparse.Namespace) -> dict[str, dict[str, float]]:

@@ -120,7 +120,11 @@ def test_a_request_whose_prefill_instance_dies_before_the_handoff_is_retried(ser
     asker.join(timeout=120)
     assert result == [expected]
     found = server.instances()
-    assert found["prefill-0"]["alive"] is False and found["prefill-1"]["alive"] is True
+    # The killed process has left the books: down, or already restarted (a new process;
+    # the packed default model loads in a few seconds).
+    zero = found["prefill-0"]
+    assert zero["alive"] is False or zero["pid"] != victim, zero
+    assert found["prefill-1"]["alive"] is True
     assert retries(server) == retried + 1
     server.assert_blocks_free_or_cached()
 
