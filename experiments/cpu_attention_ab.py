@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     builds = {p.name: cpu_ops.CpuKernels(BuiltLibrary(p, fresh=False)) for p in args.builds}
-    shapes = argparse.Namespace(block_size=16, kv_heads=3, head_dim=64, dtype="bfloat16")
+    shapes = argparse.Namespace(
+        block_size=16, kv_heads=3, head_dim=64, dtype="bfloat16", kv_cache_dtype="auto"
+    )
     gen = torch.Generator().manual_seed(0)
     caches, tables, lens = make_cache(1, 2048, shapes, gen)
     q = torch.randn(2048, 9, 64, generator=gen).bfloat16()

@@ -347,3 +347,39 @@ def test_bf16_cache_scores_take_the_query_rounded_to_bf16(kernels):
     tables, lens_t = batch.block_tables, batch.context_lens
     out = kernels.decode_attention(query, batch.kv_cache, tables, lens_t, scale)
     assert_matches(out, decode_attention_ref(rounded, batch.kv_cache, tables, lens_t, 1.0), F32)
+
+
+def test_bf16_cache_values_take_the_probabilities_rounded_to_bf16(kernels):
+    """Where the CPU has bf16 dot products and head_dim is a multiple of 32, P.V is bf16
+    dot products too: each tile's probabilities (base 2, against the tile's running max)
+    rounded to bf16 meet the cached values, and the softmax sums the float32 ones. Within
+    one tile (contexts of at most a block) that is computed here in float64 from the
+    rounded query; the kernel matches it to float32 tolerance, and the float32
+    probabilities' output would be ~1e-3 off. Odd contexts leave the last token pair's
+    second row unread (a NaN-poisoned slot)."""
+    if not kernels.bf16_dot_available:
+        pytest.skip("this build or CPU has no AVX512-BF16")
+    gen = torch.Generator().manual_seed(23)
+    heads, kv_heads, d, bs, scale = 6, 2, 64, 16, 0.125
+    lens = [1, 9, 16]
+    batch = make_paged_batch(lens, kv_heads, d, bs, BF16, gen)
+    query = torch.randn(len(lens), heads, d, generator=gen) * 3
+    log2e = 1.4426950408889634  # the kernels' base-2 softmax multiplier
+    q2 = (query * torch.tensor(scale * log2e)).to(BF16).double()  # as begin_row rounds it
+    out = kernels.decode_attention(
+        query, batch.kv_cache, batch.block_tables, batch.context_lens, scale
+    )
+    want = torch.empty(len(lens), heads, d, dtype=torch.float64)
+    unrounded = torch.empty_like(want)
+    group = heads // kv_heads
+    for s, n in enumerate(lens):
+        block = batch.kv_cache[int(batch.block_tables[s, 0])].double()  # [2, kvh, bs, d]
+        for h in range(heads):
+            keys, values = block[0, h // group, :n], block[1, h // group, :n]
+            scores = keys @ q2[s, h]
+            p = torch.exp2(scores - scores.max())
+            p16 = p.float().to(BF16).double()
+            want[s, h] = (p16 @ values) / p.sum()
+            unrounded[s, h] = (p @ values) / p.sum()
+    assert_matches(out, want.float(), F32)
+    assert (out.double() - unrounded).abs().max() > 1e-4
