@@ -275,7 +275,7 @@ ALWAYS_INLINE void dot_tile(const gguf_dot_args *A, int64_t m0, int64_t n, const
 #pragma GCC unroll 32
     for (int i = 0; i < 32; i++) acc[i] = _mm512_setzero_ps();
     for (int kb = 0; kb < blocks; kb++) {
-        __m512i xv[3];
+        __m512i xv[GGUF_MAX_R];
 #pragma GCC unroll 3
         for (int r = 0; r < R; r++) xv[r] = _mm512_load_si512(xp + r * A->kp + kb * QK);
 #pragma GCC unroll 12

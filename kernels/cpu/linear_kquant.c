@@ -26,8 +26,9 @@
  * - Blocking and threads: linear_gguf.c's plan (linear_run over 24-row units).
  *
  * bf16 weights (linear_gguf.c's `bf16_dot`): each chunk decoded as above and rounded to
- * bf16, into a panel of weight rows (linear_bf16_dot_decoded) from 4 rows of x up, in
- * registers below (dot_tile), the same sums either way.
+ * bf16 (chunk_bf16: Q4_K and Q5_K through a table of the chunk's values), into a panel
+ * of weight rows (linear_bf16_dot_decoded) from 4 rows of x up, in registers below
+ * (dot_tile), the same sums either way.
  */
 #include "linear.h"
 
@@ -49,19 +50,53 @@ ALWAYS_INLINE int super_bytes(const int T) {
 ALWAYS_INLINE void super_scales(const uint8_t *b, float *a, float *m, const int T) {
     if (T == GGML_Q6_K) {
         const float d = gguf_half(b + 208);
+#if defined(__AVX2__)
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+        const __m256 dv = _mm256_set1_ps(d);
+        _mm256_storeu_ps(a, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+        _mm256_storeu_ps(a + 8, _mm256_mul_ps(
+            dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+#else
         for (int i = 0; i < 16; i++) a[i] = d * (float)(int8_t)b[192 + i];
+#endif
         return;
     }
     const float d = gguf_half(b), dmin = gguf_half(b + 2);
     const uint8_t *p = b + 4;
     /* Sub-blocks 0-3: the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7: a nibble
      * of bytes 8-11 below the top 2 bits of those bytes. */
+#if defined(__AVX2__)
+    /* The 16 six-bit values in byte lanes (scales 0-7, mins 8-15), then as floats: the
+     * loop below, a few shuffles instead of ~100 scalar operations a super-block (a tile
+     * decodes the scales of its every weight row per super-block). */
+    uint32_t tail;
+    memcpy(&tail, p + 8, 4);
+    const __m128i v = _mm_insert_epi32(_mm_loadl_epi64((const __m128i *)p), (int)tail, 2);
+    const __m128i low = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7,
+                                                          8, 9, 10, 11));
+    const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1,
+                                                          -1, 4, 5, 6, 7));
+    /* low bits: & 63 for sub-blocks 0-3, & 15 (scales) or >> 4 (mins) for 4-7 */
+    const __m128i mins_hi = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1);
+    const __m128i keep = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15,
+                                       15, 15);
+    const __m128i shifted = _mm_and_si128(_mm_srli_epi16(low, 4), _mm_set1_epi8(15));
+    const __m128i bits = _mm_and_si128(_mm_blendv_epi8(low, shifted, mins_hi), keep);
+    /* and for 4-7 the top 2 bits of bytes 0-3 (scales) or 4-7 (mins), as bits 4-5 */
+    const __m128i high = _mm_srli_epi16(_mm_and_si128(top, _mm_set1_epi8((char)0xc0)), 2);
+    const __m128i q = _mm_or_si128(bits, high);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
+    _mm256_storeu_ps(a, _mm256_mul_ps(_mm256_set1_ps(d), sc));
+    _mm256_storeu_ps(m, _mm256_mul_ps(_mm256_set1_ps(dmin), mn));
+#else
     for (int s = 0; s < 8; s++) {
         const int sc = s < 4 ? p[s] & 63 : (p[s + 4] & 15) | (p[s - 4] >> 6) << 4;
         const int mn = s < 4 ? p[s + 4] & 63 : (p[s + 4] >> 4) | (p[s] >> 6) << 4;
         a[s] = d * (float)sc;
         m[s] = dmin * (float)mn;
     }
+#endif
 }
 
 #if defined(__AVX2__)
@@ -190,6 +225,32 @@ LINEAR_ROWS_FN(rows_q5_k, gguf_args, tile, COLS, GGML_Q5_K)
 LINEAR_ROWS_FN(rows_q6_k, gguf_args, tile, COLS, GGML_Q6_K)
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* Chunk s's 32 weights rounded to bf16 (to nearest even), in order: the tiles' values,
+ * then the rounding. Q4_K and Q5_K (one scale and minimum a chunk) look them up in a
+ * table of the 16 (32) values the chunk's quants give, built by one FMA per 16 (a * q is
+ * exact, so the FMA rounds once, as the subtraction does); Q6_K (two scales a chunk, 64
+ * values each) converts. */
+ALWAYS_INLINE __m512i chunk_bf16(const uint8_t *b, const int s, const float *a, const float *m,
+                                 const int T) {
+    const __m256i q = chunk_q(b, s, T);
+    if (T == GGML_Q6_K) {
+        const __m512 lo = scale16(_mm256_castsi256_si128(q), a[2 * s], 0.0f, T);
+        const __m512 hi = scale16(_mm256_extracti128_si256(q, 1), a[2 * s + 1], 0.0f, T);
+        return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    }
+    const __m512 scale = _mm512_set1_ps(a[s]), minus = _mm512_set1_ps(-m[s]);
+    const __m512 q0 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 t0 = _mm512_fmadd_ps(q0, scale, minus);
+    __m512i table;
+    if (T == GGML_Q5_K) {
+        const __m512 t1 = _mm512_fmadd_ps(_mm512_add_ps(q0, _mm512_set1_ps(16.0f)), scale, minus);
+        table = (__m512i)_mm512_cvtne2ps_pbh(t1, t0);
+    } else {
+        table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(t0));
+    }
+    return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), table);
+}
+
 /* Weight rows [n0, n1) as bf16 rows of kp (= K) weights at dst: each chunk decoded as the
  * tiles decode it, then rounded to bf16 (to nearest even). */
 ALWAYS_INLINE void decode_rows_bf16(const gguf_args *A, int64_t n0, int64_t n1, uint16_t *dst,
@@ -202,15 +263,8 @@ ALWAYS_INLINE void decode_rows_bf16(const gguf_args *A, int64_t n0, int64_t n1, 
             const uint8_t *b = row + (int64_t)sb * BB;
             float a[16], m[8] = {0};
             super_scales(b, a, m, T);
-            for (int s = 0; s < 8; s++) {
-                const __m256i q = chunk_q(b, s, T);
-                const float a0 = T == GGML_Q6_K ? a[2 * s] : a[s];
-                const float a1 = T == GGML_Q6_K ? a[2 * s + 1] : a[s];
-                const float m0 = T == GGML_Q6_K ? 0.0f : m[s];
-                const __m512 lo = scale16(_mm256_castsi256_si128(q), a0, m0, T);
-                const __m512 hi = scale16(_mm256_extracti128_si256(q, 1), a1, m0, T);
-                _mm512_store_si512(out + sb * QK_K + 32 * s, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-            }
+            for (int s = 0; s < 8; s++)
+                _mm512_store_si512(out + sb * QK_K + 32 * s, chunk_bf16(b, s, a, m, T));
         }
     }
 }
@@ -234,20 +288,14 @@ ALWAYS_INLINE void dot_tile(const gguf_dot_args *A, int64_t m0, int64_t n, const
         for (int c = 0; c < C; c++) super_scales(blocks + c * rs, a[c], m[c], T);
         for (int s = 0; s < 8; s++) {
             const int k = sb * QK_K + 32 * s;
-            __m512i xv[3];
+            __m512i xv[GGUF_MAX_R];
 #pragma GCC unroll 3
             for (int r = 0; r < R; r++) xv[r] = _mm512_load_si512(xp + r * A->kp + k);
 #pragma GCC unroll 12
             for (int c = 0; c < C; c++) {
                 const uint8_t *block = blocks + c * rs;
                 if (s < 4) __builtin_prefetch(block + C * rs + 64 * s, 0, 0);
-                const __m256i q = chunk_q(block, s, T);
-                const float a0 = T == GGML_Q6_K ? a[c][2 * s] : a[c][s];
-                const float a1 = T == GGML_Q6_K ? a[c][2 * s + 1] : a[c][s];
-                const float m0 = T == GGML_Q6_K ? 0.0f : m[c][s];
-                const __m512 lo = scale16(_mm256_castsi256_si128(q), a0, m0, T);
-                const __m512 hi = scale16(_mm256_extracti128_si256(q, 1), a1, m0, T);
-                const __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
+                const __m512bh wv = (__m512bh)chunk_bf16(block, s, a[c], m[c], T);
 #pragma GCC unroll 3
                 for (int r = 0; r < R; r++)
                     acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], (__m512bh)xv[r], wv);
