@@ -1,7 +1,7 @@
 """The bf16 dot-product linear kernel of several builds side by side, calls interleaved.
 
     python -m experiments.cpu_linear_ab BUILD.so [BUILD.so ...] [--rows 1 32 2048]
-        [--repeats 5] [--torch]
+        [--repeats 5] [--torch] [--gguf Q4_1 Q4_K ...]
 
 Each BUILD.so is a library from the kernel cache (`~/.cache/pdserve/cpu_kernels/`, one
 per source hash: an earlier checkout's build stays there). Per row count, every build
@@ -10,6 +10,8 @@ as in a step) and its LM head (49152 x 576), on one thread; `--torch` adds torch
 native bf16 matmul (oneDNN, x rounded to bf16). The builds take turns pass by pass and
 each reports its fastest pass in this thread's CPU ms: on a shared machine the minimum
 of interleaved runs compares builds far more steadily than medians of separate runs.
+`--gguf TYPES` runs the GGUF layer instead (`experiments.cpu_linear`'s random blocks and
+shapes, weights decoded to bf16), one table per type.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from pathlib import Path
 import torch
 
 from experiments.cpu_attention_ab import fastest
-from experiments.cpu_linear import LAYERS, SHAPES
-from pdserve.kernels import cpu_ops
+from experiments.cpu_linear import GGUF_SHAPES, LAYERS, SHAPES, gguf_pass, random_blocks
+from pdserve.kernels import cpu_ops, gguf_blocks
 from pdserve.kernels.cpu_build import BuiltLibrary
+from pdserve.kernels.cpu_quantized import CpuQuantizedLinear
 
 HEAD = (49152, 576)
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -45,14 +48,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 32, 128, 512, 2048])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--torch", action="store_true", help="add torch's native bf16 matmul")
+    parser.add_argument("--gguf", nargs="+", default=[], help="GGUF block types instead")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    linears: dict[str, Linear] = {}
+    builds: dict[str, cpu_ops.CpuKernels] = {}
     for p in args.builds:
         kernels = cpu_ops.CpuKernels(BuiltLibrary(p, fresh=False))
         if not kernels.bf16_dot_available:
             raise SystemExit(f"{p}: no bf16 dot products in this build or on this CPU")
-        linears[p.name] = kernels.linear
+        builds[p.name] = kernels
+    if args.gguf:
+        compare_gguf(builds, args)
+        return
+    linears: dict[str, Linear] = {name: kernels.linear for name, kernels in builds.items()}
     gen = torch.Generator().manual_seed(0)
     weights = [
         [torch.randn(n, k, generator=gen).bfloat16() for n, k in SHAPES] for _ in range(LAYERS)
@@ -76,6 +84,27 @@ def main(argv: list[str] | None = None) -> None:
             best = fastest(calls, args.repeats)
             cells = " ".join(f"{best[n] * 1e3:9.2f}" for n in names)
             print(f"{rows:6d} rows, {what:8s}{cells}")
+
+
+def compare_gguf(builds: dict[str, cpu_ops.CpuKernels], args: argparse.Namespace) -> None:
+    """Per type and row count, each build's fastest pass of the packed layer in bf16."""
+    qtypes = {name: q for q, (name, _, _) in gguf_blocks.PACKED_TYPES.items()}
+    unknown = [name for name in args.gguf if name not in qtypes]
+    if unknown:
+        raise SystemExit(f"--gguf: {', '.join(unknown)} not served (served: {gguf_blocks.SERVED})")
+    ops = {name: CpuQuantizedLinear(kernels) for name, kernels in builds.items()}
+    gen = torch.Generator().manual_seed(0)
+    print(f"fastest of {args.repeats}, thread CPU ms; columns: " + ", ".join(ops))
+    for name in args.gguf:
+        qtype = qtypes[name]
+        weights = [[random_blocks(qtype, n, k, gen) for n, k in GGUF_SHAPES] for _ in range(LAYERS)]
+        for rows in args.rows:
+            xs = {k: torch.randn(rows, k, generator=gen) for _, k in GGUF_SHAPES}
+            calls: dict[str, Callable[[], object]] = {
+                b: gguf_pass(op, qtype, weights, xs, torch.bfloat16) for b, op in ops.items()
+            }
+            best = fastest(calls, args.repeats)
+            print(f"{name:5s} {rows:6d} rows " + " ".join(f"{best[b] * 1e3:9.2f}" for b in ops))
 
 
 if __name__ == "__main__":
