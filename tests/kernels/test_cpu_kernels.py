@@ -330,19 +330,26 @@ def test_bad_inputs_get_one_line_errors(kernels):
         kernels.write_kv_cache(q[:, :2], q[:, :2], cache, torch.tensor([3, 64]))
 
 
+LOG2E = 1.4426950408889634  # the kernels' base-2 softmax multiplier
+
+
+def _bf16_dot_case(kernels, seed: int, head_dim: int, lens: list[int]):
+    """A bf16 cache of 2 kv heads (block 16) and a float32 query of 6 heads, scale 1/8;
+    skipped where the build or CPU has no bf16 dot products."""
+    if not kernels.bf16_dot_available:
+        pytest.skip("this build or CPU has no AVX512-BF16")
+    gen = torch.Generator().manual_seed(seed)
+    batch = make_paged_batch(lens, 2, head_dim, 16, BF16, gen)
+    return batch, torch.randn(len(lens), 6, head_dim, generator=gen) * 3, 0.125
+
+
 def test_bf16_cache_scores_take_the_query_rounded_to_bf16(kernels):
     """Where the CPU has bf16 dot products, a bf16 cache's scores use the scaled query
     rounded to bf16 once: a float32 query then matches the reference given that rounded
     query to float32 tolerance (against the unrounded query it is ~5e-3 off). head_dim 72 takes the
     masked tail step."""
-    if not kernels.bf16_dot_available:
-        pytest.skip("this build or CPU has no AVX512-BF16")
-    gen = torch.Generator().manual_seed(17)
-    heads, kv_heads, d, bs, scale = 6, 2, 72, 16, 0.125
-    lens = [1, 33, 70]
-    batch = make_paged_batch(lens, kv_heads, d, bs, BF16, gen)
-    query = torch.randn(len(lens), heads, d, generator=gen) * 3
-    log2e = torch.tensor(1.4426950408889634)  # the kernels' base-2 softmax multiplier
+    batch, query, scale = _bf16_dot_case(kernels, 17, 72, [1, 33, 70])
+    log2e = torch.tensor(LOG2E)
     rounded = (query * (torch.tensor(scale) * log2e)).to(BF16).float() / log2e
     tables, lens_t = batch.block_tables, batch.context_lens
     out = kernels.decode_attention(query, batch.kv_cache, tables, lens_t, scale)
@@ -357,15 +364,10 @@ def test_bf16_cache_values_take_the_probabilities_rounded_to_bf16(kernels):
     rounded query; the kernel matches it to float32 tolerance, and the float32
     probabilities' output would be ~1e-3 off. Odd contexts leave the last token pair's
     second row unread (a NaN-poisoned slot)."""
-    if not kernels.bf16_dot_available:
-        pytest.skip("this build or CPU has no AVX512-BF16")
-    gen = torch.Generator().manual_seed(23)
-    heads, kv_heads, d, bs, scale = 6, 2, 64, 16, 0.125
     lens = [1, 9, 16]
-    batch = make_paged_batch(lens, kv_heads, d, bs, BF16, gen)
-    query = torch.randn(len(lens), heads, d, generator=gen) * 3
-    log2e = 1.4426950408889634  # the kernels' base-2 softmax multiplier
-    q2 = (query * torch.tensor(scale * log2e)).to(BF16).double()  # as begin_row rounds it
+    batch, query, scale = _bf16_dot_case(kernels, 23, 64, lens)
+    heads, kv_heads, d = query.shape[1], batch.kv_cache.shape[2], query.shape[2]
+    q2 = (query * torch.tensor(scale * LOG2E)).to(BF16).double()  # as begin_row rounds it
     out = kernels.decode_attention(
         query, batch.kv_cache, batch.block_tables, batch.context_lens, scale
     )
