@@ -56,7 +56,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_threads: int | None = None  # torch threads; None: all cores
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device's memory this engine may use
-    enforce_eager: bool = False  # CUDA: run decode steps eagerly (no CUDA graphs)
+    # Decode steps eagerly: no CUDA graphs, and on CPU no recorded programs (cpu_decode.py).
+    enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None  # decode batch sizes to capture; None: defaults
     # Ranks of a tensor-parallel worker group (one process each; 1: in the driver's process).
     tensor_parallel_size: int = 1

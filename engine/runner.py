@@ -15,6 +15,7 @@ from pdserve.engine.step_inputs import StepInputs, attention_inputs
 from pdserve.scheduler.outputs import ScheduledChunk
 
 if TYPE_CHECKING:
+    from pdserve.engine.cpu_decode import CpuDecodeSteps
     from pdserve.engine.device_runner import DeviceRunner
     from pdserve.engine.models.llama import LlamaForCausalLM
 
@@ -52,6 +53,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device_runner: DeviceRunner | None = None  # set by the engine on CUDA
+        self.cpu_steps: CpuDecodeSteps | None = None  # set by the engine on CPU
 
     def prepare(self, scheduled: list[ScheduledChunk]) -> StepBatch:
         # Single-token chunks first: the attention op takes decodes before prefills.
@@ -121,6 +123,16 @@ class ModelRunner:
             return self.device_runner.execute_eagerly(batch)  # graphs sample one row a request
         if self.device_runner is not None:
             return self.device_runner.execute(batch)
+        steps = self.cpu_steps
+        if (
+            steps is not None
+            and not batch.prompt_spans
+            and batch.logits_indices.numel()
+            and steps.can_run(batch.meta)
+        ):
+            logits = steps.run(batch.token_ids, batch.positions, batch.meta, batch.logits_indices)
+            if logits is not None:
+                return logits
         hidden = self.model(batch.token_ids, batch.positions, self.kv_cache.layers, batch.meta)
         if batch.logits_indices.numel() == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)

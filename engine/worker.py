@@ -31,6 +31,7 @@ from pdserve.engine.checkpoint import (
     load_model_config,
 )
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu_decode import CpuDecodeSteps
 from pdserve.engine.device_runner import DeviceRunner
 from pdserve.engine.embedded import served_model_path
 from pdserve.engine.executor import RankConnector
@@ -147,13 +148,7 @@ class ModelWorker:
             # (agreed outside the turn: another stage may wait for this GPU's turn)
             num_blocks = stage.agree_min(num_blocks, self.device)
             self.kv_cache = KVCache(shape, num_blocks, self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
-        # Decode graphs are captured here, once the KV cache exists (whole model only: a
-        # pipeline stage stages its inputs through the device runner and runs eagerly).
-        if on_cuda:
-            self.runner.device_runner = DeviceRunner.for_engine(
-                self.model, self.kv_cache, config, self.max_model_len, graphs=not stage.enabled
-            )
+        self.runner = self._make_runner(config, stage)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(generation_config.eos_token_ids) | frozenset(
             mc.eos_token_ids
@@ -195,6 +190,25 @@ class ModelWorker:
             weight_format=weight_format(self.model),
             dtype=model_dtype,
         )
+
+    def _make_runner(self, config: EngineConfig, stage: PipelineStage) -> ModelRunner:
+        """The step runner, once the KV cache exists: on CUDA with its decode graphs
+        (whole model only: a pipeline stage stages its inputs through the device runner
+        and runs eagerly), on CPU with small decode batches as one C call each."""
+        runner = ModelRunner(self.model, self.kv_cache, config.block_size)
+        if self.device.type == "cuda":
+            runner.device_runner = DeviceRunner.for_engine(
+                self.model, self.kv_cache, config, self.max_model_len, graphs=not stage.enabled
+            )
+        elif not config.enforce_eager:
+            runner.cpu_steps = CpuDecodeSteps.for_model(
+                self.model,
+                self.kv_cache.layers,
+                config.max_num_seqs,
+                self.max_model_len,
+                config.block_size,
+            )
+        return runner
 
     def _kv_shape(
         self, mc: ModelConfig, stage: PipelineStage, model_dtype: str

@@ -35,6 +35,8 @@ SOURCES = (
     "linear.c",
     "rotary.c",
     "norm.c",
+    "activation.c",
+    "program.c",
     "linear_bf16.c",
     "linear_int8.c",
     "linear_gguf.c",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from typing import Protocol
 
 import torch
 
@@ -37,7 +38,7 @@ class BoundCall:
     `layout` (its size checked against the library's `pd_<op>_call_size()`), whose last
     field receives the index of a bad input."""
 
-    __slots__ = ("_args", "_pack", "_run")
+    __slots__ = ("_args", "_pack", "_run", "address")
 
     def __init__(self, lib: ctypes.CDLL, op: str, name: str, layout: struct.Struct):
         size_fn = getattr(lib, f"pd_{op}_call_size")
@@ -47,18 +48,57 @@ class BoundCall:
         self._run = getattr(lib, name)
         self._run.argtypes = [ctypes.POINTER(ctypes.c_int64)]
         self._run.restype = ctypes.c_int
+        # The entry point's address, for a program of calls (kernels/cpu/program.c).
+        self.address = ctypes.cast(self._run, ctypes.c_void_p).value or 0
         self._pack = layout.pack_into
         self._args = ctypes.c_int64 * (layout.size // 8)
 
-    def run(self, *fields: float) -> None:
-        """Packs the fields (all but the bad-input slot) in the struct's order and calls;
-        a non-zero return becomes a one-line ValueError naming the bad input."""
+    def pack(self, *fields: float) -> ctypes.Array[ctypes.c_int64]:
+        """The argument struct of a call: the fields (all but the bad-input slot) in the
+        struct's order."""
         args = self._args()
         self._pack(args, 0, *fields, -1)
-        rc = self._run(args)
+        return args
+
+    def run(self, *fields: float) -> None:
+        """Packs the fields and calls; a non-zero return becomes a one-line ValueError
+        naming the bad input."""
+        self.call(self.pack(*fields))
+
+    def call(self, args: ctypes.Array[ctypes.c_int64]) -> None:
+        """Calls on a packed struct (`pack`), raising as `run` does."""
+        rc = self.invoke(args)
         if rc:
-            message = _ERRORS.get(rc, f"CPU kernel failed with code {rc}")
-            raise ValueError(message.format(i=args[-1]))
+            raise ValueError(error_message(rc, args[-1]))
+
+    def invoke(self, args: ctypes.Array[ctypes.c_int64]) -> int:
+        """Calls on a packed struct and returns the entry point's code (0: done)."""
+        return int(self._run(args))
+
+
+class CallSink(Protocol):
+    """Where a recorded call's packed struct goes (`cpu_program.CpuProgram`)."""
+
+    def append(self, call: BoundCall, args: ctypes.Array[ctypes.c_int64]) -> None: ...
+
+
+class RecordedCall:
+    """A BoundCall's stand-in while a program is recorded: `run` packs the struct as the
+    call would and hands it to the sink instead of calling."""
+
+    __slots__ = ("_bound", "_sink")
+
+    def __init__(self, bound: BoundCall, sink: CallSink):
+        self._bound = bound
+        self._sink = sink
+
+    def run(self, *fields: float) -> None:
+        self._sink.append(self._bound, self._bound.pack(*fields))
+
+
+def error_message(rc: int, bad: int) -> str:
+    """The one line of a kernel's error code `rc`, naming the bad input's index."""
+    return _ERRORS.get(rc, f"CPU kernel failed with code {rc}").format(i=bad)
 
 
 def dtype_code(name: str, t: Tensor) -> int:

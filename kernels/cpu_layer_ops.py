@@ -1,9 +1,11 @@
 """The CPU C kernels of a decoder layer's element-wise ops, bound with ctypes like
 `pdserve.kernels.cpu_ops` (whose library they share): the query and key rotation with
-the KV-cache write (kernels/cpu/rotary.c) and RMSNorm with its residual add
-(kernels/cpu/norm.c). Each replaces a handful of torch ops (a few microseconds of
-dispatch each, ~60 norms and 30 rotations a decode step) by one call, with the same
-float32 values: `reference.py` defines them, the tests compare bit for bit.
+the KV-cache write (kernels/cpu/rotary.c), RMSNorm with its residual add
+(kernels/cpu/norm.c) and the MLP's silu-and-multiply (kernels/cpu/activation.c). Each
+replaces a handful of torch ops (a few microseconds of dispatch each, ~60 norms and 30
+rotations a decode step) by one call, with the same
+float32 values (the activation's within a few ulps): `reference.py` defines them, the
+tests compare.
 """
 
 from __future__ import annotations
@@ -102,3 +104,19 @@ class CpuLayerOps:
             *(rows, n, torch.get_num_threads(), float(eps)),
         )
         return out if summed is None else (out, summed)
+
+    def silu_and_mul(self, gate_up: Tensor) -> Tensor:
+        """`reference.silu_and_mul_ref` on float32 rows (within a few ulps: see
+        kernels/cpu/activation.c); anything else runs the reference."""
+        width = gate_up.shape[-1] if gate_up.dim() else 0
+        rows = row_count(gate_up)
+        if gate_up.dtype != torch.float32 or rows == 0 or width % 2:
+            return reference.silu_and_mul_ref(gate_up)
+        x2 = as_rows(gate_up, rows, width)
+        n = width // 2
+        out = torch.empty(*gate_up.shape[:-1], n, dtype=torch.float32)
+        self.kernels.silu_call.run(
+            *(x2.data_ptr(), x2.stride(0), out.data_ptr(), n),
+            *(rows, n, torch.get_num_threads()),
+        )
+        return out

@@ -19,6 +19,7 @@ when that fails.
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import struct
 import sys
@@ -30,6 +31,8 @@ from pdserve.kernels.cpu_build import BuildError, BuiltLibrary, ensure_built
 from pdserve.kernels.cpu_fields import (
     DTYPES,
     BoundCall,
+    CallSink,
+    RecordedCall,
     cache_fields,
     dtype_code,
     index_code,
@@ -80,7 +83,24 @@ _CALLS = {
     # x, residual, weight, out, residual out (pointer and row stride each, the weight's
     # pointer only), rows, n, threads; eps.
     "norm": ("pd_rms_norm", struct.Struct("<12qdq")),
+    # gate/up, its row stride, out, its row stride, rows, n (the intermediate size),
+    # threads (kernels/cpu/activation.c).
+    "silu": ("pd_silu_and_mul", struct.Struct("<8q")),
+    # the ops (entry and struct address each), their count (kernels/cpu/program.c).
+    "program": ("pd_run_program", struct.Struct("<3q")),
 }
+# The attributes holding the bound calls the ops make (`recording` swaps them).
+_OP_CALLS = (
+    "write_call",
+    "decode_call",
+    "prefill_call",
+    "linear_call",
+    "int8_call",
+    "gguf_call",
+    "rotary_call",
+    "norm_call",
+    "silu_call",
+)
 # Weight dtypes the C linear layer reads (float32 activations against either).
 _LINEAR_WEIGHTS = (torch.float32, torch.bfloat16)
 
@@ -107,6 +127,17 @@ class CpuKernels:
         self.gguf_call = calls["linear_gguf"]
         self.rotary_call = calls["rotary"]
         self.norm_call = calls["norm"]
+        self.silu_call = calls["silu"]
+        self.program_call = calls["program"]
+
+    def recording(self, sink: CallSink) -> CpuKernels:
+        """These kernels with every op's call handed to `sink` (packed, not run): what a
+        program of calls is recorded from (`cpu_program.py`), through the same argument
+        checks and packing as a call made now."""
+        view = copy.copy(self)
+        for name in _OP_CALLS:
+            setattr(view, name, RecordedCall(getattr(self, name), sink))
+        return view
 
     def describe(self) -> str:
         linear = "bf16 dot-product" if self.bf16_dot else "float32"
@@ -264,6 +295,7 @@ def register(kernels: CpuKernels) -> None:
     layer_ops = CpuLayerOps(kernels)
     dispatch.register_cpu("rotary_write_kv_cache", layer_ops.rotary_write_kv_cache)
     dispatch.register_cpu("rms_norm", layer_ops.rms_norm)
+    dispatch.register_cpu("silu_and_mul", layer_ops.silu_and_mul)
     from pdserve.kernels.cpu_quantized import CpuQuantizedLinear
 
     quantized = CpuQuantizedLinear(kernels)

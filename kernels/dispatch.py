@@ -45,6 +45,7 @@ _CPU: dict[str, Callable[..., Any]] = {}
 _cpu_load_attempted = False
 _cpu_unavailable_reason: str | None = None
 _cpu_description = ""
+_cpu_loaded: Any = None  # the loaded `cpu_ops.CpuKernels`
 _cpu_enabled = os.environ.get("PDSERVE_CPU_KERNELS", "1") != "0"
 _log = logging.getLogger("pdserve.kernels")
 
@@ -91,7 +92,7 @@ def register_cpu(name: str, fn: Callable[..., Any]) -> None:
 def load_cpu_kernels() -> bool:
     """Build (first time), load and register the C kernels once; False (reason kept
     and logged once) if that fails."""
-    global _cpu_load_attempted, _cpu_unavailable_reason, _cpu_description
+    global _cpu_load_attempted, _cpu_unavailable_reason, _cpu_description, _cpu_loaded
     if not _cpu_load_attempted:
         _cpu_load_attempted = True
         from pdserve.kernels import cpu_build, cpu_ops
@@ -104,7 +105,14 @@ def load_cpu_kernels() -> bool:
         else:
             cpu_ops.register(loaded)
             _cpu_description = loaded.describe()
+            _cpu_loaded = loaded
     return _cpu_unavailable_reason is None
+
+
+def cpu_kernels() -> Any:
+    """The loaded `cpu_ops.CpuKernels` the CPU ops run, or None where they run the
+    references (kernels off, or the build failed)."""
+    return _cpu_loaded if _cpu_enabled and load_cpu_kernels() else None
 
 
 def set_cpu_kernels_enabled(enabled: bool) -> None:
