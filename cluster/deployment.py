@@ -235,7 +235,7 @@ SHARED_ENGINE_FLAGS = (
     *("dtype", "quantization", "kv_cache_dtype", "calculate_kv_scales", "tokenizer"),
     *("generation_config", "seed"),
     *("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"),  # scheduling
-    *("enable_prefix_caching", "pipeline_parallel_size"),
+    *("enable_prefix_caching", "pipeline_parallel_size", "enforce_eager"),
 )
 
 

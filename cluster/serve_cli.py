@@ -129,6 +129,12 @@ def _add_model_flags(model: argparse._ArgumentGroup) -> None:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
     model.add_argument("--seed", type=int, default=0)
+    model.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every decode step op by op: no CUDA graphs, and on CPU no decode steps "
+        "recorded as one C call",
+    )
 
 
 def _add_structured_output_flags(model: argparse._ArgumentGroup) -> None:

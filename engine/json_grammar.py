@@ -25,6 +25,10 @@ import json
 import re
 from typing import Any
 
+# Whitespace between two JSON tokens, at most: a greedy model can otherwise pick
+# whitespace after whitespace until max_tokens (a known loop of unbounded JSON grammars);
+# 16 still holds a newline and the indent of pretty-printed JSON seven levels deep.
+MAX_WHITESPACE_RUN = 16
 INT_DIGITS = 19  # a signed 64-bit integer has up to 19 digits
 FLOAT_DIGITS = 17  # significant digits that tell any two doubles apart
 EXPONENT_DIGITS = 3  # a double's exponent is below 309
@@ -111,13 +115,17 @@ def _given(schema: dict[str, Any], names: tuple[str, ...]) -> float | None:
 
 def json_schema_grammar(schema: str, any_whitespace: bool) -> str:
     """The EBNF for one JSON value that `schema` (JSON text) allows, numbers bounded;
-    `any_whitespace`: any whitespace between tokens (vLLM's default), else compact
-    separators (`", "` and `": "`)."""
+    `any_whitespace`: whitespace between tokens (vLLM's default), at most
+    MAX_WHITESPACE_RUN characters at a time, else compact separators (`", "` and
+    `": "`)."""
     import xgrammar as xgr
 
     bounded = json.dumps(bound_ranges(json.loads(schema)))
-    ebnf = str(xgr.Grammar.from_json_schema(bounded, any_whitespace=any_whitespace))
-    return bound_numbers(ebnf)
+    run = MAX_WHITESPACE_RUN if any_whitespace else None
+    grammar = xgr.Grammar.from_json_schema(
+        bounded, any_whitespace=any_whitespace, max_whitespace_cnt=run
+    )
+    return bound_numbers(str(grammar))
 
 
 def bound_numbers(ebnf: str) -> str:

@@ -3,6 +3,7 @@ op and by stage.
 
     python -m experiments.decode_step_cost [--batches 1 32] [--steps 40] [--rounds 3]
         [--threads 1 --clock cpu] [--dtype float32 --quantization int8] [--prefill 2000]
+        [--untimed [--enforce-eager]]
 
 Each batch runs `batch` greedy requests of random 128-token prompts through the
 prefill, then times `--steps` decode steps, `--rounds` times (the median round is
@@ -17,6 +18,9 @@ forward / sample (the scheduler, the plan, the deltas). A timer costs ~0.2 us a 
 on the wall clock, ~1 us on the CPU clock (a system call), ~300 calls a step.
 `--clock cpu` counts this thread's CPU time: with `--threads 1` every op runs on it,
 and time the core spent on other processes of a busy machine drops out.
+The timed breakdown runs the eager forward (a decode step recorded as one C call,
+`engine/cpu_decode.py`, calls none of the timed ops); `--untimed` times the steps as
+the engine runs them, recorded unless `--enforce-eager`.
 """
 
 from __future__ import annotations
@@ -173,7 +177,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
-    parser.add_argument("--untimed", action="store_true", help="step wall time only, no timers")
+    parser.add_argument(
+        "--untimed",
+        action="store_true",
+        help="step wall time only, no timers; decode batches of up to 8 then run as one C "
+        "call each (engine/cpu_decode.py) unless --enforce-eager",
+    )
+    parser.add_argument("--enforce-eager", action="store_true", help="no recorded decode steps")
     parser.add_argument("--prefill", type=int, default=0, help="also time an N-token prompt")
     args = parser.parse_args(argv)
     global now
@@ -181,11 +191,14 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(
         model=args.model, dtype=args.dtype, quantization=args.quantization,
         num_threads=args.threads, max_num_seqs=256,
+        # The timers wrap the ops the eager forward calls: a recorded step calls none.
+        enforce_eager=args.enforce_eager or not args.untimed,
     )  # fmt: skip
     print(
         f"dtype {args.dtype}, quantization {args.quantization}, weights "
         f"{llm.engine.info.weight_bytes / 2**20:.0f} MiB, {torch.get_num_threads()} threads, "
-        f"{args.clock} clock, {llm.engine.info.kernels}"
+        f"{args.clock} clock, {llm.engine.info.kernels}, "
+        f"{'eager' if llm.engine.config.enforce_eager else 'recorded'} decode steps"
     )
     for batch in args.batches:
         start_requests(llm, batch, args.prompt_len, args.steps)

@@ -8,7 +8,7 @@ import json
 import pytest
 import xgrammar as xgr
 
-from pdserve.engine.json_grammar import bound_ranges, json_schema_grammar
+from pdserve.engine.json_grammar import MAX_WHITESPACE_RUN, bound_ranges, json_schema_grammar
 
 COMPILER = xgr.GrammarCompiler(xgr.TokenizerInfo([]))  # strings only: no vocabulary needed
 
@@ -86,3 +86,13 @@ def test_whitespace_between_tokens_is_free_unless_turned_off() -> None:
     assert accepts(schema, loose)
     assert not accepts(schema, loose, any_whitespace=False)
     assert accepts(schema, '{"a": 1}', any_whitespace=False)
+
+
+def test_a_run_of_whitespace_between_tokens_is_bounded() -> None:
+    """A greedy model that keeps picking newlines must come to the next token."""
+    schema = {"type": "object", "properties": {"a": INTEGER}, "required": ["a"]}
+    nested = {"type": "object", "properties": {"b": schema}, "required": ["b"]}
+    assert accepts(schema, '{"a": 1' + "\n" * MAX_WHITESPACE_RUN + "}")
+    assert not accepts(schema, '{"a": 1' + "\n" * (MAX_WHITESPACE_RUN + 1) + "}")
+    pretty = json.dumps({"b": {"a": 1}}, indent=2)
+    assert accepts(nested, pretty) and accepts(nested, pretty.replace("  ", " " * 7))
