@@ -12,7 +12,9 @@
   attention arithmetic for decode and prefill (`cpu/attend.h`); the query and key
   rotation with the KV-cache write, straight from the fused QKV projection, one call
   per layer (`cpu/rotary.c`); RMSNorm with its residual add (`cpu/norm.c`), summing in
-  torch's order so float32 values stay the reference's; the linear layer at every row
+  torch's order so float32 values stay the reference's; the MLP's silu-and-multiply
+  (`cpu/activation.c`); a program of recorded calls run as one (`cpu_program.py`,
+  `cpu/program.c`: a decode step's forward); the linear layer at every row
   count (`cpu/linear.c`, `cpu/linear_bf16.c`), and its weight-only int8 form
   (`cpu/linear_int8.c`, bound in `cpu_quantized.py`: int8 rows widened in registers, times
   one scale per group of inputs), and the GGUF block formats Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the
