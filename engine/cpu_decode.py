@@ -97,7 +97,7 @@ class _Recorder:
         assert model.norm is not None and model.embed is not None  # unrecordable_reason
         out, _ = self._op(model.norm, out, residual)
         head = model.embed if model.lm_head is None else model.lm_head
-        logits = self._one(self.view.linear, out, head)
+        logits = self._project(out, head, None, None)
         self.program.seal()
         return _Step(self.program, hidden, logits, self.kept)
 
@@ -234,7 +234,7 @@ class CpuDecodeSteps:
         model = self.model
         assert model.embed is not None  # recorded: the whole model
         table = self.inputs.buffers["token_ids"][:n]
-        step.hidden.copy_(torch.nn.functional.embedding(table, model.embed))
+        step.hidden.copy_(model.tp.embed(table, model.embed, model.cfg.vocab_size, torch.float32))
         step.program.run()
         return step.logits.index_select(0, staged)
 

@@ -3,9 +3,10 @@
 Each decoder layer's matrices (QKV, output, gate/up, down) become `PackedMatrix`es of the
 file's blocks with their scales (`engine/models/packed.py`), read with plain reads of exactly
 this rank's rows or block-aligned columns (`engine/gguf_file.py`); no float copy of such a
-matrix exists at any point. The embedding and an untied LM head are dequantized, a few
-rows at a time, straight into the serving dtype's table: the logits and every token's
-first hidden state come from them. Norms are read as they are.
+matrix exists at any point. The embedding and an untied LM head stay in the file's
+blocks too where it keeps them so (a `PackedMatrix` of one segment: the LM head reads its
+blocks, a token's embedding is its row dequantized); tables the file keeps in F32/F16/BF16
+are read, a few rows at a time, into the serving dtype's. Norms are read as they are.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ MATRICES = {
     ("mlp", "down"): ("mlp.down_proj.weight",),
 }
 MATRIX_KEYS = frozenset(key for keys in MATRICES.values() for key in keys)
+# The vocabulary tables (Hugging Face name → model attribute), kept in the file's blocks.
+TABLES = {"model.embed_tokens.weight": "embed", "lm_head.weight": "lm_head"}
 ROWS_PER_READ = 256  # rows of a table dequantized at a time: well under a MiB a temporary
 
 
@@ -63,8 +66,19 @@ def load_gguf_weights(file: GGUFFile, model: LlamaForCausalLM, dtype: torch.dtyp
             raise GGUFError(
                 f"{file.path}: tensor {name!r} has shape {list(found)}, expected {list(shape)}"
             )
-    _narrow_tables(model, dtype)
-    GGUFWeights(file, model, compute_dtype(dtype, "cpu"), packed_dtype(dtype)).load()
+    packed_tables = [
+        attr for name, attr in TABLES.items() if _holds(model, attr) and file.tensor(name).packed
+    ]
+    _narrow_tables(model, dtype, skip=packed_tables)
+    weights = GGUFWeights(file, model, compute_dtype(dtype, "cpu"), packed_dtype(dtype))
+    for name, attr in TABLES.items():
+        if attr in packed_tables:
+            setattr(model, attr, weights.packed_table(name))
+    weights.load()
+
+
+def _holds(model: LlamaForCausalLM, attr: str) -> bool:
+    return getattr(model, attr) is not None
 
 
 def packed_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -74,11 +88,16 @@ def packed_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def _narrow_tables(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+def _narrow_tables(model: LlamaForCausalLM, dtype: torch.dtype, skip: list[str]) -> None:
     """The embedding and head tables made in the stored dtype before they are filled, so
-    no compute-dtype copy of them exists beside the stored one."""
+    no compute-dtype copy of them exists beside the stored one (those in `skip` stay as
+    the file's blocks: their parameter goes)."""
     for name in ("embed", "lm_head"):
         table = getattr(model, name)
+        if name in skip:
+            delattr(model, name)
+            setattr(model, name, None)  # the blocks take its place (`packed_table`)
+            continue
         if table is None or table.dtype == dtype:
             continue
         shape = table.shape
@@ -110,8 +129,23 @@ class GGUFWeights:
                 delattr(module, f"{prefix}_weight")  # the float parameter, never filled
                 setattr(module, f"{prefix}_weight", PackedMatrix(segments, self.packed))
         for name, _ in model.expected_weights():
+            if name in TABLES and isinstance(getattr(model, TABLES[name]), PackedMatrix):
+                continue  # set whole from the file's blocks (`packed_table`)
             if name.split(".", 3)[-1] not in MATRIX_KEYS:
                 self.copy_rows(name)
+
+    def packed_table(self, name: str) -> PackedMatrix:
+        """A table kept in the file's blocks, this rank's rows of it (the LM head's
+        products then read a quarter to a half of a bf16 copy's bytes): the last
+        tensor-parallel rank's padding rows are zero bytes, which every block type
+        decodes to zeros."""
+        t = self.file.tensor(name)
+        cfg = self.model.cfg
+        start, stop, per = self.model.tp.vocab_rows(cfg.vocab_size)
+        rows = as_tensor(t, self.file.read_rows(name, start, stop))
+        if rows.shape[0] < per:
+            rows = torch.cat((rows, rows.new_zeros(per - rows.shape[0], rows.shape[1])))
+        return PackedMatrix([(rows, t.qtype)], self.packed)
 
     def read_matrix(self, name: str) -> tuple[Tensor, int]:
         """This rank's part of a matrix: its rows, or its columns for a row-parallel one."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -71,15 +71,28 @@ class TensorParallel:
         return torch.cat(parts, dim=-1)
 
     def embed(
-        self, token_ids: Tensor, table: Tensor, vocab_size: int, dtype: torch.dtype
+        self, token_ids: Tensor, table: Tensor | RowTable, vocab_size: int, dtype: torch.dtype
     ) -> Tensor:
-        """Rows of a vocabulary-split table, in `dtype`: each rank looks up its own ids,
-        zeros the rest, and the all-reduce sums the one non-zero row of each token."""
+        """Rows of a vocabulary-split table (a tensor, or GGUF blocks), in `dtype`: each
+        rank looks up its own ids, zeros the rest, and the all-reduce sums the one non-zero
+        row of each token."""
         if not self.enabled:
-            return torch.nn.functional.embedding(token_ids, table).to(dtype)
+            return _lookup(table, token_ids, dtype)
         start, stop, _ = self.vocab_rows(vocab_size)
         outside = (token_ids < start) | (token_ids >= stop)
         local = torch.where(outside, torch.zeros_like(token_ids), token_ids - start)
-        rows = torch.nn.functional.embedding(local, table).to(dtype)
+        rows = _lookup(table, local, dtype)
         rows = rows.masked_fill(outside[:, None], 0.0)
         return self.all_reduce(rows)
+
+
+class RowTable(Protocol):
+    """A table kept in another form than a tensor (`packed.PackedMatrix`: GGUF blocks)."""
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor: ...
+
+
+def _lookup(table: Tensor | RowTable, ids: Tensor, dtype: torch.dtype) -> Tensor:
+    if isinstance(table, Tensor):
+        return torch.nn.functional.embedding(ids, table).to(dtype)
+    return table.rows(ids, dtype)

@@ -15,14 +15,13 @@ import torch
 from torch import nn
 
 from pdserve.engine.models.int8 import Int8Linears
-from pdserve.engine.models.packed import project
+from pdserve.engine.models.packed import PackedMatrix, project
 from pdserve.engine.models.rope import cos_sin_cache
 from pdserve.engine.parallel import TensorParallel
 from pdserve.engine.pipeline import PipelineStage
 from pdserve.kernels import (
     AttentionMetadata,
     attend_cached,
-    linear,
     paged_attention,
     rms_norm,
     rotary_embedding,
@@ -176,7 +175,8 @@ class LlamaForCausalLM(nn.Module):
         self.stage = stage = stage or PipelineStage.of(cfg.num_hidden_layers)
         vocab_rows = tp.vocab_rows(cfg.vocab_size)[2]
         tied_head = stage.is_last and cfg.tie_word_embeddings
-        self.embed = (
+        # Tables are parameters, or GGUF blocks (`PackedMatrix`) where a file keeps them so.
+        self.embed: Tensor | PackedMatrix | None = (
             nn.Parameter(torch.zeros(vocab_rows, cfg.hidden_size), requires_grad=False)
             if stage.is_first or tied_head
             else None
@@ -185,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(cfg, i, tp) for i in range(stage.layer_start, stage.layer_end)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.is_last else None
-        self.lm_head = (
+        self.lm_head: Tensor | PackedMatrix | None = (
             nn.Parameter(torch.zeros(vocab_rows, cfg.hidden_size), requires_grad=False)
             if stage.is_last and not cfg.tie_word_embeddings
             else None
@@ -243,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         head = self.embed if self.lm_head is None else self.lm_head
         assert head is not None  # the last stage: it holds the head (or the tied table)
-        logits = linear(hidden, head).float()
+        logits = project(hidden, head, None, None).float()
         if not self.tp.enabled:
             return logits
         return self.tp.gather_columns(logits)[:, : self.cfg.vocab_size]
@@ -326,11 +326,12 @@ class LlamaForCausalLM(nn.Module):
     def target_of(self, name: str) -> tuple[Tensor, int]:
         """The parameter slice a Hugging Face tensor is copied into: (param, row offset)."""
         # Only names of expected_weights() come here: the stage holds what they name.
-        if name == "model.embed_tokens.weight" and self.embed is not None:
+        # (A table held as GGUF blocks is never a target: the GGUF loader sets it whole.)
+        if name == "model.embed_tokens.weight" and isinstance(self.embed, Tensor):
             return self.embed, 0
         if name == "model.norm.weight" and self.norm is not None:
             return self.norm.weight, 0
-        if name == "lm_head.weight" and self.lm_head is not None:
+        if name == "lm_head.weight" and isinstance(self.lm_head, Tensor):
             return self.lm_head, 0
         parts = name.split(".")
         layer = cast(DecoderLayer, self.layers[int(parts[2]) - self.stage.layer_start])

@@ -15,7 +15,7 @@ from torch import nn
 
 from pdserve.engine.models import int8
 from pdserve.kernels import linear, linear_gguf
-from pdserve.kernels.gguf_blocks import type_name
+from pdserve.kernels.gguf_blocks import dequantize_rows, type_name
 
 Tensor = torch.Tensor
 PLAIN = -1  # the qtype of a plain segment
@@ -54,6 +54,16 @@ class PackedMatrix(nn.Module):
         ]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return y if bias is None else y + bias
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """Rows `ids` of a one-segment matrix (an embedding table) in `dtype`, holding the
+        values its products multiply with (`weight_dtype`'s)."""
+        if len(self._segments) != 1:
+            raise ValueError("row lookups need a matrix of one segment")
+        weight, qtype = self._segments[0]
+        if qtype == PLAIN:
+            return weight[ids].to(self.weight_dtype).to(dtype)
+        return dequantize_rows(weight[ids], qtype).to(self.weight_dtype).to(dtype)
 
     def format_names(self) -> list[str]:
         return [type_name(q) if q != PLAIN else str(w.dtype) for w, q in self.segments()]

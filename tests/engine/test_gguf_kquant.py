@@ -113,8 +113,8 @@ def test_q5_rows_beside_k_quants_give_the_tokens_of_the_same_model_in_float32(ll
                    layer.mlp.gate_up_weight, layer.mlp.down_weight)]  # fmt: skip
         assert formats == [["Q5_0", "Q5_1"], ["Q5_0"], ["Q5_0"], down]
     assert set(q5_llm.engine.info.weight_format.removeprefix("GGUF ").split("/")) == {
-        "Q5_0", "Q5_1", "Q4_K", "Q6_K"
-    }  # fmt: skip
+        "Q5_0", "Q5_1", "Q4_K", "Q6_K", "Q8_0"
+    }  # fmt: skip  (Q8_0: the file's embedding table)
 
 
 def test_q5_weight_bytes_and_tp2_slices_are_whole_32_weight_blocks(files, llm):
@@ -124,7 +124,9 @@ def test_q5_weight_bytes_and_tp2_slices_are_whole_32_weight_blocks(files, llm):
     packed = sum(t.nbytes for name, t in file.tensors.items() if name.startswith("model.layers.")
                  and len(t.shape) == 2)  # fmt: skip
     vectors = sum(t.shape[0] for t in file.tensors.values() if len(t.shape) == 1)
-    assert llm("q5").engine.info.weight_bytes == packed + 4 * (VOCAB * Q5_HIDDEN + vectors)
+    table = file.tensors["model.embed_tokens.weight"]
+    assert table.type_name == "Q8_0"  # kept in its blocks too
+    assert llm("q5").engine.info.weight_bytes == packed + table.nbytes + 4 * vectors
     check_tp_blocks(files["q5_folder"], 2)
     config = _tiny_config(files["q5"])
     whole = load_gguf_model(files["q5"], config).layers[1].attn.o_weight.segments()
@@ -147,13 +149,16 @@ def test_the_matrices_stay_packed_and_the_weight_bytes_are_the_files(files, llm)
         assert all(isinstance(m, PackedMatrix) for m in matrices)
         assert all(w.dtype == torch.uint8 for m in matrices for w, _ in m.segments())
     info = kquant_llm.engine.info
-    assert set(info.weight_format.removeprefix("GGUF ").split("/")) == {"Q4_K", "Q5_K", "Q6_K"}
+    formats = set(info.weight_format.removeprefix("GGUF ").split("/"))
+    assert formats == {"Q4_K", "Q5_K", "Q6_K"}  # the table's Q6_K among them
     file = GGUFFile(files["kquant"])
     packed = sum(t.nbytes for name, t in file.tensors.items() if name.startswith("model.layers.")
                  and len(t.shape) == 2)  # fmt: skip
     vectors = sum(t.shape[0] for t in file.tensors.values() if len(t.shape) == 1)
-    # The layers' blocks as the file holds them, the Q6_K table and the norms in float32.
-    assert info.weight_bytes == packed + 4 * (VOCAB * HIDDEN + vectors)
+    # The layers' and the table's blocks as the file holds them, the norms in float32.
+    table = file.tensors["model.embed_tokens.weight"]
+    assert table.type_name == "Q6_K"
+    assert info.weight_bytes == packed + table.nbytes + 4 * vectors
 
 
 def test_tp2_ranks_hold_packed_rows_and_whole_super_blocks(tmp_path):
