@@ -1,21 +1,22 @@
 """Decode steps on CPU run as one C call: the model's forward and LM head recorded once
 per batch size as a program of kernel calls (`kernels/cpu_program.py`), then replayed.
 
-A batch-1 decode step of a small model makes ~250 kernel calls; through Python each
-costs a few microseconds of argument checks, tensor allocation and ctypes packing, a
-third of the step. Pure-decode batches of up to `max_size` sequences (every sequence
-one new token) instead run a program recorded for exactly their size, over static
-buffers: the inputs staged as for the CUDA graphs (`cuda_graphs.DecodeInputBuffers`),
-every activation a buffer of its own, the logits in one. Recording goes through the
-ops' own bindings, so a replay makes the calls the eager forward makes, with the same
-numbers; the tests compare the two bit for bit. Other batches, and models whose
-forward has a step a program cannot hold (tensor parallelism, pipeline stages, q/k
-norms, a matrix in several GGUF segments or with a GGUF bias, an op that would run as a
-torch reference), run eagerly.
+A decode step of a small model makes ~250 kernel calls; through Python each costs a few
+microseconds of argument checks, tensor allocation and ctypes packing: 4-5 ms a step,
+a third of a batch-1 step, a tenth at 32 sequences. Pure-decode batches of up to
+`max_size` sequences (every sequence one new token) instead run a program recorded for
+exactly their size, over static buffers: the inputs staged as for the CUDA graphs
+(`cuda_graphs.DecodeInputBuffers`), the activations in buffers every layer and every
+size shares (`Activations`). Recording goes through the ops' own bindings, so a replay
+makes the calls the eager forward makes, with the same numbers; the tests compare the
+two bit for bit. Other batches, and models whose forward has a step a program cannot
+hold (tensor parallelism, pipeline stages, q/k norms, a matrix in several GGUF segments
+or with a GGUF bias, an op that would run as a torch reference), run eagerly.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -28,13 +29,14 @@ from pdserve.kernels import AttentionMetadata, dispatch, kv_scale_args
 from pdserve.kernels.cpu_layer_ops import CpuLayerOps
 from pdserve.kernels.cpu_program import CpuProgram
 from pdserve.kernels.cpu_quantized import CpuQuantizedLinear
+from pdserve.kernels.op_args import RotaryWriteKV
 
 if TYPE_CHECKING:
     from pdserve.engine.models.llama import DecoderLayer, LlamaForCausalLM
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
-DEFAULT_MAX_SIZE = 8  # batch sizes recorded: each holds its own activation buffers
+DEFAULT_MAX_SIZE = 64  # above it the Python between kernels is a small share of a step
 
 
 class NotRecordable(Exception):
@@ -56,50 +58,88 @@ def unrecordable_reason(model: LlamaForCausalLM) -> str | None:
 
 @dataclass
 class _Step:
-    """One batch size's program, the buffers it reads its inputs from, its logits."""
+    """One batch size's program, the rows it reads its inputs from, its logits."""
 
     program: CpuProgram
     hidden: Tensor  # the embedded tokens [n, hidden]
     logits: Tensor  # [n, vocab] float32
-    buffers: list[Tensor]  # every tensor the program's calls point at
+
+
+class Activations:
+    """The buffers every recorded program writes its activations to, `max_size` rows
+    each: a program of n sequences uses their first n rows, every layer the same ones, so
+    the memory does not grow with the layers or with the number of sizes recorded."""
+
+    def __init__(self, model: LlamaForCausalLM, max_size: int):
+        cfg = model.cfg
+        attn = cast("DecoderLayer", model.layers[0]).attn
+        mlp = cast("DecoderLayer", model.layers[0]).mlp
+        hidden = cfg.hidden_size
+        widths = {
+            "hidden": hidden,
+            "normed": hidden,
+            "residual": hidden,
+            "qkv": attn.q_size + 2 * attn.kv_size,
+            "attn_out": hidden,
+            "gate_up": 2 * mlp.intermediate,
+            "act": mlp.intermediate,
+            "down": hidden,
+            "logits": cfg.vocab_size,
+        }
+        self.rows = {name: torch.zeros(max_size, w) for name, w in widths.items()}
+        heads = (max_size, attn.num_heads, attn.head_dim)
+        self.rows["query"] = torch.zeros(heads)
+        self.rows["context"] = torch.zeros(heads)
+
+    def take(self, name: str, size: int) -> Tensor:
+        return self.rows[name][:size]
 
 
 class _Recorder:
     """Records one batch size's forward: the model's decode step, op by op, through the
-    kernels' recording view. Every output an op returns is kept: the program writes it."""
+    kernels' recording view, every output into its rows of the shared activations."""
 
-    def __init__(self, kernels: Any, model: LlamaForCausalLM, kv_caches: list[Tensor]):
+    def __init__(
+        self,
+        kernels: Any,
+        model: LlamaForCausalLM,
+        kv_caches: list[Tensor],
+        activations: Activations,
+        size: int,
+    ):
         self.program = CpuProgram(kernels)
         self.view = self.program.recorder()
         self.layer_ops = CpuLayerOps(self.view)
         self.quantized = CpuQuantizedLinear(self.view)
         self.model = model
         self.kv_caches = kv_caches
-        self.kept: list[Tensor] = []
+        self.size = size
+        self.rows = functools.partial(activations.take, size=size)
 
-    def record(self, inputs: DecodeInputBuffers, size: int) -> _Step:
-        model = self.model
-        _, positions, meta = inputs.views(size)
-        hidden = torch.zeros(size, model.cfg.hidden_size, dtype=torch.float32)
-        self.kept += [hidden, positions, meta.slot_mapping, meta.block_tables, meta.context_lens]
+    def record(self, inputs: DecodeInputBuffers) -> _Step:
+        model, rows = self.model, self.rows
+        _, positions, meta = inputs.views(self.size)
+        hidden, normed, residual = rows("hidden"), rows("normed"), rows("residual")
         layers = cast("list[DecoderLayer]", list(model.layers))
-        out = self._op(layers[0].input_norm, hidden)
-        residual = hidden
+        self._norm(layers[0].input_norm, hidden, None)
+        first = hidden  # the first layer's residual is its input
         for i, (layer, kv_cache) in enumerate(zip(layers, self.kv_caches, strict=True)):
             if i:
-                out, residual = self._op(layer.input_norm, out, residual)
-            out = self._attention(layer, positions, out, kv_cache, meta)
-            out, residual = self._op(layer.post_attn_norm, out, residual)
+                self._norm(layer.input_norm, rows("down"), residual)
+            self._attention(layer, positions, normed, kv_cache, meta)
+            self._norm(layer.post_attn_norm, rows("attn_out"), first if i == 0 else residual)
             mlp = layer.mlp
-            gate_up = self._project(out, mlp.gate_up_weight, mlp.gate_up_bias, mlp.gate_up_scales)
-            act = self._one(self.layer_ops.silu_and_mul, gate_up)
-            out = self._project(act, mlp.down_weight, mlp.down_bias, mlp.down_scales)
+            self._project(
+                normed, mlp.gate_up_weight, mlp.gate_up_bias, mlp.gate_up_scales, "gate_up"
+            )
+            self._one(self.layer_ops.silu_and_mul, rows("gate_up"), out=rows("act"))
+            self._project(rows("act"), mlp.down_weight, mlp.down_bias, mlp.down_scales, "down")
         assert model.norm is not None and model.embed is not None  # unrecordable_reason
-        out, _ = self._op(model.norm, out, residual)
+        self._norm(model.norm, rows("down"), residual)
         head = model.embed if model.lm_head is None else model.lm_head
-        logits = self._project(out, head, None, None)
+        logits = self._project(normed, head, None, None, "logits")
         self.program.seal()
-        return _Step(self.program, hidden, logits, self.kept)
+        return _Step(self.program, hidden, logits)
 
     def _attention(
         self,
@@ -108,64 +148,75 @@ class _Recorder:
         x: Tensor,
         kv_cache: Tensor,
         meta: AttentionMetadata,
-    ) -> Tensor:
-        attn = layer.attn
-        n = x.shape[0]
-        qkv = self._project(x, attn.qkv_weight, attn.qkv_bias, attn.qkv_scales)
+    ) -> None:
+        attn, rows = layer.attn, self.rows
+        self._project(x, attn.qkv_weight, attn.qkv_bias, attn.qkv_scales, "qkv")
         kv = attn.kv_scales
         scales = kv_scale_args(kv_cache, kv.get("k_scale", 1.0), kv.get("v_scale", 1.0))
-        q = self._one(
-            self.layer_ops.rotary_write_kv_cache,
+        op = RotaryWriteKV(
             positions,
-            qkv,
-            self.model.cos_sin,
+            rows("qkv"),
+            cast(Tensor, self.model.cos_sin),
             kv_cache,
             meta.slot_mapping,
             attn.num_heads,
             **kv,
         )
-        context = self._one(
+        self._one(self.layer_ops.rotary_into, op, rows("query"))
+        self._one(
             self.view.decode_attention,
-            q,
+            rows("query"),
             kv_cache,
             meta.block_tables,
             meta.context_lens,
             attn.scale,
             meta.sliding_window,
-            None,
+            rows("context"),
             **scales,
         )
-        context = context.reshape(n, attn.q_size)
-        return self._project(context, attn.o_weight, attn.o_bias, attn.o_scales)
+        context = rows("context").view(self.size, attn.q_size)
+        self._project(context, attn.o_weight, attn.o_bias, attn.o_scales, "attn_out")
 
-    def _op(self, norm: Any, x: Tensor, residual: Tensor | None = None) -> Any:
-        """A norm of the model (RMSNorm), with the residual add where given."""
-        return self._one(self.layer_ops.rms_norm, x, norm.weight, norm.eps, residual)
+    def _norm(self, norm: Any, x: Tensor, residual: Tensor | None) -> None:
+        """A norm of the model (RMSNorm) into the normed rows, with the residual added
+        first where given (its sum into the residual rows: in place from the second)."""
+        summed = None if residual is None else self.rows("residual")
+        self._one(
+            self.layer_ops.rms_norm, x, norm.weight, norm.eps, residual, self.rows("normed"), summed
+        )
 
     def _project(
-        self, x: Tensor, weight: Tensor | PackedMatrix, bias: Tensor | None, scales: Tensor | None
+        self,
+        x: Tensor,
+        weight: Tensor | PackedMatrix,
+        bias: Tensor | None,
+        scales: Tensor | None,
+        into: str,
     ) -> Tensor:
-        """`packed.project`'s dispatch, each kind of matrix by its own binding."""
+        """`packed.project`'s dispatch, each kind of matrix by its own binding, into the
+        rows named `into`."""
+        out = self.rows(into)
         if isinstance(weight, PackedMatrix):
             segments = weight.segments()
             if len(segments) != 1 or bias is not None:
                 raise NotRecordable("a GGUF matrix in several segments or with a bias")
             w, qtype = segments[0]
             if qtype == PLAIN:
-                return self._one(self.view.linear, x, w)
-            return self._one(self.quantized.linear_gguf, x, w, qtype, None, weight.weight_dtype)
+                return self._one(self.view.linear, x, w, None, out)
+            return self._one(
+                self.quantized.linear_gguf, x, w, qtype, None, weight.weight_dtype, out
+            )
         if scales is None:
-            return self._one(self.view.linear, x, weight, bias)
-        return self._one(self.quantized.linear_int8, x, weight, scales, bias)
+            return self._one(self.view.linear, x, weight, bias, out)
+        return self._one(self.quantized.linear_int8, x, weight, scales, bias, out)
 
     def _one(self, op: Any, *args: Any, **kwargs: Any) -> Any:
         """Calls a binding that must record exactly one call (one that fell back to its
-        torch reference records none) and keeps what it returned."""
+        torch reference records none)."""
         before = len(self.program)
         result = op(*args, **kwargs)
         if len(self.program) != before + 1:
             raise NotRecordable("an op of the step runs as a torch reference")
-        self.kept += list(result) if isinstance(result, tuple) else [result]
         return result
 
 
@@ -188,6 +239,7 @@ class CpuDecodeSteps:
             max_size, max_blocks_per_seq, block_size, torch.device("cpu"), model.sliding_window
         )
         self._steps: dict[int, _Step] = {}
+        self._activations: Activations | None = None  # made with the first program
         self._recorded_for: tuple[Any, ...] = ()
         self.disabled_reason: str | None = None
 
@@ -247,8 +299,11 @@ class CpuDecodeSteps:
             self._recorded_for = key
         step = self._steps.get(size)
         if step is None:
+            if self._activations is None:
+                self._activations = Activations(self.model, self.max_size)
+            recorder = _Recorder(kernels, self.model, self.kv_caches, self._activations, size)
             try:
-                step = _Recorder(kernels, self.model, self.kv_caches).record(self.inputs, size)
+                step = recorder.record(self.inputs)
             except NotRecordable as exc:
                 self.disabled_reason = str(exc)
                 log.info("CPU decode steps run eagerly: %s", exc)

@@ -153,11 +153,12 @@ def row_count(x: Tensor) -> int:
 
 
 def linear_io(
-    op: str, x: Tensor, rows: int, n: int, k: int, bias: Tensor | None
+    op: str, x: Tensor, rows: int, n: int, k: int, bias: Tensor | None, out: Tensor | None = None
 ) -> tuple[Tensor, Tensor, int, int]:
     """What every C linear layer checks and passes alike, in one call (a decode step makes
     ~120): x's features and the bias checked; x as [rows, k] with contiguous columns, the
-    float32 output [rows, n] to fill, and the bias's C fields (pointer, dtype; 0, -1: none)."""
+    float32 output [rows, n] to fill (`out`, rows of any stride, where given), and the
+    bias's C fields (pointer, dtype; 0, -1: none)."""
     if x.shape[-1] != k:
         raise ValueError(f"{op}: x has {x.shape[-1]} features, weight expects {k}")
     if bias is None:
@@ -166,8 +167,33 @@ def linear_io(
         raise ValueError(f"{op}: bias must be [{n}] and contiguous, got {tuple(bias.shape)}")
     else:
         bias_ptr, bias_dt = bias.data_ptr(), dtype_code("bias", bias)
-    y = torch.empty(rows, n, dtype=torch.float32)
+    y = torch.empty(rows, n, dtype=torch.float32) if out is None else out
+    check_out(op, y, rows, n)
     return as_rows(x, rows, k), y, bias_ptr, bias_dt
+
+
+def out_rows(op: str, out: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A caller's output of `shape`, as the rows [-1, shape[-1]] the kernel writes (a view:
+    the rows must be evenly strided, as a prefix of a bigger buffer's rows is)."""
+    n = shape[-1]
+    if out.dtype != torch.float32 or tuple(out.shape) != tuple(shape) or out.stride(-1) != 1:
+        raise ValueError(
+            f"{op}: out must be float32 {list(shape)} with contiguous columns, got "
+            f"{out.dtype} {list(out.shape)}"
+        )
+    try:
+        return out.view(-1, n)
+    except RuntimeError:
+        raise ValueError(f"{op}: out's rows must be evenly strided") from None
+
+
+def check_out(op: str, out: Tensor, rows: int, n: int) -> None:
+    """An output a caller gave: float32 [rows, n] with contiguous columns."""
+    if out.dtype != torch.float32 or out.shape != (rows, n) or out.stride(1) != 1:
+        raise ValueError(
+            f"{op}: out must be float32 [{rows}, {n}] with contiguous columns, got "
+            f"{out.dtype} {tuple(out.shape)}"
+        )
 
 
 def as_rows(t: Tensor, rows: int, n: int) -> Tensor:

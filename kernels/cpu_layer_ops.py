@@ -19,6 +19,7 @@ from pdserve.kernels.cpu_fields import (
     dtype_code,
     index_code,
     kv_scale_fields,
+    out_rows,
     row_count,
 )
 from pdserve.kernels.cpu_ops import CpuKernels
@@ -40,6 +41,11 @@ class CpuLayerOps:
     def rotary_write_kv_cache(self, op: RotaryWriteKV) -> Tensor:
         """`reference.rotary_write_kv_cache_ref`: the rotated query comes back, the rotated
         keys and the values go to their slots; qkv's rows may be strided."""
+        return self.rotary_into(op, None)
+
+    def rotary_into(self, op: RotaryWriteKV, query: Tensor | None) -> Tensor:
+        """`rotary_write_kv_cache` writing the rotated query into `query` (float32
+        [num_tokens, num_heads, head_dim], any strides) where given."""
         positions, qkv, cos_sin_cache = op.positions, op.qkv, op.cos_sin_cache
         kv_cache, slot_mapping, num_heads = op.kv_cache, op.slot_mapping, op.num_heads
         d = kv_cache.shape[-1]
@@ -56,7 +62,10 @@ class CpuLayerOps:
                 raise ValueError(f"{name} must be [{num_tokens}] and contiguous")
         if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != d or cos_sin_cache.stride(1) != 1:
             raise ValueError(f"cos_sin_cache must be [max_position, {d}] with contiguous rows")
-        query = torch.empty(num_tokens, num_heads, d, dtype=qkv.dtype)
+        if query is None:
+            query = torch.empty(num_tokens, num_heads, d, dtype=qkv.dtype)
+        elif query.shape != (num_tokens, num_heads, d) or query.dtype != qkv.dtype:
+            raise ValueError(f"query must be [{num_tokens}, {num_heads}, {d}] of {qkv.dtype}")
         q = query.stride()
         self.kernels.rotary_call.run(
             *(qkv.data_ptr(), dtype_code("qkv", qkv), qkv.stride(0)),
@@ -73,10 +82,17 @@ class CpuLayerOps:
         return query
 
     def rms_norm(
-        self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+        self,
+        x: Tensor,
+        weight: Tensor,
+        eps: float,
+        residual: Tensor | None = None,
+        out: Tensor | None = None,
+        summed: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """`reference.rms_norm_ref` on float32 rows of 8 to 32767 elements (what a CPU
-        model computes in); anything else runs the reference."""
+        model computes in); anything else runs the reference. `out` and `summed` (the
+        residual's sum; it may be `residual` itself): rows to write where given."""
         n = x.shape[-1] if x.dim() else 0
         rows = row_count(x)
         if (
@@ -90,33 +106,38 @@ class CpuLayerOps:
         ):
             return reference.rms_norm_ref(x, weight, eps, residual)
         x2 = as_rows(x, rows, n)
-        out = torch.empty(x.shape, dtype=torch.float32)
+        out = torch.empty(x.shape, dtype=torch.float32) if out is None else out
+        o2 = out_rows("rms_norm", out, tuple(x.shape))
         if residual is None:
-            r2 = summed = None
+            r2 = summed = s2 = None
         else:
             r2 = as_rows(residual, rows, n)
-            summed = torch.empty(x.shape, dtype=torch.float32)
+            summed = torch.empty(x.shape, dtype=torch.float32) if summed is None else summed
+            s2 = out_rows("rms_norm", summed, tuple(x.shape))
         self.kernels.norm_call.run(
             *(x2.data_ptr(), x2.stride(0)),
             *((0, 0) if r2 is None else (r2.data_ptr(), r2.stride(0))),
-            *(weight.data_ptr(), out.data_ptr(), n),
-            *(0 if summed is None else summed.data_ptr(), n),
+            *(weight.data_ptr(), o2.data_ptr(), o2.stride(0)),
+            *((0, 0) if s2 is None else (s2.data_ptr(), s2.stride(0))),
             *(rows, n, torch.get_num_threads(), float(eps)),
         )
         return out if summed is None else (out, summed)
 
-    def silu_and_mul(self, gate_up: Tensor) -> Tensor:
+    def silu_and_mul(self, gate_up: Tensor, out: Tensor | None = None) -> Tensor:
         """`reference.silu_and_mul_ref` on float32 rows (within a few ulps: see
-        kernels/cpu/activation.c); anything else runs the reference."""
+        kernels/cpu/activation.c); anything else runs the reference. `out`: rows to
+        write where given."""
         width = gate_up.shape[-1] if gate_up.dim() else 0
         rows = row_count(gate_up)
         if gate_up.dtype != torch.float32 or rows == 0 or width % 2:
             return reference.silu_and_mul_ref(gate_up)
         x2 = as_rows(gate_up, rows, width)
         n = width // 2
-        out = torch.empty(*gate_up.shape[:-1], n, dtype=torch.float32)
+        shape = (*gate_up.shape[:-1], n)
+        out = torch.empty(shape, dtype=torch.float32) if out is None else out
+        out2 = out_rows("silu_and_mul", out, shape)
         self.kernels.silu_call.run(
-            *(x2.data_ptr(), x2.stride(0), out.data_ptr(), n),
+            *(x2.data_ptr(), x2.stride(0), out2.data_ptr(), out2.stride(0)),
             *(rows, n, torch.get_num_threads()),
         )
         return out

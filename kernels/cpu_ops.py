@@ -201,13 +201,16 @@ class CpuKernels:
         )
         return out
 
-    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    def linear(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None
+    ) -> Tensor:
         """`reference.linear_ref`; a float32 x against a float32 or bfloat16 weight runs
         in C at every row count (a bf16 weight read without widening it first), each
         row's output independent of the others (BLAS picks kernels by the row count,
         so a token's output would depend on what shares its step). With `bf16_dot`, a
         bf16 weight meets x rounded to bf16 (bf16 dot products, 2.5-3x the float32
-        FMA path's throughput at prefill sizes); float32 weights always keep float32 x."""
+        FMA path's throughput at prefill sizes); float32 weights always keep float32 x.
+        `out`: float32 [rows, n] rows to write (a recorded program's buffer; x 2-D)."""
         rows = row_count(x)
         if (
             x.dtype != torch.float32
@@ -219,10 +222,10 @@ class CpuKernels:
         ):
             return reference.linear_ref(x, weight, bias)
         n, k = weight.shape
-        x2, y, bias_ptr, bias_dt = linear_io("linear", x, rows, n, k, bias)
+        x2, y, bias_ptr, bias_dt = linear_io("linear", x, rows, n, k, bias, out)
         self.linear_call.run(
             *(x2.data_ptr(), x2.stride(0), weight.data_ptr(), DTYPES[weight.dtype]),
-            *(weight.stride(0), bias_ptr, bias_dt, y.data_ptr(), n, rows, n, k),
+            *(weight.stride(0), bias_ptr, bias_dt, y.data_ptr(), y.stride(0), rows, n, k),
             *(int(self.bf16_dot and weight.dtype == torch.bfloat16), torch.get_num_threads()),
         )
         return shaped_like(y, x)

@@ -27,7 +27,12 @@ class CpuQuantizedLinear:
         self.kernels = kernels
 
     def linear_int8(
-        self, x: Tensor, weight: Tensor, scales: Tensor, bias: Tensor | None = None
+        self,
+        x: Tensor,
+        weight: Tensor,
+        scales: Tensor,
+        bias: Tensor | None = None,
+        out: Tensor | None = None,
     ) -> Tensor:
         """`reference.linear_int8_ref`: an int8 weight [N, K] with float32 scales
         [N, K / G], one per group of G inputs of a row (G = K: one per row), each weight
@@ -37,14 +42,14 @@ class CpuQuantizedLinear:
             return reference.linear_int8_ref(x, weight, scales, bias)
         _check_weight_rows("linear_int8", weight, torch.int8)
         n, k = weight.shape
-        x2, y, bias_ptr, bias_dt = linear_io("linear_int8", x, rows, n, k, bias)
+        x2, y, bias_ptr, bias_dt = linear_io("linear_int8", x, rows, n, k, bias, out)
         group = int8_group_size(weight, scales)
         if not scales.is_contiguous():
             raise ValueError("linear_int8: scales must be contiguous")
         self.kernels.int8_call.run(
             *(x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0)),
             *(scales.data_ptr(), k // group, bias_ptr, bias_dt),
-            *(y.data_ptr(), n, rows, n, k, torch.get_num_threads()),
+            *(y.data_ptr(), y.stride(0), rows, n, k, torch.get_num_threads()),
         )
         return shaped_like(y, x)
 
@@ -55,6 +60,7 @@ class CpuQuantizedLinear:
         qtype: int,
         bias: Tensor | None = None,
         weight_dtype: torch.dtype = torch.float32,
+        out: Tensor | None = None,
     ) -> Tensor:
         """`gguf_blocks.linear_gguf_ref`: a weight of GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0,
         Q5_1) or K-quant super-blocks (Q4_K, Q5_K, Q6_K), each decoded to float32 weights
@@ -63,7 +69,7 @@ class CpuQuantizedLinear:
         panel that every row of x meets in bf16 dot products (fewer than 4 rows of
         32-weight blocks: decoded in registers), the numbers of `linear` over a bf16 copy
         of the dequantized matrix; without bf16 dot products the float32 weights, the
-        exact ones."""
+        exact ones. `out`: rows to write, as `linear`'s."""
         rows = _c_rows(x, weight)
         if not rows:
             return gguf_blocks.linear_gguf_ref(x, weight, qtype, bias, weight_dtype)
@@ -77,11 +83,11 @@ class CpuQuantizedLinear:
                 f"linear_gguf: x has {x.shape[-1]} features, the {gguf_blocks.type_name(qtype)} "
                 f"weight rows hold {weight.shape[1]} bytes"
             )
-        x2, y, bias_ptr, bias_dt = linear_io("linear_gguf", x, rows, n, k, bias)
+        x2, y, bias_ptr, bias_dt = linear_io("linear_gguf", x, rows, n, k, bias, out)
         self.kernels.gguf_call.run(
             *(x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0), qtype),
             *(bias_ptr, bias_dt),
-            *(y.data_ptr(), n, rows, n, k),
+            *(y.data_ptr(), y.stride(0), rows, n, k),
             *(int(self.bf16_panels(weight_dtype)), torch.get_num_threads()),
         )
         return shaped_like(y, x)

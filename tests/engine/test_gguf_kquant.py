@@ -21,7 +21,7 @@ from pdserve.engine.gguf_file import GGUFError, GGUFFile
 from pdserve.engine.gguf_prepare import check_tp_blocks, prepare_gguf
 from pdserve.engine.models.packed import PackedMatrix
 from pdserve.engine.parallel import TensorParallel
-from tests.engine.gguf_files import VOCAB, write_tiny_gguf
+from tests.engine.gguf_files import write_tiny_gguf
 from tests.engine.test_gguf import _tiny_config, load_gguf_model
 
 if TYPE_CHECKING:
@@ -112,9 +112,8 @@ def test_q5_rows_beside_k_quants_give_the_tokens_of_the_same_model_in_float32(ll
         formats = [m.format_names() for m in (layer.attn.qkv_weight, layer.attn.o_weight,
                    layer.mlp.gate_up_weight, layer.mlp.down_weight)]  # fmt: skip
         assert formats == [["Q5_0", "Q5_1"], ["Q5_0"], ["Q5_0"], down]
-    assert set(q5_llm.engine.info.weight_format.removeprefix("GGUF ").split("/")) == {
-        "Q5_0", "Q5_1", "Q4_K", "Q6_K", "Q8_0"
-    }  # fmt: skip  (Q8_0: the file's embedding table)
+    formats = set(q5_llm.engine.info.weight_format.removeprefix("GGUF ").split("/"))
+    assert formats == {"Q5_0", "Q5_1", "Q4_K", "Q6_K", "Q8_0"}  # Q8_0: the embedding table
 
 
 def test_q5_weight_bytes_and_tp2_slices_are_whole_32_weight_blocks(files, llm):

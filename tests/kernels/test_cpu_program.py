@@ -59,3 +59,28 @@ def test_a_failing_call_stops_the_program_with_its_own_error(kernels):
     with pytest.raises(ValueError, match=r"positions\[0\] is outside the cos/sin cache"):
         program.run()
     assert normed.abs().sum() == 0  # the norm after it never ran
+
+
+def test_outputs_go_to_the_rows_given_and_bad_ones_are_refused(kernels):
+    from pdserve.kernels.cpu_quantized import CpuQuantizedLinear
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 64, generator=gen)
+    weight = torch.randn(40, 64, generator=gen).to(torch.bfloat16)
+    wide = torch.zeros(8, 40)
+    got = kernels.linear(x, weight, None, wide[:3])
+    assert got.data_ptr() == wide.data_ptr() and torch.equal(wide[:3], kernels.linear(x, weight))
+    assert wide[3:].abs().sum() == 0
+    scales = torch.ones(40, 1)
+    int8 = torch.randint(-127, 128, (40, 64), generator=gen, dtype=torch.int8)
+    quantized = CpuQuantizedLinear(kernels)
+    with pytest.raises(ValueError, match=r"out must be float32 \[3, 40\]"):
+        quantized.linear_int8(x, int8, scales, None, torch.zeros(3, 41))
+    ops = CpuLayerOps(kernels)
+    normed = torch.zeros(3, 64)
+    residual = torch.randn(3, 64, generator=gen)
+    want = ops.rms_norm(x, torch.ones(64), 1e-5, residual)
+    ops.rms_norm(x, torch.ones(64), 1e-5, residual, normed, residual)  # the sum in place
+    assert torch.equal(normed, want[0]) and torch.equal(residual, want[1])
+    with pytest.raises(ValueError, match="out must be float32"):
+        ops.silu_and_mul(torch.randn(2, 64), torch.zeros(2, 64))
