@@ -125,6 +125,10 @@ def _add_model_flags(model: argparse._ArgumentGroup) -> None:
         help="fraction of a GPU's memory for the instances on it, split evenly when several "
         "share one (GPU only)",
     )
+    _add_step_flags(model)
+
+
+def _add_step_flags(model: argparse._ArgumentGroup) -> None:
     model.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )

@@ -60,6 +60,9 @@ def test_colocated_plan_threads_and_engine_config() -> None:
     assert plan.served_model_names == ["SmolLM2-135M-Instruct"]
     single = Deployment.from_args(parse("--mode", "colocated", "--num-colocated", "1"), [0, 1])
     assert [i.num_threads for i in single.instances] == [2]
+    assert plan.engine.enforce_eager is False  # decode steps recorded (CPU) or graphed
+    eager = Deployment.from_args(parse("--mode", "colocated", "--enforce-eager"), [0, 1])
+    assert eager.engine.enforce_eager is True
 
 
 def test_place_pins_when_each_instance_has_two_cores_or_more() -> None:
