@@ -117,5 +117,7 @@ def test_the_step_profile_runs_on_cpu_and_names_the_model_kernels():
     assert done.returncode == 0, done.stderr
     assert "decode step, batch 4, context 48" in done.stdout
     assert "prefill of 64 tokens" in done.stdout
-    # CPU tensors run the activation's reference, never the CUDA operator.
-    assert "aten::silu" in done.stdout and "pdserve::silu_and_mul" not in done.stdout
+    # CPU tensors never run the CUDA operator (their activation is a C kernel, which
+    # torch's profiler does not see, or the reference where the C kernels are off).
+    assert "pdserve::silu_and_mul" not in done.stdout
+    assert "aten::embedding" in done.stdout  # the model's own ops are named
