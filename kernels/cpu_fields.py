@@ -167,8 +167,7 @@ def linear_io(
         raise ValueError(f"{op}: bias must be [{n}] and contiguous, got {tuple(bias.shape)}")
     else:
         bias_ptr, bias_dt = bias.data_ptr(), dtype_code("bias", bias)
-    y = torch.empty(rows, n, dtype=torch.float32) if out is None else out
-    check_out(op, y, rows, n)
+    y = torch.empty(rows, n, dtype=torch.float32) if out is None else out_rows(op, out, (rows, n))
     return as_rows(x, rows, k), y, bias_ptr, bias_dt
 
 
@@ -185,15 +184,6 @@ def out_rows(op: str, out: Tensor, shape: tuple[int, ...]) -> Tensor:
         return out.view(-1, n)
     except RuntimeError:
         raise ValueError(f"{op}: out's rows must be evenly strided") from None
-
-
-def check_out(op: str, out: Tensor, rows: int, n: int) -> None:
-    """An output a caller gave: float32 [rows, n] with contiguous columns."""
-    if out.dtype != torch.float32 or out.shape != (rows, n) or out.stride(1) != 1:
-        raise ValueError(
-            f"{op}: out must be float32 [{rows}, {n}] with contiguous columns, got "
-            f"{out.dtype} {tuple(out.shape)}"
-        )
 
 
 def as_rows(t: Tensor, rows: int, n: int) -> Tensor:

@@ -3,9 +3,8 @@
 the KV-cache write (kernels/cpu/rotary.c), RMSNorm with its residual add
 (kernels/cpu/norm.c) and the MLP's silu-and-multiply (kernels/cpu/activation.c). Each
 replaces a handful of torch ops (a few microseconds of dispatch each, ~60 norms and 30
-rotations a decode step) by one call, with the same
-float32 values (the activation's within a few ulps): `reference.py` defines them, the
-tests compare.
+rotations a decode step) by one call, with the same float32 values (the activation's
+within a few ulps): `reference.py` defines them, the tests compare.
 """
 
 from __future__ import annotations
