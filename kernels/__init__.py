@@ -18,8 +18,9 @@
   count (`cpu/linear.c`, `cpu/linear_bf16.c`), and its weight-only int8 form
   (`cpu/linear_int8.c`, bound in `cpu_quantized.py`: int8 rows widened in registers, times
   one scale per group of inputs), and the GGUF block formats Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the
-  K-quants Q4_K, Q5_K, Q6_K kept packed with their scales (`cpu/linear_gguf.c`,
-  `cpu/linear_kquant.c`, bound there too; `gguf_blocks.py` their sizes, dequantization
+  K-quants Q4_K, Q5_K, Q6_K kept packed with their scales, and rows of such a matrix for
+  an embedding table kept in its blocks (`cpu/linear_gguf.c`, `cpu/linear_kquant.c`,
+  bound there too; `gguf_blocks.py` their sizes, dequantization
   and reference, `gguf_kquants.py` the K-quants' dequantization). A KV cache may hold
   FP8 (e4m3 or e5m2, one scale per layer's keys and values): the write quantizes,
   attention widens through float16 bits (`cpu/common.h`). `cpu_kernels_status()` says which
@@ -46,6 +47,7 @@ from pdserve.kernels.dispatch import (
     triton_unavailable_reason,
 )
 from pdserve.kernels.ops import (
+    gguf_rows,
     linear,
     linear_gguf,
     linear_int8,
@@ -61,6 +63,7 @@ __all__ = [
     "attend_cached",
     "cpu_kernels_status",
     "decode_attention",
+    "gguf_rows",
     "kv_scale_args",
     "linear",
     "linear_gguf",

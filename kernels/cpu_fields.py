@@ -30,6 +30,7 @@ _ERRORS = {
     -8: "head_dim must be even and at most 1024 for the rotary kernel",
     -9: "this build of the CPU kernels (or this CPU) has no bf16 dot-product linear layer",
     -10: "linear_int8: the scale groups do not split the weight rows into whole vectors",
+    -11: "gguf_rows: ids[{i}] is outside the matrix's rows",
 }
 
 

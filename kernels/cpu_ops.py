@@ -77,6 +77,10 @@ _CALLS = {
     # dtype, y, its row stride, then m, n, k, bf16 dot products (0/1), threads
     # (kernels/cpu/linear_gguf.c).
     "linear_gguf": ("pd_linear_gguf", struct.Struct("<15q")),
+    # packed weight, its row stride (bytes), ggml type, k, its rows, then ids (pointer,
+    # index code, stride), their count, out (float32) and its row stride, bf16 values
+    # (0/1) (kernels/cpu/linear_gguf.c).
+    "gguf_rows": ("pd_gguf_rows", struct.Struct("<13q")),
     # qkv, positions, cos/sin (and its rows), q_out, cache, slots (pointer, dtype code,
     # strides each), then shapes, threads; k_scale, v_scale.
     "rotary": ("pd_rotary_write_kv_cache", struct.Struct("<29q2dq")),
@@ -97,6 +101,7 @@ _OP_CALLS = (
     "linear_call",
     "int8_call",
     "gguf_call",
+    "gguf_rows_call",
     "rotary_call",
     "norm_call",
     "silu_call",
@@ -125,6 +130,7 @@ class CpuKernels:
         self.linear_call = calls["linear"]
         self.int8_call = calls["linear_int8"]
         self.gguf_call = calls["linear_gguf"]
+        self.gguf_rows_call = calls["gguf_rows"]
         self.rotary_call = calls["rotary"]
         self.norm_call = calls["norm"]
         self.silu_call = calls["silu"]
@@ -304,6 +310,7 @@ def register(kernels: CpuKernels) -> None:
     quantized = CpuQuantizedLinear(kernels)
     dispatch.register_cpu("linear_int8", quantized.linear_int8)
     dispatch.register_cpu("linear_gguf", quantized.linear_gguf)
+    dispatch.register_cpu("gguf_rows", quantized.gguf_rows)
 
 
 def main(argv: list[str] | None = None) -> int:

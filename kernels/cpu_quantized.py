@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels import gguf_blocks, reference
-from pdserve.kernels.cpu_fields import linear_io, row_count, shaped_like
+from pdserve.kernels.cpu_fields import index_code, linear_io, row_count, shaped_like
 from pdserve.kernels.cpu_ops import CpuKernels
 from pdserve.kernels.shapes import int8_group_size
 
@@ -91,6 +91,27 @@ class CpuQuantizedLinear:
             *(int(self.bf16_panels(weight_dtype)), torch.get_num_threads()),
         )
         return shaped_like(y, x)
+
+    def gguf_rows(
+        self, weight: Tensor, ids: Tensor, qtype: int, weight_dtype: torch.dtype = torch.float32
+    ) -> Tensor:
+        """`gguf_blocks.gguf_rows_ref`: each row decoded as `linear_gguf` decodes it, on
+        the calling thread (a step looks up a row per token); a weight dtype other than
+        float32 or bfloat16, or ids off the CPU, run the reference."""
+        if weight_dtype not in (torch.float32, torch.bfloat16) or not ids.is_cpu:
+            return gguf_blocks.gguf_rows_ref(weight, ids, qtype, weight_dtype)
+        if qtype not in gguf_blocks.PACKED_TYPES:
+            raise ValueError(f"gguf_rows: {gguf_blocks.type_name(qtype)} is not a packed type")
+        _check_weight_rows("gguf_rows", weight, torch.uint8)
+        flat = ids.reshape(-1)
+        k = gguf_blocks.columns_of(qtype, weight.shape[1])
+        out = torch.empty(flat.shape[0], k, dtype=torch.float32)
+        self.kernels.gguf_rows_call.run(
+            *(weight.data_ptr(), weight.stride(0), qtype, k, weight.shape[0]),
+            *(flat.data_ptr(), index_code("ids", flat), flat.stride(0), flat.shape[0]),
+            *(out.data_ptr(), out.stride(0), int(weight_dtype == torch.bfloat16)),
+        )
+        return out.view(*ids.shape, k)
 
     def bf16_panels(self, weight_dtype: torch.dtype) -> bool:
         """Whether `linear_gguf` with this weight dtype takes bf16 dot products."""

@@ -36,6 +36,7 @@ _REFERENCE: dict[str, Callable[..., Any]] = {
     "linear": reference.linear_ref,
     "linear_int8": reference.linear_int8_ref,
     "linear_gguf": gguf_blocks.linear_gguf_ref,
+    "gguf_rows": gguf_blocks.gguf_rows_ref,
 }
 _TRITON: dict[str, Callable[..., Any]] = {}
 _load_attempted = False

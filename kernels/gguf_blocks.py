@@ -80,6 +80,16 @@ def dequantize_rows(packed: Tensor, qtype: int) -> Tensor:
     return (q.float() * d + m).reshape(n, -1)
 
 
+def gguf_rows_ref(
+    weight: Tensor, ids: Tensor, qtype: int, weight_dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """float32 [*ids.shape, K]: rows `ids` of a matrix of packed rows (`dequantize_rows`),
+    each weight rounded to `weight_dtype` (the values a copy in that dtype holds)."""
+    flat = ids.reshape(-1)
+    rows = dequantize_rows(weight[flat], qtype).to(weight_dtype).float()
+    return rows.view(*ids.shape, rows.shape[-1])
+
+
 def linear_gguf_ref(
     x: Tensor,
     weight: Tensor,

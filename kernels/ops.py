@@ -17,3 +17,5 @@ linear_int8 = dispatch.dispatched(reference.linear_int8_ref)
 # GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; K-quants Q4_K, Q5_K, Q6_K) kept packed with their
 # scales (kernels/gguf_blocks.py).
 linear_gguf = dispatch.dispatched(gguf_blocks.linear_gguf_ref)
+# Rows of such a matrix (an embedding table kept in its blocks), as float32.
+gguf_rows = dispatch.dispatched(gguf_blocks.gguf_rows_ref)

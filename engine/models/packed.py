@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from pdserve.engine.models import int8
-from pdserve.kernels import linear, linear_gguf
-from pdserve.kernels.gguf_blocks import dequantize_rows, type_name
+from pdserve.kernels import gguf_rows, linear, linear_gguf
+from pdserve.kernels.gguf_blocks import type_name
 
 Tensor = torch.Tensor
 PLAIN = -1  # the qtype of a plain segment
@@ -63,7 +63,7 @@ class PackedMatrix(nn.Module):
         weight, qtype = self._segments[0]
         if qtype == PLAIN:
             return weight[ids].to(self.weight_dtype).to(dtype)
-        return dequantize_rows(weight[ids], qtype).to(self.weight_dtype).to(dtype)
+        return gguf_rows(weight, ids, qtype, self.weight_dtype).to(dtype)
 
     def format_names(self) -> list[str]:
         return [type_name(q) if q != PLAIN else str(w.dtype) for w, q in self.segments()]

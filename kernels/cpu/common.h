@@ -47,6 +47,7 @@ enum {
     PD_BAD_HEAD_DIM = -8,    /* rotary: an odd head_dim, or one past its buffers */
     PD_UNSUPPORTED = -9,     /* a path this build or CPU does not have */
     PD_BAD_INT8_GROUPS = -10, /* int8 linear: groups that do not split K in whole vectors */
+    PD_BAD_ROW_ID = -11,      /* GGUF rows: an id outside the matrix's rows */
 };
 
 typedef float v8f __attribute__((vector_size(32)));

@@ -215,6 +215,10 @@ typedef struct {
 /* The K-quants' register-decoding bf16 micro-kernels over gguf_dot_args (calls of fewer
  * than 4 rows); NULL for another type or a build without AVX512-BF16. */
 __attribute__((visibility("hidden"))) linear_rows_fn linear_kquant_dot_rows(int64_t type);
+/* One weight row of K-quant super-blocks (`k` weights) as float32 at out, each weight the
+ * value the tiles decode (linear_kquant.c). */
+__attribute__((visibility("hidden"))) void linear_kquant_row_f32(const uint8_t *row, int k,
+                                                                 int64_t type, float *out);
 
 /* Defines `name`, a linear_rows_fn over `args_t`: R rows of x from row m against weight rows
  * [n0, n1) in tiles of cols(R) weight rows, then those left one a tile, each the

@@ -379,3 +379,57 @@ int pd_linear_gguf(pd_linear_gguf_call *c) {
     linear_run(&P, m * n * k, (int)c->num_threads);
     return PD_OK;
 }
+
+/* ---- rows of a packed matrix: an embedding table kept in its blocks ---- */
+
+/* The matrix, the ids of the rows wanted, and float32 rows out; `bf16`: each weight
+ * rounded to bf16 (to nearest even), the values of a bf16 copy. */
+typedef struct {
+    int64_t w, w_rs, type, k, num_rows;
+    int64_t ids, ids_ix, ids_s, n;
+    int64_t out, out_rs, bf16, bad;
+} pd_gguf_rows_call;
+
+int64_t pd_gguf_rows_call_size(void) { return sizeof(pd_gguf_rows_call); }
+
+/* Row `row` of blocks of type T as k float32 weights, as the tiles decode them. */
+ALWAYS_INLINE void block_row_f32(const uint8_t *row, int k, float *out, const int T) {
+    for (int kb = 0; kb < k / QK; kb++) {
+        v8f w[4];
+        decode_block(row + (int64_t)kb * block_bytes(T), w, T);
+        for (int j = 0; j < 4; j++) v8_store(out + kb * QK + 8 * j, w[j]);
+    }
+}
+
+static void row_f32(const uint8_t *row, int k, int64_t type, float *out) {
+    switch (type) {
+    case GGML_Q8_0: block_row_f32(row, k, out, GGML_Q8_0); break;
+    case GGML_Q4_0: block_row_f32(row, k, out, GGML_Q4_0); break;
+    case GGML_Q4_1: block_row_f32(row, k, out, GGML_Q4_1); break;
+    case GGML_Q5_0: block_row_f32(row, k, out, GGML_Q5_0); break;
+    case GGML_Q5_1: block_row_f32(row, k, out, GGML_Q5_1); break;
+    default: linear_kquant_row_f32(row, k, type, out); break;
+    }
+}
+
+/* On the calling thread: a step looks up one row per token. PD_BAD_ROW_ID (nothing
+ * written) for an id outside the matrix; PD_UNSUPPORTED as pd_linear_gguf. */
+int pd_gguf_rows(pd_gguf_rows_call *c) {
+    const int64_t k = c->k;
+    int block, bytes;
+    block_shape(c->type, &block, &bytes);
+    if (!block || k % block || k <= 0 || c->w_rs < k / block * bytes) return PD_UNSUPPORTED;
+    for (int64_t i = 0; i < c->n; i++) {
+        const int64_t id = load_index(PTR(c->ids), (int)c->ids_ix, i * c->ids_s);
+        if (id < 0 || id >= c->num_rows) return fail_at(&c->bad, i, PD_BAD_ROW_ID);
+    }
+    const uint8_t *w = PTR(c->w);
+    for (int64_t i = 0; i < c->n; i++) {
+        const int64_t id = load_index(PTR(c->ids), (int)c->ids_ix, i * c->ids_s);
+        float *out = (float *)PTR(c->out) + i * c->out_rs;
+        row_f32(w + id * c->w_rs, (int)k, c->type, out);
+        if (c->bf16)
+            for (int64_t j = 0; j < k; j++) out[j] = bf16_to_float(float_to_bf16(out[j]));
+    }
+    return PD_OK;
+}

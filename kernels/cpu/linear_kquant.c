@@ -345,6 +345,28 @@ linear_rows_fn linear_kquant_dot_rows(int64_t type) {
 }
 #endif
 
+ALWAYS_INLINE void row_f32(const uint8_t *row, int k, float *out, const int T) {
+    const int BB = super_bytes(T);
+    for (int sb = 0; sb < k / QK_K; sb++) {
+        const uint8_t *b = row + (int64_t)sb * BB;
+        float a[16], m[8] = {0};
+        super_scales(b, a, m, T);
+        for (int s = 0; s < 8; s++) {
+            v8f w[4];
+            decode_chunk(b, s, a, m, w, T);
+            for (int j = 0; j < 4; j++) v8_store(out + sb * QK_K + 32 * s + 8 * j, w[j]);
+        }
+    }
+}
+
+void linear_kquant_row_f32(const uint8_t *row, int k, int64_t type, float *out) {
+    switch (type) {
+    case GGML_Q4_K: row_f32(row, k, out, GGML_Q4_K); break;
+    case GGML_Q5_K: row_f32(row, k, out, GGML_Q5_K); break;
+    default: row_f32(row, k, out, GGML_Q6_K); break;
+    }
+}
+
 linear_rows_fn linear_kquant_rows(int64_t type) {
     return type == GGML_Q4_K   ? rows_q4_k
            : type == GGML_Q5_K ? rows_q5_k

@@ -109,7 +109,8 @@ def assert_avx2_packed_grid(module: str, alone: tuple[int, int, int, int]) -> No
     """Under the AVX2 build (a child process: the build is per process), every case of
     `module`'s GRID over its TYPES is bit for bit the float32 linear layer of the
     dequantized weights, and the last 3 rows of the `alone` = (qtype, rows, weight rows, k)
-    case alone give what the whole call gives."""
+    case alone give what the whole call gives; rows looked up (`gguf_rows`) are the
+    dequantized rows."""
     qtype, m, n, k = alone
     code = (
         "import json, torch\n"
@@ -125,6 +126,9 @@ def assert_avx2_packed_grid(module: str, alone: tuple[int, int, int, int]) -> No
         "        x, w, bias = case_tensors(q, m, n, kk, b)\n"
         "        y = op.linear_gguf(x, w, q, bias)\n"
         "        equal.append(torch.equal(y, k.linear(x, dequantize_rows(w, q), bias)))\n"
+        "    ids = torch.tensor([n - 1, 0, n // 2])\n"
+        "    rows = op.gguf_rows(w, ids, q)\n"
+        "    equal.append(torch.equal(rows, dequantize_rows(w, q)[ids]))\n"
         f"x, w, bias = case_tensors({qtype}, {m}, {n}, {k}, False)\n"
         f"alone = torch.equal(op.linear_gguf(x[-3:], w, {qtype}), "
         f"op.linear_gguf(x, w, {qtype})[-3:])\n"

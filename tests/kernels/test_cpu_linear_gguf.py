@@ -6,7 +6,8 @@ weights dequantized, on this CPU's build and on the AVX2 build (`PDSERVE_CPU_ISA
 child process); each row's output independent of the other rows of the call; the torch
 dequantization against the `gguf` package's. Weights decoded to bf16 (bf16 dot products,
 the 32-weight blocks): bit for bit the bf16 linear layer over a bf16 copy of the
-dequantized weights.
+dequantized weights. Rows of a packed matrix (`gguf_rows`, an embedding table's lookup):
+its dequantized rows, rounded to the weight dtype.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ import torch
 from pdserve.engine import gguf_file
 from pdserve.kernels import gguf_blocks
 from pdserve.kernels.cpu_quantized import CpuQuantizedLinear
-from pdserve.kernels.gguf_blocks import PACKED_TYPES, dequantize_rows, linear_gguf_ref
+from pdserve.kernels.gguf_blocks import (
+    PACKED_TYPES,
+    dequantize_rows,
+    gguf_rows_ref,
+    linear_gguf_ref,
+)
 from tests.kernels import test_cpu_linear_kquant as kquant
 from tests.kernels.linear_checks import (
     TAIL_ROWS,
@@ -162,6 +168,34 @@ def test_bad_arguments_get_one_line_errors(op):
 
 def test_dispatch_sends_cpu_packed_linear_to_the_c_kernel(kernels):
     assert_dispatches_to("linear_gguf", CpuQuantizedLinear, linear_gguf_ref)
+    assert_dispatches_to("gguf_rows", CpuQuantizedLinear, gguf_rows_ref)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=gguf_blocks.type_name)
+def test_rows_are_the_dequantized_rows_in_the_weight_dtype(op, qtype, weight_dtype):
+    k = 512 if qtype in kquant.TYPES else 96
+    w = WEIGHTS[qtype](qtype, 40, k, qtype + 7)
+    ids = torch.tensor([3, 0, 39, 3, 17])
+    rows = op.gguf_rows(w, ids, qtype, weight_dtype)
+    expected = dequantize_rows(w, qtype)[ids].to(weight_dtype).float()
+    assert rows.dtype == torch.float32 and torch.equal(rows, expected)
+    assert torch.equal(rows, gguf_rows_ref(w, ids, qtype, weight_dtype))
+
+
+def test_rows_take_any_id_shape_and_refuse_ids_outside_the_matrix(op):
+    w = packed_weight(3, 10, 64, 4)
+    ids = torch.tensor([[9, 1], [0, 0]], dtype=torch.int32)
+    rows = op.gguf_rows(w, ids, 3)
+    assert rows.shape == (2, 2, 64) and torch.equal(rows[0, 0], dequantize_rows(w, 3)[9])
+    assert op.gguf_rows(w, torch.empty(0, dtype=torch.int64), 3).shape == (0, 64)
+    halves = op.gguf_rows(w, ids, 3, torch.float16)  # not a C weight dtype: the reference's
+    assert torch.equal(halves, gguf_rows_ref(w, ids, 3, torch.float16))
+    for bad, index in ((torch.tensor([2, 10]), 1), (torch.tensor([-1]), 0)):
+        with pytest.raises(ValueError, match=rf"ids\[{index}\] is outside the matrix's rows"):
+            op.gguf_rows(w, bad, 3)
+    with pytest.raises(ValueError, match="ggml type 15 is not a packed type"):
+        op.gguf_rows(w, ids, 15)
 
 
 @pytest.mark.skipif(not cpu_has("avx2", "fma"), reason="the CPU has no AVX2")
