@@ -48,8 +48,9 @@ class SloPolicy:
     figures or a gap between observations ("stale"), while an instance is still starting
     or switching ("settling"), within the cooldown after a move ("cooldown"). Otherwise it
     switches instances (up to `PolicyConfig.switch_batch()` at once) toward the split
-    with the most headroom once that split beats
-    the current one by `switch_margin` for `persist_intervals` intervals in a row (a run
+    with the most headroom (among those that keep the ITL SLO, `choose_target`) once that
+    split beats the current one by `switch_margin` for `persist_intervals` intervals in a
+    row (a run
     of moves in one direction waits once; a reversal waits again), the growing pool's SLO
     is at risk (a split meeting both with the margin to spare stays: "slos_met") and the
     switch is worth what it costs (`weigh_switch`); it starts or stops instances only to
@@ -258,7 +259,13 @@ def current_split(observation: Observation) -> tuple[int, int]:
 
 
 def choose_target(scores: list[SplitScore], current_prefill: int) -> SplitScore:
-    """The most headroom; among equals (within rounding) the split nearest the current."""
+    """The most headroom among the splits that keep the ITL SLO, where any does; among
+    equals (within rounding) the split nearest the current. A decode pool past the ITL SLO
+    makes every request it runs miss at once, while a prefill pool short of work only
+    delays the requests that arrive: with every split missing the TTFT SLO (a burst of
+    long prompts), the one with the most headroom would take decode instances until the
+    running requests' steps slow past the SLO."""
+    scores = [s for s in scores if s.itl_margin >= 0.0] or scores
     best = max(score.headroom for score in scores)
     near_best = [s for s in scores if s.headroom >= best - 1e-9]
     return min(near_best, key=lambda s: abs(s.prefill - current_prefill))

@@ -257,3 +257,23 @@ def test_a_held_switch_still_brings_the_total_to_the_budget(start, action) -> No
     assert action in [d.action for d in decisions]
     assert pools.prefill + pools.decode == 8
     assert decisions[-1].reason == "slos_met"
+
+
+def test_prefill_overloaded_at_every_split_does_not_take_decode_past_its_slo() -> None:
+    # RAG at 10/s wants ~10.5 prefill instances of 8; 240 chat requests decode. Every split
+    # misses the TTFT SLO, and only a single decode instance misses the ITL one too (240
+    # sequences a step): the prefill pool grows to 6P+2D, never to 7P+1D, whose slower
+    # steps would make every running request miss.
+    policy = SloPolicy(config(), CALIBRATION)
+    pools = ScriptedPools(4, 4)
+    for _ in range(8):
+        decision = policy.decide(
+            pools.observe(
+                arrivals(RAG, 10.0),
+                prefill=PoolObservation(pools.prefill, 0, 8, 4, 0.0),
+                decode=PoolObservation(pools.decode, 0, 0, 240, 0.3),
+            )
+        )
+        assert decision.target_prefill == 6, decision.detail
+        pools.apply(decision)
+    assert (pools.prefill, pools.decode) == (6, 2)
