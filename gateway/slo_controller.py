@@ -261,8 +261,11 @@ class SloController:
         assert source is not None
         switched: list[str] = []
         for _ in range(decision.count):  # each claimed at once, so the next is another
+            # A decode instance hands its running requests back to be recomputed: the one
+            # holding the fewest KV blocks costs them least.
+            order = _recompute_cost if source == "decode" else _load
             try:
-                view = self._least_loaded(source, lambda v: self._may_switch(v, role))
+                view = self._least_loaded(source, lambda v: self._may_switch(v, role), order)
             except CannotAct:
                 if not switched:
                     raise
@@ -273,15 +276,18 @@ class SloController:
         return ", ".join(switched)
 
     def _least_loaded(
-        self, role: str, allowed: Callable[[InstanceView], str | None] | None = None
+        self,
+        role: str,
+        allowed: Callable[[InstanceView], str | None] | None = None,
+        order: Callable[[InstanceView], tuple] | None = None,
     ) -> InstanceView:
-        """The serving instance of `role` with the fewest requests, then the least queued
-        prefill and the most free KV blocks, among those no change holds and `allowed`
-        finds no fault with (CannotAct: none)."""
+        """The serving instance of `role` first in `order` (by default the fewest
+        requests, then the least queued prefill and the most free KV blocks), among those
+        no change holds and `allowed` finds no fault with (CannotAct: none)."""
         assert self.gateway.pools is not None
         why = f"no {role} instance serves"
         views = self.gateway.scheduler.live((role,))
-        for view in sorted(views, key=_load):
+        for view in sorted(views, key=order or _load):
             fault: str | None = f"another change of {view.instance_id} is under way"
             if not self.gateway.claims.busy(view.instance_id):
                 fault = allowed(view) if allowed is not None else None
@@ -354,6 +360,12 @@ class SloController:
             "forecast": msgspec.to_builtins(self.forecast),
             "decisions": decisions,
         }
+
+
+def _recompute_cost(view: InstanceView) -> tuple[int, int, str]:
+    """The KV blocks in use first: what a switch's migrated requests compute again."""
+    in_use = view.stats.num_total_blocks - view.estimated_free_blocks()
+    return (in_use, len(view.in_flight), view.instance_id)
 
 
 def _load(view: InstanceView) -> tuple[int, int, int, str]:

@@ -47,12 +47,20 @@ class BandSmoother:
     forecast takes it at once, while ordinary noise moves nothing. Two intervals in a row
     off the noise the same way (up or down) are a change of level: the smoothed rates
     jump to the two intervals' mean instead of creeping there over several half-lives.
+
+    A band that starts from its first interval's rates (`intervals` 1) weighs each
+    interval by the share of all it has seen, as a mean, until that share is down to the
+    smoothing's: the first second's few requests are then one sample among several, not
+    the level for half-lives to come. A band that starts from nothing (`intervals` 0)
+    is smoothed from the start.
     """
 
-    def __init__(self, level: Rates) -> None:
+    def __init__(self, level: Rates, intervals: int = 0) -> None:
         self.level = level
         self.burst: Rates | None = None  # the newest interval, when it was a burst
         self.off: tuple[int, Rates] | None = None  # the newest interval off the noise
+        # Intervals behind the level, each weighed down by the smoothing (None: smoothed).
+        self.seen: float | None = float(intervals) if intervals else None
 
     def observe(self, rates: Rates, count: int, interval_s: float, keep: float) -> None:
         expected = self.level[0] * interval_s
@@ -65,7 +73,11 @@ class BandSmoother:
             return
         self.off = (direction, rates) if direction else None
         # An empty interval decays the token rates with the request rate, keeping means.
-        self.level = blend(self.level, rates, 1.0 - keep)
+        weight = 1.0 - keep
+        if self.seen is not None:
+            self.seen = self.seen * keep + 1.0
+            weight = max(weight, 1.0 / self.seen)
+        self.level = blend(self.level, rates, weight)
 
     def forecast(self) -> Rates:
         if self.burst is not None and self.burst[0] > self.level[0]:
@@ -87,6 +99,7 @@ class LoadForecaster:
         self.halflife_s = halflife_s
         self.bands: dict[int, BandSmoother] = {}
         self.started = False
+        self.arrivals = 0  # requests seen: what the forecast rests on
 
     def observe(self, arrivals: Sequence[Arrival], interval_s: float) -> None:
         if interval_s <= 0:
@@ -95,9 +108,13 @@ class LoadForecaster:
         for arrival in arrivals:
             by_band.setdefault(band_of(arrival.prompt_tokens), []).append(arrival)
         if not self.started:
-            self.bands = {b: BandSmoother(rates_of(m, interval_s)) for b, m in by_band.items()}
+            self.bands = {
+                b: BandSmoother(rates_of(m, interval_s), intervals=1) for b, m in by_band.items()
+            }
             self.started = True
+            self.arrivals += len(arrivals)
             return
+        self.arrivals += len(arrivals)
         for band in by_band:
             self.bands.setdefault(band, BandSmoother(NO_RATES))
         # The newest interval's weight follows its length, so the smoothing spans the same

@@ -45,13 +45,14 @@ class SloPolicy:
     """Decides each interval's move from an `Observation` and the step-latency model.
 
     Holds, in this order: while an operator's change is in flight ("operator"), on stale
-    figures or a gap between observations ("stale"), while an instance is still starting
-    or switching ("settling"), within the cooldown after a move ("cooldown"). Otherwise it
+    figures or a gap between observations ("stale"), until the forecast rests on
+    `min_arrivals` requests ("warming_up"), while an instance is still starting or
+    switching ("settling"), within the cooldown after a move ("cooldown"). Otherwise it
     switches instances (up to `PolicyConfig.switch_batch()` at once) toward the split
     with the most headroom (among those that keep the ITL SLO, `choose_target`) once that
     split beats the current one by `switch_margin` for `persist_intervals` intervals in a
-    row (a run
-    of moves in one direction waits once; a reversal waits again), the growing pool's SLO
+    row (a run of moves in one direction waits once; a reversal waits again), the growing
+    pool's SLO
     is at risk (a split meeting both with the margin to spare stays: "slos_met") and the
     switch is worth what it costs (`weigh_switch`); it starts or stops instances only to
     bring the total to the budget.
@@ -147,6 +148,9 @@ class SloPolicy:
             return "stale", f"no observation for {gap:.1f} s"
         if observation.interval_s > stale_s:
             return "stale", f"the interval lasted {observation.interval_s:.1f} s"
+        seen = self.forecaster.arrivals
+        if seen < config.min_arrivals:
+            return "warming_up", f"the forecast rests on {seen} of {config.min_arrivals} requests"
         if observation.prefill.starting or observation.decode.starting:
             return "settling", "an instance is still starting or switching"
         if self.last_move_at is not None:

@@ -100,6 +100,9 @@ class PolicyConfig(msgspec.Struct, frozen=True):
     cooldown_intervals: int = 2  # the next move comes no sooner than this many intervals
     stale_intervals: float = 3.0  # older data, or a gap this long between observations
     forecast_halflife_s: float = 15.0  # the smoothed load forgets half its past in this time
+    # No move before the forecast rests on this many requests: a first second's two or
+    # three arrivals say little about the rate (a Poisson count of 10 is within ~30 %).
+    min_arrivals: int = 10
     # What an instance does per step, as the engine is configured (the latency model's
     # inputs): prompt tokens per prefill step, sequences per decode step.
     max_num_batched_tokens: int = 2048
@@ -137,5 +140,7 @@ class PolicyConfig(msgspec.Struct, frozen=True):
             raise ValueError("interval_s must be positive and stale_intervals above 1")
         if self.persist_intervals < 1 or self.cooldown_intervals < 0:
             raise ValueError("persist_intervals must be >= 1 and cooldown_intervals >= 0")
+        if self.min_arrivals < 0:
+            raise ValueError("min_arrivals must be >= 0")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")

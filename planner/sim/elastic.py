@@ -308,7 +308,8 @@ class ElasticSimulation:
             self.prefill.remove(prefill)
             self.after_drain(prefill, lambda: self.join_later("decode", self.config.switch_delay_s))
             return
-        decode = min(self.decode, key=DecodeWorker.load)
+        # The fewest tokens to recompute: its running requests are handed back.
+        decode = min(self.decode, key=lambda w: (w.context, w.load()))
         self.decode.remove(decode)
         for job, running in decode.evict():
             job.migrations += 1

@@ -334,6 +334,28 @@ async def _a_switch_of_several() -> None:
     assert not any(gateway.claims.busy(i) for i in roles)
 
 
+def test_a_switch_out_of_decode_takes_the_instance_with_the_least_to_recompute() -> None:
+    asyncio.run(_a_switch_out_of_decode_takes_the_least_to_recompute())
+
+
+async def _a_switch_out_of_decode_takes_the_least_to_recompute() -> None:
+    # decode-0 runs one long request (90 of 100 blocks), decode-1 two short ones (10): its
+    # requests are handed back to be computed again, so decode-1 costs less.
+    controller, gateway, _, clock = controller_for(move("switch", "prefill", "decode"))
+    for instance_id, running, free in (("decode-0", 1, 10), ("decode-1", 2, 90)):
+        stats = InstanceStats(num_running=running, num_free_blocks=free, num_total_blocks=100)
+        gateway.scheduler.observe(instance_id, stats, clock())
+        for n in range(running):
+            gateway.scheduler.views[instance_id].in_flight.add(f"{instance_id}-request-{n}")
+    gateway.dispatcher.migrate = lambda *args: None  # type: ignore[method-assign]
+    next_interval(gateway, clock)
+    decision = controller.tick()
+    assert decision is not None and decision.action == "switch" and "[decode-1]" in decision.detail
+    assert gateway.claims.busy("decode-1") and not gateway.claims.busy("decode-0")
+    await asyncio.sleep(0.1)
+    assert gateway.scheduler.views["decode-1"].draining  # its requests move, then it switches
+
+
 def test_a_stop_drains_the_least_loaded_instance_for_good() -> None:
     asyncio.run(_a_stop_drains_the_least_loaded_instance_for_good())
 

@@ -25,7 +25,10 @@ CHAT = Arrival(prompt_tokens=200, max_tokens=450)
 
 
 def config(**overrides) -> PolicyConfig:
-    values = dict(instance_budget=8, ttft_slo_ms=3000.0, itl_slo_ms=100.0, interval_s=INTERVAL)
+    # Scripted loads act from their first interval (see the warming-up test).
+    values = dict(
+        instance_budget=8, ttft_slo_ms=3000.0, itl_slo_ms=100.0, interval_s=INTERVAL, min_arrivals=0
+    )
     values.update(overrides)
     return PolicyConfig(**values)  # type: ignore[arg-type]
 
@@ -277,3 +280,16 @@ def test_prefill_overloaded_at_every_split_does_not_take_decode_past_its_slo() -
         assert decision.target_prefill == 6, decision.detail
         pools.apply(decision)
     assert (pools.prefill, pools.decode) == (6, 2)
+
+
+def test_no_move_before_the_forecast_rests_on_enough_requests() -> None:
+    # Two RAG prompts a second from the first interval on: 4 requests an interval, so the
+    # third interval is the first with 10 behind the forecast.
+    policy = SloPolicy(config(min_arrivals=10), CALIBRATION)
+    pools = ScriptedPools(4, 4)
+    decisions = pools.drive(policy, [arrivals(RAG, 2.0)] * 3)
+    assert [d.reason for d in decisions[:2]] == ["warming_up", "warming_up"]
+    assert "rests on 8 of 10 requests" in decisions[1].detail
+    assert decisions[2].reason != "warming_up"
+    with pytest.raises(ValueError, match="min_arrivals"):
+        SloPolicy(config(min_arrivals=-1), CALIBRATION)
