@@ -52,10 +52,9 @@ class SloPolicy:
     with the most headroom (among those that keep the ITL SLO, `choose_target`) once that
     split beats the current one by `switch_margin` for `persist_intervals` intervals in a
     row (a run of moves in one direction waits once; a reversal waits again), the growing
-    pool's SLO
-    is at risk (a split meeting both with the margin to spare stays: "slos_met") and the
-    switch is worth what it costs (`weigh_switch`); it starts or stops instances only to
-    bring the total to the budget.
+    pool's SLO is at risk (a split meeting both with the margin to spare stays:
+    "slos_met") and the switch is worth what it costs (`weigh_switch`); it starts or stops
+    instances only to bring the total to the budget.
     """
 
     def __init__(self, config: PolicyConfig, calibration: Calibration) -> None:
