@@ -47,8 +47,9 @@ def test_loading_registers_every_kernel_and_cpu_never_runs_triton():
     from pdserve.kernels.triton_ops import TRITON_KERNELS
 
     # The linear layer has no Triton kernel: on CUDA its reference is cuBLAS already;
-    # the int8 and GGUF-block ones serve CPUs only (both are refused on CUDA).
-    cpu_only = {"linear", "linear_int8", "linear_gguf"}
+    # the int8 and GGUF-block ones, and the GGUF row lookup, serve CPUs only (both kinds
+    # of weight are refused on CUDA).
+    cpu_only = {"linear", "linear_int8", "linear_gguf", "gguf_rows"}
     assert set(TRITON_KERNELS) == set(dispatch._REFERENCE) - cpu_only
     for name, fn in TRITON_KERNELS.items():
         assert dispatch._TRITON[name] is fn
