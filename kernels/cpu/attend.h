@@ -99,13 +99,47 @@ ALWAYS_INLINE void score_block_dot(const char *kr, int64_t row, int d, int dp, c
         for (int t = 0; t < TB; t++) dots[i * 8 + t] = (v8f)dot[i][t];
 }
 
+/* Two value rows' 32 dims from v0 and v1 interleaved in pairs for pv_dot: element 2j of
+ * w[0] is v0's dim j and element 2j + 1 v1's, for dims 0-15; w[1] the same for dims
+ * 16-31. v1 is read only where has_second (else zero). */
+ALWAYS_INLINE void interleave_values(const uint16_t *v0, const uint16_t *v1, __mmask32 has_second,
+                                     __m512bh *w) {
+    const __m512i first = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                           40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                           32, 0);
+    const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+    const __m512i a = _mm512_loadu_si512(v0);
+    const __m512i b = _mm512_maskz_loadu_epi16(has_second, v1);
+    w[0] = (__m512bh)_mm512_permutex2var_epi16(a, first, b);
+    w[1] = (__m512bh)_mm512_permutex2var_epi16(a, second, b);
+}
+
+/* A value tile interleaved once for pv_dot's paired form (prefill, where many rows meet
+ * the tile): token pair j's 16 dims from c at vt + (j * d / 16 + c / 16) * 32, d a
+ * multiple of 32. */
+ALWAYS_INLINE void pair_values(const char *vr, int64_t row, int n, int d, uint16_t *vt) {
+    for (int j = 0; j < (n + 1) / 2; j++) {
+        const uint16_t *v0 = (const uint16_t *)(vr + 2 * j * row);
+        const uint16_t *v1 = (const uint16_t *)(vr + (2 * j + 1) * row);
+        const __mmask32 has_second = 2 * j + 1 < n ? 0xffffffffu : 0;
+        for (int c = 0; c < d; c += 32) {
+            __m512bh w[2];
+            interleave_values(v0 + c, v1 + c, has_second, w);
+            _mm512_storeu_si512(vt + (j * (d / 16) + c / 16) * 32, (__m512i)w[0]);
+            _mm512_storeu_si512(vt + (j * (d / 16) + c / 16 + 1) * 32, (__m512i)w[1]);
+        }
+    }
+}
+
 /* p.v for DT_BF16_DOT with d a multiple of 32: the tile's probabilities rounded to bf16
  * and taken two tokens at a time by `vdpbf16ps` against the two value rows interleaved
  * (lane j of an accumulator sums p_t v_t[j] + p_t+1 v_t+1[j] over the token pairs in
  * order), 32 products an instruction instead of 8 and no widening of the values. The
- * running sums l stay the float32 probabilities'. A pair past n reads no value row. */
+ * running sums l stay the float32 probabilities'. A pair past n reads no value row.
+ * PAIRED: the values come interleaved already (pair_values at vt), the same numbers. */
 ALWAYS_INLINE void pv_dot(const char *vr, int64_t row, int n, int d, int dp, float *acc,
-                          const float *sc, v8f corr, const int G) {
+                          const float *sc, v8f corr, const uint16_t *vt, const int G,
+                          const int PAIRED) {
     uint32_t pairs[MAX_CHUNK][SCORE_TILE / 2]; /* (p_2j, p_2j+1) as bf16, per head */
     const __mmask16 lo = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
     const __mmask16 hi = n >= 32 ? 0xffff : n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : 0;
@@ -115,11 +149,6 @@ ALWAYS_INLINE void pv_dot(const char *vr, int64_t row, int n, int d, int dp, flo
         const __m512 b = _mm512_maskz_loadu_ps(hi, sc + i * SCORE_TILE + 16);
         _mm512_storeu_si512(pairs[i], (__m512i)_mm512_cvtne2ps_pbh(b, a));
     }
-    /* element 2j from the first row's dim j, 2j + 1 from the second's (of 32 + 32) */
-    const __m512i first = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
-                                           40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
-                                           32, 0);
-    const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
     const int np = (n + 1) / 2;
     for (int c0 = 0; c0 < d; c0 += 64) {
         const int halves = d - c0 >= 64 ? 2 : 1; /* 32 dims each */
@@ -131,16 +160,18 @@ ALWAYS_INLINE void pv_dot(const char *vr, int64_t row, int n, int d, int dp, flo
                 o[i][u] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * dp + c0 + 16 * u),
                                         _mm512_set1_ps(corr[i]));
         for (int j = 0; j < np; j++) {
-            const uint16_t *v0 = (const uint16_t *)(vr + 2 * j * row) + c0;
-            const uint16_t *v1 = (const uint16_t *)(vr + (2 * j + 1) * row) + c0;
-            const __mmask32 has_second = 2 * j + 1 < n ? 0xffffffffu : 0; /* zero, unread */
             __m512bh w[4];
+            if (PAIRED) {
+#pragma GCC unroll 4
+                for (int u = 0; u < 2 * halves; u++)
+                    w[u] = (__m512bh)_mm512_loadu_si512(vt + (j * (d / 16) + c0 / 16 + u) * 32);
+            } else {
+                const uint16_t *v0 = (const uint16_t *)(vr + 2 * j * row) + c0;
+                const uint16_t *v1 = (const uint16_t *)(vr + (2 * j + 1) * row) + c0;
+                const __mmask32 has_second = 2 * j + 1 < n ? 0xffffffffu : 0; /* zero, unread */
 #pragma GCC unroll 2
-            for (int h = 0; h < halves; h++) {
-                const __m512i a = _mm512_loadu_si512(v0 + 32 * h);
-                const __m512i b = _mm512_maskz_loadu_epi16(has_second, v1 + 32 * h);
-                w[2 * h] = (__m512bh)_mm512_permutex2var_epi16(a, first, b);
-                w[2 * h + 1] = (__m512bh)_mm512_permutex2var_epi16(a, second, b);
+                for (int h = 0; h < halves; h++)
+                    interleave_values(v0 + 32 * h, v1 + 32 * h, has_second, w + 2 * h);
             }
 #pragma GCC unroll 4
             for (int i = 0; i < G; i++) {
@@ -163,7 +194,12 @@ ALWAYS_INLINE void pv_dot(const char *vr, int64_t row, int n, int d, int dp, flo
     static __attribute__((noinline)) void pv_dot##G(const char *vr, int64_t row, int n, int d, \
                                                     int dp, float *acc, const float *sc,       \
                                                     v8f corr) {                                \
-        pv_dot(vr, row, n, d, dp, acc, sc, corr, G);                                           \
+        pv_dot(vr, row, n, d, dp, acc, sc, corr, NULL, G, 0);                                  \
+    }                                                                                          \
+    static __attribute__((noinline)) void pv_paired##G(const uint16_t *vt, int n, int d,       \
+                                                       int dp, float *acc, const float *sc,    \
+                                                       v8f corr) {                             \
+        pv_dot(NULL, 0, n, d, dp, acc, sc, corr, vt, G, 1);                                    \
     }
 PV_DOT_OF(1)
 PV_DOT_OF(2)
@@ -217,16 +253,12 @@ ALWAYS_INLINE void score_block(const char *kr, int64_t row, int d, int dp, const
         for (int t = 0; t < TB; t++) dots[i * 8 + t] = dot[i][t];
 }
 
-/* Scores, online-softmax update and P.V of G query heads (a chunk of the group) over
- * the n <= SCORE_TILE tokens at rows kr / vr. d is a compile-time constant where it
- * matters; dots is scratch for G x 8 vectors. */
-ALWAYS_INLINE void attend_tokens(const char *kr, const char *vr, int64_t row, int n, int d, int dp,
-                                 const float *qf, float *m, float *l, float *acc, float *sc,
-                                 v8f *dots, const int G, const int dt) {
-    /* q.k: one vector of partial products per (head, token), eight tokens reduced
-     * together, so the horizontal sums cost ~1 op per score instead of ~7. Tokens past
-     * n get zero vectors. */
-    const int d8 = d & ~7;
+/* The scores of G query heads (a chunk of the group) over the n <= SCORE_TILE tokens at
+ * rows kr, into sc (SCORE_TILE a head): one vector of partial products per (head,
+ * token), eight tokens reduced together, so the horizontal sums cost ~1 op per score
+ * instead of ~7. Tokens past n get zero vectors. dots is scratch for G x 8 vectors. */
+ALWAYS_INLINE void score_tokens(const char *kr, int64_t row, int n, int d, int dp, const float *qf,
+                                float *sc, v8f *dots, const int G, const int dt) {
     for (int t0 = 0; t0 < n; t0 += 8) {
         int t = 0;
         for (; t + QK_TOKENS <= 8 && t0 + t + QK_TOKENS <= n; t += QK_TOKENS)
@@ -239,6 +271,15 @@ ALWAYS_INLINE void attend_tokens(const char *kr, const char *vr, int64_t row, in
 #pragma GCC unroll 4
         for (int i = 0; i < G; i++) v8_store(sc + i * SCORE_TILE + t0, v8_sum8(dots + i * 8));
     }
+}
+
+/* The online-softmax update and P.V of G query heads over the n <= SCORE_TILE tokens at
+ * rows vr, their scores in sc (SCORE_TILE a head; overwritten with the probabilities). */
+ALWAYS_INLINE void attend_scores(const char *vr, int64_t row, int n, int d, int dp, float *m,
+                                 float *l, float *acc, float *sc, const uint16_t *vt, const int G,
+                                 const int dt) {
+    (void)vt; /* read by the AVX512-BF16 build alone */
+    const int d8 = d & ~7;
     const int n8 = (n + 7) & ~7;
     v8f shift = v8_splat(0.0f); /* old max - new max per head: one exp2 rescales all */
 #pragma GCC unroll 4
@@ -265,6 +306,15 @@ ALWAYS_INLINE void attend_tokens(const char *kr, const char *vr, int64_t row, in
         l[i] = l[i] * corr[i] + v8_hsum(sum);
     }
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    if (dt == DT_BF16_DOT && !(d & 31) && vt) { /* values interleaved already (pair_values) */
+        switch (G) {
+        case 1: pv_paired1(vt, n, d, dp, acc, sc, corr); break;
+        case 2: pv_paired2(vt, n, d, dp, acc, sc, corr); break;
+        case 3: pv_paired3(vt, n, d, dp, acc, sc, corr); break;
+        default: pv_paired4(vt, n, d, dp, acc, sc, corr); break;
+        }
+        return;
+    }
     if (dt == DT_BF16_DOT && !(d & 31)) {
         switch (G) {
         case 1: pv_dot1(vr, row, n, d, dp, acc, sc, corr); break;
@@ -323,6 +373,16 @@ ALWAYS_INLINE void attend_tokens(const char *kr, const char *vr, int64_t row, in
             acc[i * dp + c] = o;
         }
     }
+}
+
+/* Scores, online-softmax update and P.V of G query heads (a chunk of the group) over
+ * the n <= SCORE_TILE tokens at rows kr / vr. d is a compile-time constant where it
+ * matters; dots is scratch for G x 8 vectors. */
+ALWAYS_INLINE void attend_tokens(const char *kr, const char *vr, int64_t row, int n, int d, int dp,
+                                 const float *qf, float *m, float *l, float *acc, float *sc,
+                                 v8f *dots, const int G, const int dt) {
+    score_tokens(kr, row, n, d, dp, qf, sc, dots, G, dt);
+    attend_scores(vr, row, n, d, dp, m, l, acc, sc, NULL, G, dt);
 }
 
 #ifndef PREFETCH_BLOCKS

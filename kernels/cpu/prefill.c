@@ -29,6 +29,8 @@ typedef struct {
 typedef struct {
     float *qf, *acc, *m, *l, *sc;
     float *kf, *vf; /* an FP8 cache's key and value tile, widened (SCORE_TILE x dp each) */
+    uint32_t *kt;   /* a bf16 key tile turned (pair_tile), in kf's place */
+    uint16_t *vt;   /* its value tile interleaved (pair_values), in vf's place */
 } tile_scratch;
 
 /* n cache rows at src (row bytes apart) as their float readings (v8_load_as), dp floats
@@ -46,18 +48,106 @@ ALWAYS_INLINE void widen_tile(const char *src, int64_t row, int n, int d, int dp
     }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define PAIRED_SCORES 1
+/* A bf16 key tile turned for score_paired: kt[p * SCORE_TILE + t] is dims 2p and 2p + 1
+ * of key t (one 32-bit word), for the d / 2 pairs of the n keys and zero for keys up to
+ * the next 16. Turned once for all the rows that pass over the tile. */
+ALWAYS_INLINE void pair_tile(const char *kr, int64_t row, int n, int d, uint32_t *kt) {
+    const int pairs = d / 2, n16 = (n + 15) & ~15;
+    for (int t = 0; t < n; t++) {
+        const uint32_t *k = (const uint32_t *)(kr + t * row);
+        for (int p = 0; p < pairs; p++) kt[p * SCORE_TILE + t] = k[p];
+    }
+    for (int p = 0; p < pairs; p++)
+        for (int t = n; t < n16; t++) kt[p * SCORE_TILE + t] = 0;
+}
+
+/* score_tokens for DT_BF16_DOT with d a multiple of 16, over a turned tile: the same
+ * scores to the bit with no horizontal sums. Lane t of accumulator j is key t's lane j
+ * of score_block_dot's chain (pairs 8s + j, s = 0, 1, ... in order, the query pair
+ * broadcast), and the eight accumulators are added in v8_sum8's order. R query rows
+ * (R <= 3) share each load of the tile. */
+ALWAYS_INLINE void score_paired_rows(const uint32_t *kt, int n, int d, const uint32_t *q, int dp,
+                                     float *sc, const int R) {
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        __m512 a[3][8];
+#pragma GCC unroll 3
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) a[r][j] = _mm512_setzero_ps();
+        for (int s = 0; s < d / 16; s++) {
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m512bh k =
+                    (__m512bh)_mm512_loadu_si512(kt + (8 * s + j) * SCORE_TILE + t0);
+#pragma GCC unroll 3
+                for (int r = 0; r < R; r++)
+                    a[r][j] = _mm512_dpbf16_ps(
+                        a[r][j], (__m512bh)_mm512_set1_epi32((int)q[r * dp + 8 * s + j]), k);
+            }
+        }
+#pragma GCC unroll 3
+        for (int r = 0; r < R; r++) {
+            const __m512 lo = _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]),
+                                            _mm512_add_ps(a[r][2], a[r][3]));
+            const __m512 hi = _mm512_add_ps(_mm512_add_ps(a[r][4], a[r][5]),
+                                            _mm512_add_ps(a[r][6], a[r][7]));
+            _mm512_storeu_ps(sc + r * SCORE_TILE + t0, _mm512_add_ps(lo, hi));
+        }
+    }
+}
+
+/* score_paired_rows for the G rows of a chunk, three at a time. */
+ALWAYS_INLINE void score_paired(const uint32_t *kt, int n, int d, const float *qf, int dp,
+                                float *sc, const int G) {
+    const uint32_t *q = (const uint32_t *)qf; /* row i's bf16 pairs at q + i * dp */
+    if (G == 4) {
+        score_paired_rows(kt, n, d, q, dp, sc, 3);
+        score_paired_rows(kt, n, d, q + 3 * dp, dp, sc + 3 * SCORE_TILE, 1);
+    } else {
+        score_paired_rows(kt, n, d, q, dp, sc, G);
+    }
+}
+#else
+#define PAIRED_SCORES 0
+#endif
+
+/* Whether a variant scores over turned tiles (pair_tile). */
+ALWAYS_INLINE int scores_paired(const int dt, int d) {
+    return PAIRED_SCORES && dt == DT_BF16_DOT && !(d & 15);
+}
+
+/* G rows of a chunk over the n keys at kr / vr (or the turned tile kt). */
+ALWAYS_INLINE void attend_chunk(const char *kr, const char *vr, const uint32_t *kt,
+                                const uint16_t *vt, int64_t row, int n, int d, int dp,
+                                const float *q, float *m, float *l, float *acc, float *sc,
+                                v8f *dots, const int G, const int dt) {
+#if PAIRED_SCORES
+    if (scores_paired(dt, d)) {
+        score_paired(kt, n, d, q, dp, sc, G);
+        attend_scores(vr, row, n, d, dp, m, l, acc, sc, d & 31 ? NULL : vt, G, dt);
+        return;
+    }
+#endif
+    (void)kt, (void)vt;
+    attend_tokens(kr, vr, row, n, d, dp, q, m, l, acc, sc, dots, G, dt);
+}
+
 /* Rows [r0, r1) of the item (token-major: row = token * group + head) over the n keys
  * at kr / vr, in chunks of MAX_CHUNK. */
 ALWAYS_INLINE void attend_rows(const char *kr, const char *vr, int64_t row, int n, int d, int dp,
                                int r0, int r1, const tile_scratch *w, v8f *dots, const int dt) {
     for (int r = r0; r < r1; r += MAX_CHUNK) {
         const float *q = w->qf + (int64_t)r * dp;
-        float *m = w->m + r, *l = w->l + r, *acc = w->acc + (int64_t)r * dp;
+        float *m = w->m + r, *l = w->l + r, *acc = w->acc + (int64_t)r * dp, *sc = w->sc;
+        const uint32_t *kt = w->kt;
+        const uint16_t *vt = w->vt;
         switch (r1 - r < MAX_CHUNK ? r1 - r : MAX_CHUNK) {
-        case 1: attend_tokens(kr, vr, row, n, d, dp, q, m, l, acc, w->sc, dots, 1, dt); break;
-        case 2: attend_tokens(kr, vr, row, n, d, dp, q, m, l, acc, w->sc, dots, 2, dt); break;
-        case 3: attend_tokens(kr, vr, row, n, d, dp, q, m, l, acc, w->sc, dots, 3, dt); break;
-        default: attend_tokens(kr, vr, row, n, d, dp, q, m, l, acc, w->sc, dots, 4, dt); break;
+        case 1: attend_chunk(kr, vr, kt, vt, row, n, d, dp, q, m, l, acc, sc, dots, 1, dt); break;
+        case 2: attend_chunk(kr, vr, kt, vt, row, n, d, dp, q, m, l, acc, sc, dots, 2, dt); break;
+        case 3: attend_chunk(kr, vr, kt, vt, row, n, d, dp, q, m, l, acc, sc, dots, 3, dt); break;
+        default: attend_chunk(kr, vr, kt, vt, row, n, d, dp, q, m, l, acc, sc, dots, 4, dt); break;
         }
     }
 }
@@ -81,6 +171,13 @@ ALWAYS_INLINE void attend_causal(const attention_args *A, const prefill_item *it
             const int whole = bs - t0 < SCORE_TILE ? bs - t0 : SCORE_TILE;
             const char *kr = kb + t0 * row, *vr = vb + t0 * row;
             int64_t tile_row = row;
+#if PAIRED_SCORES
+            if (scores_paired(dt, d)) {
+                const int n = hi - t0 < SCORE_TILE ? hi - t0 : SCORE_TILE;
+                pair_tile(kr, row, n, d, w->kt);
+                if (!(d & 31)) pair_values(vr, row, n, d, w->vt);
+            }
+#endif
             if (fp8) {
                 const int n = hi - t0 < SCORE_TILE ? hi - t0 : SCORE_TILE;
                 widen_tile(kr, row, n, d, dp, w->kf, dt);
@@ -146,6 +243,8 @@ static void prefill_run(const attention_job *J, int64_t i, float *scratch) {
     w.sc = w.l + rows;
     w.kf = w.sc + MAX_CHUNK * SCORE_TILE;
     w.vf = w.kf + SCORE_TILE * dp;
+    w.kt = (uint32_t *)w.kf;
+    w.vt = (uint16_t *)w.vf;
     prefill_variant(A->kernel_dt, A->head_dim)(A, (const prefill_item *)J->items + i, &w);
 }
 

@@ -92,25 +92,35 @@ def test_decode_of_a_sequence_does_not_depend_on_its_batch(kernels, threads, win
         assert torch.equal(alone, whole[:1]), num_threads
 
 
-# (block_size, dtype, window): tiles inside a block, blocks shorter than a tile, a block
-# size that is no power of two, and windows.
-INVARIANCE = [(16, BF16, None), (64, F32, None), (48, BF16, None), (16, BF16, 37), (32, F16, 100)]
+# (block_size, dtype, window, head_dim): tiles inside a block, blocks shorter than a
+# tile, a block size that is no power of two, windows, and head_dims whose bf16 scores
+# take other numbers of 16-dim steps (prefill's turned key tiles, where the CPU has
+# AVX512-BF16).
+INVARIANCE = [
+    (16, BF16, None, 64),
+    (64, F32, None, 64),
+    (48, BF16, None, 64),
+    (16, BF16, 37, 64),
+    (32, F16, 100, 64),
+    (16, BF16, None, 80),
+    (32, BF16, None, 128),
+]
 
 
-@pytest.mark.parametrize("block_size,dtype,window", INVARIANCE, ids=lambda c: str(c))
+@pytest.mark.parametrize("block_size,dtype,window,head_dim", INVARIANCE, ids=lambda c: str(c))
 def test_prefill_rows_equal_decode_steps_however_chunked(
-    kernels, threads, block_size, dtype, window
+    kernels, threads, block_size, dtype, window, head_dim
 ):
     """Each prompt token's prefill output equals, bit for bit, a decode step at its
     position, whatever chunk it came in (one 200-token chunk, chunks of 1, 7 and 64
     over the cached prefix) and whatever else shares the call: a recomputed request
     (migrated, preempted, a prefix-cache hit) gets the same KV and logits."""
-    _assert_prefill_rows_equal_decode_steps(kernels, threads, block_size, dtype, window)
+    _assert_prefill_rows_equal_decode_steps(kernels, threads, block_size, dtype, window, head_dim)
 
 
-def _assert_prefill_rows_equal_decode_steps(kernels, set_threads, block_size, dtype, window):
+def _assert_prefill_rows_equal_decode_steps(kernels, set_threads, block_size, dtype, window, d=64):
     gen = torch.Generator().manual_seed(block_size)
-    heads, kv_heads, d, total = 9, 3, 64, 200
+    heads, kv_heads, total = 9, 3, 200
     batch = make_paged_batch([total, 90], kv_heads, d, block_size, dtype, gen)
     query = torch.randn(total, heads, d, generator=gen).to(dtype)
     cache, tables = batch.kv_cache, batch.block_tables
