@@ -236,6 +236,7 @@ SHARED_ENGINE_FLAGS = (
     *("generation_config", "seed"),
     *("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"),  # scheduling
     *("enable_prefix_caching", "pipeline_parallel_size", "enforce_eager"),
+    "scheduling_policy",
 )
 
 

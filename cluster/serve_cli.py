@@ -17,6 +17,7 @@ from pdserve.gateway.structured import StructuredOutputsConfig, check_structured
 from pdserve.gateway.tool_parsers import PARSERS
 from pdserve.kvtransfer.config import FAILURE_POLICIES
 from pdserve.kvtransfer.transport import TRANSPORTS
+from pdserve.scheduler.config import SCHEDULING_POLICIES
 
 TOOL_CALL_PARSERS = tuple(PARSERS)
 
@@ -131,6 +132,13 @@ def _add_model_flags(model: argparse._ArgumentGroup) -> None:
 def _add_step_flags(model: argparse._ArgumentGroup) -> None:
     model.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    model.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="fcfs",
+        help="the order waiting requests start in: fcfs, arrival order; lpm, the longest "
+        "prefix-cache hit first (a request also waits for blocks another is computing)",
     )
     model.add_argument("--seed", type=int, default=0)
     model.add_argument(

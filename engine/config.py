@@ -52,6 +52,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests force small pools)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Admission order of waiting requests: "fcfs" (arrival) or "lpm" (longest cached prefix first).
+    scheduling_policy: str = "fcfs"
     seed: int = 0
     num_threads: int | None = None  # torch threads; None: all cores
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"

@@ -121,6 +121,7 @@ class EngineCore:
                 num_blocks=self.info.kv.num_blocks,
                 enable_prefix_caching=self.config.enable_prefix_caching,
                 enable_chunked_prefill=self.config.enable_chunked_prefill,
+                scheduling_policy=self.config.scheduling_policy,
             )
         )
         self.eos_token_ids = frozenset(self.info.eos_token_ids)

@@ -108,6 +108,10 @@ class BlockManager:
         self.pool.register(table[done:full], hashes[done:full], parent)
         self._num_registered[request.request_id] = full
 
+    def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """The hashes of the request's first `num_blocks` full blocks."""
+        return self._hashes_of(request, num_blocks)[:num_blocks]
+
     def _hashes_of(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """The request's first `num_blocks` full-block hashes, computed once each."""
         hashes = self._hashes.setdefault(request.request_id, [])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SCHEDULING_POLICIES = ("fcfs", "lpm")
+
 
 @dataclass(kw_only=True)
 class SchedulerConfig:
@@ -14,6 +16,9 @@ class SchedulerConfig:
     num_blocks: int  # KV blocks in the pool
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Admission order of waiting requests: "fcfs", arrival order, or "lpm", the longest
+    # cached prefix first (see prefix_order.py).
+    scheduling_policy: str = "fcfs"
     # Block events wait here until drained; past this many they are dropped and the
     # sequence skips a number, so subscribers resync from a snapshot.
     max_pending_block_events: int = 100_000
@@ -35,6 +40,11 @@ class SchedulerConfig:
                 self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be at least max_model_len ({self.max_model_len})",
+            ),
+            (
+                self.scheduling_policy in SCHEDULING_POLICIES,
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}",
             ),
             (
                 self.max_pending_block_events >= 1,

@@ -1,8 +1,10 @@
-"""Decode side of the step scheduler: ending the pull of a request's remote KV.
+"""Decode side of the step scheduler: admitting a request whose KV is remote, and
+ending the pull of that KV.
 
 `Scheduler.add_remote_request` queues a handed-off request with a `RemoteKV` record;
-its admission allocates blocks and reports them (`remote_kv_allocations`); this module
-ends the pull, in success or failure, under the failure policy.
+its admission (`admit_remote`) allocates blocks and reports them
+(`remote_kv_allocations`); `finish_remote_kvs` ends the pull, in success or failure,
+under the failure policy.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve.common.request import Request, RequestStatus
+from pdserve.scheduler.outputs import RemoteKVAllocation, SchedulerOutput
 
 if TYPE_CHECKING:
     from pdserve.scheduler.step_scheduler import Scheduler
@@ -25,6 +28,33 @@ class RemoteKV:
 
     num_remote_tokens: int
     num_local_cached_tokens: int = 0
+
+
+def admit_remote(
+    scheduler: Scheduler, request: Request, remote: RemoteKV, output: SchedulerOutput
+) -> bool:
+    """Allocates the blocks a queued remote request pulls its KV into (its locally
+    cached prefix reused) and reports them; False if the blocks are short."""
+    manager = scheduler.block_manager
+    hit = manager.find_cached_prefix(request, remote.num_remote_tokens, must_compute_last=False)
+    if not manager.allocate_slots(request, remote.num_remote_tokens, hit):
+        return False
+    scheduler.take_waiting(request)
+    scheduler.mark_scheduled(request)
+    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+    request.num_computed_tokens = request.num_cached_tokens = hit.num_tokens
+    remote.num_local_cached_tokens = hit.num_tokens
+    scheduler.waiting_for_remote[request.request_id] = request
+    output.remote_kv_allocations.append(
+        RemoteKVAllocation(
+            request_id=request.request_id,
+            block_ids=manager.get_block_ids(request.request_id),
+            num_remote_tokens=remote.num_remote_tokens,
+            num_local_cached_tokens=hit.num_tokens,
+            block_size=scheduler.config.block_size,
+        )
+    )
+    return True
 
 
 def finish_remote_kvs(

@@ -26,12 +26,12 @@ from pdserve.scheduler.admission import check_admissible, max_kv_tokens_of
 from pdserve.scheduler.block_manager import BlockManager
 from pdserve.scheduler.config import SchedulerConfig
 from pdserve.scheduler.outputs import (
-    RemoteKVAllocation,
     ScheduledChunk,
     SchedulerOutput,
     SchedulerStats,
 )
-from pdserve.scheduler.remote_kv import RemoteKV, finish_remote_kvs
+from pdserve.scheduler.prefix_order import PrefixOrder
+from pdserve.scheduler.remote_kv import RemoteKV, admit_remote, finish_remote_kvs
 from pdserve.scheduler.scheduler_checks import check_scheduler_invariants
 from pdserve.scheduler.stop_checker import check_stop
 
@@ -64,6 +64,9 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.clock = time.monotonic  # the requests' timestamps (tests substitute it)
         self.phase_times: deque[PhaseTimes] = deque(maxlen=PHASE_TIMES_KEPT)
+        self.prefix_order = (
+            PrefixOrder(self.block_manager) if config.scheduling_policy == "lpm" else None
+        )
 
     # ---- requests in ---------------------------------------------------------------
 
@@ -212,53 +215,64 @@ class Scheduler:
         self.num_preemptions_total += 1
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        while self.waiting and self._num_seats_taken() < self.config.max_num_seqs:
-            request = self.waiting[0]
+        if self.prefix_order is None or not self.waiting:
+            self._admit_in_order(list(self.waiting), output, budget)
+            return
+        if self._num_seats_taken() >= self.config.max_num_seqs or (
+            budget == 0 and not self.remote_kv
+        ):
+            return  # nothing can be admitted: spare the lookups
+        queued = list(self.waiting)
+        self.prefix_order.begin(self.running)
+        order = self.prefix_order.order(queued, self.remote_kv.keys())
+        admitted = self._admit_in_order(order, output, budget)
+        self.prefix_order.passed_over(queued, admitted)
+
+    def _admit_in_order(
+        self, order: list[Request], output: SchedulerOutput, budget: int
+    ) -> set[str]:
+        """Admits from `order` until the budget, the seats or the blocks run out; the ids
+        of the requests admitted."""
+        admitted: set[str] = set()
+        for request in order:
+            if self._num_seats_taken() >= self.config.max_num_seqs:
+                break
             remote = self.remote_kv.get(request.request_id)
             if remote is not None:
-                if not self._admit_remote(request, remote, output):
-                    return
+                if not admit_remote(self, request, remote, output):
+                    break
+                admitted.add(request.request_id)
                 continue
             if budget == 0:
-                return
+                break
             hit = self.block_manager.find_cached_prefix(request, request.num_tokens)
+            if self.prefix_order is not None and self.prefix_order.waits(request, hit):
+                continue  # a running request is computing its next block
             num_new = self._chunk_size(request.num_tokens - hit.num_tokens, budget)
             if num_new == 0:
-                return
+                break
             if not self.block_manager.allocate_slots(request, hit.num_tokens + num_new, hit):
-                return
-            self.waiting.popleft()
-            self._mark_scheduled(request)
+                break
+            self.take_waiting(request)
+            admitted.add(request.request_id)
+            if self.prefix_order is not None:
+                self.prefix_order.admitted(request)
+            self.mark_scheduled(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = request.num_cached_tokens = hit.num_tokens
             self.running.append(request)
             self._add_chunk(output, request, num_new)
             budget -= num_new
+        return admitted
 
-    def _admit_remote(self, request: Request, remote: RemoteKV, output: SchedulerOutput) -> bool:
-        hit = self.block_manager.find_cached_prefix(
-            request, remote.num_remote_tokens, must_compute_last=False
-        )
-        if not self.block_manager.allocate_slots(request, remote.num_remote_tokens, hit):
-            return False
-        self.waiting.popleft()
-        self._mark_scheduled(request)
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        request.num_computed_tokens = request.num_cached_tokens = hit.num_tokens
-        remote.num_local_cached_tokens = hit.num_tokens
-        self.waiting_for_remote[request.request_id] = request
-        output.remote_kv_allocations.append(
-            RemoteKVAllocation(
-                request_id=request.request_id,
-                block_ids=self.block_manager.get_block_ids(request.request_id),
-                num_remote_tokens=remote.num_remote_tokens,
-                num_local_cached_tokens=hit.num_tokens,
-                block_size=self.config.block_size,
-            )
-        )
-        return True
+    def take_waiting(self, request: Request) -> None:
+        """Takes `request` out of the waiting queue, to run or pull its KV."""
+        if self.waiting[0] is request:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(request)
 
-    def _mark_scheduled(self, request: Request) -> None:
+    def mark_scheduled(self, request: Request) -> None:
         if request.first_scheduled_time is None:  # a preempted one keeps its first
             request.first_scheduled_time = self.clock()
         elif len(request.resumed_times) < len(request.preempted_times):

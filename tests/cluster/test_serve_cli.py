@@ -63,6 +63,9 @@ def test_colocated_plan_threads_and_engine_config() -> None:
     assert plan.engine.enforce_eager is False  # decode steps recorded (CPU) or graphed
     eager = Deployment.from_args(parse("--mode", "colocated", "--enforce-eager"), [0, 1])
     assert eager.engine.enforce_eager is True
+    assert plan.engine.scheduling_policy == "fcfs"
+    lpm = Deployment.from_args(parse("--mode", "colocated", "--scheduling-policy", "lpm"), [0, 1])
+    assert lpm.engine.scheduling_policy == "lpm"
 
 
 def test_place_pins_when_each_instance_has_two_cores_or_more() -> None:

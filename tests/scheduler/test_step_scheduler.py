@@ -213,8 +213,8 @@ def test_preemption_recomputes_to_identical_outputs() -> None:
 def test_preemption_takes_the_most_recently_admitted_request() -> None:
     sched = make_scheduler(num_blocks=6, max_num_batched_tokens=64)
     model = FakeModel(sched)
-    for rid in ("old", "mid", "new"):
-        sched.add_request(make_request(rid, prompt_of(8, len(rid)), max_tokens=8))
+    for seed, rid in enumerate(("old", "mid", "new"), start=1):
+        sched.add_request(make_request(rid, prompt_of(8, seed), max_tokens=8))
     output, _ = model.step()  # three prompts of two blocks each fill the pool
     assert sched.block_manager.num_free_blocks == 0 and output.num_tokens == 24
     newest = sched.get_request("new")
