@@ -36,6 +36,7 @@ from pdserve.engine.device_runner import DeviceRunner
 from pdserve.engine.embedded import served_model_path
 from pdserve.engine.executor import RankConnector
 from pdserve.engine.grammar import GrammarBook
+from pdserve.engine.host_memory import keep_buffers_mapped
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
 from pdserve.engine.kv_calibration import CALIBRATION_TEXT, calculate_kv_scales
 from pdserve.engine.kv_scales import KVScales, read_kv_scales, set_kv_scales
@@ -131,6 +132,8 @@ class ModelWorker:
         self.dtype = config.torch_dtype(mc.torch_dtype)
         self.device = torch.device(config.device)
         on_cuda = self.device.type == "cuda"
+        if self.device.type == "cpu":
+            keep_buffers_mapped()  # before the weights: prefill buffers reused, not remapped
         model_dtype = str(self.dtype).removeprefix("torch.")
         with gpu_memory.sizing_turn(self.device) if on_cuda else contextlib.nullcontext():
             free_before_load = gpu_memory.free_device_memory(self.device) if on_cuda else 0

@@ -163,7 +163,7 @@ def test_the_folder_carries_the_files_tokenizer_template_and_config(gguf_llm):
 
 def test_loading_a_q4_file_peaks_below_twice_its_size(tmp_path):
     """A fresh process: the resident high-water mark while the model loads (no KV cache
-    here). bfloat16 (`auto` on this machine): below 2x the file. Either dtype: at most half
+    here), with the malloc thresholds a CPU worker sets. bfloat16 (`auto` on this machine): below 2x the file. Either dtype: at most half
     the file above the model's own tensor bytes, so no transient copy of the table (1.15x
     the file in float32) or of the packed layers fits; the rest is allocator and library
     pages, which differ between machines."""
@@ -172,9 +172,11 @@ def test_loading_a_q4_file_peaks_below_twice_its_size(tmp_path):
         "from pdserve.engine import embedded\n"
         "from pdserve.engine.checkpoint import load_model_config\n"
         "from pdserve.engine.gguf_prepare import prepare_gguf\n"
+        "from pdserve.engine.host_memory import keep_buffers_mapped\n"
         "from pdserve.engine.loader import load_model\n"
         "from pdserve.engine.worker import _peak_resident_bytes, _resident_bytes\n"
         "folder = prepare_gguf(embedded.gguf_path()); mc = load_model_config(folder)\n"
+        "keep_buffers_mapped()  # as an engine's worker loads\n"
         "before = _resident_bytes()\n"
         "model = load_model(folder, mc, getattr(torch, sys.argv[1]))\n"
         "tensors = [*model.parameters(), *model.buffers()]\n"
