@@ -163,10 +163,11 @@ def test_the_folder_carries_the_files_tokenizer_template_and_config(gguf_llm):
 
 def test_loading_a_q4_file_peaks_below_twice_its_size(tmp_path):
     """A fresh process: the resident high-water mark while the model loads (no KV cache
-    here), with the malloc thresholds a CPU worker sets. bfloat16 (`auto` on this machine): below 2x the file. Either dtype: at most half
-    the file above the model's own tensor bytes, so no transient copy of the table (1.15x
-    the file in float32) or of the packed layers fits; the rest is allocator and library
-    pages, which differ between machines."""
+    here), with the malloc thresholds a CPU worker sets. bfloat16 (`auto` on this
+    machine): below 2x the file. Either dtype: at most half the file above the model's
+    own tensor bytes, so no transient copy of the table (1.15x the file in float32) or of
+    the packed layers fits; the rest is allocator and library pages, which differ between
+    machines."""
     code = (
         "import json, sys, torch\n"
         "from pdserve.engine import embedded\n"
