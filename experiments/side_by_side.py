@@ -319,8 +319,12 @@ def main(argv: list[str] | None = None) -> int:
 def run(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     if args.show:
-        saved = json.loads(Path(args.show).read_text())
-        print(table(saved["rows"], saved["baseline"]))
+        try:
+            saved = json.loads(Path(args.show).read_text())
+            print(table(saved["rows"], saved["baseline"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"side_by_side: --show {args.show}: not a results file ({exc})", file=sys.stderr)
+            return 2
         return 0
     specs = server_specs(args)
     baseline = args.baseline or specs[0].label

@@ -156,3 +156,5 @@ def test_a_run_measures_each_server_in_rounds_and_skips_what_is_missing(tmp_path
     assert "| vllm-bf16 | single | skipped: not installed: " in printed
     assert main(["--show", str(out)]) == 0
     assert saved["table"] in capsys.readouterr().out
+    assert main(["--show", str(tmp_path / "missing.json")]) == 2
+    assert "not a results file" in capsys.readouterr().err
