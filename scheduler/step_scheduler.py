@@ -218,9 +218,8 @@ class Scheduler:
         if self.prefix_order is None or not self.waiting:
             self._admit_in_order(list(self.waiting), output, budget)
             return
-        if self._num_seats_taken() >= self.config.max_num_seqs or (
-            budget == 0 and not self.remote_kv
-        ):
+        seats_full = self._num_seats_taken() >= self.config.max_num_seqs
+        if seats_full or (budget == 0 and not self.remote_kv):
             return  # nothing can be admitted: spare the lookups
         queued = list(self.waiting)
         self.prefix_order.begin(self.running)
