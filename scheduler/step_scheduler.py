@@ -17,6 +17,7 @@ Disaggregation hooks:
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 
@@ -215,17 +216,15 @@ class Scheduler:
         self.num_preemptions_total += 1
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        if self.prefix_order is None or not self.waiting:
-            self._admit_in_order(list(self.waiting), output, budget)
-            return
-        seats_full = self._num_seats_taken() >= self.config.max_num_seqs
-        if seats_full or (budget == 0 and not self.remote_kv):
-            return  # nothing can be admitted: spare the lookups
-        queued = list(self.waiting)
-        self.prefix_order.begin(self.running)
-        order = self.prefix_order.order(queued, self.remote_kv.keys())
-        admitted = self._admit_in_order(order, output, budget)
-        self.prefix_order.passed_over(queued, admitted)
+        seats = max(0, self.config.max_num_seqs - self._num_seats_taken())
+        if self.prefix_order is None:  # each try admits or ends the pass: `seats` at most
+            self._admit_in_order(list(itertools.islice(self.waiting, seats)), output, budget)
+        elif seats and self.waiting and (budget or self.remote_kv):  # else spare the lookups
+            queued = list(self.waiting)
+            self.prefix_order.begin(self.running)
+            order = self.prefix_order.order(queued, self.remote_kv.keys())
+            admitted = self._admit_in_order(order, output, budget)
+            self.prefix_order.passed_over(queued, admitted)
 
     def _admit_in_order(
         self, order: list[Request], output: SchedulerOutput, budget: int

@@ -171,15 +171,14 @@ ALWAYS_INLINE void attend_causal(const attention_args *A, const prefill_item *it
             const int whole = bs - t0 < SCORE_TILE ? bs - t0 : SCORE_TILE;
             const char *kr = kb + t0 * row, *vr = vb + t0 * row;
             int64_t tile_row = row;
+            const int n = hi - t0 < SCORE_TILE ? hi - t0 : SCORE_TILE; /* keys any row sees */
 #if PAIRED_SCORES
             if (scores_paired(dt, d)) {
-                const int n = hi - t0 < SCORE_TILE ? hi - t0 : SCORE_TILE;
                 pair_tile(kr, row, n, d, w->kt);
                 if (!(d & 31)) pair_values(vr, row, n, d, w->vt);
             }
 #endif
             if (fp8) {
-                const int n = hi - t0 < SCORE_TILE ? hi - t0 : SCORE_TILE;
                 widen_tile(kr, row, n, d, dp, w->kf, dt);
                 widen_tile(vr, row, n, d, dp, w->vf, dt);
                 kr = (const char *)w->kf, vr = (const char *)w->vf;
