@@ -35,7 +35,7 @@ ARGS = (
     "--kv-cache-memory", "48MiB", "--max-model-len", "512", "--routing-policy", "round_robin",
     "--threads-per-instance", "1", "--enable-test-hooks",
 )  # fmt: skip
-MAX_TOKENS = 48
+MAX_TOKENS = 192  # long enough that no stream ends before the last one begins
 REQUESTS = RecoveryRequests("The capital of France is", MAX_TOKENS)
 
 

@@ -42,7 +42,7 @@ ARGS = (
     "--kv-cache-memory", "24MiB", "--max-model-len", "512", "--routing-policy", "round_robin",
     "--instance-timeout", str(TIMEOUT_S),
 )  # fmt: skip
-MAX_TOKENS = 64
+MAX_TOKENS = 192  # long enough that no stream ends before the last one begins
 REQUESTS = RecoveryRequests("The capital of France is", MAX_TOKENS)
 
 
