@@ -37,6 +37,8 @@
 #define MAX_C 12
 #define X_BLOCK_BYTES (192 << 10) /* packed x bytes per block of rows */
 #define MIN_MACS_PER_THREAD (1 << 18)
+/* Row blocks of at most this many rows run unit by unit (run_units_outer). */
+#define UNITS_OUTER_MAX_ROWS 64
 
 typedef struct {
     const float *xp; /* packed x, row stride K */
@@ -143,8 +145,38 @@ void *linear_scratch(size_t bytes) {
     return scratch_buffer;
 }
 
+/* Rows [m0, m1) against weight units [u0, u1), one unit at a time (decode-sized calls):
+ * each unit's weights serve every row while in cache, and the next unit's lines are
+ * asked for a slice after each tile, so memory streams them while the tiles compute
+ * (run block by block, the first 4 rows wait on memory and the rest never do). */
+static void run_units_outer(const linear_plan *P, int64_t m0, int64_t m1, int64_t u0,
+                            int64_t u1) {
+    const int64_t full = (m1 - m0) / 4, parts = P->unit_n / P->tile_n;
+    const int64_t slices = full * parts + (m1 - m0 > full * 4);
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t n0 = u * P->unit_n, n1 = n0 + P->unit_n < P->n ? n0 + P->unit_n : P->n;
+        const char *next = P->w_bytes + n1 * P->w_row_bytes;
+        const int64_t next_bytes = u + 1 < u1 ? P->unit_n * P->w_row_bytes : 0;
+        const int64_t slice = (next_bytes / slices + 63) & ~(int64_t)63;
+        int64_t asked = 0;
+        for (int64_t m = m0; m < m1; m += 4) {
+            const int R = m + 4 <= m1 ? 4 : (int)(m1 - m);
+            const int64_t step = R == 4 ? P->tile_n : P->unit_n; /* tails: whole-unit tiles */
+            for (int64_t n = n0; n < n1; n += step) {
+                P->rows(P->args, m, n, n + step < n1 ? n + step : n1, R);
+                for (int64_t end = asked + slice; asked < end && asked < next_bytes; asked += 64)
+                    __builtin_prefetch(next + asked, 0, 2); /* into L2 */
+            }
+        }
+    }
+}
+
 /* Rows [m0, m1) against weight units [u0, u1): blocks of weight rows. */
 static void run_blocks(const linear_plan *P, int64_t m0, int64_t m1, int64_t u0, int64_t u1) {
+    if (P->w_bytes && m1 - m0 > 4 && m1 - m0 <= UNITS_OUTER_MAX_ROWS) {
+        run_units_outer(P, m0, m1, u0, u1);
+        return;
+    }
     for (int64_t b0 = u0; b0 < u1; b0 += P->w_units) {
         const int64_t b1 = b0 + P->w_units < u1 ? b0 + P->w_units : u1;
         const int64_t n0 = b0 * P->unit_n, n1 = b1 * P->unit_n < P->n ? b1 * P->unit_n : P->n;
@@ -191,7 +223,9 @@ static int linear(const float *x, int64_t x_rs, const void *w, int w_dt, int64_t
                      .k = (int)k};
     linear_plan P = {.rows = w_dt == DT_BF16 ? rows_bf16 : rows_f32, .args = &A, .m = m, .n = n,
                      .unit_n = UNIT_N, .x_rows = linear_block_rows(X_BLOCK_BYTES, k * 4),
-                     .w_units = linear_block_units(UNIT_N * k * (int64_t)dtype_size(w_dt))};
+                     .w_units = linear_block_units(UNIT_N * k * (int64_t)dtype_size(w_dt)),
+                     .w_bytes = w, .w_row_bytes = w_rs * (int64_t)dtype_size(w_dt),
+                     .tile_n = COLS(4)};
     linear_run(&P, m * n * k, num_threads);
     return PD_OK;
 }

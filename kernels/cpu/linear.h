@@ -48,6 +48,11 @@ typedef struct {
     int64_t x_rows;   /* x rows per block (a multiple of 4): linear_block_rows */
     int64_t w_units;  /* weight units per block: linear_block_units */
     linear_load_fn load; /* NULL: the rows read the weights where they lie */
+    /* Weights read where they lie, for decode-sized calls to prefetch (NULL: blocks only;
+     * with `load`, always NULL): their bytes from one row to the next, and the weight
+     * rows of a 4-row tile (it divides unit_n). */
+    const char *w_bytes;
+    int64_t w_row_bytes, tile_n;
 } linear_plan;
 
 /* Rows of x per block: as many rows of `row_bytes` (packed) as fit `budget` bytes, in

@@ -163,7 +163,9 @@ int linear_bf16_dot(const float *x, int64_t x_rs, const uint16_t *w, int64_t w_r
                   .kp = kp};
     linear_plan P = {.rows = dot_rows, .args = &A, .m = m, .n = n, .unit_n = UNIT_N,
                      .x_rows = linear_block_rows(X_BLOCK_BYTES, kp * 2),
-                     .w_units = linear_block_units(UNIT_N * k * 2)};
+                     .w_units = linear_block_units(UNIT_N * k * 2),
+                     .w_bytes = (const char *)w, .w_row_bytes = w_rs * 2,
+                     .tile_n = DOT_COLS(4)};
     linear_run(&P, m * n * k, num_threads);
     return PD_OK;
 }

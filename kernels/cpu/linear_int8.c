@@ -163,7 +163,8 @@ int pd_linear_int8(pd_linear_int8_call *c) {
                    .group = (int)(k / groups)};
     linear_plan P = {.rows = rows_r, .args = &A, .m = m, .n = n, .unit_n = UNIT_N,
                      .x_rows = linear_block_rows(X_BLOCK_BYTES, kp * 4),
-                     .w_units = linear_block_units(UNIT_N * k)};
+                     .w_units = linear_block_units(UNIT_N * k), .w_bytes = (const char *)A.w,
+                     .w_row_bytes = c->w_rs, .tile_n = COLS(4)};
     linear_run(&P, m * n * k, (int)c->num_threads);
     return PD_OK;
 }
