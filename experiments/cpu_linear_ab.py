@@ -1,7 +1,7 @@
 """The bf16 dot-product linear kernel of several builds side by side, calls interleaved.
 
     python -m experiments.cpu_linear_ab BUILD.so [BUILD.so ...] [--rows 1 32 2048]
-        [--repeats 5] [--torch] [--gguf Q4_1 Q4_K ...]
+        [--repeats 5] [--threads 1] [--torch] [--gguf Q4_1 Q4_K ...]
 
 Each BUILD.so is a library from the kernel cache (`~/.cache/pdserve/cpu_kernels/`, one
 per source hash: an earlier checkout's build stays there). Per row count, every build
@@ -10,6 +10,8 @@ as in a step) and its LM head (49152 x 576), on one thread; `--torch` adds torch
 native bf16 matmul (oneDNN, x rounded to bf16). The builds take turns pass by pass and
 each reports its fastest pass in this thread's CPU ms: on a shared machine the minimum
 of interleaved runs compares builds far more steadily than medians of separate runs.
+`--threads N` (N > 1) runs each call on N threads, as an instance's steps do, and
+reports wall-clock ms instead (quiet machines only: CPU time would hide the waits).
 `--gguf TYPES` runs the GGUF layer instead (`experiments.cpu_linear`'s random blocks and
 shapes, weights decoded to bf16), one table per type.
 """
@@ -17,6 +19,7 @@ shapes, weights decoded to bf16), one table per type.
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -47,10 +50,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("builds", nargs="+", type=Path)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 32, 128, 512, 2048])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="N > 1: wall-clock ms")
     parser.add_argument("--torch", action="store_true", help="add torch's native bf16 matmul")
     parser.add_argument("--gguf", nargs="+", default=[], help="GGUF block types instead")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    if args.threads < 1:
+        raise SystemExit(f"--threads {args.threads}: needs at least 1")
+    torch.set_num_threads(args.threads)
+    clock, unit = (
+        (time.thread_time, "thread CPU") if args.threads == 1 else (time.perf_counter, "wall")
+    )
     builds: dict[str, cpu_ops.CpuKernels] = {}
     for p in args.builds:
         kernels = cpu_ops.CpuKernels(BuiltLibrary(p, fresh=False))
@@ -58,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"{p}: no bf16 dot products in this build or on this CPU")
         builds[p.name] = kernels
     if args.gguf:
-        compare_gguf(builds, args)
+        compare_gguf(builds, args, clock, unit)
         return
     linears: dict[str, Linear] = {name: kernels.linear for name, kernels in builds.items()}
     gen = torch.Generator().manual_seed(0)
@@ -67,7 +76,10 @@ def main(argv: list[str] | None = None) -> None:
     ]
     head = torch.randn(*HEAD, generator=gen).bfloat16()
     names = list(linears) + (["torch"] if args.torch else [])
-    print(f"fastest of {args.repeats}, thread CPU ms; columns: " + ", ".join(names))
+    print(
+        f"fastest of {args.repeats}, {unit} ms on {args.threads} threads; columns: "
+        + ", ".join(names)
+    )
     for rows in args.rows:
         xs = {k: torch.randn(rows, k, generator=gen) for _, k in SHAPES}
         xb = {k: x.bfloat16() for k, x in xs.items()}
@@ -81,12 +93,17 @@ def main(argv: list[str] | None = None) -> None:
             passes["torch"] = layers_pass(torch.nn.functional.linear, weights, xb)
             heads["torch"] = partial(torch.nn.functional.linear, xb[576], head)
         for what, calls in (("layers", passes), ("LM head", heads)):
-            best = fastest(calls, args.repeats)
+            best = fastest(calls, args.repeats, clock)
             cells = " ".join(f"{best[n] * 1e3:9.2f}" for n in names)
             print(f"{rows:6d} rows, {what:8s}{cells}")
 
 
-def compare_gguf(builds: dict[str, cpu_ops.CpuKernels], args: argparse.Namespace) -> None:
+def compare_gguf(
+    builds: dict[str, cpu_ops.CpuKernels],
+    args: argparse.Namespace,
+    clock: Callable[[], float],
+    unit: str,
+) -> None:
     """Per type and row count, each build's fastest pass of the packed layer in bf16."""
     qtypes = {name: q for q, (name, _, _) in gguf_blocks.PACKED_TYPES.items()}
     unknown = [name for name in args.gguf if name not in qtypes]
@@ -94,7 +111,10 @@ def compare_gguf(builds: dict[str, cpu_ops.CpuKernels], args: argparse.Namespace
         raise SystemExit(f"--gguf: {', '.join(unknown)} not served (served: {gguf_blocks.SERVED})")
     ops = {name: CpuQuantizedLinear(kernels) for name, kernels in builds.items()}
     gen = torch.Generator().manual_seed(0)
-    print(f"fastest of {args.repeats}, thread CPU ms; columns: " + ", ".join(ops))
+    print(
+        f"fastest of {args.repeats}, {unit} ms on {args.threads} threads; columns: "
+        + ", ".join(ops)
+    )
     for name in args.gguf:
         qtype = qtypes[name]
         weights = [[random_blocks(qtype, n, k, gen) for n, k in GGUF_SHAPES] for _ in range(LAYERS)]
@@ -103,7 +123,7 @@ def compare_gguf(builds: dict[str, cpu_ops.CpuKernels], args: argparse.Namespace
             calls: dict[str, Callable[[], object]] = {
                 b: gguf_pass(op, qtype, weights, xs, torch.bfloat16) for b, op in ops.items()
             }
-            best = fastest(calls, args.repeats)
+            best = fastest(calls, args.repeats, clock)
             print(f"{name:5s} {rows:6d} rows " + " ".join(f"{best[b] * 1e3:9.2f}" for b in ops))
 
 

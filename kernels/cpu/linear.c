@@ -171,19 +171,31 @@ static void run_units_outer(const linear_plan *P, int64_t m0, int64_t m1, int64_
     }
 }
 
-/* Rows [m0, m1) against weight units [u0, u1): blocks of weight rows. */
+/* Rows [m0, m1) against weight units [u0, u1): blocks of weight rows. A path that loads
+ * its blocks (decoding them into a panel) and names their source asks for the next
+ * block's source lines a slice after each 4 rows, so its load does not wait on memory. */
 static void run_blocks(const linear_plan *P, int64_t m0, int64_t m1, int64_t u0, int64_t u1) {
-    if (P->w_bytes && m1 - m0 > 4 && m1 - m0 <= UNITS_OUTER_MAX_ROWS) {
+    if (P->w_bytes && !P->load && m1 - m0 > 4 && m1 - m0 <= UNITS_OUTER_MAX_ROWS) {
         run_units_outer(P, m0, m1, u0, u1);
         return;
     }
+    const int64_t passes = (m1 - m0 + 3) / 4;
     for (int64_t b0 = u0; b0 < u1; b0 += P->w_units) {
         const int64_t b1 = b0 + P->w_units < u1 ? b0 + P->w_units : u1;
         const int64_t n0 = b0 * P->unit_n, n1 = b1 * P->unit_n < P->n ? b1 * P->unit_n : P->n;
         if (P->load) P->load(P->args, n0, n1);
-        int64_t m = m0;
-        for (; m + 4 <= m1; m += 4) P->rows(P->args, m, n0, n1, 4);
-        if (m < m1) P->rows(P->args, m, n0, n1, (int)(m1 - m));
+        const int64_t next_rows = P->load && P->w_bytes && b1 < u1
+                                      ? (b1 + P->w_units < u1 ? P->w_units : u1 - b1) * P->unit_n
+                                      : 0;
+        const int64_t next_bytes = next_rows * P->w_row_bytes;
+        const int64_t slice = (next_bytes / passes + 63) & ~(int64_t)63;
+        const char *next = P->w_bytes + n1 * P->w_row_bytes;
+        int64_t asked = 0;
+        for (int64_t m = m0; m < m1; m += 4) {
+            P->rows(P->args, m, n0, n1, m + 4 <= m1 ? 4 : (int)(m1 - m));
+            for (int64_t end = asked + slice; asked < end && asked < next_bytes; asked += 64)
+                __builtin_prefetch(next + asked, 0, 2); /* into L2 */
+        }
     }
 }
 

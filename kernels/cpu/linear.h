@@ -33,11 +33,12 @@ typedef void (*linear_bf16_decode_fn)(const void *src, int64_t n0, int64_t n1, u
 
 /* y = bf16(x) @ bf16(W)^T (+ bias) for a W that `decode` turns into bf16 rows, a block of
  * rows at a time into a per-thread panel; the same numbers as linear_bf16_dot over the
- * decoded matrix. PD_UNSUPPORTED where bf16 dot products are not available. */
+ * decoded matrix. PD_UNSUPPORTED where bf16 dot products are not available. `w_bytes`
+ * and `w_row_bytes`: where the encoded rows lie, to prefetch them. */
 __attribute__((visibility("hidden"))) int linear_bf16_dot_decoded(
     const float *x, int64_t x_rs, linear_bf16_decode_fn decode, const void *src,
-    const void *bias, int bias_dt, float *y, int64_t y_rs, int64_t m, int64_t n, int64_t k,
-    int num_threads);
+    const void *w_bytes, int64_t w_row_bytes, const void *bias, int bias_dt, float *y,
+    int64_t y_rs, int64_t m, int64_t n, int64_t k, int num_threads);
 
 /* One call of a path as the shared blocking and threading see it (linear.c's header). */
 typedef struct {
@@ -48,9 +49,9 @@ typedef struct {
     int64_t x_rows;   /* x rows per block (a multiple of 4): linear_block_rows */
     int64_t w_units;  /* weight units per block: linear_block_units */
     linear_load_fn load; /* NULL: the rows read the weights where they lie */
-    /* Weights read where they lie, for decode-sized calls to prefetch (NULL: blocks only;
-     * with `load`, always NULL): their bytes from one row to the next, and the weight
-     * rows of a 4-row tile (it divides unit_n). */
+    /* Where the weights lie, to prefetch them (NULL: no prefetching): their bytes from
+     * one row to the next, and the weight rows of a 4-row tile (it divides unit_n).
+     * Without `load`, decode-sized calls then run unit by unit (run_units_outer). */
     const char *w_bytes;
     int64_t w_row_bytes, tile_n;
 } linear_plan;

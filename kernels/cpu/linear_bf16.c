@@ -134,8 +134,9 @@ static void panel_rows_if_loaded(const void *args, int64_t m, int64_t n0, int64_
 }
 
 int linear_bf16_dot_decoded(const float *x, int64_t x_rs, linear_bf16_decode_fn decode,
-                            const void *src, const void *bias, int bias_dt, float *y,
-                            int64_t y_rs, int64_t m, int64_t n, int64_t k, int num_threads) {
+                            const void *src, const void *w_bytes, int64_t w_row_bytes,
+                            const void *bias, int bias_dt, float *y, int64_t y_rs, int64_t m,
+                            int64_t n, int64_t k, int num_threads) {
     if (m == 0 || n == 0) return PD_OK;
     const int kp = (int)((k + 31) & ~(int64_t)31);
     uint16_t *xp = linear_scratch((size_t)(m * kp) * sizeof(uint16_t));
@@ -146,7 +147,8 @@ int linear_bf16_dot_decoded(const float *x, int64_t x_rs, linear_bf16_decode_fn 
                       .decode = decode, .src = src, .failed = &failed};
     linear_plan P = {.rows = panel_rows_if_loaded, .args = &D, .m = m, .n = n, .unit_n = UNIT_N,
                      .x_rows = linear_block_rows(PANEL_X_BLOCK_BYTES, kp * 2),
-                     .w_units = linear_block_units(UNIT_N * kp * 2), .load = load_panel};
+                     .w_units = linear_block_units(UNIT_N * kp * 2), .load = load_panel,
+                     .w_bytes = w_bytes, .w_row_bytes = w_row_bytes, .tile_n = DOT_COLS(4)};
     linear_run(&P, m * n * k, num_threads);
     return failed ? PD_NO_MEMORY : PD_OK;
 }
@@ -173,8 +175,10 @@ int linear_bf16_dot(const float *x, int64_t x_rs, const uint16_t *w, int64_t w_r
 #else /* the compiler does not target AVX512-BF16: the float32 path serves every call */
 
 int linear_bf16_dot_decoded(const float *x, int64_t x_rs, linear_bf16_decode_fn decode,
-                            const void *src, const void *bias, int bias_dt, float *y,
-                            int64_t y_rs, int64_t m, int64_t n, int64_t k, int num_threads) {
+                            const void *src, const void *w_bytes, int64_t w_row_bytes,
+                            const void *bias, int bias_dt, float *y, int64_t y_rs, int64_t m,
+                            int64_t n, int64_t k, int num_threads) {
+    (void)w_bytes, (void)w_row_bytes;
     (void)x, (void)x_rs, (void)decode, (void)src, (void)bias, (void)bias_dt, (void)y, (void)y_rs;
     (void)m, (void)n, (void)k, (void)num_threads;
     return PD_UNSUPPORTED;

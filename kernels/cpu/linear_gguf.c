@@ -371,8 +371,9 @@ int pd_linear_gguf(pd_linear_gguf_call *c) {
     if (c->bf16_dot && m < 4) return dot_few_rows(&A, m, n, (int)c->num_threads);
 #endif
     if (c->bf16_dot)
-        return linear_bf16_dot_decoded(A.x, A.x_rs, decode, &A, A.out.bias, A.out.bias_dt,
-                                       A.out.y, A.out.y_rs, m, n, k, (int)c->num_threads);
+        return linear_bf16_dot_decoded(A.x, A.x_rs, decode, &A, A.w, A.w_rs, A.out.bias,
+                                       A.out.bias_dt, A.out.y, A.out.y_rs, m, n, k,
+                                       (int)c->num_threads);
     linear_plan P = {.rows = rows, .args = &A, .m = m, .n = n, .unit_n = UNIT_N,
                      .x_rows = linear_block_rows(X_BLOCK_BYTES, k * 4),
                      .w_units = linear_block_units(UNIT_N * c->w_rs)};
