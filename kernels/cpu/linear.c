@@ -175,7 +175,7 @@ static void run_units_outer(const linear_plan *P, int64_t m0, int64_t m1, int64_
  * its blocks (decoding them into a panel) and names their source asks for the next
  * block's source lines a slice after each 4 rows, so its load does not wait on memory. */
 static void run_blocks(const linear_plan *P, int64_t m0, int64_t m1, int64_t u0, int64_t u1) {
-    if (P->w_bytes && !P->load && m1 - m0 > 4 && m1 - m0 <= UNITS_OUTER_MAX_ROWS) {
+    if (P->w_bytes && !P->load && m1 - m0 > 1 && m1 - m0 <= UNITS_OUTER_MAX_ROWS) {
         run_units_outer(P, m0, m1, u0, u1);
         return;
     }

@@ -25,6 +25,10 @@
 
 #define UNIT_N 24 /* weight rows per work unit: C divides it for every R */
 #define MAX_R 4
+/* Calls of at most this many rows stream their weights faster than they compute on them,
+ * so each tile asks for the next tile's lines besides what the blocking prefetches; in
+ * larger calls those requests only take load slots from the products. */
+#define STREAM_MAX_ROWS 8
 #define X_BLOCK_BYTES (96 << 10) /* packed (bf16) x bytes per block of rows */
 /* The same for a decoded matrix, where each block of rows decodes the weights again: most
  * of a 1 MiB L2 beside the panel (at 2048 rows the decoding then costs ~1.5 % against
@@ -40,9 +44,9 @@ typedef struct {
 } dot_args;
 
 /* R rows of packed x from row m0 times C weight rows from row n, which lie at w (row
- * stride rs): y[r][c] for the tile. */
+ * stride rs): y[r][c] for the tile. PF: ask for the next tile's lines (STREAM_MAX_ROWS). */
 ALWAYS_INLINE void dot_tile_at(const dot_args *A, int64_t m0, int64_t n, const uint16_t *w,
-                               const int64_t rs, const int R, const int C) {
+                               const int64_t rs, const int R, const int C, const int PF) {
     const uint16_t *xp = A->xp + m0 * A->kp;
     float *y = linear_y(&A->out, m0, n);
     const int K = A->k, K32 = K & ~31, KP = A->kp;
@@ -57,7 +61,7 @@ ALWAYS_INLINE void dot_tile_at(const dot_args *A, int64_t m0, int64_t n, const u
         for (int c = 0; c < C; c++) {
             const uint16_t *row = w + c * rs + k;
             /* The next tile's rows, a line ahead of each of these (as linear.c). */
-            __builtin_prefetch(row + C * rs, 0, 0);
+            if (PF) __builtin_prefetch(row + C * rs, 0, 0);
             __m512bh wv = (__m512bh)_mm512_loadu_si512(row);
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++)
@@ -80,8 +84,9 @@ ALWAYS_INLINE void dot_tile_at(const dot_args *A, int64_t m0, int64_t n, const u
 }
 
 /* The tile of a bf16 matrix read in place. */
-ALWAYS_INLINE void dot_tile(const dot_args *A, int64_t m0, int64_t n, const int R, const int C) {
-    dot_tile_at(A, m0, n, A->w + n * A->w_rs, A->w_rs, R, C);
+ALWAYS_INLINE void dot_tile(const dot_args *A, int64_t m0, int64_t n, const int R, const int C,
+                            const int PF) {
+    dot_tile_at(A, m0, n, A->w + n * A->w_rs, A->w_rs, R, C, PF);
 }
 
 /* The weight rows [n0, n1) a thread last decoded (linear_bf16_dot_decoded), as bf16 rows
@@ -92,11 +97,12 @@ static __thread int64_t panel_n0;
 
 /* The tile of a decoded matrix, from this thread's panel. */
 ALWAYS_INLINE void panel_tile(const dot_args *A, int64_t m0, int64_t n, const int R, const int C) {
-    dot_tile_at(A, m0, n, panel + (n - panel_n0) * A->kp, A->kp, R, C);
+    dot_tile_at(A, m0, n, panel + (n - panel_n0) * A->kp, A->kp, R, C, 0); /* in L2 */
 }
 
 #define DOT_COLS(R) ((R) == 1 ? 24 : (R) == 2 ? 12 : (R) == 3 ? 8 : 6)
-LINEAR_ROWS_FN(dot_rows, dot_args, dot_tile, DOT_COLS)
+LINEAR_ROWS_FN(dot_rows_streamed, dot_args, dot_tile, DOT_COLS, 1)
+LINEAR_ROWS_FN(dot_rows, dot_args, dot_tile, DOT_COLS, 0)
 LINEAR_ROWS_FN(panel_rows, dot_args, panel_tile, DOT_COLS)
 
 int linear_bf16_dot_available(void) {
@@ -163,7 +169,7 @@ int linear_bf16_dot(const float *x, int64_t x_rs, const uint16_t *w, int64_t w_r
     linear_pack_x_bf16(x, x_rs, m, (int)k, kp, xp);
     dot_args A = {.xp = xp, .w = w, .w_rs = w_rs, .out = {bias, bias_dt, y, y_rs}, .k = (int)k,
                   .kp = kp};
-    linear_plan P = {.rows = dot_rows, .args = &A, .m = m, .n = n, .unit_n = UNIT_N,
+    linear_plan P = {.rows = m <= STREAM_MAX_ROWS ? dot_rows_streamed : dot_rows, .args = &A, .m = m, .n = n, .unit_n = UNIT_N,
                      .x_rows = linear_block_rows(X_BLOCK_BYTES, kp * 2),
                      .w_units = linear_block_units(UNIT_N * k * 2),
                      .w_bytes = (const char *)w, .w_row_bytes = w_rs * 2,
