@@ -25,6 +25,8 @@
  *   is reused by every 4-row block of x, and each x block is reused from L1 by every
  *   tile of the weight block. Rows go in blocks small enough for L2 (X_BLOCK_BYTES),
  *   so W is read from memory once per block of rows (once per call at decode sizes).
+ *   Decode-sized calls (2 to 64 rows) instead take one weight unit at a time against
+ *   every row, asking for the next unit's lines as they go (run_units_outer).
  *
  * A call may ask for bf16 dot products instead (bf16 W only, `bf16_dot`): x rounded to
  * bf16, AVX512-BF16 instructions (linear_bf16.c), row-invariant the same way. A build

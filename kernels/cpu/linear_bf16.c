@@ -17,7 +17,9 @@
  *   lanes in the same order as one vector's fold (linear_sum16), so every tile shape, the
  *   tail tiles of one weight row included, gives an output the same sum.
  * - Prefetch and blocking: as linear.c (a thread owns a run of 24-row weight units; a
- *   weight block small enough for L2 is reused by every block of x rows).
+ *   weight block small enough for L2 is reused by every block of x rows; decode-sized
+ *   calls go unit by unit). Tiles ask for the next tile's lines only up to
+ *   STREAM_MAX_ROWS rows.
  */
 #include "linear.h"
 
@@ -169,7 +171,8 @@ int linear_bf16_dot(const float *x, int64_t x_rs, const uint16_t *w, int64_t w_r
     linear_pack_x_bf16(x, x_rs, m, (int)k, kp, xp);
     dot_args A = {.xp = xp, .w = w, .w_rs = w_rs, .out = {bias, bias_dt, y, y_rs}, .k = (int)k,
                   .kp = kp};
-    linear_plan P = {.rows = m <= STREAM_MAX_ROWS ? dot_rows_streamed : dot_rows, .args = &A, .m = m, .n = n, .unit_n = UNIT_N,
+    linear_plan P = {.rows = m <= STREAM_MAX_ROWS ? dot_rows_streamed : dot_rows, .args = &A,
+                     .m = m, .n = n, .unit_n = UNIT_N,
                      .x_rows = linear_block_rows(X_BLOCK_BYTES, kp * 2),
                      .w_units = linear_block_units(UNIT_N * k * 2),
                      .w_bytes = (const char *)w, .w_row_bytes = w_rs * 2,
