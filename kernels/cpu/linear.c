@@ -147,6 +147,12 @@ void *linear_scratch(size_t bytes) {
     return scratch_buffer;
 }
 
+/* Asks for the next `slice` bytes of `total` at `next` (into L2), from *asked on. */
+static inline void ask_slice(const char *next, int64_t *asked, int64_t slice, int64_t total) {
+    for (int64_t end = *asked + slice; *asked < end && *asked < total; *asked += 64)
+        __builtin_prefetch(next + *asked, 0, 2);
+}
+
 /* Rows [m0, m1) against weight units [u0, u1), one unit at a time (decode-sized calls):
  * each unit's weights serve every row while in cache, and the next unit's lines are
  * asked for a slice after each tile, so memory streams them while the tiles compute
@@ -166,8 +172,7 @@ static void run_units_outer(const linear_plan *P, int64_t m0, int64_t m1, int64_
             const int64_t step = R == 4 ? P->tile_n : P->unit_n; /* tails: whole-unit tiles */
             for (int64_t n = n0; n < n1; n += step) {
                 P->rows(P->args, m, n, n + step < n1 ? n + step : n1, R);
-                for (int64_t end = asked + slice; asked < end && asked < next_bytes; asked += 64)
-                    __builtin_prefetch(next + asked, 0, 2); /* into L2 */
+                ask_slice(next, &asked, slice, next_bytes);
             }
         }
     }
@@ -195,8 +200,7 @@ static void run_blocks(const linear_plan *P, int64_t m0, int64_t m1, int64_t u0,
         int64_t asked = 0;
         for (int64_t m = m0; m < m1; m += 4) {
             P->rows(P->args, m, n0, n1, m + 4 <= m1 ? 4 : (int)(m1 - m));
-            for (int64_t end = asked + slice; asked < end && asked < next_bytes; asked += 64)
-                __builtin_prefetch(next + asked, 0, 2); /* into L2 */
+            ask_slice(next, &asked, slice, next_bytes);
         }
     }
 }

@@ -156,7 +156,7 @@ int linear_bf16_dot_decoded(const float *x, int64_t x_rs, linear_bf16_decode_fn 
     linear_plan P = {.rows = panel_rows_if_loaded, .args = &D, .m = m, .n = n, .unit_n = UNIT_N,
                      .x_rows = linear_block_rows(PANEL_X_BLOCK_BYTES, kp * 2),
                      .w_units = linear_block_units(UNIT_N * kp * 2), .load = load_panel,
-                     .w_bytes = w_bytes, .w_row_bytes = w_row_bytes, .tile_n = DOT_COLS(4)};
+                     .w_bytes = w_bytes, .w_row_bytes = w_row_bytes};
     linear_run(&P, m * n * k, num_threads);
     return failed ? PD_NO_MEMORY : PD_OK;
 }
