@@ -234,7 +234,7 @@ def ray_resources(args: argparse.Namespace) -> dict[str, dict[str, float]]:
 SHARED_ENGINE_FLAGS = (
     *("dtype", "quantization", "kv_cache_dtype", "calculate_kv_scales", "tokenizer"),
     *("generation_config", "seed"),
-    *("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"),  # scheduling
+    *("max_num_seqs", "max_num_batched_tokens", "max_model_len"),  # scheduling
     *("enable_prefix_caching", "pipeline_parallel_size", "enforce_eager"),
     "scheduling_policy",
 )
@@ -247,6 +247,7 @@ def engine_config(args: argparse.Namespace, model_path: str | None, device: str)
             model=model_path,
             kv_cache_memory=parse_size(args.kv_cache_memory),
             device=device,
+            block_size=args.block_size or 0,  # None: the device's (default_block_size)
             **named_values(args, SHARED_ENGINE_FLAGS),
             collect_model_time=collects_model(detail_modules(args)),
         )
@@ -310,7 +311,7 @@ def _real(path: str) -> str:
 def check_flags(args: argparse.Namespace) -> None:
     positive = ("max_num_seqs", "max_num_batched_tokens", "block_size")
     for name in positive:
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ServeError(f"--{name.replace('_', '-')} must be at least 1")
     if args.max_model_len is not None and args.max_model_len < 1:
         raise ServeError("--max-model-len must be at least 1")

@@ -29,7 +29,7 @@ MODES = {
     # A block: 16 tokens x 30 layers x 2 x 3 heads x 64 x 4 bytes = 0.7 MiB; 4 MiB hold 5,
     # so max_model_len must fit in 5 blocks (80 tokens; requests here are 24).
     "colocated": ("--mode", "colocated", "--num-colocated", "1", "--kv-cache-memory", "4MiB",
-                  "--max-model-len", "80"),
+                  "--max-model-len", "80", "--block-size", "16"),
     "disaggregated": ("--num-prefill", "1", "--num-decode", "1", "--kv-cache-memory", "64MiB"),
 }  # fmt: skip
 INPUT_LEN, OUTPUT_LEN = 16, 8

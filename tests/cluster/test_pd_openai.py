@@ -18,6 +18,7 @@ import pytest
 
 from experiments.serving import LOCAL, MODEL, ServeProcess, served
 from pdserve.common.sampling_params import SamplingParams
+from pdserve.engine.config import default_block_size
 from pdserve.engine.embedded import embedded_model_path
 from tests.concurrent_streams import streams_and_alone
 
@@ -210,8 +211,8 @@ def test_the_kv_moved(server) -> None:
     config = json.loads((embedded_model_path() / "config.json").read_text())
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     bytes_per_block = (
-        2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 16 * 4
-    )
+        2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+    ) * default_block_size("cpu")
     blocks = metric(text, "kv_transfer_blocks_total", "decode")
     assert blocks >= 40  # every request above pulled at least one block
     assert metric(text, "kv_transfer_bytes_total", "decode") == blocks * bytes_per_block

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 ARGS = (
     *LOCAL, "--num-prefill", "2", "--num-decode", "2", "--dtype", "bfloat16",
-    "--kv-cache-memory", "24MiB", "--max-model-len", "1024",
+    "--kv-cache-memory", "24MiB", "--max-model-len", "1024", "--block-size", "16",
 )  # fmt: skip
 POLICIES = ["round_robin", "load_aware", "prefix_aware"]
 

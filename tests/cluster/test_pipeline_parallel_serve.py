@@ -62,6 +62,7 @@ def test_groups_of_different_shapes_serve_the_single_engines_text_and_logprobs(
     args = (
         *LOCAL, "--model", qwen3, "--num-prefill", "1", "--num-decode", "1",
         "--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "256", *sizes,
+        "--block-size", "16",
     )  # fmt: skip
     with served(*args, clean=True) as server:
         client = server.openai()

@@ -58,7 +58,7 @@ def test_serve_refuses_a_kv_cache_short_of_one_full_request() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "serve", "--launcher", "local", "--port", "0",
          "--mode", "colocated", "--num-colocated", "1", "--threads-per-instance", "1",
-         "--dtype", "float32", "--kv-cache-memory", "4MiB"],
+         "--dtype", "float32", "--kv-cache-memory", "4MiB", "--block-size", "16"],
         capture_output=True, text=True, timeout=180,
         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
     )  # fmt: skip

@@ -22,7 +22,8 @@ BLOCK = 16
 PROMPT = [1000 + i for i in range(20 * BLOCK)]  # 20 full blocks of token ids
 KEYS = {"tenants": [{"name": "a", "keys": ["a-key"]}, {"name": "b", "keys": ["b-key"]}]}
 ARGS = (*LOCAL, "--mode", "colocated", "--num-colocated", "1", "--dtype", "float32",
-        "--kv-cache-memory", "64MiB", "--max-model-len", "1024")  # fmt: skip
+        "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
+        "--block-size", str(BLOCK))  # fmt: skip
 
 
 @pytest.fixture(scope="module")

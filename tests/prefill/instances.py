@@ -34,7 +34,11 @@ from pdserve.instance.spec import InstanceSpec
 from pdserve.kvtransfer.config import KVTransferConfig
 
 # 24 MiB hold 34 blocks of 16 fp32 tokens: max_model_len must fit in them (512 <= 544).
-ENGINE = {"dtype": "float32", "num_threads": 1, "kv_cache_memory": 24 << 20, "max_model_len": 512}
+# Block counts in the prefill and decode tests are of 16-token blocks.
+ENGINE = {
+    "dtype": "float32", "num_threads": 1, "kv_cache_memory": 24 << 20, "max_model_len": 512,
+    "block_size": 16,
+}  # fmt: skip
 ENCODER = msgspec.msgpack.Encoder()
 SEALER = Sealer(TASKS, "gateway")  # the instances' secret: this process's
 OPENER = Sealer(OUTPUTS, "gateway", responder=True)
