@@ -109,7 +109,7 @@ def _add_model_flags(model: argparse._ArgumentGroup) -> None:
     )
     model.add_argument("--max-num-seqs", type=int, default=256)
     model.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    model.add_argument("--block-size", type=int, help="default: 32 on CPU, 16 on CUDA")
+    model.add_argument("--block-size", type=int, help="unset: 32 on CPU, 16 on CUDA")
     model.add_argument(
         "--kv-cache-memory", default="2GiB", help="KV cache per instance on CPU, e.g. 2GiB, 512MiB"
     )
