@@ -196,7 +196,7 @@ static void run_blocks(const linear_plan *P, int64_t m0, int64_t m1, int64_t u0,
                                       : 0;
         const int64_t next_bytes = next_rows * P->w_row_bytes;
         const int64_t slice = (next_bytes / passes + 63) & ~(int64_t)63;
-        const char *next = P->w_bytes + n1 * P->w_row_bytes;
+        const char *next = next_bytes ? P->w_bytes + n1 * P->w_row_bytes : NULL;
         int64_t asked = 0;
         for (int64_t m = m0; m < m1; m += 4) {
             P->rows(P->args, m, n0, n1, m + 4 <= m1 ? 4 : (int)(m1 - m));
