@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from pdserve.engine.cuda_graphs import DecodeInputBuffers
+from pdserve.engine.models.lanes import LanesMatrix
 from pdserve.engine.models.packed import PLAIN, PackedMatrix
 from pdserve.kernels import AttentionMetadata, dispatch, kv_scale_args
 from pdserve.kernels.cpu_layer_ops import CpuLayerOps
@@ -188,7 +189,7 @@ class _Recorder:
     def _project(
         self,
         x: Tensor,
-        weight: Tensor | PackedMatrix,
+        weight: Tensor | PackedMatrix | LanesMatrix,
         bias: Tensor | None,
         scales: Tensor | None,
         into: str,
@@ -196,6 +197,10 @@ class _Recorder:
         """`packed.project`'s dispatch, each kind of matrix by its own binding, into the
         rows named `into`."""
         out = self.rows(into)
+        if isinstance(weight, LanesMatrix):
+            if not self.view.bf16_dot:  # its float32 path would unpack a temporary per call
+                raise NotRecordable("packed bf16 matrices with bf16 dot products off")
+            return self._one(self.view.linear_lanes, x, weight.packed, weight.n, bias, out)
         if isinstance(weight, PackedMatrix):
             segments = weight.segments()
             if len(segments) != 1 or bias is not None:

@@ -10,6 +10,7 @@ from pdserve.engine.checkpoint import ModelConfig
 from pdserve.engine.checkpoint_weights import check_weights, iter_weights
 from pdserve.engine.gguf_prepare import gguf_source
 from pdserve.engine.models import model_class
+from pdserve.engine.models.lanes import pack_matrices
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.precision import compute_dtype, store_matrices_narrow
 from pdserve.engine.parallel import TensorParallel
@@ -48,6 +49,8 @@ def load_model(
         model.load_weights(iter_weights(folder, model.shard_of, model.holds))
     if compute != dtype:
         store_matrices_narrow(model, dtype)
+        if gguf is None and quantization is None:
+            pack_matrices(model)  # bf16 on CPU: the layout the dot-product kernel reads
     return model.eval()
 
 

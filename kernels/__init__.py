@@ -15,7 +15,8 @@
   torch's order so float32 values stay the reference's; the MLP's silu-and-multiply
   (`cpu/activation.c`); a program of recorded calls run as one (`cpu_program.py`,
   `cpu/program.c`: a decode step's forward); the linear layer at every row
-  count (`cpu/linear.c`, `cpu/linear_bf16.c`), and its weight-only int8 form
+  count (`cpu/linear.c`, `cpu/linear_bf16.c`; `cpu/linear_lanes.c` for a bf16 matrix
+  packed at load with its outputs in the vector lanes, `lanes.py`), and its weight-only int8 form
   (`cpu/linear_int8.c`, bound in `cpu_quantized.py`: int8 rows widened in registers, times
   one scale per group of inputs), and the GGUF block formats Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the
   K-quants Q4_K, Q5_K, Q6_K kept packed with their scales, and rows of such a matrix for
@@ -51,6 +52,7 @@ from pdserve.kernels.ops import (
     linear,
     linear_gguf,
     linear_int8,
+    linear_lanes,
     rms_norm,
     rotary_embedding,
     silu_and_mul,
@@ -68,6 +70,7 @@ __all__ = [
     "linear",
     "linear_gguf",
     "linear_int8",
+    "linear_lanes",
     "load_triton_kernels",
     "paged_attention",
     "prefill_attention",

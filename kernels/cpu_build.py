@@ -38,6 +38,7 @@ SOURCES = (
     "activation.c",
     "program.c",
     "linear_bf16.c",
+    "linear_lanes.c",
     "linear_int8.c",
     "linear_gguf.c",
     "linear_kquant.c",

@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from pdserve.kernels import dispatch, reference
+from pdserve.kernels import dispatch, lanes, reference
 from pdserve.kernels.cpu_build import BuildError, BuiltLibrary, ensure_built
 from pdserve.kernels.cpu_fields import (
     DTYPES,
@@ -70,6 +70,9 @@ _CALLS = {
     # x, its row stride, weight, its dtype, its row stride, bias, bias dtype, y, its row
     # stride, then m, n, k, bf16 dot products (0/1), threads.
     "linear": ("pd_linear", struct.Struct("<15q")),
+    # x, its row stride, weight packed with the outputs in the lanes (`kernels/lanes.py`),
+    # bias, bias dtype, y, its row stride, then m, n, k, threads (kernels/cpu/linear_lanes.c).
+    "linear_lanes": ("pd_linear_lanes", struct.Struct("<12q")),
     # x, its row stride, int8 weight, its row stride, scales, scales per row, bias, bias
     # dtype, y, its row stride, then m, n, k, threads (kernels/cpu/linear_int8.c).
     "linear_int8": ("pd_linear_int8", struct.Struct("<15q")),
@@ -99,6 +102,7 @@ _OP_CALLS = (
     "decode_call",
     "prefill_call",
     "linear_call",
+    "lanes_call",
     "int8_call",
     "gguf_call",
     "gguf_rows_call",
@@ -128,6 +132,7 @@ class CpuKernels:
         self.decode_call = calls["decode"]
         self.prefill_call = calls["prefill"]
         self.linear_call = calls["linear"]
+        self.lanes_call = calls["linear_lanes"]
         self.int8_call = calls["linear_int8"]
         self.gguf_call = calls["linear_gguf"]
         self.gguf_rows_call = calls["gguf_rows"]
@@ -236,6 +241,38 @@ class CpuKernels:
         )
         return shaped_like(y, x)
 
+    def linear_lanes(
+        self,
+        x: Tensor,
+        packed: Tensor,
+        n: int,
+        bias: Tensor | None = None,
+        out: Tensor | None = None,
+    ) -> Tensor:
+        """x @ W.T (+ bias) for a bf16 W[n, k] held in the lanes layout (`kernels/lanes.py`),
+        x rounded to bf16 as `linear`'s bf16 dot products round it; AVX512-BF16 only (a
+        ValueError elsewhere). Every row's output is independent of the others. With
+        `bf16_dot` off, the float32 path of `linear` on the matrix unpacked."""
+        k = x.shape[-1]
+        if not self.bf16_dot:
+            return self.linear(x, lanes.unpack(packed, n, k), bias, out)
+        if x.dtype != torch.float32:
+            raise ValueError(f"linear_lanes: x must be float32, got {x.dtype}")
+        if tuple(packed.shape) != lanes.packed_shape(n, k) or packed.dtype != torch.bfloat16:
+            raise ValueError(
+                f"linear_lanes: a packed {packed.dtype} {list(packed.shape)} holds no [{n}, {k}]"
+            )
+        if not packed.is_contiguous() or not packed.is_cpu:
+            raise ValueError("linear_lanes: the packed matrix must be contiguous, on CPU")
+        rows = row_count(x)
+        x2, y, bias_ptr, bias_dt = linear_io("linear_lanes", x, rows, n, k, bias, out)
+        if rows:
+            self.lanes_call.run(
+                *(x2.data_ptr(), x2.stride(0), packed.data_ptr(), bias_ptr, bias_dt),
+                *(y.data_ptr(), y.stride(0), rows, n, k, torch.get_num_threads()),
+            )
+        return shaped_like(y, x)
+
 
 def _table_fields(num_seqs: int, block_tables: Tensor, context_lens: Tensor) -> tuple[int, ...]:
     """The C fields of block_tables (pointer, index type, 2 strides) and context_lens
@@ -299,6 +336,7 @@ def register(kernels: CpuKernels) -> None:
     dispatch.register_cpu("decode_attention", kernels.decode_attention)
     dispatch.register_cpu("prefill_attention", kernels.prefill_attention)
     dispatch.register_cpu("linear", kernels.linear)
+    dispatch.register_cpu("linear_lanes", kernels.linear_lanes)
     from pdserve.kernels.cpu_layer_ops import CpuLayerOps
 
     layer_ops = CpuLayerOps(kernels)

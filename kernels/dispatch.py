@@ -23,7 +23,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from pdserve.kernels import gguf_blocks, reference
+from pdserve.kernels import gguf_blocks, lanes, reference
 
 _REFERENCE: dict[str, Callable[..., Any]] = {
     "write_kv_cache": reference.write_kv_cache_ref,
@@ -35,6 +35,7 @@ _REFERENCE: dict[str, Callable[..., Any]] = {
     "rotary_write_kv_cache": reference.rotary_write_kv_cache_ref,
     "linear": reference.linear_ref,
     "linear_int8": reference.linear_int8_ref,
+    "linear_lanes": lanes.linear_lanes_ref,
     "linear_gguf": gguf_blocks.linear_gguf_ref,
     "gguf_rows": gguf_blocks.gguf_rows_ref,
 }

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.models.int8 import Int8Linears
+from pdserve.engine.models.lanes import LanesMatrix
 from pdserve.engine.models.packed import PackedMatrix, project
 from pdserve.engine.models.rope import cos_sin_cache
 from pdserve.engine.parallel import TensorParallel
@@ -176,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
         vocab_rows = tp.vocab_rows(cfg.vocab_size)[2]
         tied_head = stage.is_last and cfg.tie_word_embeddings
         # Tables are parameters, or GGUF blocks (`PackedMatrix`) where a file keeps them so.
-        self.embed: Tensor | PackedMatrix | None = (
+        self.embed: Tensor | PackedMatrix | LanesMatrix | None = (
             nn.Parameter(torch.zeros(vocab_rows, cfg.hidden_size), requires_grad=False)
             if stage.is_first or tied_head
             else None
@@ -185,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(cfg, i, tp) for i in range(stage.layer_start, stage.layer_end)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.is_last else None
-        self.lm_head: Tensor | PackedMatrix | None = (
+        self.lm_head: Tensor | PackedMatrix | LanesMatrix | None = (
             nn.Parameter(torch.zeros(vocab_rows, cfg.hidden_size), requires_grad=False)
             if stage.is_last and not cfg.tie_word_embeddings
             else None

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.models import int8
+from pdserve.engine.models.lanes import LanesMatrix
 from pdserve.kernels import gguf_rows, linear, linear_gguf
 from pdserve.kernels.gguf_blocks import type_name
 
@@ -70,11 +71,14 @@ class PackedMatrix(nn.Module):
 
 
 def project(
-    x: Tensor, weight: Tensor | PackedMatrix, bias: Tensor | None, scales: Tensor | None
+    x: Tensor,
+    weight: Tensor | PackedMatrix | LanesMatrix,
+    bias: Tensor | None,
+    scales: Tensor | None,
 ) -> Tensor:
-    """x @ weight.T (+ bias): a matrix of GGUF blocks, an int8 one with its per-row scales
-    or a float one."""
-    if isinstance(weight, PackedMatrix):
+    """x @ weight.T (+ bias): a matrix of GGUF blocks, a bf16 one in the lanes layout, an
+    int8 one with its per-row scales or a float one."""
+    if isinstance(weight, PackedMatrix | LanesMatrix):
         return weight.forward(x, bias)  # no module hooks on this path: skip their cost
     return int8.project(x, weight, bias, scales)
 

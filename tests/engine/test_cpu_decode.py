@@ -9,7 +9,9 @@ import torch
 
 from pdserve.engine.cpu_decode import CpuDecodeSteps, unrecordable_reason
 from pdserve.engine.kv_cache import KVCache, KVCacheShape
+from pdserve.engine.models.lanes import LanesMatrix, pack_matrices
 from pdserve.engine.models.packed import PLAIN, PackedMatrix
+from pdserve.engine.models.precision import store_matrices_narrow
 from pdserve.engine.step_inputs import build_step_inputs, contiguous_block_tables
 from pdserve.engine.synthetic_model import checkpoint_tensors, random_llama, small_llama_shape
 from pdserve.kernels import dispatch
@@ -91,6 +93,18 @@ def test_int8_matrices_and_a_sliding_window_record_too():
         model.quantize_int8()
         model.load_weights(checkpoint_tensors(source))
     for got, want, plain, recorded in decode_side_by_side(model, [30, 3], [[0, 1]] * 6):
+        assert torch.equal(got, want)
+        assert torch.equal(plain.storage, recorded.storage)
+
+
+def test_bf16_matrices_in_the_lanes_layout_record_too():
+    model = random_llama(CFG, torch.float32, "cpu", seed=4, std=0.3)
+    with torch.inference_mode():
+        store_matrices_narrow(model, torch.bfloat16)
+    if not pack_matrices(model):
+        pytest.skip("no bf16 dot products here: nothing is packed")
+    assert isinstance(model.layers[0].attn.qkv_weight, LanesMatrix)
+    for got, want, plain, recorded in decode_side_by_side(model, [9, 40], [[0, 1], [1]] * 3):
         assert torch.equal(got, want)
         assert torch.equal(plain.storage, recorded.storage)
 

@@ -22,8 +22,10 @@ from pdserve.engine.gguf_file import GGUFError, GGUFFile
 from pdserve.engine.gguf_loader import load_gguf_weights, open_gguf
 from pdserve.engine.gguf_prepare import check_tp_blocks, gguf_source, prepare_gguf
 from pdserve.engine.loader import build_model
+from pdserve.engine.models.lanes import LanesMatrix
 from pdserve.engine.models.packed import PackedMatrix
 from pdserve.engine.parallel import TensorParallel
+from pdserve.kernels import lanes
 from pdserve.text.tokenizer import Tokenizer
 from tests.engine.gguf_files import INTER, write_tiny_gguf
 
@@ -105,10 +107,25 @@ def test_greedy_tokens_equal_float32s_but_at_near_ties(float32_llm, gguf_llm):
         assert packed[diverge] in row.topk(2).indices.tolist() and gap <= bound, (prompt, diverge)
 
 
+def _row_major(llm) -> None:
+    """A bf16 model's matrices back from the lanes layout to plain bf16 rows, which the
+    row-major bf16 dot-product kernel reads (the one GGUF blocks decode into)."""
+    model = _worker(llm).model
+    owners = [(layer.attn, n) for layer in model.layers for n in ("qkv_weight", "o_weight")]
+    owners += [(layer.mlp, n) for layer in model.layers for n in ("gate_up_weight", "down_weight")]
+    owners += [(model, "embed"), (model, "lm_head")]
+    for module, name in owners:
+        matrix = getattr(module, name)
+        if isinstance(matrix, LanesMatrix):
+            plain = lanes.unpack(matrix.packed, matrix.n, matrix.k)
+            delattr(module, name)
+            setattr(module, name, torch.nn.Parameter(plain, requires_grad=False))
+
+
 def test_served_in_bfloat16_its_logits_are_its_bf16_folders(kernels_bf16_dot):
     """In bfloat16 the packed layers decode to bf16 (bf16 dot products): the logits of the
     file (the default model on CPU) are, bit for bit, those of its float32 conversion
-    served in bfloat16."""
+    served in bfloat16 on the same (row-major) kernel."""
     from pdserve import LLM
 
     def bf16(model: str | None):
@@ -121,6 +138,7 @@ def test_served_in_bfloat16_its_logits_are_its_bf16_folders(kernels_bf16_dot):
         )
 
     folder, packed = bf16(str(embedded.embedded_model_path())), bf16(None)
+    _row_major(folder)
     formats = (folder.engine.info.weight_format, packed.engine.info.weight_format)
     assert formats == ("", "GGUF Q4_1/Q8_0")  # the layers' blocks, then the table's
     for prompt in PROMPTS[:2]:

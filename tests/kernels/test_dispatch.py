@@ -48,8 +48,8 @@ def test_loading_registers_every_kernel_and_cpu_never_runs_triton():
 
     # The linear layer has no Triton kernel: on CUDA its reference is cuBLAS already;
     # the int8 and GGUF-block ones, and the GGUF row lookup, serve CPUs only (both kinds
-    # of weight are refused on CUDA).
-    cpu_only = {"linear", "linear_int8", "linear_gguf", "gguf_rows"}
+    # of weight are refused on CUDA), as does the lanes layout (packed on CPU only).
+    cpu_only = {"linear", "linear_int8", "linear_gguf", "gguf_rows", "linear_lanes"}
     assert set(TRITON_KERNELS) == set(dispatch._REFERENCE) - cpu_only
     for name, fn in TRITON_KERNELS.items():
         assert dispatch._TRITON[name] is fn
