@@ -49,8 +49,8 @@ def load_model(
         model.load_weights(iter_weights(folder, model.shard_of, model.holds))
     if compute != dtype:
         store_matrices_narrow(model, dtype)
-        if gguf is None and quantization is None:
-            pack_matrices(model)  # bf16 on CPU: the layout the dot-product kernel reads
+        if gguf is None:  # bf16 on CPU (int8 layers keep theirs; the head is bf16)
+            pack_matrices(model)
     return model.eval()
 
 

@@ -1,13 +1,15 @@
 """The bf16 dot-product linear kernel of several builds side by side, calls interleaved.
 
     python -m experiments.cpu_linear_ab BUILD.so [BUILD.so ...] [--rows 1 32 2048]
-        [--repeats 5] [--threads 1] [--torch] [--gguf Q4_1 Q4_K ...]
+        [--repeats 5] [--threads 1] [--lanes] [--torch] [--gguf Q4_1 Q4_K ...]
 
 Each BUILD.so is a library from the kernel cache (`~/.cache/pdserve/cpu_kernels/`, one
 per source hash: an earlier checkout's build stays there). Per row count, every build
 runs one pass over SmolLM2-135M's four projections of all 30 layers (bf16 weights, cold
 as in a step) and its LM head (49152 x 576), on one thread; `--torch` adds torch's
-native bf16 matmul (oneDNN, x rounded to bf16). The builds take turns pass by pass and
+native bf16 matmul (oneDNN, x rounded to bf16); `--lanes` adds each build's kernel on
+the same matrices packed with the outputs in the lanes (`kernels/lanes.py`, what bf16
+checkpoints serve on), as BUILD.so+lanes. The builds take turns pass by pass and
 each reports its fastest pass in this thread's CPU ms: on a shared machine the minimum
 of interleaved runs compares builds far more steadily than medians of separate runs.
 `--threads N` (N > 1) runs each call on N threads, as an instance's steps do, and
@@ -28,7 +30,7 @@ import torch
 
 from experiments.cpu_attention_ab import fastest
 from experiments.cpu_linear import GGUF_SHAPES, LAYERS, SHAPES, gguf_pass, random_blocks
-from pdserve.kernels import cpu_ops, gguf_blocks
+from pdserve.kernels import cpu_ops, gguf_blocks, lanes
 from pdserve.kernels.cpu_build import BuiltLibrary
 from pdserve.kernels.cpu_quantized import CpuQuantizedLinear
 
@@ -45,6 +47,15 @@ def layers_pass(linear: Linear, weights: list[list[torch.Tensor]], xs: dict[int,
     return run
 
 
+def lanes_pass(linear: Callable[..., torch.Tensor], packed: list[list[torch.Tensor]], xs):
+    def run() -> None:
+        for layer in packed:
+            for (n, k), w in zip(SHAPES, layer, strict=True):
+                linear(xs[k], w, n)
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("builds", nargs="+", type=Path)
@@ -52,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="N > 1: wall-clock ms")
     parser.add_argument("--torch", action="store_true", help="add torch's native bf16 matmul")
+    parser.add_argument("--lanes", action="store_true", help="add the lanes-packed kernel")
     parser.add_argument("--gguf", nargs="+", default=[], help="GGUF block types instead")
     args = parser.parse_args(argv)
     if args.threads < 1:
@@ -75,7 +87,11 @@ def main(argv: list[str] | None = None) -> None:
         [torch.randn(n, k, generator=gen).bfloat16() for n, k in SHAPES] for _ in range(LAYERS)
     ]
     head = torch.randn(*HEAD, generator=gen).bfloat16()
-    names = list(linears) + (["torch"] if args.torch else [])
+    if args.lanes:
+        packed = [[lanes.pack(w) for w in layer] for layer in weights]
+        packed_head = lanes.pack(head)
+    lanes_fns = {f"{n}+lanes": k.linear_lanes for n, k in builds.items()} if args.lanes else {}
+    names = list(linears) + list(lanes_fns) + (["torch"] if args.torch else [])
     print(
         f"fastest of {args.repeats}, {unit} ms on {args.threads} threads; columns: "
         + ", ".join(names)
@@ -89,6 +105,9 @@ def main(argv: list[str] | None = None) -> None:
         heads: dict[str, Callable[[], object]] = {
             n: partial(f, xs[576], head) for n, f in linears.items()
         }
+        for n, f in lanes_fns.items():
+            passes[n] = lanes_pass(f, packed, xs)
+            heads[n] = partial(f, xs[576], packed_head, HEAD[0])
         if args.torch:
             passes["torch"] = layers_pass(torch.nn.functional.linear, weights, xb)
             heads["torch"] = partial(torch.nn.functional.linear, xb[576], head)

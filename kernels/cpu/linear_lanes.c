@@ -38,9 +38,11 @@ typedef struct {
 } lanes_args;
 
 /* Rows m0 .. m0 + R of y for group g: the tile's 24 (or fewer) accumulators over every
- * pair, then the bias and masked stores for a group past N. PF: ask for lines ahead. */
+ * pair, then the bias and masked stores for a group past N. PF 1: ask for this group's
+ * lines ahead (a group's first tile); PF 2: ask for `per` lines of the next group from
+ * `next` on each pair (the other tiles: memory streams it while they compute). */
 ALWAYS_INLINE void lanes_tile(const lanes_args *A, int64_t m0, int64_t g, const int R,
-                              const int PF) {
+                              const int PF, const char *next, int per) {
     const int pairs = A->pairs;
     const uint16_t *w = A->w + g * (int64_t)pairs * GROUP * 2;
     const uint32_t *x = (const uint32_t *)(const void *)(A->xp + m0 * A->kp);
@@ -52,9 +54,11 @@ ALWAYS_INLINE void lanes_tile(const lanes_args *A, int64_t m0, int64_t g, const 
         for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
     for (int j = 0; j < pairs; j++) {
         const uint16_t *wj = w + (int64_t)j * GROUP * 2;
-        if (PF)
+        if (PF == 1)
 #pragma GCC unroll 4
             for (int c = 0; c < 4; c++) __builtin_prefetch((const char *)wj + AHEAD_BYTES + 64 * c, 0, 0);
+        if (PF == 2) /* past the matrix's end a prefetch is only a wasted request */
+            for (int q = 0; q < per; q++) __builtin_prefetch(next + ((int64_t)j * per + q) * 64, 0, 2);
         __m512bh wv[4];
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) wv[c] = (__m512bh)_mm512_loadu_si512(wj + 32 * c);
@@ -88,23 +92,45 @@ ALWAYS_INLINE void lanes_tile(const lanes_args *A, int64_t m0, int64_t g, const 
     }
 }
 
-/* Rows [m0, m1) against group g, six rows a tile (the last tile fewer). The first tile
- * reads the group from memory and asks for its lines ahead; the others find it in L2. */
-static __attribute__((noinline)) void lanes_rows(const lanes_args *A, int64_t m0, int64_t m1,
-                                                 int64_t g) {
-    int64_t m = m0;
-    if (m + MAX_R <= m1) {
-        lanes_tile(A, m, g, MAX_R, 1);
-        for (m += MAX_R; m + MAX_R <= m1; m += MAX_R) lanes_tile(A, m, g, MAX_R, 0);
-    }
-    const int pf = m == m0;
-    switch (m1 - m) {
-    case 5: pf ? lanes_tile(A, m, g, 5, 1) : lanes_tile(A, m, g, 5, 0); break;
-    case 4: pf ? lanes_tile(A, m, g, 4, 1) : lanes_tile(A, m, g, 4, 0); break;
-    case 3: pf ? lanes_tile(A, m, g, 3, 1) : lanes_tile(A, m, g, 3, 0); break;
-    case 2: pf ? lanes_tile(A, m, g, 2, 1) : lanes_tile(A, m, g, 2, 0); break;
-    case 1: pf ? lanes_tile(A, m, g, 1, 1) : lanes_tile(A, m, g, 1, 0); break;
+/* One tile of R rows (1 to 6) in prefetch mode pf, R and pf made constants. */
+static void lanes_tile_any(const lanes_args *A, int64_t m, int64_t g, int R, int pf,
+                           const char *next, int per) {
+#define LANES_TILE_R(RR)                                                                       \
+    case RR:                                                                                   \
+        if (pf == 1) lanes_tile(A, m, g, RR, 1, next, per);                                    \
+        else if (pf == 2) lanes_tile(A, m, g, RR, 2, next, per);                               \
+        else lanes_tile(A, m, g, RR, 0, next, per);                                            \
+        break;
+    switch (R) {
+        LANES_TILE_R(6)
+        LANES_TILE_R(5)
+        LANES_TILE_R(4)
+        LANES_TILE_R(3)
+        LANES_TILE_R(2)
+        LANES_TILE_R(1)
     default: break;
+    }
+#undef LANES_TILE_R
+}
+
+/* Rows [m0, m1) against group g, six rows a tile (the last tile fewer). The first tile
+ * asks for the group's lines ahead of itself; the others each ask for a slice of the
+ * next group's (`next`, NULL: none), so the next first tile finds it in L2. */
+static void lanes_rows(const lanes_args *A, int64_t m0, int64_t m1, int64_t g, const char *next) {
+    const int64_t tiles = (m1 - m0 + MAX_R - 1) / MAX_R;
+    const int64_t lines = (int64_t)A->pairs * 4; /* a group's cache lines */
+    const int per = tiles > 1 ? (int)((4 + tiles - 2) / (tiles - 1)) : 0; /* lines a pair */
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t m = m0 + t * MAX_R;
+        const int R = m + MAX_R <= m1 ? MAX_R : (int)(m1 - m);
+        if (t == 0) {
+            lanes_tile_any(A, m, g, R, 1, NULL, 0);
+        } else if (next && tiles > 2) { /* one short tile: the next group's lines in a burst */
+            const int64_t from = (t - 1) * lines / (tiles - 1);
+            lanes_tile_any(A, m, g, R, 2, next + from * 64, per);
+        } else {
+            lanes_tile_any(A, m, g, R, 0, NULL, 0);
+        }
     }
 }
 
@@ -113,7 +139,11 @@ static void lanes_groups(const lanes_args *A, int64_t m0, int64_t m1, int64_t g0
                          int64_t x_rows) {
     for (int64_t b0 = m0; b0 < m1; b0 += x_rows) {
         const int64_t b1 = b0 + x_rows < m1 ? b0 + x_rows : m1;
-        for (int64_t g = g0; g < g1; g++) lanes_rows(A, b0, b1, g);
+        for (int64_t g = g0; g < g1; g++) {
+            const char *next = g + 1 < g1 ? (const char *)(A->w + (g + 1) * A->pairs * GROUP * 2)
+                                          : NULL;
+            lanes_rows(A, b0, b1, g, next);
+        }
     }
 }
 
