@@ -29,8 +29,11 @@ def pack(weight: Tensor) -> Tensor:
         raise ValueError(f"lanes.pack: needs a 2-D bfloat16 matrix, got {weight.dtype} {shape}")
     n, k = weight.shape
     groups, pairs = -(-n // GROUP), -(-k // 2)
-    padded = torch.zeros(groups * GROUP, pairs * 2, dtype=torch.bfloat16)
-    padded[:n, :k] = weight
+    if (n, k) == (groups * GROUP, pairs * 2):
+        padded = weight.contiguous()  # whole groups and pairs already: no padded copy
+    else:
+        padded = torch.zeros(groups * GROUP, pairs * 2, dtype=torch.bfloat16)
+        padded[:n, :k] = weight
     # [g, c, lane, pair, 2] -> [g, pair, c, lane, 2]
     view = padded.view(groups, GROUP // LANES, LANES, pairs, 2)
     return view.permute(0, 3, 1, 2, 4).contiguous()

@@ -34,10 +34,15 @@ class LanesMatrix(nn.Module):
         self.packed = nn.Parameter(lanes.pack(weight), requires_grad=False)
 
     def forward(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        if x.shape[-1] != self.k:  # an odd K's packing has room for one feature more
+            raise ValueError(f"x has {x.shape[-1]} features, the matrix expects {self.k}")
         return linear_lanes(x, self.packed, self.n, bias)
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        """Rows `ids` (an embedding lookup) in `dtype`."""
+        """Rows `ids` (an embedding lookup) in `dtype`; an id past the rows is an
+        IndexError, as in an embedding (the padding rows would read as zeros)."""
+        if ids.numel() and (int(ids.max()) >= self.n or int(ids.min()) < 0):
+            raise IndexError(f"row ids must be in [0, {self.n})")
         return lanes.rows(self.packed, ids, self.k).to(dtype)
 
 

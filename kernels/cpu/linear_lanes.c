@@ -83,6 +83,8 @@ ALWAYS_INLINE void lanes_tile(const lanes_args *A, int64_t m0, int64_t g, const 
             bias = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, (const uint16_t *)O->bias + col)),
                 16));
+        else if (O->bias_dt == DT_F16)
+            bias = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, (const uint16_t *)O->bias + col));
 #pragma GCC unroll 6
         for (int r = 0; r < R; r++) {
             /* The bias joins after the sum, as in every other path. */
@@ -125,7 +127,7 @@ static void lanes_rows(const lanes_args *A, int64_t m0, int64_t m1, int64_t g, c
         const int R = m + MAX_R <= m1 ? MAX_R : (int)(m1 - m);
         if (t == 0) {
             lanes_tile_any(A, m, g, R, 1, NULL, 0);
-        } else if (next && tiles > 2) { /* one short tile: the next group's lines in a burst */
+        } else if (next && tiles > 2) { /* one later tile: asking for a whole group measured slower */
             const int64_t from = (t - 1) * lines / (tiles - 1);
             lanes_tile_any(A, m, g, R, 2, next + from * 64, per);
         } else {

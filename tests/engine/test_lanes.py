@@ -63,6 +63,10 @@ def test_the_layers_and_the_head_are_packed_and_compute_the_same(tied):
     if tied:
         looked_up = model.tp.embed(ids, model.embed, 512, torch.float32)
         assert torch.equal(looked_up, table[ids].float())
+        with pytest.raises(IndexError, match="row ids"):
+            model.embed.rows(torch.tensor([512]), torch.float32)
+    with pytest.raises(ValueError, match="expects 64"):
+        head(torch.zeros(2, 65))
     after = logits(model)
     # Both take bf16 dot products of the same values and only the order of the sums
     # differs, but a last-bit difference can round a next layer's input to another bf16.

@@ -53,6 +53,7 @@ GRID = [
     (6, 960, 576, BF16, 2),  # SmolLM2's fused QKV, one full tile
     (7, 70, 1537, torch.float32, 1),  # 6 + 1 rows; an odd K past many pairs
     (11, 5, 40, None, 2),  # fewer outputs than a vector
+    (4, 33, 64, torch.float16, 1),  # a float16 bias
     (32, 576, 1536, torch.float32, 2),  # a decode batch against the down projection
     (200, 130, 576, BF16, 2),  # a prefill chunk: threads split the rows
     (301, 100, 1536, None, 1),  # several blocks of rows on one thread
