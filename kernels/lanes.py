@@ -28,7 +28,7 @@ def pack(weight: Tensor) -> Tensor:
         shape = list(weight.shape)
         raise ValueError(f"lanes.pack: needs a 2-D bfloat16 matrix, got {weight.dtype} {shape}")
     n, k = weight.shape
-    groups, pairs = -(-n // GROUP), -(-k // 2)
+    groups, pairs = packed_shape(n, k)[:2]
     if (n, k) == (groups * GROUP, pairs * 2):
         padded = weight.contiguous()  # whole groups and pairs already: no padded copy
     else:

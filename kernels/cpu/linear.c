@@ -211,12 +211,9 @@ static void run_units(const linear_plan *P, int64_t u0, int64_t u1) {
         run_blocks(P, m0, m0 + P->x_rows < P->m ? m0 + P->x_rows : P->m, u0, u1);
 }
 
-void linear_run(const linear_plan *P, int64_t macs, int num_threads) {
-    const int64_t units = (P->n + P->unit_n - 1) / P->unit_n;
-    int threads = threads_for(num_threads, macs, MIN_MACS_PER_THREAD);
-    if (threads > units) threads = (int)units;
-    if (threads == 1) {
-        run_units(P, 0, units);
+void linear_parallel(int threads, linear_share_fn share, const void *args) {
+    if (threads <= 1) {
+        share(args, 0, 1);
         return;
     }
 #pragma omp parallel num_threads(threads)
@@ -226,8 +223,22 @@ void linear_run(const linear_plan *P, int64_t macs, int num_threads) {
 #else
         const int t = 0, T = 1;
 #endif
-        run_units(P, units * t / T, units * (t + 1) / T);
+        share(args, t, T);
     }
+}
+
+/* Thread t of T's run of weight units. */
+static void run_share(const void *args, int t, int T) {
+    const linear_plan *P = args;
+    const int64_t units = (P->n + P->unit_n - 1) / P->unit_n;
+    run_units(P, units * t / T, units * (t + 1) / T);
+}
+
+void linear_run(const linear_plan *P, int64_t macs, int num_threads) {
+    const int64_t units = (P->n + P->unit_n - 1) / P->unit_n;
+    int threads = threads_for(num_threads, macs, MIN_MACS_PER_THREAD);
+    if (threads > units) threads = (int)units;
+    linear_parallel(threads, run_share, P);
 }
 
 static int linear(const float *x, int64_t x_rs, const void *w, int w_dt, int64_t w_rs,

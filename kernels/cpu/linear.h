@@ -73,6 +73,13 @@ static inline int64_t linear_block_units(int64_t unit_bytes) {
     return units < 1 ? 1 : units;
 }
 
+/* A thread's part of a call: thread t of T. */
+typedef void (*linear_share_fn)(const void *args, int t, int T);
+
+/* share(args, t, T) for every t of T threads (at most `threads`; on the caller when one). */
+__attribute__((visibility("hidden"))) void linear_parallel(int threads, linear_share_fn share,
+                                                            const void *args);
+
 /* Every row of x against every weight row: the weight units split into contiguous runs
  * among at most `num_threads` threads (fewer when `macs` is too little work for them);
  * within a run, blocks of x rows, and in each a block of weight rows reused by every 4

@@ -35,6 +35,10 @@ typedef struct {
     int64_t m, n;
     int k, kp, pairs;
     linear_out out;
+    const float *x; /* x as given, rounded by each thread into xp when threads split rows */
+    int64_t x_rs;
+    int64_t groups, x_rows; /* groups of 64 outputs; rows of x per block */
+    int row_split;          /* threads split the rows (1) or the groups (0) */
 } lanes_args;
 
 /* Rows m0 .. m0 + R of y for group g: the tile's 24 (or fewer) accumulators over every
@@ -152,18 +156,18 @@ static void lanes_groups(const lanes_args *A, int64_t m0, int64_t m1, int64_t g0
 /* Thread t of T's share: a run of groups at decode sizes (each thread streams its own
  * weights), a run of rows (every group) from ROW_SPLIT_MIN_ROWS rows per thread, where
  * a few groups would split unevenly and the weights come from cache anyway. */
-static void lanes_share(const lanes_args *A, const float *x, int64_t x_rs, int row_split,
-                        int64_t groups, int64_t x_rows, int t, int T) {
-    if (row_split) {
+static void lanes_share(const void *args, int t, int T) {
+    const lanes_args *A = args;
+    if (A->row_split) {
         const int64_t tiles = (A->m + MAX_R - 1) / MAX_R;
         const int64_t m0 = tiles * t / T * MAX_R;
         const int64_t m1 = tiles * (t + 1) / T * MAX_R < A->m ? tiles * (t + 1) / T * MAX_R : A->m;
         /* Each thread rounds its own rows: no wait for one thread to pack them all. */
-        linear_pack_x_bf16(x + m0 * x_rs, x_rs, m1 - m0, (int)A->k, A->kp,
+        linear_pack_x_bf16(A->x + m0 * A->x_rs, A->x_rs, m1 - m0, A->k, A->kp,
                            (uint16_t *)A->xp + m0 * A->kp);
-        lanes_groups(A, m0, m1, 0, groups, x_rows);
+        lanes_groups(A, m0, m1, 0, A->groups, A->x_rows);
     } else { /* the caller packed x */
-        lanes_groups(A, 0, A->m, groups * t / T, groups * (t + 1) / T, x_rows);
+        lanes_groups(A, 0, A->m, A->groups * t / T, A->groups * (t + 1) / T, A->x_rows);
     }
 }
 
@@ -176,30 +180,19 @@ static int linear_lanes(const float *x, int64_t x_rs, const uint16_t *w, const v
     const int kp = (int)((k + 31) & ~(int64_t)31); /* the bf16 packing's rows */
     uint16_t *xp = linear_scratch((size_t)(m * kp) * sizeof(uint16_t));
     if (!xp) return PD_NO_MEMORY;
-    const lanes_args A = {.xp = xp, .w = w, .m = m, .n = n, .k = (int)k, .kp = kp,
-                          .pairs = (int)((k + 1) / 2), .out = {bias, bias_dt, y, y_rs}};
-    int64_t x_rows = X_BLOCK_BYTES / (kp * 2) / MAX_R * MAX_R;
-    if (x_rows < MAX_R) x_rows = MAX_R;
+    const int64_t x_rows = X_BLOCK_BYTES / (kp * 2) / MAX_R * MAX_R;
     const int64_t groups = (n + GROUP - 1) / GROUP;
     int threads = threads_for(num_threads, m * n * k, MIN_MACS_PER_THREAD);
     const int row_split = m >= (int64_t)threads * ROW_SPLIT_MIN_ROWS;
+    const lanes_args A = {.xp = xp, .w = w, .m = m, .n = n, .k = (int)k, .kp = kp,
+                          .pairs = (int)((k + 1) / 2), .out = {bias, bias_dt, y, y_rs},
+                          .x = x, .x_rs = x_rs, .groups = groups,
+                          .x_rows = x_rows < MAX_R ? MAX_R : x_rows, .row_split = row_split};
     if (!row_split) {
         if (threads > groups) threads = (int)groups;
         linear_pack_x_bf16(x, x_rs, m, (int)k, kp, xp);
     }
-    if (threads == 1) {
-        lanes_share(&A, x, x_rs, row_split, groups, x_rows, 0, 1);
-        return PD_OK;
-    }
-#pragma omp parallel num_threads(threads)
-    {
-#ifdef _OPENMP
-        const int t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-        const int t = 0, T = 1;
-#endif
-        lanes_share(&A, x, x_rs, row_split, groups, x_rows, t, T);
-    }
+    linear_parallel(threads, lanes_share, &A);
     return PD_OK;
 }
 
